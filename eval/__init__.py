@@ -1,0 +1,1 @@
+"""Evaluation and benchmark scripts (run as python -m eval.<name>)."""

@@ -1,0 +1,25 @@
+"""ragkv: retrieval-augmented generation that never prefills the same retrieved text twice."""
+
+from ragkv.blend import BlendSchedule, PrefixCache, prefill
+from ragkv.generate import SamplingParams
+from ragkv.kv import ChunkKV, KVMismatchError, compute_chunk_kv
+from ragkv.llm import LLM, Answer
+from ragkv.model import Model, PromptTooLongError, load_model, random_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "Answer",
+    "BlendSchedule",
+    "ChunkKV",
+    "KVMismatchError",
+    "Model",
+    "PrefixCache",
+    "PromptTooLongError",
+    "SamplingParams",
+    "compute_chunk_kv",
+    "load_model",
+    "prefill",
+    "random_model",
+]

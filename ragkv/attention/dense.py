@@ -1,0 +1,78 @@
+"""Dense (fp16/bf16/fp32) attention of a set of query rows over keys at explicit positions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def position_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Boolean ``[n_q, n_k]`` mask: key allowed iff ``k_pos <= q_pos`` (and inside the window)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+    return mask
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor | None,
+    k_pos: torch.Tensor | None,
+    scale: float,
+    causal_contiguous: bool = False,
+    sliding_window: int | None = None,
+    position_blocks: int = 0,
+) -> torch.Tensor:
+    """``q [n, Hq, D]`` over ``k, v [N, Hkv, D]`` -> ``[n, Hq, D]``; GQA by head groups.
+
+    Selected query rows are scattered, so the mask is built from explicit positions rather than a
+    lower-triangular shape (the reference CacheBlend code's bottom-right mask is only approximate
+    for scattered rows). ``causal_contiguous`` is the fast path when q and k are the same
+    contiguous run of positions (ordinary prefill).
+
+    ``position_blocks > 1`` is for prefill, where key ``j`` sits at position ``j``: the (sorted)
+    query rows are split into that many groups and each group attends only to the keys up to its
+    last position, so scattered HKVD rows skip most of the masked-out half of the causal square.
+    """
+    n_q = q.shape[0]
+    if position_blocks > 1 and not causal_contiguous and n_q >= 2 * position_blocks:
+        outs = []
+        for idx in torch.arange(n_q, device=q.device).tensor_split(position_blocks):
+            stop = int(q_pos[idx[-1]]) + 1
+            outs.append(
+                attention(
+                    q[idx], k[:stop], v[:stop], q_pos[idx], k_pos[:stop], scale, sliding_window=sliding_window
+                )
+            )
+        return torch.cat(outs)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    kh = k.transpose(0, 1).unsqueeze(0)
+    vh = v.transpose(0, 1).unsqueeze(0)
+    gqa = q.shape[1] != k.shape[1]
+    if causal_contiguous and sliding_window is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = position_mask(q_pos, k_pos, sliding_window)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
+def attention_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Explicit attention probabilities ``[n, Hq, N]`` (fp32), for fidelity metrics only."""
+    groups = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(groups, dim=1) if groups > 1 else k
+    scores = torch.einsum("nhd,mhd->nhm", q.float(), kk.float()) * scale
+    mask = position_mask(q_pos, k_pos, sliding_window)
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.softmax(scores, dim=-1)

@@ -1,0 +1,29 @@
+"""Blending: prefill modes (full, prefix, reuse, CacheBlend blend) over stored chunk KV."""
+
+from ragkv.blend.core import (
+    COMPUTED,
+    EXACT,
+    REUSED,
+    BlendSchedule,
+    PrefillResult,
+    PromptKV,
+    selective_prefill,
+)
+from ragkv.blend.prefill import MODES, UnknownModeError, prefill
+from ragkv.blend.prefix_cache import PrefixCache
+from ragkv.blend.source import LayerSource
+
+__all__ = [
+    "COMPUTED",
+    "EXACT",
+    "MODES",
+    "REUSED",
+    "BlendSchedule",
+    "LayerSource",
+    "PrefillResult",
+    "PrefixCache",
+    "PromptKV",
+    "UnknownModeError",
+    "prefill",
+    "selective_prefill",
+]

@@ -1,0 +1,113 @@
+"""Per-model correctness gate for blending, run once when a model is loaded.
+
+Reference implementations silently produced garbage on some models (wrong re-RoPE for some
+architectures, no RoPE-scaling support, selected rows mapped to wrong positions when a cached
+prefix is combined with blended chunks). So before any stored chunk KV is reused we check, on a
+probe prompt: (1) RoPE re-positioning of a chunk equals recomputing it at the new offset, and
+scores depend only on relative position; (2) ``blend`` at ratio 1.0 equals ``full``; (3) the same
+with a cached prefix. On failure blending is disabled for the model (``model.blend_ok = False``)
+and reuse/blend requests fall back to full prefill with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ragkv.blend.core import BlendSchedule
+from ragkv.blend.prefill import prefill
+from ragkv.blend.prefix_cache import PrefixCache
+from ragkv.kv.compute import compute_chunk_kv
+
+log = logging.getLogger("ragkv.blend")
+
+
+@dataclass
+class GateReport:
+    ok: bool
+    checks: dict[str, float] = field(default_factory=dict)  # name -> relative error
+    failed: list[str] = field(default_factory=list)
+    tolerance: float = 0.0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+
+
+@torch.inference_mode()
+def self_check(model, seed: int = 0, chunk_len: int = 12, set_flag: bool = True) -> GateReport:
+    """Run the probe checks; sets ``model.blend_ok`` unless ``set_flag`` is False."""
+    cfg = model.config
+    tol = 1e-4 if model.dtype == torch.float32 else 3e-2
+    g = torch.Generator().manual_seed(seed)
+    lo = 3 if cfg.vocab_size > 3 else 0
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(lo, cfg.vocab_size, (n,), generator=g).tolist()
+
+    bos = [cfg.bos_token_id] if cfg.bos_token_id is not None else []
+    prefix, chunks, suffix = bos + rand(4), [rand(chunk_len), rand(chunk_len)], rand(4)
+    if len(prefix) + 2 * chunk_len + len(suffix) > cfg.max_position:
+        raise ValueError("model context too short for the self-check probe")
+    checks: dict[str, float] = {}
+
+    # (1) re-positioning: stored chunk, rotated to offset m == the chunk recomputed at offset m
+    kv = compute_chunk_kv(model, chunks[0])
+    m = len(prefix) + 3
+    start = kv.start_pos
+    ids = torch.tensor(bos + chunks[0])
+    positions = torch.arange(m - start, m - start + ids.numel())
+    _, k_at_m, _ = model.forward(ids.to(model.device), positions.to(model.device), capture_kv=True)
+    new_pos = torch.arange(m, m + chunk_len, device=model.device)
+    worst = 0.0
+    for layer in range(cfg.num_layers):
+        a = model.rope(kv.k[layer], new_pos)
+        b = model.rope(k_at_m[layer, start:], new_pos)
+        worst = max(worst, _rel(a, b))
+    checks["rope_reposition"] = worst
+    # relative-position property: q(m+d).k(n+d) == q(m).k(n)
+    qv = torch.randn(1, cfg.num_heads, cfg.head_dim, generator=g).to(model.device, model.dtype)
+    kvec = torch.randn(1, cfg.num_heads, cfg.head_dim, generator=g).to(model.device, model.dtype)
+
+    def score(pq: int, pk: int) -> torch.Tensor:
+        t = lambda p: torch.tensor([p], device=model.device)  # noqa: E731
+        return (model.rope(qv, t(pq)).float() * model.rope(kvec, t(pk)).float()).sum(-1)
+
+    checks["rope_relative"] = _rel(score(m + 37, m), score(7 + 37, 7))
+
+    # (2) blend at ratio 1.0 == full, and (3) with a cached prefix
+    kvs = [kv, compute_chunk_kv(model, chunks[1])]
+    full = prefill(model, prefix, kvs, suffix, "full")
+    one = BlendSchedule.single(1.0)
+    saved, model.blend_ok = model.blend_ok, None  # run the real paths even if a previous gate failed
+    try:
+        b = prefill(model, prefix, kvs, suffix, "blend", schedule=one)
+        checks["blend1_logits"] = _rel(b.logits, full.logits)
+        checks["blend1_kv"] = max(_rel(b.kv.k, full.kv.k), _rel(b.kv.v, full.kv.v))
+        pc = PrefixCache()
+        prefill(model, prefix, [], [], "prefix", prefix_cache=pc)
+        bp = prefill(model, prefix, kvs, suffix, "blend", schedule=one, prefix_cache=pc)
+        if bp.stats["num_exact_rows"] != len(prefix):
+            checks["prefix_plus_blend"] = float("inf")
+        else:
+            checks["prefix_plus_blend"] = _rel(bp.logits, full.logits)
+    finally:
+        model.blend_ok = saved
+    failed = [
+        name for name, err in checks.items() if not err <= (tol * 10 if "rope_relative" in name else tol)
+    ]
+    report = GateReport(ok=not failed, checks=checks, failed=failed, tolerance=tol)
+    if set_flag:
+        model.blend_ok = report.ok
+    if failed:
+        log.warning(
+            "blending disabled for %s: self-check failed %s (errors %s); requests fall back to full prefill",
+            model.name,
+            failed,
+            {k: checks[k] for k in failed},
+        )
+    else:
+        log.info("blending self-check passed for %s: %s", model.name, checks)
+    return report

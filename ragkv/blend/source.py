@@ -1,0 +1,46 @@
+"""Where the blender gets the stored KV of cached prompt rows, one layer at a time."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+
+class KVPiece(Protocol):
+    """A run of consecutive cached prompt rows whose pre-RoPE K/V can be read per layer."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class LayerSource:
+    """Concatenates the pieces' K/V of a layer, in prompt order, on the model's device.
+
+    This is the sequential source; ``ragkv.blend.pipeline.PipelinedSource`` prefetches layer
+    ``l+1`` while layer ``l`` is being recomputed and has the same interface.
+    """
+
+    def __init__(self, pieces: list[KVPiece], device: torch.device | str, dtype: torch.dtype):
+        self.pieces = pieces
+        self.device = device
+        self.dtype = dtype
+        self.wait_s = 0.0  # time the blender spent blocked on loads
+
+    def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ks, vs = zip(*(p.layer_kv(layer) for p in self.pieces), strict=True)
+        k = torch.cat(ks) if len(ks) > 1 else ks[0]
+        v = torch.cat(vs) if len(vs) > 1 else vs[0]
+        return k.to(self.device, self.dtype), v.to(self.device, self.dtype)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        out = self._read(layer)
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,163 @@
+"""Token generation after any prefill mode: greedy or sampled, stop strings/tokens, streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ragkv.blend.core import PrefillResult
+from ragkv.model.kvcache import DenseKVCache, KVCache
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings; ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+
+
+@dataclass
+class TokenEvent:
+    """One generated token and the text it adds (may be empty mid multi-byte character)."""
+
+    token_id: int
+    text: str
+    index: int
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    timings: dict = field(default_factory=dict)
+
+
+def make_cache(model, attention: str = "fp16", capacity: int = 256, **hack_options) -> KVCache:
+    """The decode KV cache for ``attention``: ``"fp16"`` (dense, model dtype) or ``"hack"`` (2-bit)."""
+    if attention in ("fp16", "dense"):
+        return DenseKVCache.for_model(model, capacity)
+    if attention == "hack":
+        from ragkv.attention.hack_cache import HackKVCache
+
+        return HackKVCache.for_model(model, **hack_options)
+    raise ValueError(f"unknown attention {attention!r}; use 'fp16' or 'hack'")
+
+
+def load_prompt(cache: KVCache, result: PrefillResult) -> None:
+    """Write a prefill's KV into a decode cache."""
+    kv = result.kv
+    for layer in range(kv.k.shape[0]):
+        cache.write(layer, kv.positions, kv.k[layer], kv.v[layer])
+
+
+@torch.inference_mode()
+def decode_step(model, cache: KVCache, token_id: int, position: int) -> torch.Tensor:
+    """One token through every layer, appending its KV; returns fp32 logits ``[vocab]``."""
+    pos = torch.tensor([position], device=model.device)
+    h = model.embed(torch.tensor([token_id], device=model.device))
+    cs = model.rotary.cos_sin(pos, model.dtype)
+    for layer in range(model.config.num_layers):
+        q, k, v = model.qkv(layer, h)
+        q, k = model.rotary.apply(q, pos, cs), model.rotary.apply(k, pos, cs)
+        cache.write(layer, pos, k, v)
+        h = model.finish_layer(layer, h, cache.attend(layer, q, pos))
+    return model.logits(h)[0].float()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token: argmax, or temperature / top-k / top-p sampling."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if params.top_p < 1.0:
+        sp, si = probs.sort(descending=True)
+        cut = sp.cumsum(0) - sp > params.top_p
+        sp = sp.masked_fill(cut, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, si, sp)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def stream(
+    model,
+    result: PrefillResult,
+    params: SamplingParams | None = None,
+    attention: str = "fp16",
+    cache: KVCache | None = None,
+    **hack_options,
+) -> Iterator[TokenEvent]:
+    """Yield generated tokens one by one after ``result``'s prefill."""
+    params = params or SamplingParams()
+    n_prompt = result.kv.num_tokens
+    model.check_length(n_prompt, params.max_new_tokens)
+    if cache is None:
+        cache = make_cache(model, attention, capacity=n_prompt + params.max_new_tokens + 1, **hack_options)
+        load_prompt(cache, result)
+    stops = set(params.stop_token_ids if params.stop_token_ids is not None else model.config.eos_token_ids)
+    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    logits = result.logits
+    ids: list[int] = []
+    text = ""
+    for i in range(params.max_new_tokens):
+        tok = sample(logits, params, gen)
+        if tok in stops:
+            return
+        ids.append(tok)
+        new_text = model.decode(ids)
+        delta = new_text[len(text) :] if new_text.startswith(text) else new_text
+        text = new_text
+        hit = next((s for s in params.stop if s and s in text), None)
+        if hit is not None:
+            cut = text.index(hit)
+            prev = len(text) - len(delta)
+            if cut > prev:
+                yield TokenEvent(tok, text[prev:cut], i)
+            return
+        yield TokenEvent(tok, delta, i)
+        if i + 1 < params.max_new_tokens:
+            logits = decode_step(model, cache, tok, n_prompt + i)
+
+
+def generate(
+    model,
+    result: PrefillResult,
+    params: SamplingParams | None = None,
+    attention: str = "fp16",
+    **hack_options,
+) -> Generation:
+    """Generate to completion; ``timings`` has decode time and time per output token."""
+    params = params or SamplingParams()
+    t0 = time.perf_counter()
+    ids, parts = [], []
+    for ev in stream(model, result, params, attention, **hack_options):
+        ids.append(ev.token_id)
+        parts.append(ev.text)
+    dt = time.perf_counter() - t0
+    text = "".join(parts)
+    reason = "length" if len(ids) >= params.max_new_tokens else "stop"
+    return Generation(text, ids, reason, {"decode_s": dt, "tpot_s": dt / max(1, len(ids) - 1)})

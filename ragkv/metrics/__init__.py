@@ -1,0 +1,14 @@
+"""Fidelity of reused KV vs full prefill, and answer quality (SQuAD-style F1 / EM)."""
+
+from ragkv.metrics.fidelity import attention_deviation, first_token_agreement, first_token_kl
+from ragkv.metrics.text import exact_match, max_over_golds, normalize_answer, token_f1
+
+__all__ = [
+    "attention_deviation",
+    "exact_match",
+    "first_token_agreement",
+    "first_token_kl",
+    "max_over_golds",
+    "normalize_answer",
+    "token_f1",
+]

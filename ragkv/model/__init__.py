@@ -1,0 +1,18 @@
+"""Model runtime: layer-wise forward of Llama-family checkpoints on selected rows."""
+
+from ragkv.model.config import ModelConfig, UnsupportedModelError
+from ragkv.model.llama import Model, PromptTooLongError
+from ragkv.model.loader import load_model, parse_dtype, random_hf_config, random_model
+from ragkv.model.rope import UnsupportedRopeError
+
+__all__ = [
+    "Model",
+    "ModelConfig",
+    "PromptTooLongError",
+    "UnsupportedModelError",
+    "UnsupportedRopeError",
+    "load_model",
+    "parse_dtype",
+    "random_hf_config",
+    "random_model",
+]

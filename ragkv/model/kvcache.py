@@ -1,0 +1,118 @@
+"""Decode KV caches: where a sequence's post-RoPE K/V live after prefill.
+
+``write`` appends rows for one layer (at explicit positions); ``attend`` runs attention of new
+query rows over everything written for that layer so far, masked by position. The dense cache is
+the fp16/bf16/fp32 implementation; ``ragkv.attention.hack_cache.HackKVCache`` is the 2-bit one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ragkv.attention.dense import attention
+
+
+class KVCache(ABC):
+    """Per-layer append-only KV of one sequence, with attention over it."""
+
+    num_layers: int
+
+    @abstractmethod
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append rows ``k, v [n, Hkv, D]`` (post-RoPE K) at ``positions [n]`` for ``layer``."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q [n, Hq, D]`` (post-RoPE) over the layer's rows with ``key_pos <= q_pos``."""
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Rows written to the last layer (the sequence length once a step is complete)."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held for KV (exact accounting of what is stored)."""
+
+
+class DenseKVCache(KVCache):
+    """Contiguous preallocated K/V per layer, grown by doubling, in the model's dtype."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        capacity: int = 256,
+        sliding_window: int | None = None,
+    ):
+        self.num_layers = num_layers
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self._k = torch.empty(num_layers, capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self._v = torch.empty_like(self._k)
+        self._pos = torch.empty(num_layers, capacity, dtype=torch.long, device=device)
+        self._len = [0] * num_layers
+
+    @classmethod
+    def for_model(cls, model, capacity: int = 256) -> DenseKVCache:
+        c = model.config
+        return cls(
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            model.scale,
+            model.dtype,
+            model.device,
+            capacity,
+            c.sliding_window,
+        )
+
+    def _grow(self, need: int) -> None:
+        cap = self._k.shape[1]
+        if need <= cap:
+            return
+        new = max(need, 2 * cap)
+        for name in ("_k", "_v", "_pos"):
+            old = getattr(self, name)
+            t = torch.empty((old.shape[0], new, *old.shape[2:]), dtype=old.dtype, device=old.device)
+            t[:, :cap] = old
+            setattr(self, name, t)
+
+    def write(self, layer, positions, k, v):
+        n = k.shape[0]
+        s = self._len[layer]
+        self._grow(s + n)
+        self._k[layer, s : s + n] = k
+        self._v[layer, s : s + n] = v
+        self._pos[layer, s : s + n] = positions
+        self._len[layer] = s + n
+
+    def attend(self, layer, q, q_pos):
+        n = self._len[layer]
+        return attention(
+            q,
+            self._k[layer, :n],
+            self._v[layer, :n],
+            q_pos,
+            self._pos[layer, :n],
+            self.scale,
+            sliding_window=self.sliding_window,
+        )
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = self._len[layer]
+        return self._k[layer, :n], self._v[layer, :n], self._pos[layer, :n]
+
+    @property
+    def length(self) -> int:
+        return self._len[-1]
+
+    def nbytes(self) -> int:
+        n = self.length
+        return 2 * n * self._k.shape[2] * self._k.shape[3] * self._k.element_size() * self.num_layers

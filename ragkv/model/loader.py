@@ -1,0 +1,243 @@
+"""Load a Llama-family checkpoint (local folder or hub id) into ragkv's runtime.
+
+transformers supplies the config and tokenizer only; weights are read with safetensors and the
+forward is ours (ragkv.model.llama).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ragkv.model.config import ModelConfig
+from ragkv.model.llama import Model
+
+log = logging.getLogger("ragkv.model")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
+    """A local folder as is; otherwise a hub id downloaded (config, tokenizer, safetensors only)."""
+    p = Path(path_or_id).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ValueError(f"{p} is a file; pass the model's folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                str(path_or_id),
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken"],
+            )
+        )
+    except Exception as e:  # offline, unknown repo, gated model ...
+        raise FileNotFoundError(
+            f"model {path_or_id!r} is neither a local folder nor a hub id that could be fetched: {e}"
+        ) from e
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a weight file, cached by (path, size, mtime) so large checkpoints hash once."""
+    st = path.stat()
+    cache_file = Path(os.environ.get("RAGKV_CACHE_DIR", Path.home() / ".cache" / "ragkv")) / "digests.json"
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if ident in cache:
+        return cache[ident]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    cache[ident] = digest
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass
+    return digest
+
+
+def tensors_digest(weights: dict[str, torch.Tensor]) -> str:
+    """sha256 of in-memory weights (for random-initialised models with no files)."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str:
+    if tokenizer is None:
+        return "none"
+    vocab = tokenizer.get_vocab()
+    blob = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    return hashlib.sha256(blob + type(tokenizer).__name__.encode()).hexdigest()
+
+
+def model_fingerprint(cfg: ModelConfig, weights_digest: str, dtype: torch.dtype, tok_digest: str) -> str:
+    """Identity of (architecture, weights, dtype, tokenizer): KV from any other model is never reused."""
+    arch = {
+        k: getattr(cfg, k)
+        for k in (
+            "model_type",
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "rms_norm_eps",
+            "qkv_bias",
+            "sliding_window",
+        )
+    }
+    from ragkv.model.rope import rope_parameters
+
+    arch["rope"] = {
+        k: v for k, v in rope_parameters(cfg.hf_config).items() if isinstance(v, (int, float, str))
+    }
+    payload = json.dumps(
+        {"arch": arch, "weights": weights_digest, "dtype": str(dtype), "tok": tok_digest}, sort_keys=True
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def load_model(
+    path_or_id: str | os.PathLike,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    load_tokenizer: bool = True,
+) -> Model:
+    """Load a Llama/Mistral/Qwen2 checkpoint from a folder or hub id."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    dtype = parse_dtype(dtype)
+    folder = resolve_model_dir(path_or_id)
+    hf = AutoConfig.from_pretrained(folder)
+    cfg = ModelConfig.from_hf(hf)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                weights[name] = sf.get_tensor(name).to(device=device, dtype=dtype)
+    tokenizer = None
+    if load_tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.model_max_length = 1 << 30  # ragkv checks lengths itself (PromptTooLongError)
+    wdig = hashlib.sha256("|".join(_file_digest(f) for f in files).encode()).hexdigest()
+    fp = model_fingerprint(cfg, wdig, dtype, tokenizer_digest(tokenizer))
+    model = Model(cfg, weights, tokenizer=tokenizer, fingerprint=fp, name=str(path_or_id))
+    log.info("loaded %s (%s, %d layers) fingerprint %s", path_or_id, cfg.model_type, cfg.num_layers, fp[:12])
+    return model
+
+
+def random_hf_config(model_type: str = "llama", **overrides):
+    """A small transformers config of the given architecture (defaults sized for fast tests)."""
+    from transformers import AutoConfig
+
+    base = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def random_model(
+    model_type: str = "llama",
+    seed: int = 0,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    init_std: float = 0.02,
+    **overrides,
+) -> Model:
+    """A random-initialised model of a given architecture (tests and benchmarks; no files)."""
+    dtype = parse_dtype(dtype)
+    hf = random_hf_config(model_type, **overrides)
+    cfg = ModelConfig.from_hf(hf)
+    g = torch.Generator().manual_seed(seed)
+    shapes = random_weight_shapes(cfg)
+    weights = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            t = torch.randn(shape, generator=g) * init_std
+        weights[name] = t.to(device=device, dtype=dtype)
+    fp = model_fingerprint(cfg, tensors_digest(weights), dtype, "none")
+    return Model(cfg, weights, tokenizer=None, fingerprint=fp, name=f"random-{model_type}-{seed}")
+
+
+def random_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter names and shapes of a Llama-family model."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    s: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, d),
+        "model.norm.weight": (d,),
+    }
+    if not cfg.tie_word_embeddings:
+        s["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        s[p + "self_attn.q_proj.weight"] = (cfg.num_heads * hd, d)
+        s[p + "self_attn.k_proj.weight"] = (cfg.num_kv_heads * hd, d)
+        s[p + "self_attn.v_proj.weight"] = (cfg.num_kv_heads * hd, d)
+        if cfg.qkv_bias:
+            s[p + "self_attn.q_proj.bias"] = (cfg.num_heads * hd,)
+            s[p + "self_attn.k_proj.bias"] = (cfg.num_kv_heads * hd,)
+            s[p + "self_attn.v_proj.bias"] = (cfg.num_kv_heads * hd,)
+        s[p + "self_attn.o_proj.weight"] = (d, cfg.num_heads * hd)
+        s[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, d)
+        s[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, d)
+        s[p + "mlp.down_proj.weight"] = (d, cfg.intermediate_size)
+        s[p + "input_layernorm.weight"] = (d,)
+        s[p + "post_attention_layernorm.weight"] = (d,)
+    return s

@@ -1,0 +1,87 @@
+"""Codec contract between KV tensors and bytes.
+
+A codec turns the K/V of one *layer group* (``group_size`` consecutive layers) of one chunk into a
+self-describing byte string and back. The store keeps one segment per layer group, so a reader can
+fetch and decode one group without the others (layer-wise pipelined loading).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+
+class CodecError(ValueError):
+    """Bytes that cannot be decoded (corrupt, truncated or foreign)."""
+
+
+class KVCodec(ABC):
+    """Encode/decode the K and V of ``group_size`` consecutive layers of one chunk."""
+
+    name: ClassVar[str]
+    #: layers per independently decodable segment (video packs 3 layers per frame's 3 planes)
+    group_size: int = 1
+    #: True when decode(encode(x)) == x bit for bit (raw), False for quantizing codecs
+    lossless: bool = False
+
+    @abstractmethod
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
+        """``k``, ``v``: ``[G, T, Hkv, D]`` (G <= group_size). Returns self-describing bytes."""
+
+    @abstractmethod
+    def decode(
+        self, data: bytes, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of :meth:`encode`; raises :class:`CodecError` on bad bytes."""
+
+    def params(self) -> dict:
+        """Settings that change the bytes (stored in blob headers)."""
+        return {}
+
+    def groups(self, num_layers: int) -> list[tuple[int, int]]:
+        """Layer ranges ``[start, stop)`` of the segments of a chunk with ``num_layers`` layers."""
+        g = max(1, self.group_size)
+        return [(s, min(s + g, num_layers)) for s in range(0, num_layers, g)]
+
+
+_REGISTRY: dict[str, Callable[..., KVCodec]] = {}
+
+
+def register_codec(name: str, factory: Callable[..., KVCodec]) -> None:
+    """Make a codec selectable by name (``get_codec(name, **options)``)."""
+    _REGISTRY[name] = factory
+
+
+def get_codec(name: str, **options) -> KVCodec:
+    if name not in _REGISTRY:
+        _load_builtin(name)
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown KV codec {name!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[name](**options)
+
+
+def available_codecs() -> list[str]:
+    for n in ("raw", "int8", "video"):
+        _load_builtin(n)
+    return sorted(_REGISTRY)
+
+
+def _load_builtin(name: str) -> None:
+    """Import the module of a built-in codec lazily (video needs PyAV, an optional extra)."""
+    import importlib
+
+    modules = {
+        "raw": "ragkv.store.codecs.raw",
+        "int8": "ragkv.store.codecs.quant",
+        "video": "ragkv.store.codecs.video",
+    }
+    mod = modules.get(name)
+    if mod is None:
+        return
+    try:
+        importlib.import_module(mod)
+    except ImportError:
+        pass

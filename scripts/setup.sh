@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up ragkv in ./.venv with everything the main job and the tests need.
+# torch is installed first so that no other package pulls a different build:
+#   TORCH_SPEC (default "torch==2.13.0"; on the project machines that is the local CPU wheel).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip install -q "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored" || true
+python -c "import torch" # fail early if torch did not install
+pip install -q -e ".[rag,video,redis,server,langchain,llamaindex,eval,dev]" 2>&1 | grep -v "is ignored" || true
+python -c "import ragkv, faiss, av, redis, fastapi, sentence_transformers" # fail early on a missing part
+# Redis server for the Redis-backed store tests (a real server, started by the test fixture)
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1)) \
+      || echo "warning: could not install redis-server; Redis tests will be skipped" >&2
+  else
+    echo "warning: redis-server not found; install it (e.g. apt-get install redis-server) to run the Redis tests" >&2
+  fi
+fi
+echo "ragkv set up in $(pwd)/.venv"

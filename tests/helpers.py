@@ -1,0 +1,60 @@
+"""Shared test utilities: where the shared data/models live, and story prompts from the trained model."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path:
+    return Path(os.environ.get("RAGKV_SHARED_DIR", REPO.parent / "shared")).resolve()
+
+
+def stories_path() -> Path:
+    return shared_dir() / "models" / "stories260k"
+
+
+@functools.lru_cache(maxsize=1)
+def stories_model():
+    from ragkv.model import load_model
+
+    return load_model(stories_path())
+
+
+def sample_story_chunks(model, n_chunks: int, length: int, seed: int) -> list[list[int]]:
+    """Chunks of text the trained model writes itself (temperature 1), so they are in-distribution."""
+    from ragkv.blend import prefill
+    from ragkv.generate import SamplingParams, generate
+
+    chunks = []
+    for i in range(n_chunks):
+        res = prefill(model, [model.config.bos_token_id], [], [], "full")
+        params = SamplingParams(
+            max_new_tokens=length, temperature=1.0, seed=seed * 1000 + i, stop_token_ids=()
+        )
+        out = generate(model, res, params)
+        chunks.append(out.token_ids[:length])
+    return chunks
+
+
+def hf_logits(model_dir_or_config, ids: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
+    """Reference logits from transformers' own AutoModelForCausalLM (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    if weights is None:
+        ref = AutoModelForCausalLM.from_pretrained(model_dir_or_config, attn_implementation="eager")
+    else:
+        ref = AutoModelForCausalLM.from_config(model_dir_or_config, attn_implementation="eager")
+        missing, unexpected = ref.load_state_dict(weights, strict=False)
+        assert not unexpected, unexpected
+        assert all("rotary" in m or "lm_head" in m for m in missing), missing
+        if "lm_head.weight" in missing:
+            ref.tie_weights()
+    ref.eval()
+    with torch.no_grad():
+        return ref(ids[None]).logits[0]

@@ -1,0 +1,125 @@
+"""The runtime's forward matches transformers' AutoModelForCausalLM (fp32 tolerance)."""
+
+import pytest
+import torch
+
+from ragkv.model import PromptTooLongError, UnsupportedModelError, load_model, random_hf_config, random_model
+from ragkv.model.config import ModelConfig
+from ragkv.model.loader import random_weight_shapes
+from tests.helpers import hf_logits, stories_model, stories_path
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def _weights_of(model):
+    """Rebuild HF-named weights from a random model (to load the same numbers into transformers)."""
+    cfg = model.config
+    w = {}
+    w["model.embed_tokens.weight"] = model.embed_w
+    w["model.norm.weight"] = model.final_norm
+    if not cfg.tie_word_embeddings:
+        w["lm_head.weight"] = model.lm_head_w
+    nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for i, lw in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = lw.qkv_w.split([nq, nk, nk])
+        (
+            w[p + "self_attn.q_proj.weight"],
+            w[p + "self_attn.k_proj.weight"],
+            w[p + "self_attn.v_proj.weight"],
+        ) = q, k, v
+        if lw.qkv_b is not None:
+            qb, kb, vb = lw.qkv_b.split([nq, nk, nk])
+            w[p + "self_attn.q_proj.bias"], w[p + "self_attn.k_proj.bias"], w[p + "self_attn.v_proj.bias"] = (
+                qb,
+                kb,
+                vb,
+            )
+        w[p + "self_attn.o_proj.weight"] = lw.o_w
+        g, u = lw.gate_up_w.chunk(2)
+        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"] = (
+            g,
+            u,
+            lw.down_w,
+        )
+        w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"] = lw.in_norm, lw.post_norm
+    assert set(w) == set(random_weight_shapes(cfg))
+    return w
+
+
+def test_stories_matches_transformers():
+    m = stories_model()
+    ids = torch.tensor(m.encode("Once upon a time, there was a little girl named Lily.", add_bos=True))
+    ours, _, _ = m.forward(ids)
+    ref = hf_logits(stories_path(), ids)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", {}),
+        ("llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
+        ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+        ("qwen2", {}),
+        ("mistral", {"sliding_window": 24}),
+    ],
+    ids=["llama", "llama3-rope", "linear-rope", "qwen2-bias", "mistral-window"],
+)
+def test_random_architectures_match_transformers(arch, overrides):
+    model = random_model(arch, seed=3, init_std=0.1, **overrides)
+    ids = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(1))
+    ours, _, _ = model.forward(ids)
+    ref = hf_logits(random_hf_config(arch, **overrides), ids, weights=_weights_of(model))
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_qwen2_has_bias_and_llama3_rope_is_scaled():
+    assert random_model("qwen2").config.qkv_bias
+    plain = random_model("llama", rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    scaled = random_model("llama", rope_parameters=LLAMA3_ROPE)
+    assert not torch.allclose(plain.rotary.inv_freq, scaled.rotary.inv_freq)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_fp32(dtype):
+    m32 = random_model("llama", seed=5, init_std=0.1)
+    mh = random_model("llama", seed=5, init_std=0.1, dtype=dtype)
+    ids = torch.arange(40) % m32.config.vocab_size
+    a, _, _ = m32.forward(ids)
+    b, _, _ = mh.forward(ids)
+    assert b.dtype == dtype
+    assert float((a - b.float()).abs().max() / a.abs().max()) < 0.05
+
+
+def test_fingerprint_distinguishes_weights_and_dtype():
+    a, b = random_model("llama", seed=1), random_model("llama", seed=2)
+    c = random_model("llama", seed=1, dtype=torch.bfloat16)
+    assert len({a.fingerprint, b.fingerprint, c.fingerprint}) == 3
+    assert random_model("llama", seed=1).fingerprint == a.fingerprint
+    assert load_model(stories_path()).fingerprint == stories_model().fingerprint
+
+
+def test_prompt_too_long_is_a_clear_error():
+    m = stories_model()
+    with pytest.raises(PromptTooLongError, match="exceeds the model's context of 512"):
+        m.forward(torch.ones(513, dtype=torch.long))
+
+
+def test_unsupported_architecture_is_rejected():
+    from transformers import AutoConfig
+
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        ModelConfig.from_hf(AutoConfig.for_model("gpt2"))
+
+
+def test_missing_model_folder_is_a_clear_error(tmp_path):
+    with pytest.raises((FileNotFoundError, ValueError)):
+        load_model(tmp_path / "nope")
