@@ -124,10 +124,40 @@ def selective_prefill(
     if probe_rows is not None and bool((row_class[probe_rows] != COMPUTED).any()):
         raise ValueError("probe rows must be computed (suffix) rows")
 
+    h = model.embed(token_ids.to(dev)[S])
+    try:
+        h, S, recomputed, t_select = _layer_loop(
+            model, h, S, pos, cached, reused_mask, cache_index, n_reused, source, schedule, checks, cs_all,
+            out_k, out_v, out_kpre, probes, probe_rows,
+        )
+    finally:
+        if source is not None:
+            source.close()
+    logits = model.logits(h[-1:])[0].float()
+
+    stats = {
+        "num_tokens": n,
+        "num_computed_rows": int((row_class == COMPUTED).sum()),
+        "num_exact_rows": int((row_class == EXACT).sum()),
+        "num_reused_rows": n_reused,
+        "recomputed_per_layer": recomputed,
+        "recompute_fraction": sum(recomputed) / (L * n),
+        "t_select_s": t_select,
+        "t_load_wait_s": getattr(source, "wait_s", 0.0) if source is not None else 0.0,
+        "t_prefill_s": time.perf_counter() - t_start,
+    }
+    kv = PromptKV(out_k, out_v, pos, token_ids.to(dev), out_kpre)
+    return PrefillResult(logits, kv, stats, probes)
+
+
+def _layer_loop(model, h, S, pos, cached, reused_mask, cache_index, n_reused, source, schedule, checks, cs_all,
+                out_k, out_v, out_kpre, probes, probe_rows):
+    """The per-layer body of :func:`selective_prefill` (see its docstring and the module's)."""
     recomputed: list[int] = []
     t_select = 0.0
-    h = model.embed(token_ids.to(dev)[S])
-    for layer in range(L):
+    cfg = model.config
+    n = int(pos.numel())
+    for layer in range(cfg.num_layers):
         Kc = Vc = None
         if cached.numel():
             Kc, Vc = source.layer(layer)
@@ -142,7 +172,7 @@ def selective_prefill(
         recomputed.append(int(S.numel()))
         cs = (cs_all[0][S], cs_all[1][S])
         q = model.rotary.apply(q, pos[S], cs)
-        if keep_pre_rope:
+        if out_kpre is not None:
             if Kc is not None:
                 out_kpre[layer, cached] = Kc
             out_kpre[layer, S] = k
@@ -165,27 +195,12 @@ def selective_prefill(
             position_blocks=0 if full_rows else POSITION_BLOCKS,
         )
         if probes is not None:
-            local = torch.searchsorted(S, probe_rows.to(dev))
+            local = torch.searchsorted(S, probe_rows.to(pos.device))
             probes.append(
                 attention_probs(q[local], out_k[layer], pos[probe_rows], pos, model.scale, cfg.sliding_window)
             )
         h = model.finish_layer(layer, h, o)
-    if source is not None:
-        source.close()
-    logits = model.logits(h[-1:])[0].float()
-    stats = {
-        "num_tokens": n,
-        "num_computed_rows": int((row_class == COMPUTED).sum()),
-        "num_exact_rows": int((row_class == EXACT).sum()),
-        "num_reused_rows": n_reused,
-        "recomputed_per_layer": recomputed,
-        "recompute_fraction": sum(recomputed) / (L * n),
-        "t_select_s": t_select,
-        "t_load_wait_s": getattr(source, "wait_s", 0.0) if source is not None else 0.0,
-        "t_prefill_s": time.perf_counter() - t_start,
-    }
-    kv = PromptKV(out_k, out_v, pos, token_ids.to(dev), out_kpre)
-    return PrefillResult(logits, kv, stats, probes)
+    return h, S, recomputed, t_select
 
 
 def _select_hkvd(S, k, v, Kc, Vc, reused_mask, cache_index, ratio, n_reused, deviation) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""Layer-wise pipelined loading of stored chunk KV (CacheBlend §5): load layer l+1 while l computes.
+
+``StoredChunk`` is a lazily loaded piece of the prompt: it reads a chunk's KV from a store one
+layer group (one blob segment) at a time. ``PipelinedSource`` is a drop-in for
+:class:`ragkv.blend.source.LayerSource` that reads, decodes and moves layer ``l+1..l+depth`` to
+the device on a background thread (and, on CUDA, a separate stream into pinned buffers) while the
+blender recomputes layer ``l``; the blender blocks only on the layer it needs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ragkv.blend.source import LayerSource
+
+
+class ChunkLoadError(RuntimeError):
+    """A stored chunk's layer could not be loaded (miss, corrupt segment, store down) mid-prefill."""
+
+    def __init__(self, key: str, layer: int, index: int | None = None):
+        super().__init__(f"KV of chunk {key[:16]} layer {layer} could not be loaded from the store")
+        self.key = key
+        self.layer = layer
+        self.index = index  # position of the chunk among the prompt's chunks, when known
+
+
+class StoredChunk:
+    """A chunk whose KV lives in a :class:`ragkv.store.ChunkStore`, read one layer group at a time."""
+
+    def __init__(self, store, key: str, token_ids: list[int], fingerprint: str, header=None,
+                 index: int | None = None):
+        self.store = store
+        self.key = key
+        self.token_ids = list(token_ids)
+        self.fingerprint = fingerprint
+        self.index = index
+        self.header = header if header is not None else store.header(key)
+        if self.header is None:
+            raise ChunkLoadError(key, -1, index)
+        if self.header.fingerprint != fingerprint or list(self.header.token_ids) != self.token_ids:
+            # never reuse KV of another model or of other text under the same key
+            raise ChunkLoadError(key, -1, index)
+        self._group: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
+        self._lock = threading.Lock()
+        self.bytes_loaded = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def _segment(self, layer: int) -> tuple[int, int]:
+        for seg in self.header.segments:
+            if seg.start <= layer < seg.stop:
+                return seg.start, seg.stop
+        raise ChunkLoadError(self.key, layer, self.index)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            g = self._group
+            if g is None or not g[0] <= layer < g[1]:
+                start, stop = self._segment(layer)
+                out = self.store.load_layers(self.key, start, stop, self.fingerprint)
+                if out is None:
+                    raise ChunkLoadError(self.key, layer, self.index)
+                g = self._group = (start, stop, out[0], out[1])
+                self.bytes_loaded += out[0].numel() * out[0].element_size() * 2
+            return g[2][layer - g[0]], g[3][layer - g[0]]
+
+
+class PipelinedSource(LayerSource):
+    """Prefetches the next ``depth`` layers on a background thread while the blender computes."""
+
+    def __init__(self, pieces: list, device: torch.device | str, dtype: torch.dtype, depth: int = 1,
+                 num_layers: int | None = None):
+        super().__init__(pieces, device, dtype)
+        self.depth = max(1, depth)
+        self.num_layers = num_layers
+        # one torch thread in the loader (the setting is per thread): with the compute thread's pool busy,
+        # multi-threaded copies there stall for milliseconds each (measured by the store benchmark)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-kv-load",
+                                        initializer=torch.set_num_threads, initargs=(1,))
+        self._futures: dict[int, Future] = {}
+        dev = torch.device(device)
+        self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self.load_s = 0.0
+        self._submit(0)
+
+    def _load(self, layer: int):
+        t0 = time.perf_counter()
+        if self._stream is None:
+            out = self._read(layer)
+        else:
+            ks, vs = zip(*(p.layer_kv(layer) for p in self.pieces), strict=True)
+            with torch.cuda.stream(self._stream):
+                k = torch.cat([x.pin_memory() if x.device.type == "cpu" else x for x in ks])
+                v = torch.cat([x.pin_memory() if x.device.type == "cpu" else x for x in vs])
+                out = (k.to(self.device, self.dtype, non_blocking=True), v.to(self.device, self.dtype,
+                                                                            non_blocking=True))
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            out = (*out, event)
+        self.load_s += time.perf_counter() - t0
+        return out
+
+    def _submit(self, layer: int) -> None:
+        if layer in self._futures or (self.num_layers is not None and layer >= self.num_layers):
+            return
+        self._futures[layer] = self._pool.submit(self._load, layer)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._submit(layer)
+        for ahead in range(1, self.depth + 1):
+            self._submit(layer + ahead)
+        t0 = time.perf_counter()
+        try:
+            out = self._futures.pop(layer).result()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        if len(out) == 3:  # CUDA: make the compute stream wait for the copy
+            torch.cuda.current_stream().wait_event(out[2])
+            out = out[:2]
+        return out
+
+    def close(self) -> None:
+        for f in self._futures.values():
+            f.cancel()
+        self._futures.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def pipelined_factory(model, depth: int = 1):
+    """A ``source_factory`` for :func:`ragkv.blend.prefill` that pipelines loading with recompute."""
+
+    def make(pieces: list) -> PipelinedSource:
+        return PipelinedSource(pieces, model.device, model.dtype, depth, model.config.num_layers)
+
+    return make

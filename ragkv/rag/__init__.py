@@ -1,0 +1,23 @@
+"""Retriever-aware KV layer: ingest (split, embed, index, precompute KV), retrieve, answer."""
+
+from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
+from ragkv.rag.index import ChunkIndex, ChunkRecord
+from ragkv.rag.pipeline import RAG, Document, IngestReport, RagAnswer
+from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
+from ragkv.rag.splitter import TextChunk, split_tokens
+
+__all__ = [
+    "DEFAULT_EMBEDDER",
+    "DEFAULT_INSTRUCTION",
+    "DEFAULT_QUESTION",
+    "RAG",
+    "ChunkIndex",
+    "ChunkRecord",
+    "Document",
+    "Embedder",
+    "IngestReport",
+    "RagAnswer",
+    "TextChunk",
+    "prompt_parts",
+    "split_tokens",
+]

@@ -1,0 +1,310 @@
+"""The retriever-aware KV layer: ingest documents (split, embed, index, precompute chunk KV), retrieve,
+and answer with the retrieved chunks' stored KV blended (or any other prefill mode)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ragkv.blend.controller import LoadingController
+from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory
+from ragkv.blend.prefill import MODES, UnknownModeError, prefill
+from ragkv.generate import SamplingParams, stream
+from ragkv.kv.chunk import ChunkKV, chunk_key
+from ragkv.kv.compute import compute_chunk_kv
+from ragkv.llm import LLM
+from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
+from ragkv.rag.index import ChunkIndex, ChunkRecord, text_sha
+from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
+from ragkv.rag.splitter import split_tokens
+
+log = logging.getLogger("ragkv.rag")
+
+
+@dataclass
+class Document:
+    """Text to ingest, with a stable id (derived from the text when not given) and metadata."""
+
+    text: str
+    id: str | None = None
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise ValueError("document text must be a non-empty string")
+        if self.id is None:
+            self.id = hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class IngestReport:
+    doc_ids: list[str]
+    documents_added: int = 0
+    documents_unchanged: int = 0
+    chunks_added: int = 0
+    kv_computed: int = 0
+    kv_already_stored: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class RagAnswer:
+    """An answer with its sources, timings (seconds) and prefill statistics."""
+
+    text: str
+    sources: list[ChunkRecord]
+    mode: str
+    timings: dict
+    stats: dict
+
+
+class RAG:
+    """Ingest -> retrieve -> answer with reused chunk KV; everything persists under ``data_dir``."""
+
+    def __init__(self, llm: LLM | str, data_dir: str | Path, store=None, embedder: Embedder | str = DEFAULT_EMBEDDER,
+                 chunk_tokens: int = 512, overlap: int = 0, top_k: int = 6, order: str = "score",
+                 mode: str = "blend", ratio: float | str = 0.15, instruction: str = DEFAULT_INSTRUCTION,
+                 question_template: str = DEFAULT_QUESTION, pipelined: bool = True,
+                 controller: LoadingController | None = None, metric: str = "cosine", seed: int = 0):
+        from ragkv.store import store_from_url
+
+        self.llm = llm if isinstance(llm, LLM) else LLM(llm)
+        self.model = self.llm.model
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if store is None or isinstance(store, str):
+            store = store_from_url(store or f"file://{(self.data_dir / 'kv').resolve()}")
+        self.store = store
+        self.llm.store = store
+        self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder)
+        if self.model.tokenizer is None:
+            raise ValueError("RAG needs a model with a tokenizer")
+        limit = self.model.config.max_position - 1
+        if not 1 <= chunk_tokens <= limit:
+            raise ValueError(f"chunk_tokens must be in [1, {limit}] for this model")
+        if order not in ("score", "random"):
+            raise ValueError("order must be 'score' or 'random'")
+        if mode not in MODES:
+            raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
+        self.chunk_tokens, self.overlap, self.top_k, self.order = chunk_tokens, overlap, top_k, order
+        self.mode, self.ratio, self.pipelined, self.seed = mode, ratio, pipelined, seed
+        self.instruction, self.question_template = instruction, question_template
+        self.controller = controller
+        self.index = ChunkIndex(self.data_dir / "index", self.embedder.dim, metric,
+                                identity=f"{self.embedder.name}|{self.model.fingerprint}")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-kv-writeback")
+        self.counters = {"kv_hits": 0, "kv_misses": 0, "kv_recomputed_bad": 0}
+
+    # ---- ingest --------------------------------------------------------------------------------
+    def ingest(self, docs: Iterable[Document | str | dict], show_progress: bool = True) -> IngestReport:
+        """Split, embed, index and precompute every chunk's KV. Idempotent: unchanged documents are skipped."""
+        t0 = time.perf_counter()
+        docs = [self._as_document(d) for d in docs]
+        rep = IngestReport(doc_ids=[d.id for d in docs])
+        fp = self.model.fingerprint
+        for doc in tqdm(docs, desc="ingest", unit="doc", disable=not show_progress):
+            sha = text_sha(doc.text)
+            old = self.index.document_sha(doc.id)
+            if old == sha:
+                rep.documents_unchanged += 1
+                for rec in self.index.chunks_of(doc.id):  # the store may have lost KV since: refill
+                    self._ensure_kv(rec.token_ids, rec.kv_key, rep)
+                continue
+            if old is not None:
+                self.delete_document(doc.id)
+            parts = split_tokens(self.model.tokenizer, doc.text, self.chunk_tokens, self.overlap)
+            rows = []
+            for c in parts:
+                key = chunk_key(list(c.token_ids), fp)
+                self._ensure_kv(list(c.token_ids), key, rep)
+                rows.append((c.seq, c.text, list(c.token_ids), key))
+            vectors = self.embedder.embed([c.text for c in parts])
+            self.index.add_document(doc.id, sha, doc.metadata, rows, vectors)
+            rep.documents_added += 1
+            rep.chunks_added += len(rows)
+        rep.seconds = time.perf_counter() - t0
+        log.info("ingest: %s", rep)
+        return rep
+
+    def _ensure_kv(self, token_ids: list[int], key: str, rep: IngestReport) -> None:
+        if self.store.contains(key):
+            rep.kv_already_stored += 1
+            return
+        kv = compute_chunk_kv(self.model, token_ids)
+        if not self.store.put(kv):
+            log.warning("could not store KV of chunk %s; it will be recomputed when retrieved", key[:16])
+        rep.kv_computed += 1
+
+    @staticmethod
+    def _as_document(d) -> Document:
+        if isinstance(d, Document):
+            return d
+        if isinstance(d, str):
+            return Document(d)
+        if isinstance(d, dict):
+            return Document(d.get("text", ""), d.get("id"), dict(d.get("metadata") or {}))
+        raise TypeError(f"cannot ingest {type(d).__name__}; pass Document, str or dict")
+
+    def delete_document(self, doc_id: str) -> None:
+        """Remove a document from the index; KV no other chunk shares is deleted from the store."""
+        for key in self.index.delete_document(doc_id):
+            self.store.delete(key)
+
+    # ---- retrieve ------------------------------------------------------------------------------
+    def retrieve(self, question: str, k: int | None = None) -> list[ChunkRecord]:
+        """Top-k chunks, ordered by score or (as in the paper's evaluation) seeded-randomly."""
+        if not question or not question.strip():
+            raise ValueError("empty question")
+        k = self.top_k if k is None else k
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        recs = self.index.search(self.embedder.embed([question])[0], k)
+        if self.order == "random":
+            rnd = random.Random(f"{self.seed}|{question}")
+            rnd.shuffle(recs)
+        return recs
+
+    def chunks_by_id(self, chunk_ids: list[int]) -> list[ChunkRecord]:
+        recs = []
+        for cid in chunk_ids:
+            rec = self.index.chunk(cid)
+            if rec is None:
+                raise KeyError(f"unknown chunk id {cid}")
+            recs.append(rec)
+        return recs
+
+    # ---- answer --------------------------------------------------------------------------------
+    def answer(self, question: str, k: int | None = None, mode: str | None = None, ratio: float | str | None = None,
+               params: SamplingParams | None = None, chunks: list[ChunkRecord] | None = None,
+               **sampling) -> RagAnswer:
+        """Retrieve (unless ``chunks`` are given) and answer; timings: retrieval, kv_fetch, ttft, total."""
+        parts = []
+        ans = None
+        for item in self.answer_stream(question, k, mode, ratio, params, chunks, **sampling):
+            if isinstance(item, RagAnswer):
+                ans = item
+            else:
+                parts.append(item.text)
+        assert ans is not None
+        return ans
+
+    def answer_stream(self, question: str, k: int | None = None, mode: str | None = None,
+                      ratio: float | str | None = None, params: SamplingParams | None = None,
+                      chunks: list[ChunkRecord] | None = None, **sampling) -> Iterator:
+        """Yield ``TokenEvent``s as they are generated, then the final :class:`RagAnswer`."""
+        mode = mode or self.mode
+        if mode not in MODES:
+            raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
+        params = params or SamplingParams(**{"max_new_tokens": 32, **sampling})
+        t0 = time.perf_counter()
+        prefix, suffix = prompt_parts(self.model, question, self.instruction, self.question_template)
+        if chunks is not None:
+            recs = list(chunks)
+        else:
+            recs = self._fit(self.retrieve(question, k), len(prefix) + len(suffix) + params.max_new_tokens)
+        t_retrieval = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        items = self._chunk_items(recs, mode)
+        n_cached = sum(len(r.token_ids) for r, it in zip(recs, items, strict=True) if not isinstance(it, list))
+        n_total = len(prefix) + sum(len(r.token_ids) for r in recs) + len(suffix)
+        self.model.check_length(n_total, params.max_new_tokens)
+        decision = None
+        ratio = self.ratio if ratio is None else ratio
+        if ratio == "auto":
+            if self.controller is None:
+                raise ValueError("ratio='auto' needs a LoadingController (RAG(controller=...))")
+            decision = self.controller.choose_ratio(n_total, n_cached, self._store_name())
+            ratio = decision.ratio
+        ratio = float(ratio)
+        t_lookup = time.perf_counter() - t1
+        res = self._prefill_with_recovery(prefix, items, suffix, mode, ratio)
+        first = True
+        text_parts: list[str] = []
+        ttft = None
+        for ev in stream(self.model, res, params, attention=self.llm.attention):
+            if first:
+                ttft = time.perf_counter() - t0
+                first = False
+            text_parts.append(ev.text)
+            yield ev
+        total = time.perf_counter() - t0
+        timings = {"retrieval_s": t_retrieval, "kv_fetch_s": t_lookup + res.stats.get("t_load_wait_s", 0.0),
+                   "ttft_s": ttft if ttft is not None else total, "total_s": total}
+        stats = dict(res.stats)
+        if decision is not None:
+            stats["controller"] = decision.as_dict()
+        stats["kv_hits"] = sum(not isinstance(it, list) and not isinstance(it, ChunkKV) for it in items)
+        yield RagAnswer("".join(text_parts), recs, stats["mode"], timings, stats)
+
+    def _fit(self, recs: list[ChunkRecord], other_tokens: int) -> list[ChunkRecord]:
+        """Drop the lowest-scored retrieved chunks until the prompt fits the model's context."""
+        budget = self.model.config.max_position - other_tokens
+        kept = sorted(recs, key=lambda r: -r.score)
+        while kept and sum(len(r.token_ids) for r in kept) > budget:
+            dropped = kept.pop()
+            log.info("dropping retrieved chunk %d (score %.3f) to fit the context", dropped.chunk_id, dropped.score)
+        keep_ids = {r.chunk_id for r in kept}
+        return [r for r in recs if r.chunk_id in keep_ids]
+
+    def _store_name(self) -> str:
+        names = list(self.controller.load_bytes_per_s) if self.controller else []
+        desc = self.store.describe()
+        return next((n for n in names if n in desc), names[0] if names else desc)
+
+    def _chunk_items(self, recs: list[ChunkRecord], mode: str) -> list:
+        """StoredChunk refs for stored KV; missing KV computed now and written back in the background."""
+        if mode not in ("reuse", "blend"):
+            return [list(r.token_ids) for r in recs]
+        items = []
+        for i, rec in enumerate(recs):
+            try:
+                items.append(StoredChunk(self.store, rec.kv_key, rec.token_ids, self.model.fingerprint, index=i))
+                self.counters["kv_hits"] += 1
+            except ChunkLoadError:
+                self.counters["kv_misses"] += 1
+                items.append(self._recompute(rec.token_ids))
+        return items
+
+    def _recompute(self, token_ids: list[int]) -> ChunkKV:
+        kv = compute_chunk_kv(self.model, token_ids)
+        self._writer.submit(self._write_back, kv)
+        return kv
+
+    def _write_back(self, kv: ChunkKV) -> None:
+        try:
+            if not self.store.put(kv):
+                log.warning("write-back of chunk %s failed; it will be recomputed next time", kv.key[:16])
+        except Exception as e:  # never let a background write kill the writer thread
+            log.warning("write-back of chunk %s failed: %s", kv.key[:16], e)
+
+    def _prefill_with_recovery(self, prefix, items, suffix, mode, ratio):
+        """Prefill; a chunk whose stored KV fails to load mid-way is recomputed and the prefill retried."""
+        factory = pipelined_factory(self.model) if self.pipelined else None
+        for _ in range(len(items) + 1):
+            try:
+                return prefill(self.model, prefix, items, suffix, mode, ratio, source_factory=factory,
+                               prefix_cache=self.llm.prefix_cache)
+            except ChunkLoadError as e:
+                log.warning("stored KV of chunk %s failed to load (layer %d): recomputing it", e.key[:16], e.layer)
+                self.counters["kv_recomputed_bad"] += 1
+                i = e.index if e.index is not None else next(
+                    j for j, it in enumerate(items) if getattr(it, "key", None) == e.key)
+                items[i] = self._recompute(list(items[i].token_ids))
+        raise RuntimeError("could not load or recompute the chunks' KV")
+
+    def flush(self) -> None:
+        """Wait for background KV write-backs."""
+        self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self.index.close()
+        self.store.close()

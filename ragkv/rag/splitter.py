@@ -1,0 +1,55 @@
+"""Split documents into token-bounded chunks of the serving model's tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """A chunk of a document: its exact token ids (what the KV is computed from) and its text."""
+
+    seq: int
+    token_ids: tuple[int, ...]
+    text: str
+
+
+def split_tokens(
+    tokenizer, text: str, chunk_tokens: int = 512, overlap: int = 0, min_tokens: int = 1
+) -> list[TextChunk]:
+    """Windows of at most ``chunk_tokens`` tokens, ``overlap`` tokens shared between neighbours.
+
+    Token ids are kept as tokenized from the whole document (never re-tokenized), so the stored KV
+    is exactly that of the ids the prompt will contain. Window ends snap back (by at most a quarter
+    window) to a token that starts a word, so chunks rarely cut words in half.
+    """
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be >= 1")
+    if not 0 <= overlap < chunk_tokens:
+        raise ValueError("overlap must be in [0, chunk_tokens)")
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    n = len(ids)
+    chunks: list[TextChunk] = []
+    start = 0
+    while start < n:
+        end = min(start + chunk_tokens, n)
+        if end < n:
+            floor = end - chunk_tokens // 4
+            cut = end
+            while cut > max(floor, start + 1) and not _starts_word(text, offsets, cut):
+                cut -= 1
+            if cut > start + 1 and _starts_word(text, offsets, cut):
+                end = cut
+        if end - start >= min_tokens:
+            a, b = offsets[start][0], offsets[end - 1][1]
+            chunks.append(TextChunk(len(chunks), tuple(ids[start:end]), text[a:b]))
+        if end >= n:
+            break
+        start = max(end - overlap, start + 1)
+    return chunks
+
+
+def _starts_word(text: str, offsets, i: int) -> bool:
+    a = offsets[i][0]
+    return a == 0 or text[a - 1].isspace() or text[a:a + 1].isspace()

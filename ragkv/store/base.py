@@ -1,0 +1,522 @@
+"""The chunk KV store interface, and the shared read/write logic of byte-blob backends.
+
+Contract (every backend):
+
+* ``put`` is idempotent: a key already stored is not rewritten (except a blob this instance found
+  corrupt, which the next ``put`` replaces). It returns ``True`` when the chunk is stored after the
+  call and ``False`` when the backend failed (logged at WARNING on ``ragkv.store``); it never raises
+  for backend failures, only ``ValueError`` for an invalid chunk. The caller just goes on and
+  recomputes next time.
+* Reads (``get``, ``load_layers``, ``header``, ``contains`` ...) never raise for store problems and
+  never return wrong KV: a corrupt or truncated blob, a checksum, key, fingerprint or convention
+  mismatch, an undecodable segment, or a backend that is down is logged at WARNING, counted in
+  :meth:`ChunkStore.stats` and returned as a miss (``None``). Caller errors (a malformed key, a
+  layer range outside the chunk) raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, ChunkKV
+from ragkv.store import blob as blobfmt
+from ragkv.store.blob import BlobError, BlobHeader, OutBufferError, Segment
+from ragkv.store.codecs.base import CodecError, KVCodec, get_codec
+
+log = logging.getLogger("ragkv.store")
+
+_KEY_RE = re.compile(r"^[0-9A-Za-z_.:-]{1,200}$")
+R = TypeVar("R")
+
+
+class StoreWriteError(OSError):
+    """A backend could not store a blob (full, too large for its bound, read-only ...)."""
+
+
+class FingerprintMismatch(BlobError):
+    """The blob was produced by another model than the one asking for it."""
+
+
+def check_key(key: str) -> str:
+    """Validate a chunk key (content keys are hex; anything path- or glob-unsafe is refused)."""
+    if not isinstance(key, str) or not _KEY_RE.match(key) or key.startswith("."):
+        raise ValueError(f"invalid chunk key {key!r}: expected 1-200 chars of [0-9A-Za-z_.:-]")
+    return key
+
+
+def check_layer_range(start: int, stop: int) -> None:
+    if not (isinstance(start, int) and isinstance(stop, int)) or start < 0 or stop <= start:
+        raise ValueError(f"invalid layer range [{start}, {stop})")
+
+
+class LayerRangeError(ValueError):
+    """The requested layers lie outside the stored chunk (a caller error, so it is raised)."""
+
+
+class ChunkStore(ABC):
+    """Where chunk KV lives between ingest and reuse; see the module docstring for the contract."""
+
+    def __init__(self) -> None:
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "errors",
+                "corrupt",
+                "puts",
+                "puts_skipped",
+                "put_errors",
+                "bytes_read",
+                "bytes_written",
+                "evictions",
+            ),
+            0,
+        )
+        self._warn_lock = threading.Lock()
+        self._last_backend_warn = 0.0
+        self._suppressed_warns = 0
+        #: seconds between two "backend unavailable" warnings (corruption warnings are never throttled)
+        self.warn_every_s = 30.0
+
+    # -- interface ------------------------------------------------------------------------------
+    @abstractmethod
+    def put(self, chunk: ChunkKV) -> bool:
+        """Store ``chunk`` under ``chunk.key`` unless already there; False when the backend failed."""
+
+    @abstractmethod
+    def put_blob(self, key: str, blob: bytes) -> bool:
+        """Store an already encoded blob (tier promotion, copying between stores)."""
+
+    @abstractmethod
+    def get(
+        self,
+        key: str,
+        fingerprint: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> ChunkKV | None:
+        """The whole chunk, or None on a miss of any kind."""
+
+    @abstractmethod
+    def load_layers(
+        self,
+        key: str,
+        start: int,
+        stop: int,
+        fingerprint: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V ``[stop-start, T, Hkv, D]`` of layers ``[start, stop)``, reading only their segments.
+
+        ``out``: buffers to fill and return instead of allocating (reuse them across loads: fresh
+        allocations page-fault, which dominated per-layer reads in our VM); device/dtype are theirs.
+        After a miss their content is undefined."""
+
+    @abstractmethod
+    def header(self, key: str) -> BlobHeader | None:
+        """Token ids, shapes, dtype, codec, fingerprint ... without reading tensor data."""
+
+    @abstractmethod
+    def contains(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def keys(self) -> list[str]: ...
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of stored blobs."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections and files; the store must not be used afterwards."""
+
+    def stats(self) -> dict:
+        """Counters since creation: hits, misses, errors, corrupt, puts, bytes_read/written, evictions."""
+        with self._stats_lock:
+            out: dict = dict(self._stats)
+        out["backend"] = type(self).__name__
+        return out
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- helpers for subclasses -----------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats[name] = self._stats.get(name, 0) + n
+
+    def _backend_failed(self, op: str, key: str | None, exc: BaseException) -> None:
+        """Log a backend failure, at most once per ``warn_every_s`` (a dead Redis must not flood logs)."""
+        self._count("errors")
+        now = time.monotonic()
+        with self._warn_lock:
+            if now - self._last_backend_warn < self.warn_every_s:
+                self._suppressed_warns += 1
+                return
+            suppressed, self._suppressed_warns = self._suppressed_warns, 0
+            self._last_backend_warn = now
+        log.warning(
+            "%s unavailable during %s%s: %s: %s; treating it as a miss (KV will be recomputed)%s",
+            self.describe(),
+            op,
+            f" of chunk {key[:16]}" if key else "",
+            type(exc).__name__,
+            exc,
+            f" [{suppressed} similar warnings suppressed]" if suppressed else "",
+        )
+
+
+class BlobStore(ChunkStore):
+    """A store of byte blobs in the :mod:`ragkv.store.blob` format; backends supply byte primitives.
+
+    Subclasses implement ``_read``, ``_write``, ``_exists``, ``_delete``, ``_keys``, ``_nbytes`` and
+    may raise any exception in ``backend_errors`` for "the backend itself failed".
+    """
+
+    #: exceptions that mean the backend failed (as opposed to bad data, which is a BlobError)
+    backend_errors: tuple[type[BaseException], ...] = (OSError,)
+
+    def __init__(
+        self,
+        codec: str | KVCodec = "raw",
+        codec_options: dict | None = None,
+        verify: bool = True,
+        header_cache: int = 4096,
+    ) -> None:
+        super().__init__()
+        self.codec = codec if isinstance(codec, KVCodec) else get_codec(codec, **(codec_options or {}))
+        #: verify segment checksums on read (the header checksum is always verified)
+        self.verify = verify
+        self._headers: OrderedDict[str, BlobHeader] = OrderedDict()
+        self._header_cap = header_cache
+        self._hlock = threading.Lock()
+        self._corrupt: set[str] = set()
+
+    # -- backend primitives ---------------------------------------------------------------------
+    @abstractmethod
+    def _read(self, key: str, offset: int, length: int | None) -> bytes | memoryview | None:
+        """Bytes ``[offset, offset+length)`` of the blob (to its end when ``length`` is None).
+
+        None when the key is absent; fewer bytes when the blob is shorter."""
+
+    @abstractmethod
+    def _write(self, key: str, blob: bytes, overwrite: bool) -> bool:
+        """Store ``blob``; return False (writing nothing) when the key exists and not ``overwrite``."""
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _delete(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _keys(self) -> list[str]: ...
+
+    @abstractmethod
+    def _nbytes(self) -> int: ...
+
+    def _close(self) -> None:
+        pass
+
+    # -- writes ---------------------------------------------------------------------------------
+    def put(self, chunk: ChunkKV) -> bool:
+        blobfmt.validate_chunk(chunk)
+        key = chunk.key
+        if key not in self._corrupt and self.contains(key):
+            self._count("puts_skipped")
+            return True
+        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.codec))
+
+    def put_blob(self, key: str, blob: bytes) -> bool:
+        check_key(key)
+        hdr = blobfmt.parse_header(blob)  # a caller handing us non-blob bytes is a bug: ValueError
+        if hdr.key != key or hdr.total_size != len(blob):
+            raise ValueError(f"blob does not hold chunk {key[:16]} or has the wrong length")
+        overwrite = key in self._corrupt
+        try:
+            written = self._write(key, bytes(blob), overwrite)
+        except self.backend_errors as e:
+            self._count("put_errors")
+            self._backend_failed("put", key, e)
+            return False
+        self._forget(key)
+        self._corrupt.discard(key)
+        if written:
+            self._count("puts")
+            self._count("bytes_written", len(blob))
+        else:
+            self._count("puts_skipped")
+        return True
+
+    def delete(self, key: str) -> bool:
+        check_key(key)
+        self._forget(key)
+        self._corrupt.discard(key)
+        return bool(self._guard("delete", key, lambda: self._delete(key), False))
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get(
+        self,
+        key: str,
+        fingerprint: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> ChunkKV | None:
+        check_key(key)
+
+        def run() -> ChunkKV | None:
+            got = self._fetch(key, fingerprint)
+            if got is None:
+                return None
+            hdr, data = got
+            return blobfmt.to_chunk(hdr, *decode_blob(hdr, data, 0, hdr.num_layers, device, dtype))
+
+        return self._counted(self._guard("get", key, run, None))
+
+    def fetch(self, key: str, fingerprint: str) -> tuple[BlobHeader, bytes | memoryview] | None:
+        """The whole blob, verified, with its parsed header; None on a miss (counted)."""
+        check_key(key)
+        return self._counted(self._guard("fetch", key, lambda: self._fetch(key, fingerprint), None))
+
+    def load_layers(
+        self,
+        key: str,
+        start: int,
+        stop: int,
+        fingerprint: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        check_key(key)
+        check_layer_range(start, stop)
+
+        def run():
+            got = self._read_segments(key, start, stop, fingerprint)
+            if got is None:
+                return None
+            hdr, segs = got
+            return blobfmt.decode_segments(hdr, segs, start, stop, device, dtype, out)
+
+        return self._counted(self._guard("load_layers", key, run, None))
+
+    def read_segments(
+        self, key: str, start: int, stop: int, fingerprint: str
+    ) -> tuple[BlobHeader, list[tuple[Segment, bytes | memoryview]]] | None:
+        """Verified bytes of the segments covering layers ``[start, stop)``; None on a miss (counted)."""
+        check_key(key)
+        check_layer_range(start, stop)
+        return self._counted(
+            self._guard(
+                "read_segments", key, lambda: self._read_segments(key, start, stop, fingerprint), None
+            )
+        )
+
+    def header(self, key: str) -> BlobHeader | None:
+        check_key(key)
+        return self._guard("header", key, lambda: self._header(key, fresh=True)[0], None)
+
+    def contains(self, key: str) -> bool:
+        check_key(key)
+        return bool(self._guard("contains", key, lambda: self._exists(key), False))
+
+    def keys(self) -> list[str]:
+        return list(self._guard("keys", None, self._keys, []))
+
+    def nbytes(self) -> int:
+        return int(self._guard("nbytes", None, self._nbytes, 0))
+
+    def close(self) -> None:
+        self._close()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _counted(self, result):
+        self._count("hits" if result is not None else "misses")
+        return result
+
+    def _guard(self, op: str, key: str | None, fn: Callable[[], R], default: R) -> R:
+        """Run a read-path operation; turn every store failure into ``default`` plus a warning."""
+        try:
+            return fn()
+        except (LayerRangeError, OutBufferError):
+            raise
+        except FingerprintMismatch as e:
+            self._count("errors")
+            log.warning("%s: %s %s: %s; treating it as a miss", self.describe(), op, _short(key), e)
+        except (BlobError, CodecError) as e:
+            self._count("errors")
+            self._count("corrupt")
+            if key is not None:
+                self._corrupt.add(key)
+                self._forget(key)
+            log.warning(
+                "%s: %s %s: unusable blob (%s); treating it as a miss, the chunk will be recomputed and rewritten",
+                self.describe(),
+                op,
+                _short(key),
+                e,
+            )
+        except self.backend_errors as e:
+            self._backend_failed(op, key, e)
+        except Exception as e:  # never crash a query because of the cache
+            self._count("errors")
+            log.warning(
+                "%s: unexpected error in %s %s; treating it as a miss",
+                self.describe(),
+                op,
+                _short(key),
+                exc_info=e,
+            )
+        return default
+
+    def _read_counted(self, key: str, offset: int, length: int | None) -> bytes | memoryview | None:
+        data = self._read(key, offset, length)
+        if data is not None:
+            self._count("bytes_read", len(data))
+        return data
+
+    def _forget(self, key: str) -> None:
+        with self._hlock:
+            self._headers.pop(key, None)
+
+    def _check_header(self, hdr: BlobHeader, key: str, fingerprint: str) -> None:
+        if hdr.key != key:
+            raise BlobError(f"blob stored under {key[:16]} holds chunk {hdr.key[:16]}")
+        if hdr.convention != CHUNK_CONVENTION_VERSION:
+            raise BlobError(
+                f"blob uses chunk convention v{hdr.convention}, this ragkv uses v{CHUNK_CONVENTION_VERSION}"
+            )
+        if hdr.fingerprint != fingerprint:
+            raise FingerprintMismatch(
+                f"KV was computed by model {hdr.fingerprint[:16]}, requested for model {fingerprint[:16]}"
+            )
+
+    def _header(self, key: str, fresh: bool = False) -> tuple[BlobHeader | None, bool]:
+        """(header, came_from_cache); reads only the first bytes of the blob."""
+        if not fresh:
+            with self._hlock:
+                hdr = self._headers.get(key)
+                if hdr is not None:
+                    self._headers.move_to_end(key)
+                    return hdr, True
+        head = self._read_counted(key, 0, blobfmt.HEAD_READ_SIZE)
+        if head is None:
+            return None, False
+        size = blobfmt.header_size(head)
+        if size > len(head):
+            if len(head) < blobfmt.HEAD_READ_SIZE:
+                raise BlobError(f"blob truncated inside its header ({len(head)} < {size} bytes)")
+            rest = self._read_counted(key, len(head), size - len(head)) or b""
+            head = bytes(head) + bytes(rest)
+        hdr = blobfmt.parse_header(head)
+        self._cache_header(key, hdr)
+        return hdr, False
+
+    def _cache_header(self, key: str, hdr: BlobHeader) -> None:
+        with self._hlock:
+            self._headers[key] = hdr
+            self._headers.move_to_end(key)
+            while len(self._headers) > self._header_cap:
+                self._headers.popitem(last=False)
+
+    def _fetch(self, key: str, fingerprint: str) -> tuple[BlobHeader, bytes | memoryview] | None:
+        data = self._read_counted(key, 0, None)
+        if data is None:
+            return None
+        hdr = blobfmt.parse_header(data)
+        self._check_header(hdr, key, fingerprint)
+        if len(data) != hdr.total_size:
+            raise BlobError(f"blob has {len(data)} bytes, its header says {hdr.total_size}")
+        mv = memoryview(data)
+        for s in hdr.segments:
+            seg = mv[hdr.data_start + s.offset : hdr.data_start + s.offset + s.length]
+            if self.verify:
+                blobfmt.check_segment(s, seg)
+        self._cache_header(key, hdr)
+        return hdr, data
+
+    def _read_segments(
+        self, key: str, start: int, stop: int, fingerprint: str
+    ) -> tuple[BlobHeader, list[tuple[Segment, memoryview]]] | None:
+        for attempt in range(2):
+            hdr, cached = self._header(key, fresh=attempt > 0)
+            if hdr is None:
+                return None
+            self._check_header(hdr, key, fingerprint)
+            if stop > hdr.num_layers:
+                raise LayerRangeError(
+                    f"layers [{start}, {stop}) requested, chunk {key[:16]} has {hdr.num_layers}"
+                )
+            segs = hdr.segments_for(start, stop)
+            lo = segs[0].offset
+            n = segs[-1].offset + segs[-1].length - lo
+            data = self._read_counted(key, hdr.data_start + lo, n)
+            if data is None or (len(data) < n and not self._exists(key)):
+                self._forget(key)
+                return None  # deleted or evicted meanwhile: a plain miss
+            mv = memoryview(data)
+            try:
+                out = []
+                for s in segs:
+                    seg = mv[s.offset - lo : s.offset - lo + s.length]
+                    if self.verify:
+                        blobfmt.check_segment(s, seg)
+                    else:
+                        _check_length(s, seg)
+                    out.append((s, seg))
+                return hdr, out
+            except BlobError:
+                if cached and attempt == 0:
+                    self._forget(key)  # the blob may have been rewritten since we cached its header
+                    continue
+                raise
+        return None
+
+
+def decode_blob(
+    hdr: BlobHeader,
+    data: bytes | memoryview,
+    start: int,
+    stop: int,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode layers ``[start, stop)`` from a whole, verified blob."""
+    mv = memoryview(data)
+    segs = [
+        (s, mv[hdr.data_start + s.offset : hdr.data_start + s.offset + s.length])
+        for s in hdr.segments_for(start, stop)
+    ]
+    return blobfmt.decode_segments(hdr, segs, start, stop, device, dtype)
+
+
+def _check_length(seg: Segment, data: memoryview) -> None:
+    if len(data) != seg.length:
+        raise BlobError(
+            f"segment of layers [{seg.start},{seg.stop}) truncated: {len(data)} of {seg.length} bytes"
+        )
+
+
+def _short(key: str | None) -> str:
+    return f"chunk {key[:16]}" if key else ""

@@ -1,0 +1,170 @@
+"""A memory tier in front of any blob store: write-through, read-through with promotion.
+
+Whole-chunk reads promote the verified blob into memory at once. Per-layer reads (pipelined
+loading) are served from the backend segment by segment; the verified segments are staged and,
+once every segment of a chunk has been read, reassembled into a blob and promoted, so the next
+query for that chunk is served from memory without ever reading a chunk twice from the backend.
+The memory tier holds exactly the backend's encoded blobs, so promotion costs no re-encoding.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from ragkv.kv.chunk import ChunkKV
+from ragkv.store import blob as blobfmt
+from ragkv.store.base import BlobStore, ChunkStore, check_key, check_layer_range, decode_blob
+from ragkv.store.blob import BlobHeader
+from ragkv.store.memory import MemoryStore
+
+
+class TieredStore(ChunkStore):
+    """``memory`` (a bounded :class:`MemoryStore`) caching ``backend`` (local dir, Redis, ...)."""
+
+    def __init__(
+        self,
+        backend: BlobStore,
+        mem_bytes: int = 1 << 30,
+        memory: MemoryStore | None = None,
+        max_staged: int = 64,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.codec = backend.codec
+        self.memory = memory if memory is not None else MemoryStore(max_bytes=mem_bytes, codec=backend.codec)
+        self.max_staged = max_staged
+        # key -> (header, {segment start layer: verified bytes}) of chunks being read layer by layer
+        self._staged: OrderedDict[str, tuple[BlobHeader, dict[int, bytes]]] = OrderedDict()
+        self._stage_lock = threading.Lock()
+        self._stats.update(memory_hits=0, backend_hits=0)
+
+    def describe(self) -> str:
+        return f"TieredStore({self.memory.describe()} -> {self.backend.describe()})"
+
+    # -- writes ---------------------------------------------------------------------------------
+    def put(self, chunk: ChunkKV) -> bool:
+        blobfmt.validate_chunk(chunk)
+        key = chunk.key
+        if self.backend.contains(key):  # the durable copy decides (memory may hold one the backend missed)
+            self._count("puts_skipped")
+            return True
+        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.backend.codec))
+
+    def put_blob(self, key: str, blob: bytes) -> bool:
+        ok_backend = self.backend.put_blob(key, blob)
+        ok_memory = self.memory.put_blob(key, blob)
+        self._count("puts" if ok_backend else "put_errors")
+        # stored somewhere is stored: hot chunks keep being served from memory while the backend is down
+        return ok_backend or ok_memory
+
+    def delete(self, key: str) -> bool:
+        with self._stage_lock:
+            self._staged.pop(key, None)
+        a = self.memory.delete(key)
+        b = self.backend.delete(key)
+        return a or b
+
+    # -- reads ----------------------------------------------------------------------------------
+    def get(
+        self,
+        key: str,
+        fingerprint: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> ChunkKV | None:
+        check_key(key)
+        if self.memory.contains(key):
+            chunk = self.memory.get(key, fingerprint, device, dtype)
+            if chunk is not None:
+                return self._hit("memory_hits", chunk)
+        got = self.backend.fetch(key, fingerprint)
+        if got is None:
+            return self._miss()
+        hdr, data = got
+        data = bytes(data)
+        self.memory.put_blob(key, data)
+        k, v = decode_blob(hdr, data, 0, hdr.num_layers, device, dtype)
+        return self._hit("backend_hits", blobfmt.to_chunk(hdr, k, v))
+
+    def load_layers(
+        self,
+        key: str,
+        start: int,
+        stop: int,
+        fingerprint: str,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        check_key(key)
+        check_layer_range(start, stop)
+        if self.memory.contains(key):
+            kv = self.memory.load_layers(key, start, stop, fingerprint, device, dtype, out)
+            if kv is not None:
+                return self._hit("memory_hits", kv)
+        got = self.backend.read_segments(key, start, stop, fingerprint)
+        if got is None:
+            return self._miss()
+        hdr, segs = got
+        self._stage(key, hdr, segs)
+        return self._hit("backend_hits", blobfmt.decode_segments(hdr, segs, start, stop, device, dtype, out))
+
+    def header(self, key: str) -> BlobHeader | None:
+        return self.memory.header(key) if self.memory.contains(key) else self.backend.header(key)
+
+    def contains(self, key: str) -> bool:
+        return self.memory.contains(key) or self.backend.contains(key)
+
+    def keys(self) -> list[str]:
+        return sorted(set(self.backend.keys()) | set(self.memory.keys()))
+
+    def nbytes(self) -> int:
+        """Bytes in the backend (the memory tier only caches them)."""
+        return self.backend.nbytes()
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["memory"] = self.memory.stats()
+        out["backend_store"] = self.backend.stats()
+        out["bytes_read"] = out["backend_store"]["bytes_read"]
+        out["bytes_written"] = out["backend_store"]["bytes_written"]
+        out["errors"] += out["memory"]["errors"] + out["backend_store"]["errors"]
+        out["corrupt"] += out["memory"]["corrupt"] + out["backend_store"]["corrupt"]
+        out["evictions"] = out["memory"]["evictions"]
+        return out
+
+    def close(self) -> None:
+        self.memory.close()
+        self.backend.close()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _hit(self, which: str, result):
+        self._count("hits")
+        self._count(which)
+        return result
+
+    def _miss(self):
+        self._count("misses")
+        return None
+
+    def _stage(self, key: str, hdr: BlobHeader, segs) -> None:
+        """Keep verified segments; promote the chunk once all of them have been read."""
+        with self._stage_lock:
+            entry = self._staged.get(key)
+            if entry is None or entry[0].total_size != hdr.total_size or entry[0].created != hdr.created:
+                entry = (hdr, {})
+                self._staged[key] = entry
+            self._staged.move_to_end(key)
+            parts = entry[1]
+            for s, data in segs:
+                parts[s.start] = bytes(data)
+            complete = len(parts) == len(hdr.segments)
+            if complete:
+                del self._staged[key]
+            while len(self._staged) > self.max_staged:
+                self._staged.popitem(last=False)
+        if complete:
+            self.memory.put_blob(key, blobfmt.assemble(hdr, [parts[s.start] for s in hdr.segments]))

@@ -1,0 +1,129 @@
+"""Shared test fixtures: real ``redis-server`` processes on free loopback ports."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+REDIS_BIN = shutil.which("redis-server")
+NO_REDIS_REASON = "redis-server binary not found on PATH (install it, e.g. `apt-get install redis-server`)"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` (no persistence) bound to 127.0.0.1; ``kill`` it to test outages."""
+
+    def __init__(self, port: int | None = None) -> None:
+        if REDIS_BIN is None:
+            pytest.skip(NO_REDIS_REASON)
+        self.port = port or _free_port()
+        self.dir = tempfile.mkdtemp(prefix="ragkv-redis-")
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """(Re)start the server on the same port; waits until it answers PING."""
+        self.proc = subprocess.Popen(
+            [
+                REDIS_BIN,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                self.dir,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "yes",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
+            if self.ping():
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer within 10 s")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL, as in a crash; the port stays free for :meth:`start`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self.proc is not None and self.proc.stderr:
+            self.proc.stderr.close()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One Redis shared by the whole session; tests isolate themselves with unique key prefixes."""
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def make_redis_server() -> Iterator:
+    """Factory for private Redis servers (for tests that kill or restart them); all stopped at teardown."""
+    servers: list[RedisServer] = []
+
+    def make() -> RedisServer:
+        s = RedisServer()
+        servers.append(s)
+        return s
+
+    try:
+        yield make
+    finally:
+        for s in servers:
+            s.cleanup()

@@ -1,0 +1,227 @@
+"""Retriever-aware KV layer end to end: ingest -> retrieve -> blended answer, with real stores."""
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ragkv import LLM
+from ragkv.blend import prefill
+from ragkv.blend.controller import LoadingController
+from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory
+from ragkv.kv import compute_chunk_kv
+from ragkv.model import PromptTooLongError
+from ragkv.rag import RAG, Document, Embedder, split_tokens
+from ragkv.store import store_from_url
+from tests.helpers import REPO, shared_dir, stories_model
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+@pytest.fixture(scope="module")
+def musique():
+    return json.loads((shared_dir() / "data" / "musique_s.json").read_text())[:3]
+
+
+def _docs(samples, per_sample=3):
+    return [Document(c["text"], f"s{i}-p{j}") for i, s in enumerate(samples) for j, c in enumerate(s["ctxs"][:per_sample])]
+
+
+def _rag(tmp_path, embedder, store=None, **kw):
+    kw.setdefault("chunk_tokens", 80)
+    kw.setdefault("top_k", 4)
+    return RAG(LLM(stories_model()), tmp_path / "data", store=store, embedder=embedder, **kw)
+
+
+def test_splitter_windows_and_overlap():
+    tok = stories_model().tokenizer
+    text = "Lily had a red ball. " * 40
+    parts = split_tokens(tok, text, chunk_tokens=50, overlap=10)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert all(len(p.token_ids) <= 50 for p in parts)
+    assert parts[0].token_ids == tuple(ids[: len(parts[0].token_ids)])
+    assert parts[-1].token_ids[-1] == ids[-1]
+    joined = list(parts[0].token_ids)
+    for a, b in zip(parts, parts[1:], strict=False):  # neighbours share exactly `overlap` tokens
+        assert a.token_ids[-10:] == b.token_ids[:10]
+        joined += list(b.token_ids[10:])
+    assert joined == ids
+    with pytest.raises(ValueError):
+        split_tokens(tok, text, chunk_tokens=10, overlap=10)
+
+
+def test_ingest_retrieve_answer_idempotent_and_persistent(tmp_path, embedder, musique):
+    rag = _rag(tmp_path, embedder)
+    rep = rag.ingest(_docs(musique), show_progress=False)
+    assert rep.documents_added == 9 and rep.chunks_added > 9 and rep.kv_computed > 0
+    assert rep.kv_computed + rep.kv_already_stored == rep.chunks_added
+    again = rag.ingest(_docs(musique), show_progress=False)
+    assert again.documents_unchanged == 9 and again.chunks_added == 0 and again.kv_computed == 0
+    assert rag.store.stats()["puts"] == rep.kv_computed  # nothing new stored
+
+    q = musique[0]["question"]
+    hits = rag.retrieve(q)
+    assert len(hits) == 4 and all(h.kv_key and h.token_ids for h in hits)
+    assert any(h.doc_id.startswith("s0-") for h in hits)  # the sample's own passages rank high
+    blend = rag.answer(q, max_new_tokens=8)
+    assert blend.text and blend.mode == "blend" and blend.stats["kv_hits"] == len(blend.sources)
+    assert blend.stats["num_reused_rows"] > 0
+    assert blend.stats["recomputed_per_layer"][-1] < blend.stats["num_tokens"]
+    assert set(blend.timings) == {"retrieval_s", "kv_fetch_s", "ttft_s", "total_s"}
+    one = rag.answer(q, max_new_tokens=8, ratio=1.0)
+    full = rag.answer(q, max_new_tokens=8, mode="full")
+    assert one.text == full.text  # blend at ratio 1 == full, through the whole stack
+    rag.close()
+
+    restarted = _rag(tmp_path, embedder)  # same directory: finds documents, vectors and KV
+    assert sorted(restarted.index.document_ids()) == sorted(d.id for d in _docs(musique))
+    assert [h.chunk_id for h in restarted.retrieve(q)] == [h.chunk_id for h in hits]
+    assert restarted.answer(q, max_new_tokens=8).text == blend.text
+    assert restarted.ingest(_docs(musique), show_progress=False).kv_computed == 0
+    restarted.delete_document("s0-p0")
+    assert "s0-p0" not in restarted.index.document_ids()
+    restarted.close()
+
+
+def test_errors_and_fit(tmp_path, embedder, musique):
+    rag = _rag(tmp_path, embedder, top_k=8)
+    rag.ingest(_docs(musique[:1]), show_progress=False)
+    with pytest.raises(ValueError, match="empty question"):
+        rag.answer("   ")
+    with pytest.raises(ValueError, match="non-empty"):
+        Document("")
+    with pytest.raises(Exception, match="unknown mode"):
+        rag.answer("who?", mode="turbo")
+    # 8 retrieved chunks of 80 tokens do not fit 512 positions: the lowest-scored are dropped
+    ans = rag.answer(musique[0]["question"], max_new_tokens=4)
+    assert ans.stats["num_tokens"] + 4 <= 512 and len(ans.sources) < 8
+    # explicitly passed chunks that do not fit are an error, not a silent cut
+    with pytest.raises(PromptTooLongError):
+        rag.answer("who?", chunks=rag.index.all_chunks()[:8])
+    with pytest.raises(KeyError):
+        rag.chunks_by_id([10**9])
+    rag.close()
+
+
+def test_flipped_byte_is_detected_and_recomputed_with_the_same_answer(tmp_path, embedder, musique, caplog):
+    rag = _rag(tmp_path, embedder)
+    rag.ingest(_docs(musique[:1]), show_progress=False)
+    q = musique[0]["question"]
+    clean = rag.answer(q, max_new_tokens=10)
+    victim = clean.sources[0].kv_key
+    path = rag.store.path_of(victim)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x40  # a data byte in the middle of a layer segment
+    path.write_bytes(bytes(blob))
+    with caplog.at_level(logging.WARNING):
+        bad = rag.answer(q, max_new_tokens=10)
+    assert bad.text == clean.text
+    assert rag.counters["kv_recomputed_bad"] >= 1
+    assert "recomputing" in caplog.text or "corrupt" in caplog.text.lower()
+    rag.flush()  # the recomputed KV was written back: the next read is clean
+    assert rag.store.load_layers(victim, 0, 1, rag.model.fingerprint) is not None
+    rag.close()
+
+
+def test_redis_killed_mid_run_still_answers(tmp_path, embedder, musique, make_redis_server, caplog):
+    server = make_redis_server()
+    rag = _rag(tmp_path, embedder, store=store_from_url(server.url + "?socket_timeout=1"))
+    rag.ingest(_docs(musique[:1]), show_progress=False)
+    q = musique[0]["question"]
+    clean = rag.answer(q, max_new_tokens=10)
+    assert clean.stats["kv_hits"] > 0
+    server.kill()
+    with caplog.at_level(logging.WARNING):
+        down = rag.answer(q, max_new_tokens=10)
+    assert down.text == clean.text and rag.counters["kv_misses"] > 0
+    assert "unavailable" in caplog.text
+    rag.close()
+
+
+def test_two_processes_share_one_redis_store(redis_server, tmp_path):
+    """Another process computes and stores chunk KV; this one reuses it without recomputing."""
+    url = redis_server.url + "?prefix=ragkv:twoproc:"
+    m = stories_model()
+    chunk = m.encode("Lily and Tom went to the park to play with a big red ball.")
+    code = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(REPO)!r})
+        from ragkv import LLM
+        from ragkv.store import store_from_url
+        from tests.helpers import stories_model
+        store = store_from_url({url!r})
+        llm = LLM(stories_model(), store=store, self_check_on_load=False)
+        kv = llm.chunk_kv({chunk!r})
+        print(kv.key)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    key = out.stdout.strip().splitlines()[-1]
+    store = store_from_url(url)
+    assert store.contains(key)
+    llm = LLM(m, store=store, self_check_on_load=False)
+    kv = llm.chunk_kv(chunk)
+    assert kv.key == key and store.stats()["hits"] == 1 and store.stats()["puts"] == 0
+    torch.testing.assert_close(kv.k, compute_chunk_kv(m, chunk).k)
+
+
+def test_pipelined_and_sequential_loading_give_identical_kv(tmp_path):
+    m = stories_model()
+    store = store_from_url(f"file://{tmp_path}/kv")
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randint(3, 512, (40,), generator=g).tolist() for _ in range(3)]
+    for c in chunks:
+        assert store.put(compute_chunk_kv(m, c))
+    refs = [StoredChunk(store, compute_chunk_kv(m, c).key, c, m.fingerprint) for c in chunks]
+    pre, suf = [1, 5, 6], [7, 8, 9]
+    seq = prefill(m, pre, refs, suf, "blend")
+    refs = [StoredChunk(store, r.key, r.token_ids, m.fingerprint) for r in refs]
+    pip = prefill(m, pre, refs, suf, "blend", source_factory=pipelined_factory(m, depth=2))
+    assert torch.equal(seq.kv.k, pip.kv.k) and torch.equal(seq.kv.v, pip.kv.v)
+    assert torch.equal(seq.logits, pip.logits)
+    inmem = prefill(m, pre, [compute_chunk_kv(m, c) for c in chunks], suf, "blend")
+    torch.testing.assert_close(inmem.logits, seq.logits)
+    with pytest.raises(ChunkLoadError):
+        StoredChunk(store, "0" * 64, chunks[0], m.fingerprint)
+    with pytest.raises(ChunkLoadError):  # right key, wrong model: never reused
+        StoredChunk(store, refs[0].key, chunks[0], "another-model")
+
+
+def test_loading_controller(tmp_path):
+    c = LoadingController({1000: 0.010, 2000: 0.030}, {"ssd": 1e8, "ram": 1e10}, kv_bytes_per_token_layer=4096)
+    assert c.t_prefill_layer(1000) == pytest.approx(0.010, rel=1e-6)
+    assert c.t_prefill_layer(2000) == pytest.approx(0.030, rel=1e-6)
+    fast = c.choose_ratio(2000, 1900, "ram")
+    assert fast.ratio == 0.15 and "floor" in fast.reason
+    slow = c.choose_ratio(2000, 1900, "ssd")  # 1900*4096/1e8 = 78 ms per layer vs 30 ms prefill
+    assert slow.ratio == 1.0 and slow.r_match == 1.0
+    mid = LoadingController({2000: 0.030}, {"disk": 1e9}, 4096).choose_ratio(2000, 1900, "disk")
+    assert mid.ratio == pytest.approx(1900 * 4096 / 1e9 / 0.030, rel=1e-3)
+    assert c.recommend_store(2000, 1900, {"ram": 10.0, "ssd": 1.0}) == "ram"
+    assert c.recommend_store(2000, 1900, {"ram": 10.0, "ssd": 1.0}, ratio=1.0) == "ram"
+    with pytest.raises(KeyError):
+        c.choose_ratio(10, 10, "tape")
+    m = stories_model()
+    prof = LoadingController.profile(m, {"memory": store_from_url("memory://")}, lengths=(64, 128),
+                                     cache_path=tmp_path / "prof.json", runs=1)
+    assert all(v > 0 for v in prof.prefill_layer_s.values()) and prof.load_bytes_per_s["memory"] > 0
+    again = LoadingController.profile(m, {"memory": store_from_url("memory://")}, lengths=(64, 128),
+                                      cache_path=tmp_path / "prof.json")
+    assert again.prefill_layer_s == prof.prefill_layer_s  # cached per model and device
+
+
+def test_auto_ratio_in_rag(tmp_path, embedder, musique):
+    m = stories_model()
+    ctrl = LoadingController({256: 1e-3, 512: 3e-3}, {"LocalDirStore": 1e5}, kv_bytes_per_token_layer=256)
+    rag = _rag(tmp_path, embedder, ratio="auto", controller=ctrl)
+    rag.ingest(_docs(musique[:1]), show_progress=False)
+    ans = rag.answer(musique[0]["question"], max_new_tokens=4)
+    d = ans.stats["controller"]
+    assert d["ratio"] >= 0.15 and d["reason"] and ans.stats["ratio"] == d["ratio"]
+    assert m.blend_ok
+    rag.close()
