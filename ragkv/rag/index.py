@@ -75,15 +75,20 @@ class ChunkIndex:
             self.vectors = faiss.IndexIDMap2(base)
 
     # ---- documents -----------------------------------------------------------------------------
+    def _query(self, sql: str, args: tuple = ()) -> list:
+        """Read rows under the index lock (one SQLite connection is shared by the server's threads)."""
+        with self._lock:
+            return self.db.execute(sql, args).fetchall()
+
     def document_sha(self, doc_id: str) -> str | None:
-        row = self.db.execute("SELECT text_sha FROM documents WHERE doc_id=?", (doc_id,)).fetchone()
-        return row[0] if row else None
+        rows = self._query("SELECT text_sha FROM documents WHERE doc_id=?", (doc_id,))
+        return rows[0][0] if rows else None
 
     def has_document(self, doc_id: str) -> bool:
         return self.document_sha(doc_id) is not None
 
     def document_ids(self) -> list[str]:
-        return [r[0] for r in self.db.execute("SELECT doc_id FROM documents ORDER BY doc_id")]
+        return [r[0] for r in self._query("SELECT doc_id FROM documents ORDER BY doc_id")]
 
     def add_document(self, doc_id: str, sha: str, metadata: dict, chunks: list[tuple[int, str, list[int], str]],
                      vectors: np.ndarray) -> list[int]:
@@ -116,7 +121,7 @@ class ChunkIndex:
             self.db.commit()
             self._save()
             keys = {r[1] for r in rows}
-            return [k for k in keys if not self.db.execute("SELECT 1 FROM chunks WHERE kv_key=?", (k,)).fetchone()]
+            return [k for k in keys if not self._query("SELECT 1 FROM chunks WHERE kv_key=?", (k,))]
 
     # ---- chunks ----------------------------------------------------------------------------------
     def _record(self, row, score: float = 0.0) -> ChunkRecord:
@@ -128,18 +133,18 @@ class ChunkIndex:
                "JOIN documents d ON d.doc_id = c.doc_id")
 
     def chunk(self, chunk_id: int) -> ChunkRecord | None:
-        row = self.db.execute(self._SELECT + " WHERE c.chunk_id=?", (int(chunk_id),)).fetchone()
-        return self._record(row) if row else None
+        rows = self._query(self._SELECT + " WHERE c.chunk_id=?", (int(chunk_id),))
+        return self._record(rows[0]) if rows else None
 
     def chunks_of(self, doc_id: str) -> list[ChunkRecord]:
-        rows = self.db.execute(self._SELECT + " WHERE c.doc_id=? ORDER BY c.seq", (doc_id,)).fetchall()
+        rows = self._query(self._SELECT + " WHERE c.doc_id=? ORDER BY c.seq", (doc_id,))
         return [self._record(r) for r in rows]
 
     def all_chunks(self) -> list[ChunkRecord]:
-        return [self._record(r) for r in self.db.execute(self._SELECT + " ORDER BY c.chunk_id").fetchall()]
+        return [self._record(r) for r in self._query(self._SELECT + " ORDER BY c.chunk_id")]
 
     def __len__(self) -> int:
-        return int(self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
+        return int(self._query("SELECT COUNT(*) FROM chunks")[0][0])
 
     def search(self, vector: np.ndarray, k: int) -> list[ChunkRecord]:
         """Top-``k`` chunks by similarity (cosine: higher is closer; l2: the score is -distance)."""
@@ -165,4 +170,5 @@ class ChunkIndex:
         os.replace(tmp, self._faiss_path)
 
     def close(self) -> None:
-        self.db.close()
+        with self._lock:
+            self.db.close()
