@@ -157,6 +157,9 @@ def _layer_loop(model, h, S, pos, cached, reused_mask, cache_index, n_reused, so
     t_select = 0.0
     cfg = model.config
     n = int(pos.numel())
+    cs_cached = (cs_all[0][cached], cs_all[1][cached])
+    pos_cached = pos[cached]
+    cs, cs_rows = None, None
     for layer in range(cfg.num_layers):
         Kc = Vc = None
         if cached.numel():
@@ -170,7 +173,8 @@ def _layer_loop(model, h, S, pos, cached, reused_mask, cache_index, n_reused, so
             S, h, q, k, v = S[keep], h[keep], q[keep], k[keep], v[keep]
             t_select += time.perf_counter() - ts
         recomputed.append(int(S.numel()))
-        cs = (cs_all[0][S], cs_all[1][S])
+        if cs_rows is not S:  # S only changes at check layers
+            cs, cs_rows = (cs_all[0][S], cs_all[1][S]), S
         q = model.rotary.apply(q, pos[S], cs)
         if out_kpre is not None:
             if Kc is not None:
@@ -181,7 +185,7 @@ def _layer_loop(model, h, S, pos, cached, reused_mask, cache_index, n_reused, so
         if full_rows:
             out_k[layer], out_v[layer] = k, v
         else:
-            out_k[layer, cached] = model.rotary.apply(Kc, pos[cached], (cs_all[0][cached], cs_all[1][cached]))
+            out_k[layer, cached] = model.rotary.apply(Kc, pos_cached, cs_cached)
             out_v[layer, cached] = Vc
             out_k[layer, S], out_v[layer, S] = k, v
         # sorted query rows over keys at positions 0..n-1: attend in position blocks (see attention())
