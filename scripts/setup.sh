@@ -11,7 +11,7 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored" || true
-python -c "import torch" # fail early if torch did not install
+python -W ignore -c "import torch" # fail early if torch did not install
 pip install -q -e ".[rag,video,redis,server,langchain,llamaindex,eval,dev]" 2>&1 | grep -v "is ignored" || true
 python -c "import ragkv, faiss, av, redis, fastapi, sentence_transformers" # fail early on a missing part
 # Redis server for the Redis-backed store tests (a real server, started by the test fixture)

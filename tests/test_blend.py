@@ -193,3 +193,17 @@ def test_blend_beats_reuse_on_trained_model():
     assert statistics.mean(kl_blend) < statistics.mean(kl_reuse)
     assert statistics.mean(kl_blend) < 0.5 * statistics.mean(kl_reuse)
     assert worse_layers == 0
+
+
+def test_fully_cached_prompt_recomputes_only_the_last_token():
+    """A prompt that is entirely cached (prefix mode, no question) still gives exact last logits."""
+    m = random_model("llama", seed=4, init_std=0.1)
+    pre, chunks, _ = _prompt(m)
+    pc = PrefixCache()
+    first = prefill(m, pre, chunks, [], "prefix", prefix_cache=pc)
+    again = prefill(m, pre, chunks, [], "prefix", prefix_cache=pc)
+    assert again.stats["recomputed_per_layer"] == [1] * m.config.num_layers
+    _close(again.logits, first.logits)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    reuse = prefill(m, pre, kvs, [], "reuse", prefix_cache=pc)  # last chunk token is cached, still exact row
+    assert reuse.stats["recomputed_per_layer"][-1] == 1

@@ -36,6 +36,9 @@ class BlendSchedule:
     check_layers: tuple[int, ...] = (1,)
     ratios: tuple[float, ...] = (0.15,)
     deviation: str = "v"  # "k", "v" or "kv": which fresh-vs-stored difference ranks tokens
+    #: keep the *fresh* K/V of every candidate on check layers (the paper computes check layers fully)
+    #: instead of the reused K/V of the rows not kept; False makes ratio 0 exactly full KV reuse
+    fresh_check_kv: bool = False
 
     def __post_init__(self):
         if len(self.check_layers) != len(self.ratios) or not self.check_layers:
@@ -50,8 +53,10 @@ class BlendSchedule:
             raise ValueError("deviation must be 'k', 'v' or 'kv'")
 
     @classmethod
-    def single(cls, ratio: float, check_layer: int = 1, deviation: str = "v") -> BlendSchedule:
-        return cls((check_layer,), (ratio,), deviation)
+    def single(
+        cls, ratio: float, check_layer: int = 1, deviation: str = "v", fresh_check_kv: bool = False
+    ) -> BlendSchedule:
+        return cls((check_layer,), (ratio,), deviation, fresh_check_kv)
 
     @property
     def target_ratio(self) -> float:
@@ -100,7 +105,10 @@ def selective_prefill(
         raise ValueError("empty prompt")
     model.check_length(n)
     row_class = row_class.to(dev).clone()
-    row_class[-1] = COMPUTED  # the last token's hidden state must be exact for the first logits
+    # the last token's hidden state must be exact for the first logits: always computed. If it was
+    # cached, its row is the source's last row, which the layer loop then drops.
+    drop_last_cached = bool(row_class[-1] != COMPUTED)
+    row_class[-1] = COMPUTED
     pos = torch.arange(n, device=dev)
     cached = (row_class != COMPUTED).nonzero().flatten()
     reused_mask = row_class == REUSED
@@ -127,8 +135,24 @@ def selective_prefill(
     h = model.embed(token_ids.to(dev)[S])
     try:
         h, S, recomputed, t_select = _layer_loop(
-            model, h, S, pos, cached, reused_mask, cache_index, n_reused, source, schedule, checks, cs_all,
-            out_k, out_v, out_kpre, probes, probe_rows,
+            model,
+            h,
+            S,
+            pos,
+            cached,
+            reused_mask,
+            cache_index,
+            n_reused,
+            source,
+            schedule,
+            checks,
+            cs_all,
+            out_k,
+            out_v,
+            out_kpre,
+            probes,
+            probe_rows,
+            drop_last_cached,
         )
     finally:
         if source is not None:
@@ -150,8 +174,26 @@ def selective_prefill(
     return PrefillResult(logits, kv, stats, probes)
 
 
-def _layer_loop(model, h, S, pos, cached, reused_mask, cache_index, n_reused, source, schedule, checks, cs_all,
-                out_k, out_v, out_kpre, probes, probe_rows):
+def _layer_loop(
+    model,
+    h,
+    S,
+    pos,
+    cached,
+    reused_mask,
+    cache_index,
+    n_reused,
+    source,
+    schedule,
+    checks,
+    cs_all,
+    out_k,
+    out_v,
+    out_kpre,
+    probes,
+    probe_rows,
+    drop_last_cached=False,
+):
     """The per-layer body of :func:`selective_prefill` (see its docstring and the module's)."""
     recomputed: list[int] = []
     t_select = 0.0
@@ -162,10 +204,15 @@ def _layer_loop(model, h, S, pos, cached, reused_mask, cache_index, n_reused, so
     cs, cs_rows = None, None
     for layer in range(cfg.num_layers):
         Kc = Vc = None
-        if cached.numel():
+        if cached.numel() or drop_last_cached:
             Kc, Vc = source.layer(layer)
+            if drop_last_cached:
+                Kc, Vc = Kc[:-1], Vc[:-1]
         q, k, v = model.qkv(layer, h)
+        fresh = None
         if layer in checks:
+            if schedule.fresh_check_kv:
+                fresh = (S, model.rotary.apply(k, pos[S], (cs_all[0][S], cs_all[1][S])), v)
             ts = time.perf_counter()
             keep = _select_hkvd(
                 S, k, v, Kc, Vc, reused_mask, cache_index, checks[layer], n_reused, schedule.deviation
@@ -187,6 +234,8 @@ def _layer_loop(model, h, S, pos, cached, reused_mask, cache_index, n_reused, so
         else:
             out_k[layer, cached] = model.rotary.apply(Kc, pos_cached, cs_cached)
             out_v[layer, cached] = Vc
+            if fresh is not None:
+                out_k[layer, fresh[0]], out_v[layer, fresh[0]] = fresh[1], fresh[2]
             out_k[layer, S], out_v[layer, S] = k, v
         # sorted query rows over keys at positions 0..n-1: attend in position blocks (see attention())
         o = model.attend(
