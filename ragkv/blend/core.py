@@ -214,7 +214,7 @@ def _layer_loop(
             if schedule.fresh_check_kv:
                 fresh = (S, model.rotary.apply(k, pos[S], (cs_all[0][S], cs_all[1][S])), v)
             ts = time.perf_counter()
-            keep = _select_hkvd(
+            keep = select_hkvd(
                 S, k, v, Kc, Vc, reused_mask, cache_index, checks[layer], n_reused, schedule.deviation
             )
             S, h, q, k, v = S[keep], h[keep], q[keep], k[keep], v[keep]
@@ -256,7 +256,7 @@ def _layer_loop(
     return h, S, recomputed, t_select
 
 
-def _select_hkvd(S, k, v, Kc, Vc, reused_mask, cache_index, ratio, n_reused, deviation) -> torch.Tensor:
+def select_hkvd(S, k, v, Kc, Vc, reused_mask, cache_index, ratio, n_reused, deviation) -> torch.Tensor:
     """Local indices into S of the rows to keep: all non-reused rows + top-deviation reused rows."""
     is_r = reused_mask[S]
     cand = is_r.nonzero().flatten()

@@ -2,7 +2,7 @@
 
 from ragkv.model.config import ModelConfig, UnsupportedModelError
 from ragkv.model.llama import Model, PromptTooLongError
-from ragkv.model.loader import load_model, parse_dtype, random_hf_config, random_model
+from ragkv.model.loader import checkpoint_fingerprint, load_model, parse_dtype, random_hf_config, random_model
 from ragkv.model.rope import UnsupportedRopeError
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "PromptTooLongError",
     "UnsupportedModelError",
     "UnsupportedRopeError",
+    "checkpoint_fingerprint",
     "load_model",
     "parse_dtype",
     "random_hf_config",

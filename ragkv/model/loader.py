@@ -87,6 +87,30 @@ def _file_digest(path: Path) -> str:
     return digest
 
 
+def weights_digest(folder: Path) -> str:
+    """Identity of a checkpoint folder's weights: sha256 over the sha256 of each safetensors file."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    return hashlib.sha256("|".join(_file_digest(f) for f in files).encode()).hexdigest()
+
+
+def checkpoint_fingerprint(path_or_id: str | os.PathLike, dtype: str | torch.dtype,
+                           tokenizer_path: str | os.PathLike | None = None) -> str:
+    """The fingerprint ``load_model(path_or_id, dtype)`` would have, without loading the weights.
+
+    Other serving engines (the vLLM plugin) use it to find the chunk KV ragkv stored for the same
+    checkpoint and dtype, and never another's.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = resolve_model_dir(path_or_id)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
+    tok_dir = resolve_model_dir(tokenizer_path) if tokenizer_path is not None else folder
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    return model_fingerprint(cfg, weights_digest(folder), parse_dtype(dtype), tokenizer_digest(tok))
+
+
 def tensors_digest(weights: dict[str, torch.Tensor]) -> str:
     """sha256 of in-memory weights (for random-initialised models with no files)."""
     h = hashlib.sha256()
@@ -163,8 +187,7 @@ def load_model(
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         tokenizer.model_max_length = 1 << 30  # ragkv checks lengths itself (PromptTooLongError)
-    wdig = hashlib.sha256("|".join(_file_digest(f) for f in files).encode()).hexdigest()
-    fp = model_fingerprint(cfg, wdig, dtype, tokenizer_digest(tokenizer))
+    fp = model_fingerprint(cfg, weights_digest(folder), dtype, tokenizer_digest(tokenizer))
     model = Model(cfg, weights, tokenizer=tokenizer, fingerprint=fp, name=str(path_or_id))
     log.info("loaded %s (%s, %d layers) fingerprint %s", path_or_id, cfg.model_type, cfg.num_layers, fp[:12])
     return model

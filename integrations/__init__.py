@@ -1,0 +1,1 @@
+"""Framework integrations: ``integrations.langchain`` and ``integrations.llama_index`` (optional extras)."""

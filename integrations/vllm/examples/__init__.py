@@ -1,0 +1,1 @@
+"""Runnable examples of the vLLM integration (GPU machine for serve_and_query.sh)."""

@@ -1,0 +1,482 @@
+"""Blending inside a serving engine with a paged KV cache (vLLM), without the engine.
+
+The engine-independent half of ``integrations/vllm``: everything here runs and is tested on CPU.
+
+* ``kv_transfer_params`` (de)serialization: a request names its retrieved chunks as
+  ``{"ragkv": {"chunks": [{"key": ..., "start": ..., "length": ...}], "mode": "blend", ...}}``.
+* Chunk spans: where each chunk sits in the prompt's token ids (given, or found by content).
+* Row plan: which prompt rows the engine already holds (``EXACT``: its prefix cache), which come
+  from stored chunk KV (``REUSED``: HKVD candidates) and which must be computed (``COMPUTED``); and
+  how many rows the connector reports to the engine as loaded.
+* Paged addressing: rows -> slots and block ids of a request's block table.
+* :func:`blend_rows`: the layer loop that fills rows ``[num_exact, num_rows)`` of a prompt with
+  blended KV (CacheBlend HKVD selective recompute), driven through a "layer model" (ragkv's own
+  :class:`ragkv.model.llama.Model`, or the vLLM model adapter in ``integrations/vllm/model_hook.py``).
+* :func:`chunk_kv_alone`: a chunk's KV in the chunk convention (prefilled alone after BOS, K
+  pre-RoPE), computed through the same layer model, for saving missed chunks to the store.
+
+Deviation from :func:`ragkv.blend.core.selective_prefill` (which this mirrors): the engine's
+prefix-cache rows arrive with *post-RoPE* K (that is what a paged cache holds), so they are used as
+is instead of being re-rotated; the rows after the last chunk (the question) are left to the
+engine, which is exact because causal attention never lets earlier rows see later ones; and the
+last layer's MLP is skipped (no logits are needed from the blend).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ragkv.blend.core import COMPUTED, EXACT, POSITION_BLOCKS, REUSED, BlendSchedule, select_hkvd
+from ragkv.kv.chunk import ChunkKV
+
+PARAMS_KEY = "ragkv"
+MODES = ("blend", "reuse")
+_KEY_RE = re.compile(r"^[0-9A-Za-z_.:-]{1,200}$")
+MAX_CHUNKS = 4096
+
+
+class KVParamsError(ValueError):
+    """A request's ``kv_transfer_params["ragkv"]`` is malformed."""
+
+
+class SpanError(ValueError):
+    """Chunk spans that do not fit the prompt (overlapping, out of range, wrong length)."""
+
+
+# ---- kv_transfer_params ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChunkRef:
+    """One retrieved chunk of a request: its store key and, when the client knows it, its span."""
+
+    key: str
+    start: int | None = None
+    length: int | None = None
+
+    def to_dict(self) -> dict:
+        d: dict = {"key": self.key}
+        if self.start is not None:
+            d["start"], d["length"] = self.start, self.length
+        return d
+
+
+@dataclass(frozen=True)
+class BlendParams:
+    """What a request asks of the connector; travels as ``kv_transfer_params["ragkv"]``."""
+
+    chunks: tuple[ChunkRef, ...]
+    mode: str = "blend"
+    ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    deviation: str = "v"
+    save: bool = True  # store the KV of chunks that missed (computed alone, chunk convention)
+    fresh_check_kv: bool = False  # see BlendSchedule.fresh_check_kv
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise KVParamsError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.ratio, (int, float)) or not 0.0 <= float(self.ratio) <= 1.0:
+            raise KVParamsError(f"ratio must be a number in [0, 1], got {self.ratio!r}")
+        if len(self.chunks) > MAX_CHUNKS:
+            raise KVParamsError(f"at most {MAX_CHUNKS} chunks per request, got {len(self.chunks)}")
+        try:
+            self.schedule()
+        except ValueError as e:
+            raise KVParamsError(f"invalid blend schedule: {e}") from None
+
+    def schedule(self) -> BlendSchedule | None:
+        """The HKVD schedule (one ratio at every check layer), or None for full reuse."""
+        if self.mode == "reuse":
+            return None
+        return BlendSchedule(
+            tuple(self.check_layers), (float(self.ratio),) * len(self.check_layers), self.deviation
+        )
+
+    def to_kv_transfer_params(self) -> dict:
+        """``{"ragkv": {...}}``: JSON-safe, for the OpenAI server's ``kv_transfer_params`` field."""
+        return {
+            PARAMS_KEY: {
+                "chunks": [c.to_dict() for c in self.chunks],
+                "mode": self.mode,
+                "ratio": float(self.ratio),
+                "check_layers": list(self.check_layers),
+                "deviation": self.deviation,
+                "save": self.save,
+                "fresh_check_kv": self.fresh_check_kv,
+            }
+        }
+
+    @classmethod
+    def from_kv_transfer_params(cls, params: dict | None) -> BlendParams | None:
+        """Parse a request's ``kv_transfer_params``; None when it carries no ``"ragkv"`` entry."""
+        if params is None:
+            return None
+        if not isinstance(params, dict):
+            raise KVParamsError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
+        body = params.get(PARAMS_KEY)
+        if body is None:
+            return None
+        if not isinstance(body, dict):
+            raise KVParamsError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a dict")
+        unknown = set(body) - {
+            "chunks",
+            "mode",
+            "ratio",
+            "check_layers",
+            "deviation",
+            "save",
+            "fresh_check_kv",
+        }
+        if unknown:
+            raise KVParamsError(f"unknown kv_transfer_params[{PARAMS_KEY!r}] fields: {sorted(unknown)}")
+        raw = body.get("chunks")
+        if not isinstance(raw, list):
+            raise KVParamsError("'chunks' must be a list of {key, start?, length?} objects or key strings")
+        chunks = tuple(_chunk_ref(c) for c in raw)
+        layers = body.get("check_layers", [1])
+        if not isinstance(layers, list) or not all(_is_int(x) and x >= 0 for x in layers):
+            raise KVParamsError("'check_layers' must be a list of non-negative integers")
+        save, fresh = body.get("save", True), body.get("fresh_check_kv", False)
+        if not isinstance(save, bool) or not isinstance(fresh, bool):
+            raise KVParamsError("'save' and 'fresh_check_kv' must be booleans")
+        ratio = body.get("ratio", 0.15)
+        if isinstance(ratio, bool):
+            raise KVParamsError("'ratio' must be a number")
+        return cls(
+            chunks=chunks,
+            mode=body.get("mode", "blend"),
+            ratio=ratio,
+            check_layers=tuple(int(x) for x in layers),
+            deviation=body.get("deviation", "v"),
+            save=save,
+            fresh_check_kv=fresh,
+        )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _chunk_ref(c) -> ChunkRef:
+    if isinstance(c, str):
+        c = {"key": c}
+    if not isinstance(c, dict):
+        raise KVParamsError(f"a chunk must be a key string or a dict, got {type(c).__name__}")
+    key = c.get("key")
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise KVParamsError(f"invalid chunk key {key!r}")
+    start, length = c.get("start"), c.get("length")
+    if (start is None) != (length is None):
+        raise KVParamsError(f"chunk {key[:16]}: give both 'start' and 'length' or neither")
+    if start is not None and not (_is_int(start) and _is_int(length) and start >= 0 and length > 0):
+        raise KVParamsError(f"chunk {key[:16]}: 'start' must be >= 0 and 'length' > 0 integers")
+    extra = set(c) - {"key", "start", "length"}
+    if extra:
+        raise KVParamsError(f"chunk {key[:16]}: unknown fields {sorted(extra)}")
+    return ChunkRef(key, start, length)
+
+
+# ---- spans ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChunkSpan:
+    """A chunk found in the prompt: rows ``[start, start + length)``; ``index`` is its request order."""
+
+    index: int
+    key: str
+    start: int
+    length: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
+
+
+def find_subsequence(haystack: Sequence[int], needle: Sequence[int], start: int = 0) -> int | None:
+    """First ``i >= start`` with ``haystack[i:i+len(needle)] == needle``, or None."""
+    n, m = len(haystack), len(needle)
+    if m == 0:
+        return None
+    first = needle[0]
+    i = start
+    needle = list(needle)
+    while i <= n - m:
+        try:
+            i = haystack.index(first, i, n - m + 1)
+        except ValueError:
+            return None
+        if list(haystack[i : i + m]) == needle:
+            return i
+        i += 1
+    return None
+
+
+def locate_chunks(
+    prompt_ids: Sequence[int], chunk_tokens: Sequence[Sequence[int] | None]
+) -> list[int | None]:
+    """Start row of each chunk in the prompt, searched in request order after the previous match.
+
+    None for a chunk with unknown tokens or not found (its text was tokenized differently in the
+    prompt, e.g. merged with a neighbour); it is then simply computed, never guessed.
+    """
+    ids = list(prompt_ids)
+    out: list[int | None] = []
+    pos = 0
+    for toks in chunk_tokens:
+        at = find_subsequence(ids, toks, pos) if toks else None
+        out.append(at)
+        if at is not None:
+            pos = at + len(toks)
+    return out
+
+
+def check_spans(spans: Sequence[ChunkSpan], prompt_len: int) -> list[ChunkSpan]:
+    """Spans sorted by start; :class:`SpanError` if one leaves the prompt or two overlap."""
+    ordered = sorted(spans, key=lambda s: s.start)
+    for s in ordered:
+        if s.start < 0 or s.length <= 0 or s.stop > prompt_len:
+            raise SpanError(
+                f"chunk {s.key[:16]} span [{s.start}, {s.stop}) outside the prompt of {prompt_len}"
+            )
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        if b.start < a.stop:
+            raise SpanError(f"chunk spans [{a.start}, {a.stop}) and [{b.start}, {b.stop}) overlap")
+    return ordered
+
+
+# ---- row plan -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of the prompt taken from rows ``[src_start, ...)`` of a stored chunk."""
+
+    span: ChunkSpan
+    start: int
+    stop: int
+    src_start: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class RowPlan:
+    """Rows ``[0, num_rows)`` of one prompt: the engine holds ``[0, num_exact)``; the rest is ours."""
+
+    num_rows: int
+    num_exact: int
+    pieces: list[Piece]  # REUSED runs, in prompt order
+    row_class: torch.Tensor = field(repr=False)  # int8 [num_rows]
+
+    @property
+    def num_external(self) -> int:
+        """Rows reported to the engine as loaded by the connector."""
+        return self.num_rows - self.num_exact
+
+    @property
+    def num_reused(self) -> int:
+        return sum(p.num_tokens for p in self.pieces)
+
+    def reused_rows(self) -> torch.Tensor:
+        return (self.row_class == REUSED).nonzero().flatten()
+
+    def piece_rows(self, piece: Piece) -> torch.Tensor:
+        return torch.arange(piece.start, piece.stop)
+
+    def without(self, span_index: int) -> RowPlan:
+        """The same plan with chunk ``span_index`` computed instead of reused (its load failed)."""
+        rc = self.row_class.clone()
+        keep = []
+        for p in self.pieces:
+            if p.span.index == span_index:
+                rc[p.start : p.stop] = COMPUTED
+            else:
+                keep.append(p)
+        return RowPlan(self.num_rows, self.num_exact, keep, rc)
+
+
+def plan_rows(prompt_len: int, hits: Sequence[ChunkSpan], num_exact: int) -> RowPlan | None:
+    """Plan the rows the connector fills for a prompt whose first ``num_exact`` rows the engine holds.
+
+    ``hits`` are the chunks found in the prompt *and* in the store. Rows end at the last hit chunk
+    (the engine computes the rest, the question included) and never include the last prompt row
+    (the engine must compute at least one row to produce logits). Text between chunks is COMPUTED.
+    None when no stored row would be used (nothing to gain: let the engine prefill).
+    """
+    if prompt_len <= 0 or num_exact < 0:
+        raise ValueError(f"bad prompt length {prompt_len} / cached rows {num_exact}")
+    spans = check_spans(hits, prompt_len)
+    if not spans:
+        return None
+    end = min(spans[-1].stop, prompt_len - 1)
+    if end <= num_exact:
+        return None
+    rc = torch.full((end,), COMPUTED, dtype=torch.int8)
+    rc[: min(num_exact, end)] = EXACT
+    pieces = []
+    for s in spans:
+        lo, hi = max(s.start, num_exact), min(s.stop, end)
+        if hi > lo:
+            rc[lo:hi] = REUSED
+            pieces.append(Piece(s, lo, hi, lo - s.start))
+    if not pieces:
+        return None
+    return RowPlan(end, num_exact, pieces, rc)
+
+
+# ---- paged addressing -----------------------------------------------------------------------------
+def slot_mapping(block_ids: Sequence[int], block_size: int, rows: torch.Tensor) -> torch.Tensor:
+    """Cache slot ``block_ids[r // block_size] * block_size + r % block_size`` of each row ``r``."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    rows = torch.as_tensor(rows, dtype=torch.long)
+    if rows.numel() and int(rows.max()) >= len(block_ids) * block_size:
+        raise SpanError(f"row {int(rows.max())} beyond the {len(block_ids)} blocks allocated to the request")
+    table = torch.as_tensor(list(block_ids), dtype=torch.long)
+    return table[rows // block_size] * block_size + rows % block_size
+
+
+def blocks_of_rows(block_ids: Sequence[int], block_size: int, start: int, stop: int) -> set[int]:
+    """Block ids holding rows ``[start, stop)``."""
+    if stop <= start:
+        return set()
+    return {int(block_ids[b]) for b in range(start // block_size, math.ceil(stop / block_size))}
+
+
+# ---- the layer loop -------------------------------------------------------------------------------
+@torch.inference_mode()
+def blend_rows(
+    model,
+    token_ids: torch.Tensor,
+    plan: RowPlan,
+    reused_source,
+    exact_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
+    schedule: BlendSchedule | None,
+    write: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> dict:
+    """Fill rows ``[num_exact, num_rows)`` of every layer with blended KV through ``write``.
+
+    ``model``: a layer model (``config``, ``device``, ``dtype``, ``embed``, ``qkv``, ``rope``,
+    ``attend``, ``finish_layer``). ``reused_source.layer(l)``: pre-RoPE K/V of the REUSED rows in
+    order (a :class:`ragkv.blend.source.LayerSource`; closed here). ``exact_kv(l)``: post-RoPE K and
+    V of rows ``[0, num_exact)`` (read from the engine's cache). ``write(l, rows, k_post, v)``
+    receives rows ``[num_exact, num_rows)``. ``schedule`` None means full reuse (no recompute).
+    """
+    t0 = time.perf_counter()
+    dev = model.device
+    n = plan.num_rows
+    if int(token_ids.numel()) < n:
+        raise ValueError(f"{token_ids.numel()} token ids for a plan of {n} rows")
+    rc = plan.row_class.to(dev)
+    pos = torch.arange(n, device=dev)
+    reused_mask = rc == REUSED
+    n_reused = int(reused_mask.sum())
+    n_exact = plan.num_exact
+    reuse_index = torch.full((n,), -1, dtype=torch.long, device=dev)
+    reuse_index[reused_mask] = torch.arange(n_reused, device=dev)
+    reused_rows = reused_mask.nonzero().flatten()
+    blending = schedule is not None and n_reused > 0
+    active = (rc != EXACT) if blending else (rc == COMPUTED)
+    S = active.nonzero().flatten()
+    checks = dict(zip(schedule.check_layers, schedule.ratios, strict=True)) if blending else {}
+    cfg = model.config
+    L = cfg.num_layers
+    recomputed: list[int] = []
+    out_rows = torch.arange(n_exact, n, device=dev)
+    try:
+        h = model.embed(token_ids[:n].to(dev)[S])
+        for layer in range(L):
+            Kr = Vr = None
+            if n_reused:
+                Kr, Vr = reused_source.layer(layer)
+            q, k, v = model.qkv(layer, h)
+            fresh = None
+            if layer in checks:
+                if getattr(schedule, "fresh_check_kv", False):  # keep every candidate's fresh K/V here
+                    fresh = (S, model.rope(k, pos[S]), v)
+                keep = select_hkvd(
+                    S, k, v, Kr, Vr, reused_mask, reuse_index, checks[layer], n_reused, schedule.deviation
+                )
+                S, h, q, k, v = S[keep], h[keep], q[keep], k[keep], v[keep]
+            recomputed.append(int(S.numel()))
+            K = torch.empty(n, cfg.num_kv_heads, cfg.head_dim, dtype=k.dtype, device=dev)
+            V = torch.empty_like(K)
+            if n_exact:
+                Ke, Ve = exact_kv(layer)
+                K[:n_exact], V[:n_exact] = Ke.to(K.dtype), Ve.to(V.dtype)
+            if n_reused:
+                K[reused_rows] = model.rope(Kr.to(K.dtype), reused_rows)
+                V[reused_rows] = Vr.to(V.dtype)
+            if fresh is not None:
+                K[fresh[0]], V[fresh[0]] = fresh[1], fresh[2]
+            K[S] = model.rope(k, pos[S])
+            V[S] = v
+            write(layer, out_rows, K[n_exact:], V[n_exact:])
+            if layer == L - 1 or S.numel() == 0:
+                continue  # the last layer's output is never read: the engine computes the question
+            o = model.attend(model.rope(q, pos[S]), K, V, pos[S], pos, position_blocks=POSITION_BLOCKS)
+            h = model.finish_layer(layer, h, o)
+    finally:
+        if reused_source is not None:
+            reused_source.close()
+    return {
+        "num_rows": n,
+        "num_exact_rows": n_exact,
+        "num_reused_rows": n_reused,
+        "num_computed_rows": int((rc == COMPUTED).sum()),
+        "recomputed_per_layer": recomputed,
+        "t_blend_s": time.perf_counter() - t0,
+        "t_load_wait_s": getattr(reused_source, "wait_s", 0.0),
+    }
+
+
+@torch.inference_mode()
+def chunk_kv_alone(model, token_ids: Sequence[int], fingerprint: str) -> ChunkKV:
+    """A chunk's KV in the chunk convention (alone after BOS, K pre-RoPE) through a layer model."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError("cannot compute KV of an empty chunk")
+    bos = model.config.bos_token_id
+    start = 1 if bos is not None else 0
+    full = torch.cat([torch.tensor([bos]), ids]) if start else ids
+    n = int(full.numel())
+    pos = torch.arange(n, device=model.device)
+    h = model.embed(full.to(model.device))
+    ks, vs = [], []
+    L = model.config.num_layers
+    for layer in range(L):
+        q, k, v = model.qkv(layer, h)
+        ks.append(k[start:])
+        vs.append(v[start:])
+        if layer == L - 1:
+            break
+        o = model.attend(model.rope(q, pos), model.rope(k, pos), v, pos, pos, contiguous=True)
+        h = model.finish_layer(layer, h, o)
+    return ChunkKV(
+        token_ids=ids,
+        k=torch.stack(ks).contiguous(),
+        v=torch.stack(vs).contiguous(),
+        start_pos=start,
+        fingerprint=fingerprint,
+    )
+
+
+class PieceSlice:
+    """Rows ``[lo, hi)`` of a per-layer KV piece (a stored chunk partly covered by the engine's cache)."""
+
+    def __init__(self, piece, lo: int, hi: int):
+        self.piece, self.lo, self.hi = piece, lo, hi
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hi - self.lo
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.piece.layer_kv(layer)
+        if self.lo == 0 and self.hi == k.shape[0]:
+            return k, v
+        return k[self.lo : self.hi], v[self.lo : self.hi]
