@@ -1,4 +1,9 @@
-"""``ragkv`` command line: ``demo`` (and, as the project grows, ingest / ask / serve / eval)."""
+"""``ragkv`` command line: ``demo`` (the README's main job), ``ingest``, ``ask``, ``serve`` and ``eval``.
+
+``ingest``, ``ask`` and ``serve`` share the service settings (``apps.config``: defaults < ``--config``
+file or ``$RAGKV_CONFIG`` < ``RAGKV_*`` env vars < flags), so they use the same model, data directory
+and store unless told otherwise.
+"""
 
 from __future__ import annotations
 
@@ -6,94 +11,392 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_SHARED = Path(os.environ.get("RAGKV_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
+DEFAULT_MODEL = str(DEFAULT_SHARED / "models" / "stories260k")
 
 
+def _set_threads(threads: str, hidden_size: int | None = None) -> None:
+    """``auto``: one intra-op thread for tiny models (threading costs more than it gains there), else
+    torch's default; or a number."""
+    import torch
+
+    if threads == "auto":
+        if hidden_size is not None and hidden_size < 1024:
+            torch.set_num_threads(1)
+    else:
+        torch.set_num_threads(int(threads))
+
+
+def _demo_chunk_tokens(model, top_k: int, max_new_tokens: int) -> int:
+    """Chunk size so that ``top_k`` chunks, the prompt around them (with a question of up to 64 tokens)
+    and the answer fit the context; at most 512."""
+    from ragkv.rag import prompt_parts
+
+    prefix, suffix = prompt_parts(model, "?")
+    room = model.config.max_position - len(prefix) - len(suffix) - 64 - max_new_tokens
+    return max(16, min(512, room // top_k))
+
+
+# ---- demo -----------------------------------------------------------------------------------------
 def _demo(args) -> int:
-    """Blend passages of a few MuSiQue samples and print full vs blend answers and TTFT side by side."""
+    """Ingest MuSiQue passages (chunk KV precomputed once), then answer questions with full and blend."""
     from ragkv import LLM
+    from ragkv.metrics import max_over_golds, token_f1
+    from ragkv.rag import RAG, Embedder
 
-    data = json.loads(Path(args.data).read_text())[: args.samples]
+    t_start = time.perf_counter()
+    samples = json.loads(Path(args.data).read_text())[: args.samples]
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     m = llm.model
+    _set_threads(args.threads, m.config.hidden_size)
+    chunk_tokens = args.chunk_tokens or _demo_chunk_tokens(m, args.top_k, args.max_new_tokens)
+    data_dir = Path(args.data_dir) / m.fingerprint[:12]  # one index per model: `--model X` never clobbers
     print(
         f"model {args.model} ({m.config.model_type}, {m.config.num_layers} layers, context "
-        f"{m.config.max_position}); {args.chunks} passages per question, cut to fit the context"
+        f"{m.config.max_position}); blending self-check: {'passed' if llm.gate.ok else 'FAILED (falls back to full)'}"
     )
-    print(f"blending self-check: {'passed' if llm.gate.ok else 'FAILED (falls back to full)'}")
-    prefix = "You will be asked a question after reading several passages. Answer within 5 words.\n\n"
-    # 1) ingest: cut each sample's passages to fit the context and precompute their KV once
-    prompts = []
-    for s in data:
-        question = m.encode(f"Question: {s['question']}\nAnswer:")[-64:]
-        budget = (
-            m.config.max_position - args.max_new_tokens - len(m.encode(prefix, add_bos=True)) - len(question)
-        )
-        per_chunk = max(8, budget // args.chunks)
-        chunks = [m.encode(c["text"] + "\n\n")[:per_chunk] for c in s["ctxs"][: args.chunks]]
-        for c in chunks:
-            llm.chunk_kv(c)
-        prompts.append((s, chunks, question))
-    print(f"ingested {sum(len(p[1]) for p in prompts)} passages (chunk KV computed once, kept in memory)")
-    # 2) ask: every question answered with full prefill and with blended reused KV
+    rag = RAG(
+        llm,
+        data_dir,
+        embedder=Embedder(args.embedder),
+        chunk_tokens=chunk_tokens,
+        top_k=args.top_k,
+        ratio=args.ratio,
+    )
+    # 1) ingest: split, embed, index and precompute every chunk's KV once (persisted under data_dir)
+    docs = [
+        {"id": f"musique-{i}-{j}", "text": c["text"], "metadata": {"title": c.get("title", "")}}
+        for i, s in enumerate(samples)
+        for j, c in enumerate(s["ctxs"][: args.passages])
+    ]
+    rep = rag.ingest(docs, show_progress=not args.quiet)
+    print(
+        f"ingested {len(docs)} passages into {data_dir}: {rep.documents_added} new, {rep.documents_unchanged} "
+        f"unchanged, {len(rag.index)} chunks of <= {chunk_tokens} tokens, {rep.kv_computed} chunk KVs computed "
+        f"({rep.seconds:.1f} s)"
+    )
+    # 2) ask: the same retrieved chunks answered with full prefill and with their stored KV blended
     rows = []
-    for i, (s, chunks, question) in enumerate(prompts):
-        out = {}
-        for mode in ("full", "blend"):
-            out[mode] = llm.generate(
-                prefix, chunks, question, mode=mode, ratio=args.ratio, max_new_tokens=args.max_new_tokens
-            )
-        rows.append(out)
-        print(f"\n[{i}] {s['question']}  (gold: {s['answers'][0] if s['answers'] else '?'})")
-        for mode, a in out.items():
-            print(f"  {mode:5s} TTFT {a.ttft_s * 1000:8.1f} ms  {a.text.strip()[:70]!r}")
-    import statistics
-
-    t_full = statistics.median(r["full"].ttft_s for r in rows)
-    t_blend = statistics.median(r["blend"].ttft_s for r in rows)
-    print(f"\nmedian TTFT: full {t_full * 1000:.1f} ms, blend {t_blend * 1000:.1f} ms")
+    for i, s in enumerate(samples):
+        # an untimed first answer retrieves (dropping chunks that do not fit the context) and warms up
+        recs = rag.answer(s["question"], mode="blend", max_new_tokens=1).sources
+        runs: dict[str, list] = {"full": [], "blend": []}
+        for _ in range(args.repeats):
+            for mode in ("full", "blend"):
+                runs[mode].append(
+                    rag.answer(s["question"], mode=mode, chunks=recs, max_new_tokens=args.max_new_tokens)
+                )
+        row = {
+            mode: (statistics.median(a.timings["ttft_s"] for a in out), out[0]) for mode, out in runs.items()
+        }
+        rows.append(row)
+        gold = s["answers"][0] if s.get("answers") else "?"
+        print(
+            f"\n[{i}] {s['question']}  (gold: {gold}; {len(recs)} chunks, {row['blend'][1].stats['num_tokens']} "
+            "prompt tokens)"
+        )
+        for mode, (ttft, a) in row.items():
+            f1 = max_over_golds(token_f1, a.text, s.get("answers") or [""])
+            extra = f"recomputed {a.stats['recompute_fraction']:.0%}" if mode == "blend" else ""
+            print(f"  {mode:5s} TTFT {ttft * 1000:8.1f} ms  F1 {f1:.2f}  {a.text.strip()[:60]!r} {extra}")
+    t_full = statistics.median(r["full"][0] for r in rows)
+    t_blend = statistics.median(r["blend"][0] for r in rows)
+    print(
+        f"\nmedian TTFT over {len(rows)} questions: full {t_full * 1000:.1f} ms, blend {t_blend * 1000:.1f} ms "
+        f"({t_full / t_blend:.2f}x)"
+    )
+    f1 = {
+        mode: statistics.mean(
+            max_over_golds(token_f1, r[mode][1].text, s.get("answers") or [""])
+            for r, s in zip(rows, samples, strict=True)
+        )
+        for mode in ("full", "blend")
+    }
+    n_chunks = len(rag.index)
+    rag.close()
     print(
         json.dumps(
             {
-                "samples": len(rows),
-                "ttft_full_median_s": round(t_full, 4),
-                "ttft_blend_median_s": round(t_blend, 4),
+                "model": str(args.model),
+                "questions": len(rows),
+                "passages": len(docs),
+                "chunks": n_chunks,
+                "ttft_full_median_s": round(t_full, 5),
+                "ttft_blend_median_s": round(t_blend, 5),
+                "speedup": round(t_full / t_blend, 3),
+                "f1_full": round(f1["full"], 4),
+                "f1_blend": round(f1["blend"], 4),
+                "ingest_s": round(rep.seconds, 2),
+                "total_s": round(time.perf_counter() - t_start, 2),
             }
         )
     )
     return 0
 
 
+# ---- ingest / ask (service settings) --------------------------------------------------------------
+def _settings(args, **extra):
+    from apps.config import load_settings
+
+    return load_settings(args.config, model=args.model, data_dir=args.data_dir, store=args.store, **extra)
+
+
+def _read_docs(path: Path, fmt: str) -> list[dict]:
+    """Documents of one file: text/markdown (one document), JSONL, or JSON (documents or MuSiQue samples)."""
+    if fmt == "auto":
+        fmt = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}.get(path.suffix.lower(), "text")
+    if fmt == "text":
+        return [{"id": path.stem, "text": path.read_text(), "metadata": {"path": str(path)}}]
+    if fmt == "jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        rows = json.loads(path.read_text())
+        rows = rows if isinstance(rows, list) else [rows]
+    docs = []
+    for i, r in enumerate(rows):
+        if isinstance(r, dict) and "ctxs" in r:  # a MuSiQue / 2WikiMQA sample: its passages
+            docs += [
+                {"id": f"{path.stem}-{i}-{j}", "text": c["text"], "metadata": {"title": c.get("title", "")}}
+                for j, c in enumerate(r["ctxs"])
+            ]
+        elif isinstance(r, dict) and isinstance(r.get("text"), str):
+            docs.append({"id": r.get("id"), "text": r["text"], "metadata": r.get("metadata") or {}})
+        elif isinstance(r, str):
+            docs.append({"text": r})
+        else:
+            raise ValueError(f"{path}: item {i} is not a document (need a string or an object with 'text')")
+    return docs
+
+
+def _ingest(args) -> int:
+    from apps.service import build_rag
+
+    s = _settings(args, chunk_tokens=args.chunk_tokens)
+    docs = []
+    for p in args.paths:
+        path = Path(p)
+        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+        for f in files:
+            docs += _read_docs(f, args.format)
+    if args.limit:
+        docs = docs[: args.limit]
+    if not docs:
+        print("error: no documents found", file=sys.stderr)
+        return 2
+    rag = build_rag(s)
+    _set_threads(args.threads, rag.model.config.hidden_size)
+    rep = rag.ingest(docs, show_progress=not args.quiet)
+    rag.close()
+    print(
+        f"{len(docs)} documents -> {s.data_dir}: {rep.documents_added} added, {rep.documents_unchanged} unchanged, "
+        f"{rep.chunks_added} chunks, {rep.kv_computed} chunk KVs computed in {rep.seconds:.1f} s"
+    )
+    print(
+        json.dumps(
+            {
+                "documents": len(docs),
+                "documents_added": rep.documents_added,
+                "documents_unchanged": rep.documents_unchanged,
+                "chunks_added": rep.chunks_added,
+                "kv_computed": rep.kv_computed,
+                "seconds": round(rep.seconds, 3),
+            }
+        )
+    )
+    return 0
+
+
+def _ask(args) -> int:
+    from apps.service import build_rag
+
+    s = _settings(args)
+    rag = build_rag(s)
+    _set_threads(args.threads, rag.model.config.hidden_size)
+    if len(rag.index) == 0:
+        print(f"error: nothing ingested in {s.data_dir}; run `ragkv ingest` first", file=sys.stderr)
+        return 2
+    chunks = rag.chunks_by_id(args.chunk_ids) if args.chunk_ids else rag.retrieve(args.question, args.top_k)
+    modes = ["full", args.mode or s.mode] if args.compare else [args.mode or s.mode]
+    out = {}
+    for mode in dict.fromkeys(modes):
+        if args.stream and not args.compare:
+            print(f"{mode}: ", end="", flush=True)
+            ans = None
+            for ev in rag.answer_stream(
+                args.question, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=args.max_new_tokens
+            ):
+                if hasattr(ev, "sources"):
+                    ans = ev
+                else:
+                    print(ev.text, end="", flush=True)
+            print()
+        else:
+            ans = rag.answer(
+                args.question, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=args.max_new_tokens
+            )
+            print(f"{mode}: {ans.text.strip()}")
+        out[mode] = ans
+        t = ans.timings
+        print(
+            f"  TTFT {t['ttft_s'] * 1000:.1f} ms (retrieval {t['retrieval_s'] * 1000:.1f}, KV fetch "
+            f"{t['kv_fetch_s'] * 1000:.1f}), total {t['total_s'] * 1000:.1f} ms, recomputed "
+            f"{ans.stats['recompute_fraction']:.0%} of {ans.stats['num_tokens']} prompt tokens"
+        )
+    print("sources:")
+    for r in chunks:
+        print(f"  chunk {r.chunk_id} ({r.doc_id}#{r.seq}, score {r.score:.3f}): {r.text.strip()[:70]!r}")
+    rag.close()
+    print(
+        json.dumps(
+            {
+                "question": args.question,
+                "chunk_ids": [r.chunk_id for r in chunks],
+                **{f"answer_{m}": a.text for m, a in out.items()},
+                **{f"ttft_{m}_s": round(a.timings["ttft_s"], 5) for m, a in out.items()},
+            }
+        )
+    )
+    return 0
+
+
+def _serve(args) -> int:
+    from apps.server import main as serve_main
+
+    return serve_main(args.rest, prog="ragkv serve")
+
+
+def _eval(args) -> int:
+    from eval.run import main as eval_main
+
+    return eval_main(args.rest)
+
+
+# ---- parser ---------------------------------------------------------------------------------------
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="settings file (.toml/.yaml/.json); default $RAGKV_CONFIG")
+    p.add_argument("--model", help="local folder or hub id (default: the settings' model)")
+    p.add_argument("--data-dir", help="index + KV directory (default: the settings' data_dir)")
+    p.add_argument("--store", help="chunk KV store URL: file:///dir, redis://host:6379/0, memory://")
+    p.add_argument("--threads", default="auto", help="torch threads: a number, or auto (1 for tiny models)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ragkv", description="RAG with reused, blended chunk KV.")
     ap.add_argument("-v", "--verbose", action="store_true")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="blend MuSiQue passages and compare full vs blend")
-    d.add_argument(
-        "--model",
-        default=str(DEFAULT_SHARED / "models" / "stories260k"),
-        help="local folder or hub id of a Llama/Mistral/Qwen2 checkpoint",
+
+    d = sub.add_parser(
+        "demo",
+        help="ingest MuSiQue passages, answer with full vs blend, compare TTFT",
+        description="The main job: ingest a slice of the shared MuSiQue passages (chunk KV "
+        "precomputed), then answer questions with full prefill and with blended stored KV.",
     )
-    d.add_argument("--data", default=str(DEFAULT_SHARED / "data" / "musique_s.json"))
-    d.add_argument("--samples", type=int, default=5)
-    d.add_argument("--chunks", type=int, default=4)
-    d.add_argument("--ratio", type=float, default=0.15)
+    d.add_argument(
+        "--model", default=DEFAULT_MODEL, help="local folder or hub id of a Llama/Mistral/Qwen2 model"
+    )
+    d.add_argument(
+        "--data", default=str(DEFAULT_SHARED / "data" / "musique_s.json"), help="MuSiQue-style JSON"
+    )
+    d.add_argument("--data-dir", default="ragkv_data/demo", help="where the index and chunk KV persist")
+    d.add_argument("--samples", type=int, default=4, help="questions (their passages are ingested)")
+    d.add_argument("--passages", type=int, default=5, help="passages ingested per question")
+    d.add_argument("--top-k", type=int, default=4, help="chunks retrieved per question")
+    d.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="default: top_k chunks + prompt fit the context (<= 512)",
+    )
+    d.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
+    d.add_argument("--repeats", type=int, default=3, help="timed runs per question and mode (median)")
     d.add_argument("--max-new-tokens", type=int, default=16)
+    d.add_argument("--embedder", default="all-MiniLM-L6-v2")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--device", default="cpu")
+    d.add_argument("--threads", default="auto", help="torch threads: a number, or auto (1 for tiny models)")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)
+
+    i = sub.add_parser(
+        "ingest",
+        help="ingest files (text, JSONL, JSON) into the index and KV store",
+        description="Split, embed, index and precompute chunk KV of documents. Idempotent.",
+    )
+    i.add_argument(
+        "paths",
+        nargs="+",
+        help="files or directories (.txt/.md: one document; .jsonl: "
+        "{id?, text, metadata?} per line; .json: a list of those, or MuSiQue samples)",
+    )
+    _common(i)
+    i.add_argument("--format", choices=["auto", "text", "jsonl", "json"], default="auto")
+    i.add_argument("--chunk-tokens", type=int, default=None)
+    i.add_argument("--limit", type=int, default=None, help="ingest at most this many documents")
+    i.add_argument("-q", "--quiet", action="store_true")
+    i.set_defaults(func=_ingest)
+
+    a = sub.add_parser(
+        "ask",
+        help="answer a question over the ingested documents",
+        description="Retrieve (or use --chunk-ids) and answer with the chunks' KV reused.",
+    )
+    a.add_argument("question")
+    _common(a)
+    a.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"], default=None)
+    a.add_argument("--ratio", type=float, default=None)
+    a.add_argument("--top-k", type=int, default=None)
+    a.add_argument("--chunk-ids", type=int, nargs="+", default=None)
+    a.add_argument("--max-new-tokens", type=int, default=32)
+    a.add_argument("--compare", action="store_true", help="also answer with full prefill and show both TTFTs")
+    a.add_argument("--stream", action="store_true", help="print tokens as they come")
+    a.set_defaults(func=_ask)
+
+    s = sub.add_parser(
+        "serve",
+        help="run the HTTP service (python -m apps.server)",
+        add_help=False,
+        description="Forwards to `python -m apps.server`; `ragkv serve --help` lists its options.",
+    )
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(func=_serve)
+
+    e = sub.add_parser(
+        "eval",
+        help="run the evaluation (python -m eval.run)",
+        add_help=False,
+        description="Forwards to `python -m eval.run`; `ragkv eval --help` lists its options.",
+    )
+    e.add_argument("rest", nargs=argparse.REMAINDER)
+    e.set_defaults(func=_eval)
     return ap
 
 
+FORWARDED = {"serve": _serve, "eval": _eval}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd_at = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if cmd_at is not None and argv[cmd_at] in FORWARDED:  # everything after it belongs to the target's parser
+        logging.basicConfig(
+            level=logging.INFO if "-v" in argv[:cmd_at] or "--verbose" in argv[:cmd_at] else logging.WARNING,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        return FORWARDED[argv[cmd_at]](argparse.Namespace(rest=argv[cmd_at + 1 :]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, KeyError, FileNotFoundError) as e:  # typed user errors: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

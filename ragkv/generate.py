@@ -11,6 +11,9 @@ import torch
 from ragkv.blend.core import PrefillResult
 from ragkv.model.kvcache import DenseKVCache, KVCache
 
+#: temperatures below this sample greedily (dividing logits by ~1e-300 overflows to NaN probabilities)
+MIN_TEMPERATURE = 1e-4
+
 
 @dataclass
 class SamplingParams:
@@ -88,7 +91,8 @@ def decode_step(model, cache: KVCache, token_id: int, position: int) -> torch.Te
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick the next token: argmax, or temperature / top-k / top-p sampling."""
-    if params.temperature == 0:
+    if params.temperature < MIN_TEMPERATURE:
+        # 0 means greedy; a denormal temperature would overflow the scaled logits into NaN
         return int(logits.argmax())
     logits = logits.float() / params.temperature
     if params.top_k:

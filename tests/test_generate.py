@@ -73,3 +73,10 @@ def test_llm_entry_point_all_modes():
     assert outs["blend"].stats["recomputed_per_layer"][-1] < outs["full"].stats["recomputed_per_layer"][-1]
     with pytest.raises(Exception, match="exceeds"):
         llm.generate("", ["word " * 600], "q", mode="blend")
+
+
+def test_denormal_temperature_is_greedy():
+    m = stories_model()
+    res = prefill(m, m.encode("Lily", add_bos=True), [], [], "full")
+    greedy = generate(m, res, SamplingParams(max_new_tokens=5)).token_ids
+    assert generate(m, res, SamplingParams(max_new_tokens=5, temperature=5e-324, seed=1)).token_ids == greedy

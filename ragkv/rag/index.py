@@ -133,6 +133,8 @@ class ChunkIndex:
                "JOIN documents d ON d.doc_id = c.doc_id")
 
     def chunk(self, chunk_id: int) -> ChunkRecord | None:
+        if not 0 <= int(chunk_id) < 2**63:  # SQLite integers are 64-bit: anything else is unknown
+            return None
         rows = self._query(self._SELECT + " WHERE c.chunk_id=?", (int(chunk_id),))
         return self._record(rows[0]) if rows else None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -102,12 +103,17 @@ class RAG:
                                 identity=f"{self.embedder.name}|{self.model.fingerprint}")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-kv-writeback")
         self.counters = {"kv_hits": 0, "kv_misses": 0, "kv_recomputed_bad": 0}
+        self._ingest_lock = threading.Lock()  # concurrent ingests of one new document must not race
 
     # ---- ingest --------------------------------------------------------------------------------
     def ingest(self, docs: Iterable[Document | str | dict], show_progress: bool = True) -> IngestReport:
         """Split, embed, index and precompute every chunk's KV. Idempotent: unchanged documents are skipped."""
-        t0 = time.perf_counter()
         docs = [self._as_document(d) for d in docs]
+        with self._ingest_lock:
+            return self._ingest(docs, show_progress)
+
+    def _ingest(self, docs: list[Document], show_progress: bool) -> IngestReport:
+        t0 = time.perf_counter()
         rep = IngestReport(doc_ids=[d.id for d in docs])
         fp = self.model.fingerprint
         for doc in tqdm(docs, desc="ingest", unit="doc", disable=not show_progress):

@@ -1,0 +1,171 @@
+"""Service settings: defaults < config file (TOML / YAML / JSON) < ``RAGKV_*`` env vars < explicit overrides.
+
+The config file is named by ``--config PATH`` or ``RAGKV_CONFIG``; its keys are the field names
+below (unknown keys are an error). Env vars are the upper-cased names with the ``RAGKV_`` prefix,
+e.g. ``RAGKV_STORE=redis://localhost:6379/0`` or ``RAGKV_MAX_CONCURRENCY=4``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+DEFAULT_SHARED = Path(
+    os.environ.get("RAGKV_SHARED_DIR", Path(__file__).resolve().parents[1] / ".." / "shared")
+)
+DEFAULT_MODEL = str((DEFAULT_SHARED / "models" / "stories260k").resolve())
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read, or settings that do not make sense together."""
+
+
+class Settings(BaseSettings):
+    """Everything the service, ``ragkv ingest`` and ``ragkv ask`` need (see the module docstring)."""
+
+    model_config = SettingsConfigDict(env_prefix="RAGKV_", extra="forbid", protected_namespaces=())
+
+    # model
+    model: str = Field(DEFAULT_MODEL, description="local folder or hub id of a Llama / Mistral / Qwen2 model")
+    served_model_name: str | None = Field(None, description="model name reported by the OpenAI API")
+    dtype: str = "float32"
+    device: str = "cpu"
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (None: torch's default)"
+    )
+    backend: Literal["local"] = Field(
+        "local", description="'local': the model runs in this process (a vLLM client backend is issue 9's)"
+    )
+    # storage and retrieval
+    data_dir: Path = Field(
+        Path("ragkv_data/server"), description="index (FAISS + SQLite) and, by default, KV"
+    )
+    store: str | None = Field(
+        None, description="chunk KV store URL (file://, redis://, memory://); None: data_dir/kv"
+    )
+    embedder: str = "all-MiniLM-L6-v2"
+    chunk_tokens: int | None = Field(
+        None, ge=1, description="tokens per chunk (None: top_k chunks + prompt fit the context, <= 512)"
+    )
+    overlap: int = Field(0, ge=0)
+    top_k: int = Field(6, ge=1)
+    mode: Literal["full", "prefix", "reuse", "blend"] = "blend"
+    ratio: float = Field(0.15, ge=0.0, le=1.0)
+    # generation
+    generation: Literal["threads", "engine"] = Field(
+        "threads",
+        description="'threads': one generation per worker thread (max_concurrency); 'engine': ragkv.engine's "
+        "continuous batching (engine_max_seqs decode together)",
+    )
+    engine_max_seqs: int = Field(32, ge=1, description="requests decoding together with generation='engine'")
+    max_new_tokens: int = Field(64, ge=1, description="default max_tokens of a request")
+    max_new_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    # limits
+    max_concurrency: int = Field(2, ge=1, description="generations running at once (worker threads)")
+    max_queue: int = Field(64, ge=0, description="requests waiting for a worker before 429")
+    queue_timeout_s: float = Field(120.0, gt=0, description="longest wait for a worker before 503")
+    max_ingest_queue: int = Field(8, ge=0, description="ingest requests waiting before 429")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest JSON request body (413 beyond)")
+    max_upload_bytes: int = Field(
+        256 << 20, ge=1024, description="largest NDJSON document upload (413 beyond)"
+    )
+    max_documents: int = Field(1000, ge=1, description="documents per JSON ingest request")
+    max_document_chars: int = Field(2_000_000, ge=1)
+    max_question_chars: int = Field(8000, ge=1)
+    max_top_k: int = Field(32, ge=1)
+    max_chunk_ids: int = Field(64, ge=1)
+    max_messages: int = Field(64, ge=1)
+    # server
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Settings:
+        if self.max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError("max_new_tokens must not exceed max_new_tokens_limit")
+        if self.top_k > self.max_top_k:
+            raise ValueError("top_k must not exceed max_top_k")
+        return self
+
+    def chunk_tokens_for(self, max_position: int, prompt_overhead: int = 0) -> int:
+        """Chunk size: the setting, else what lets ``top_k`` chunks fit the context next to the prompt
+        (``prompt_overhead`` tokens), a 64-token question and ``max_new_tokens``; at most 512."""
+        if self.chunk_tokens:
+            return self.chunk_tokens
+        room = max_position - prompt_overhead - 64 - self.max_new_tokens
+        return max(16, min(512, room // self.top_k))
+
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model.rstrip("/")).name or self.model
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Settings from a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file (a table ``[ragkv]`` is accepted)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e}") from e
+    try:
+        if p.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(raw.decode())
+        elif p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(raw) or {}
+        elif p.suffix == ".json":
+            data = json.loads(raw)
+        else:
+            raise ConfigError(f"config file {p} must end in .toml, .yaml, .yml or .json")
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parser's error is a bad file
+        raise ConfigError(f"cannot parse config file {p}: {e}") from e
+    if isinstance(data, dict) and set(data) == {"ragkv"}:
+        data = data["ragkv"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a table of settings")
+    return data
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """Values read from the config file, below env vars in precedence."""
+
+    def __init__(self, settings_cls, values: dict[str, Any]):
+        super().__init__(settings_cls)
+        self.values = values
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - __call__ is what pydantic uses
+        return self.values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.values)
+
+
+def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> Settings:
+    """Settings from ``config_file`` (or ``$RAGKV_CONFIG``), env vars and ``overrides`` (None values skipped)."""
+    path = config_file or os.environ.get("RAGKV_CONFIG")
+    values = read_config_file(path) if path else {}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+
+    class _Settings(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+        ):
+            return init_settings, env_settings, _FileSource(settings_cls, values)
+
+    from pydantic import ValidationError
+
+    try:
+        return Settings.model_validate(_Settings(**overrides).model_dump())
+    except ValidationError as e:
+        raise ConfigError(f"invalid settings: {e}") from e

@@ -1,0 +1,278 @@
+"""Request and response models of the service; request limits come from the settings, so the OpenAPI
+schema states the limits the running server enforces."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from apps.config import Settings
+
+Mode = Literal["full", "prefix", "reuse", "blend"]
+DOC_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+MetaValue = str | int | float | bool | None
+MAX_ID = 2**63 - 1  # SQLite INTEGER
+
+
+def _not_blank(v: str | None) -> str | None:
+    if v is not None and not v.strip():
+        raise ValueError("must contain non-whitespace text")
+    return v
+
+
+# ---- responses (no limits) ---------------------------------------------------------------------
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    code: int
+    param: str | None = None
+    details: list[Any] | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: ``{"error": {"message", "type", "code", ...}}`` (the OpenAI shape)."""
+
+    error: ErrorBody
+
+
+class IngestedDocument(BaseModel):
+    id: str
+    status: Literal["added", "unchanged", "replaced"]
+    chunk_ids: list[int]
+
+
+class IngestResponse(BaseModel):
+    documents: list[IngestedDocument]
+    documents_added: int
+    documents_unchanged: int
+    chunks_added: int
+    kv_computed: int
+    seconds: float
+
+
+class DeleteResponse(BaseModel):
+    id: str
+    deleted: bool
+
+
+class DocumentList(BaseModel):
+    ids: list[str]
+    total: int
+
+
+class Source(BaseModel):
+    chunk_id: int
+    doc_id: str
+    seq: int
+    kv_key: str
+    score: float
+    text: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Timings(BaseModel):
+    """Seconds: waiting for a worker, retrieval, chunk-KV lookup/fetch, time to first token, total
+    (``ttft_s`` and ``total_s`` count from the start of the work, after ``queue_s``)."""
+
+    queue_s: float
+    retrieval_s: float
+    kv_fetch_s: float
+    ttft_s: float
+    total_s: float
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class QueryResponse(BaseModel):
+    id: str
+    answer: str
+    mode: str
+    finish_reason: Literal["stop", "length"]
+    sources: list[Source]
+    timings: Timings
+    stats: dict[str, Any]
+    usage: Usage
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model: str
+    backend: str
+    documents: int
+    chunks: int
+    running: int
+    queued: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ragkv"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: Literal["stop", "length"]
+
+
+class RagkvInfo(BaseModel):
+    """What ragkv adds to an OpenAI response: sources, timings and prefill statistics."""
+
+    sources: list[Source]
+    timings: Timings
+    stats: dict[str, Any]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    ragkv: RagkvInfo
+
+
+# ---- requests (limits from the settings) -------------------------------------------------------
+def build_schemas(s: Settings) -> SimpleNamespace:
+    """Request models with ``s``'s limits (one set per app)."""
+
+    class DocumentIn(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        id: Annotated[str, Field(pattern=DOC_ID_PATTERN)] | None = Field(
+            None, description="stable id (letters, digits, . _ : -); default: a hash of the text"
+        )
+        text: str = Field(min_length=1, max_length=s.max_document_chars)
+        metadata: dict[Annotated[str, Field(max_length=128)], MetaValue] = Field(
+            default_factory=dict, max_length=64, description="flat metadata returned with the chunks"
+        )
+
+        @field_validator("text")
+        @classmethod
+        def _text(cls, v: str) -> str:
+            return _not_blank(v)
+
+    class IngestRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        documents: list[DocumentIn] = Field(min_length=1, max_length=s.max_documents)
+
+    class QueryRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        question: str = Field(min_length=1, max_length=s.max_question_chars)
+        top_k: int | None = Field(None, ge=1, le=s.max_top_k, description="chunks to retrieve")
+        chunk_ids: list[Annotated[int, Field(ge=0, le=MAX_ID)]] | None = Field(
+            None, max_length=s.max_chunk_ids, description="answer over these chunks instead of retrieving"
+        )
+        mode: Mode | None = Field(None, description=f"prefill mode (default {s.mode})")
+        ratio: float | None = Field(
+            None, ge=0.0, le=1.0, description=f"blend recompute ratio (default {s.ratio})"
+        )
+        max_tokens: int | None = Field(
+            None,
+            ge=1,
+            le=s.max_new_tokens_limit,
+            description=f"tokens to generate at most (default {s.max_new_tokens})",
+        )
+        temperature: float = Field(0.0, ge=0.0, le=2.0)
+        top_p: float = Field(1.0, gt=0.0, le=1.0)
+        seed: int | None = Field(None, ge=0, le=2**63 - 1)
+        stop: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=4)
+        stream: bool = Field(False, description="server-sent events: `token` events, then one `answer` event")
+
+        @field_validator("question")
+        @classmethod
+        def _q(cls, v: str) -> str:
+            return _not_blank(v)
+
+    class ContentPart(BaseModel):
+        type: Literal["text"]
+        text: str = Field(max_length=s.max_question_chars)
+
+    class ChatMessageIn(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        role: Literal["system", "developer", "user", "assistant", "tool"]
+        content: str | list[ContentPart] | None = Field(None)
+        name: str | None = Field(None, max_length=256)
+
+        @field_validator("content")
+        @classmethod
+        def _size(cls, v):
+            text = v if isinstance(v, str) or v is None else "".join(p.text for p in v)
+            if text is not None and len(text) > s.max_question_chars:
+                raise ValueError(f"message content longer than {s.max_question_chars} characters")
+            return v
+
+        def text(self) -> str:
+            if self.content is None:
+                return ""
+            return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    class RagkvOptions(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        chunk_ids: list[Annotated[int, Field(ge=0, le=MAX_ID)]] | None = Field(
+            None, max_length=s.max_chunk_ids, description="answer over these chunks (no retrieval)"
+        )
+        retrieve: bool = Field(True, description="retrieve chunks when no chunk_ids are given")
+        top_k: int | None = Field(None, ge=1, le=s.max_top_k)
+        mode: Mode | None = None
+        ratio: float | None = Field(None, ge=0.0, le=1.0)
+
+    class StreamOptions(BaseModel):
+        include_usage: bool = False
+
+    class ChatCompletionRequest(BaseModel):
+        """OpenAI chat completion; the last user message is the question, earlier turns are prepended.
+        ragkv options go in the extra field ``ragkv`` (``extra_body={"ragkv": {...}}`` in the client)."""
+
+        model_config = ConfigDict(extra="ignore")
+        model: str | None = Field(None, max_length=256)
+        messages: list[ChatMessageIn] = Field(min_length=1, max_length=s.max_messages)
+        max_tokens: int | None = Field(None, ge=1, le=s.max_new_tokens_limit)
+        max_completion_tokens: int | None = Field(None, ge=1, le=s.max_new_tokens_limit)
+        temperature: float | None = Field(None, ge=0.0, le=2.0)
+        top_p: float | None = Field(None, gt=0.0, le=1.0)
+        n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+        stream: bool | None = False
+        stream_options: StreamOptions | None = None
+        stop: (
+            Annotated[str, Field(min_length=1, max_length=64)]
+            | list[Annotated[str, Field(min_length=1, max_length=64)]]
+            | None
+        ) = Field(None)
+        seed: int | None = Field(None, ge=0, le=2**63 - 1)
+        user: str | None = Field(None, max_length=256)
+        ragkv: RagkvOptions | None = None
+
+        @field_validator("stop")
+        @classmethod
+        def _stops(cls, v):
+            if isinstance(v, list) and len(v) > 4:
+                raise ValueError("at most 4 stop sequences")
+            return v
+
+    return SimpleNamespace(
+        DocumentIn=DocumentIn,
+        IngestRequest=IngestRequest,
+        QueryRequest=QueryRequest,
+        ChatMessageIn=ChatMessageIn,
+        RagkvOptions=RagkvOptions,
+        ChatCompletionRequest=ChatCompletionRequest,
+    )

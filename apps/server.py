@@ -1,0 +1,679 @@
+"""The ragkv HTTP service (FastAPI): ingest, query, an OpenAI-compatible chat endpoint, health, metrics.
+
+``python -m apps.server [--config FILE] [--host H] [--port P] ...`` or ``ragkv serve``; API reference
+in docs/API.md. Errors are ``{"error": {"message", "type", "code"}}`` with 404 / 413 / 422 / 429 / 503
+for unknown ids, too-large bodies or prompts, bad input and a busy or stopping server.
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from apps import schemas as sc
+from apps.config import ConfigError, Settings, load_settings
+from apps.metrics import CONTENT_TYPE
+from apps.service import Final, InvalidRequestError, QuerySpec, Service, ServiceError
+from integrations.common import fold_messages
+from ragkv.generate import SamplingParams
+from ragkv.model import PromptTooLongError
+
+log = logging.getLogger("ragkv.server")
+MIN_TEMPERATURE = 1e-3
+NDJSON = ("application/x-ndjson", "application/jsonl", "application/ndjson")
+ERRORS = {
+    404: {"model": sc.ErrorResponse, "description": "unknown document or chunk id"},
+    413: {"model": sc.ErrorResponse, "description": "request body, or prompt + max_tokens, too large"},
+    422: {"model": sc.ErrorResponse, "description": "invalid input"},
+    429: {"model": sc.ErrorResponse, "description": "busy: the queue is full, retry later"},
+    503: {"model": sc.ErrorResponse, "description": "waited too long for a worker, or shutting down"},
+}
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+def error_json(status: int, message: str, type_: str, details=None) -> dict:
+    body = {"message": message, "type": type_, "code": status}
+    if details is not None:
+        body["details"] = details
+    return {"error": body}
+
+
+def error_response(status: int, message: str, type_: str, details=None) -> JSONResponse:
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(error_json(status, message, type_, details), status_code=status, headers=headers)
+
+
+def classify(exc: BaseException) -> tuple[int, str, str]:
+    """``(status, type, message)`` of an exception raised while serving a request."""
+    if isinstance(exc, ServiceError):
+        return exc.status, exc.type, str(exc)
+    if isinstance(exc, PromptTooLongError):
+        return 413, "context_length_exceeded", str(exc)
+    if isinstance(exc, ValueError):  # ragkv's typed input errors (unknown mode, empty question ...)
+        return 422, "invalid_request_error", str(exc)
+    if isinstance(exc, ConnectionError):  # e.g. the Redis store is down
+        return 503, "service_unavailable", f"a backend is unreachable: {exc}"
+    return 500, "internal_error", f"internal error ({type(exc).__name__}); see the server log"
+
+
+def _validation_message(errors: list) -> str:
+    parts = []
+    for e in errors[:3]:
+        if (
+            e.get("type") == "json_invalid"
+        ):  # loc holds a character offset: keep only named parts (NDJSON line)
+            loc = ".".join(str(x) for x in e.get("loc", ()) if isinstance(x, str) and x != "body")
+            msg = f"not valid JSON ({(e.get('ctx') or {}).get('error', 'decode error')})"
+        else:
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            msg = e.get("msg", "invalid")
+        parts.append(f"{loc or 'body'}: {msg}")
+    more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = jsonable_encoder(exc.errors(), custom_encoder={Exception: str, bytes: lambda b: repr(b)})
+        for e in errors:
+            e.pop("input", None)  # do not echo (possibly huge) input back
+        return error_response(422, _validation_message(errors), "invalid_request_error", errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if (
+            exc.status_code == 400
+        ):  # FastAPI's "error parsing the body" (e.g. not UTF-8): bad input, like bad JSON
+            return error_response(422, f"invalid request body: {exc.detail}", "invalid_request_error")
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status_code, "http_error"
+        )
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    async def _known(request: Request, exc: Exception):
+        status, kind, message = classify(exc)
+        return error_response(status, message, kind)
+
+    # typed errors are answered by the inner exception middleware (not re-raised, not logged as crashes)
+    for cls in (ServiceError, PromptTooLongError, ValueError, ConnectionError):
+        app.add_exception_handler(cls, _known)
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, exc: Exception):
+        log.error("error serving %s %s", request.method, request.url.path, exc_info=exc)
+        status, kind, message = classify(exc)
+        return error_response(status, message, kind)
+
+
+# ---- ASGI middleware ---------------------------------------------------------------------------------
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_body`` (JSON) or ``max_upload`` (NDJSON document uploads, streamed).
+
+    JSON bodies are read here (bounded), so a chunked body without Content-Length is refused too;
+    upload bodies pass through with a byte count the endpoint checks as it reads.
+    """
+
+    def __init__(self, app, max_body: int, max_upload: int):
+        self.app, self.max_body, self.max_upload = app, max_body, max_upload
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        upload = scope["method"] == "POST" and scope["path"] == "/v1/documents" and ctype in NDJSON
+        limit = self.max_upload if upload else self.max_body
+        try:
+            declared = int(headers["content-length"]) if "content-length" in headers else None
+        except ValueError:
+            declared = None
+        if declared is not None and declared > limit:
+            await self._drain(receive, min(declared, 32 << 20))
+            return await self._too_large(scope, send, limit)
+        if upload:
+            return await self.app(scope, receive, send)
+        body, more, size = [], True, 0
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            more = msg.get("more_body", False)
+            if size > limit:
+                if more:
+                    await self._drain(receive, 4 * limit)
+                return await self._too_large(scope, send, limit)
+            body.append(chunk)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(body), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _drain(receive, cap: int) -> None:
+        """Read (and drop) up to ``cap`` bytes so the client can read the 413 instead of a reset."""
+        n = 0
+        while n <= cap:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            n += len(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                return
+
+    @staticmethod
+    async def _too_large(scope, send, limit: int) -> None:
+        resp = error_response(413, f"request body larger than {limit} bytes", "request_too_large")
+        await resp(scope, None, send)
+
+
+class MetricsMiddleware:
+    """Counts requests by method, route template and status; times them to the end of the body."""
+
+    def __init__(self, app, service: Service):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(msg):
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.service.http_requests.inc(scope["method"], path, str(status["code"]))
+            self.service.http_latency.observe(time.perf_counter() - t0, path)
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+def _source(r) -> dict:
+    return {
+        "chunk_id": r.chunk_id,
+        "doc_id": r.doc_id,
+        "seq": r.seq,
+        "kv_key": r.kv_key,
+        "score": float(r.score),
+        "text": r.text,
+        "metadata": r.metadata,
+    }
+
+
+_STAT_KEYS = (
+    "mode",
+    "ratio",
+    "num_tokens",
+    "num_reused_rows",
+    "num_computed_rows",
+    "num_exact_rows",
+    "recompute_fraction",
+    "recomputed_per_layer",
+    "kv_hits",
+    "num_chunks",
+    "fallback",
+    "t_prefill_s",
+    "t_load_wait_s",
+    "controller",
+)
+
+
+def _stats(f: Final) -> dict:
+    return jsonable_encoder({k: f.answer.stats[k] for k in _STAT_KEYS if k in f.answer.stats})
+
+
+def _timings(f: Final) -> dict:
+    t = f.answer.timings
+    return {
+        "queue_s": f.queue_s,
+        "retrieval_s": t["retrieval_s"],
+        "kv_fetch_s": t["kv_fetch_s"],
+        "ttft_s": t["ttft_s"],
+        "total_s": t["total_s"],
+    }
+
+
+def _usage(f: Final) -> dict:
+    return {
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+    }
+
+
+def _sse(data: dict | str, event: str | None = None) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+async def _start_stream(it: AsyncIterator) -> tuple[object | None, bool]:
+    """The first item of a stream (errors surface here, before any byte is sent) and whether there is one."""
+    try:
+        return await it.__anext__(), True
+    except StopAsyncIteration:
+        return None, False
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ---- the app -----------------------------------------------------------------------------------------
+def create_app(settings: Settings | None = None, service: Service | None = None) -> FastAPI:
+    """The FastAPI app; the model loads at startup (or pass a ready ``service``)."""
+    settings = settings or (service.settings if service else load_settings())
+    svc = service or Service(settings)
+    S = sc.build_schemas(settings)
+    model_name = settings.model_name()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await asyncio.to_thread(svc.start)
+        log.info("ragkv service ready: model %s, data %s", settings.model, settings.data_dir)
+        yield
+        await asyncio.to_thread(svc.close)
+
+    app = FastAPI(
+        title="ragkv",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="RAG with reused, blended chunk KV. Errors: {error: {message, type, code}}.",
+    )
+    app.state.service = svc
+    _install_error_handlers(app)
+
+    def sampling(max_tokens, temperature, top_p, seed, stop) -> SamplingParams:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        return SamplingParams(
+            max_new_tokens=max_tokens or settings.max_new_tokens,
+            # below MIN_TEMPERATURE, logits / temperature overflow to inf (NaN probabilities): that is greedy
+            temperature=temperature if temperature and temperature >= MIN_TEMPERATURE else 0.0,
+            top_p=top_p if top_p is not None else 1.0,
+            seed=seed,
+            stop=stops,
+        )
+
+    # -- documents
+    upload_body = {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/IngestRequest"}},
+                "application/x-ndjson": {
+                    "schema": {"type": "string", "description": "one DocumentIn JSON per line"}
+                },
+            },
+        }
+    }
+
+    @app.post(
+        "/v1/documents",
+        response_model=sc.IngestResponse,
+        responses=ERRORS,
+        openapi_extra=upload_body,
+        tags=["documents"],
+        summary="Ingest documents (idempotent)",
+    )
+    async def ingest(request: Request):
+        """JSON ``{"documents": [{id?, text, metadata?}]}``, or NDJSON (one document per line, for large
+        uploads: read as it streams in). Re-sending an unchanged document changes nothing."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype in NDJSON:
+            docs = await _read_ndjson(request, S.DocumentIn, settings.max_upload_bytes)
+        else:
+            if ctype and ctype != "application/json":
+                return error_response(
+                    415,
+                    f"unsupported content type {ctype!r}; use application/json or application/x-ndjson",
+                    "unsupported_media_type",
+                )
+            raw = await request.body()
+            try:
+                req = S.IngestRequest.model_validate_json(raw)
+            except ValidationError as e:
+                raise RequestValidationError(e.errors(include_url=False)) from None
+            docs = [d.model_dump() for d in req.documents]
+        return await svc.run_ingest(lambda: svc.ingest(docs))
+
+    @app.get("/v1/documents", response_model=sc.DocumentList, tags=["documents"], summary="List document ids")
+    async def list_documents():
+        ids = await asyncio.to_thread(svc.rag.index.document_ids)
+        return {"ids": ids, "total": len(ids)}
+
+    @app.delete(
+        "/v1/documents/{doc_id}",
+        response_model=sc.DeleteResponse,
+        responses=ERRORS,
+        tags=["documents"],
+        summary="Delete a document, its chunks and their KV",
+    )
+    async def delete_document(doc_id: str):
+        await svc.run_ingest(lambda: svc.delete(doc_id))
+        return {"id": doc_id, "deleted": True}
+
+    # -- query
+    @app.post(
+        "/v1/query",
+        response_model=sc.QueryResponse,
+        responses={
+            **ERRORS,
+            200: {"content": {"text/event-stream": {}}, "description": "the answer (or SSE when stream)"},
+        },
+        tags=["query"],
+        summary="Answer a question over retrieved (or given) chunks",
+    )
+    async def query(req: S.QueryRequest):
+        """Retrieve ``top_k`` chunks (or use ``chunk_ids``) and answer with their stored KV reused
+        (``mode``); ``stream=true`` sends ``token`` events then one ``answer`` event."""
+        spec = QuerySpec(
+            req.question,
+            req.chunk_ids,
+            True,
+            req.top_k,
+            req.mode,
+            req.ratio,
+            sampling(req.max_tokens, req.temperature, req.top_p, req.seed, req.stop),
+        )
+        rid = "q-" + uuid.uuid4().hex[:16]
+        if not req.stream:
+            text, final = await svc.answer(spec)
+            return _query_body(rid, text, final)
+        it = svc.stream(spec)
+        first, more = await _start_stream(it)
+
+        async def events():
+            parts = []
+            item, has = first, more
+            try:
+                while has:
+                    if isinstance(item, Final):
+                        yield _sse(_query_body(rid, "".join(parts), item), "answer")
+                    else:
+                        parts.append(item.text)
+                        yield _sse(
+                            {"text": item.text, "index": item.index, "token_id": item.token_id}, "token"
+                        )
+                    try:
+                        item = await it.__anext__()
+                    except StopAsyncIteration:
+                        has = False
+            except Exception as e:  # noqa: BLE001 - after the headers, errors become an event
+                status, kind, message = classify(e)
+                yield _sse(error_json(status, message, kind), "error")
+            finally:
+                await it.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def _query_body(rid: str, text: str, f: Final) -> dict:
+        return {
+            "id": rid,
+            "answer": text,
+            "mode": f.answer.mode,
+            "finish_reason": f.finish_reason,
+            "sources": [_source(r) for r in f.answer.sources],
+            "timings": _timings(f),
+            "stats": _stats(f),
+            "usage": _usage(f),
+        }
+
+    # -- OpenAI-compatible chat
+    @app.post(
+        "/v1/chat/completions",
+        response_model=sc.ChatCompletion,
+        responses={
+            **ERRORS,
+            200: {"content": {"text/event-stream": {}}, "description": "the completion (or SSE chunks)"},
+        },
+        tags=["openai"],
+        summary="OpenAI chat completions with retrieval and reused chunk KV",
+    )
+    async def chat_completions(req: S.ChatCompletionRequest):
+        """The last user message is the question (earlier turns are prepended to it). Retrieval is
+        automatic unless ``ragkv.chunk_ids`` names the chunks or ``ragkv.retrieve`` is false."""
+        pairs = [(m.role, m.text()) for m in req.messages]
+        if not any(r == "user" and t.strip() for r, t in pairs):
+            raise InvalidRequestError("messages must contain a user message with text")
+        question = fold_messages(pairs)
+        if len(question) > settings.max_question_chars:
+            raise InvalidRequestError(f"conversation longer than {settings.max_question_chars} characters")
+        o = req.ragkv or S.RagkvOptions()
+        params = sampling(
+            req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.seed, req.stop
+        )
+        spec = QuerySpec(question, o.chunk_ids, o.retrieve, o.top_k, o.mode, o.ratio, params)
+        cid = "chatcmpl-" + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if not req.stream:
+            text, f = await svc.answer(spec)
+            return {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": f.finish_reason,
+                    }
+                ],
+                "usage": _usage(f),
+                "ragkv": _ragkv_info(f),
+            }
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        it = svc.stream(spec)
+        first, more = await _start_stream(it)
+
+        def chunk(delta: dict, finish=None, **extra) -> str:
+            return _sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    **extra,
+                }
+            )
+
+        async def events():
+            yield chunk({"role": "assistant", "content": ""})
+            item, has = first, more
+            try:
+                while has:
+                    if isinstance(item, Final):
+                        yield chunk({}, item.finish_reason, ragkv=_ragkv_info(item))
+                        if include_usage:
+                            yield _sse(
+                                {
+                                    "id": cid,
+                                    "object": "chat.completion.chunk",
+                                    "created": created,
+                                    "model": model_name,
+                                    "choices": [],
+                                    "usage": _usage(item),
+                                }
+                            )
+                    else:
+                        yield chunk({"content": item.text})
+                    try:
+                        item = await it.__anext__()
+                    except StopAsyncIteration:
+                        has = False
+                yield _sse("[DONE]")
+            except Exception as e:  # noqa: BLE001 - after the headers, errors become an error chunk
+                status, kind, message = classify(e)
+                yield _sse(error_json(status, message, kind))
+            finally:
+                await it.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def _ragkv_info(f: Final) -> dict:
+        return {"sources": [_source(r) for r in f.answer.sources], "timings": _timings(f), "stats": _stats(f)}
+
+    @app.get("/v1/models", response_model=sc.ModelList, tags=["openai"], summary="The served model")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": svc.started_at, "owned_by": "ragkv"}],
+        }
+
+    # -- operations
+    @app.get("/healthz", response_model=sc.Health, tags=["ops"], summary="Liveness and size")
+    async def healthz():
+        rag = svc.rag
+        docs, chunks = await asyncio.to_thread(lambda: (len(rag.index.document_ids()), len(rag.index)))
+        return {
+            "status": "ok",
+            "model": model_name,
+            "backend": settings.backend,
+            "documents": docs,
+            "chunks": chunks,
+            "running": svc.queries.running,
+            "queued": svc.queries.queued,
+        }
+
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["ops"], summary="Prometheus metrics")
+    async def metrics():
+        text = await asyncio.to_thread(svc.registry.render)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    def openapi() -> dict:
+        """The generated schema plus the ingest body models (read by hand, so FastAPI does not list them)."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            comps = doc.setdefault("components", {}).setdefault("schemas", {})
+            ingest_schema = S.IngestRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps.update(ingest_schema.pop("$defs", {}))
+            comps["IngestRequest"] = ingest_schema
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
+    app.add_middleware(
+        BodyLimitMiddleware, max_body=settings.max_body_bytes, max_upload=settings.max_upload_bytes
+    )
+    app.add_middleware(MetricsMiddleware, service=svc)
+    return app
+
+
+async def _read_ndjson(request: Request, model, limit: int) -> list[dict]:
+    """Parse an NDJSON upload as it streams in: one document per line, at most ``limit`` bytes."""
+    docs, buf, size, line_no = [], b"", 0, 0
+
+    def take(line: bytes) -> None:
+        nonlocal line_no
+        line_no += 1
+        if not line.strip():
+            return
+        try:
+            docs.append(model.model_validate_json(line).model_dump())
+        except ValidationError as e:
+            errors = [
+                {**err, "loc": ["body", f"line {line_no}", *err.get("loc", ())]}
+                for err in e.errors(include_url=False)
+            ]
+            raise RequestValidationError(errors) from None
+
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise _TooLarge(f"upload larger than {limit} bytes")
+        buf += piece
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            take(line)
+    take(buf)
+    if not docs:
+        raise InvalidRequestError("the upload holds no documents")
+    return docs
+
+
+class _TooLarge(ServiceError):
+    status = 413
+    type = "request_too_large"
+
+
+# ---- command line ------------------------------------------------------------------------------------
+def build_parser(prog: str = "python -m apps.server") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog, description="Serve ragkv over HTTP (settings: file < env < flags)."
+    )
+    ap.add_argument("--config", help="settings file (.toml/.yaml/.json); default $RAGKV_CONFIG")
+    ap.add_argument("--host")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--model", help="local folder or hub id")
+    ap.add_argument("--data-dir", help="index and (default) KV store directory")
+    ap.add_argument("--store", help="chunk KV store URL: file:///dir, redis://host:6379/0, memory://")
+    ap.add_argument("--max-concurrency", type=int)
+    ap.add_argument("--max-queue", type=int)
+    ap.add_argument(
+        "--generation", choices=["threads", "engine"], help="worker threads or ragkv.engine batching"
+    )
+    ap.add_argument("--torch-threads", type=int)
+    ap.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    return ap
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return load_settings(
+        args.config,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        data_dir=args.data_dir,
+        store=args.store,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        torch_threads=args.torch_threads,
+        generation=args.generation,
+        log_level=args.log_level,
+    )
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m apps.server") -> int:
+    import uvicorn
+
+    args = build_parser(prog).parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}")
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,555 @@
+"""The service core: one ``ragkv.rag.RAG`` behind bounded worker pools, with admission control and metrics.
+
+Generation is CPU-bound, so it never runs on the event loop: each query runs in a worker thread
+(``max_concurrency`` of them); at most ``max_queue`` more wait (then :class:`BusyError`, HTTP 429), and
+a request that waited longer than ``queue_timeout_s`` is dropped (:class:`UnavailableError`, 503).
+Ingest and delete run one at a time on their own thread, so queries go on while documents arrive.
+Streams hand tokens from the worker to the loop as they are produced; a client that goes away stops
+its generation at the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from apps.config import Settings
+from apps.metrics import Counter, Gauge, Histogram, Registry
+from ragkv.generate import SamplingParams, TokenEvent
+from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
+from ragkv.rag.index import text_sha
+
+log = logging.getLogger("ragkv.server")
+
+
+class ServiceError(Exception):
+    """An error with its HTTP status and OpenAI-style type."""
+
+    status = 500
+    type = "internal_error"
+
+
+class BusyError(ServiceError):
+    status = 429
+    type = "rate_limit_exceeded"
+
+
+class UnavailableError(ServiceError):
+    status = 503
+    type = "service_unavailable"
+
+
+class NotFoundError(ServiceError):
+    status = 404
+    type = "not_found"
+
+
+class InvalidRequestError(ServiceError):
+    status = 422
+    type = "invalid_request_error"
+
+
+class TooLargeError(ServiceError):
+    status = 413
+    type = "context_length_exceeded"
+
+
+@dataclass
+class Final:
+    """The end of an answer stream: the RAG answer plus what the API reports around it."""
+
+    answer: RagAnswer
+    completion_tokens: int
+    finish_reason: str
+    queue_s: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.answer.stats.get("num_tokens", 0))
+
+
+@dataclass
+class QuerySpec:
+    """One question: chunks by id (or none, or retrieved), prefill mode and sampling."""
+
+    question: str
+    chunk_ids: list[int] | None = None
+    retrieve: bool = True
+    top_k: int | None = None
+    mode: str | None = None
+    ratio: float | None = None
+    params: SamplingParams | None = None
+
+
+class _Gate:
+    """Admission: ``limit`` running + ``queue`` waiting; beyond that :class:`BusyError`."""
+
+    def __init__(self, name: str, running: int, queue: int):
+        self.name, self.capacity, self.workers = name, running + queue, running
+        self.pending = 0
+        self.running = 0
+        self._lock = threading.Lock()
+
+    def admit(self) -> None:
+        with self._lock:
+            if self.pending >= self.capacity:
+                raise BusyError(
+                    f"server busy: {self.pending} {self.name} requests in flight (limit {self.capacity}); retry later"
+                )
+            self.pending += 1
+
+    def started(self) -> None:
+        with self._lock:
+            self.running += 1
+
+    def finished(self, started: bool) -> None:
+        with self._lock:
+            self.pending -= 1
+            if started:
+                self.running -= 1
+
+    @property
+    def queued(self) -> int:
+        return max(0, self.pending - self.running)
+
+
+class Service:
+    """Owns the RAG, the worker pools and the metrics registry of one server."""
+
+    def __init__(self, settings: Settings, rag: RAG | None = None):
+        self.settings = settings
+        self.rag = rag
+        running = settings.engine_max_seqs if settings.generation == "engine" else settings.max_concurrency
+        self.queries = _Gate("query", running, settings.max_queue)
+        self.engine = None  # ragkv.engine.AsyncEngine when settings.generation == "engine"
+        self.ingests = _Gate("ingest", 1, settings.max_ingest_queue)
+        self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="ragkv-gen")
+        self._ingest_pool = ThreadPoolExecutor(1, thread_name_prefix="ragkv-ingest")
+        self._closed = False
+        self.started_at = int(time.time())
+        self.registry = Registry()
+        self._setup_metrics()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load the model, embedder, index and store (slow: call it off the event loop)."""
+        if self.rag is not None:
+            return
+        s = self.settings
+        if s.torch_threads:
+            import torch
+
+            torch.set_num_threads(s.torch_threads)
+        self.rag = build_rag(s)
+        if s.generation == "engine":
+            from ragkv.engine import AsyncEngine, EngineConfig, SchedulerConfig
+
+            cfg = EngineConfig(
+                mode=s.mode,
+                ratio=s.ratio,
+                scheduler=SchedulerConfig(max_num_seqs=s.engine_max_seqs, max_queue=max(1, s.max_queue)),
+            )
+            self.engine = AsyncEngine(self.rag.model, cfg, store=self.rag.store)
+
+    def close(self) -> None:
+        self._closed = True
+        if self.engine is not None:
+            self.engine.engine.shutdown()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._ingest_pool.shutdown(wait=True, cancel_futures=True)
+        if self.rag is not None:
+            self.rag.flush()
+            self.rag.close()
+
+    # ---- running work off the loop ----------------------------------------------------------------
+    async def _run(self, gate: _Gate, pool: ThreadPoolExecutor, fn: Callable[[], Any]) -> Any:
+        if self._closed:
+            raise UnavailableError("server is shutting down")
+        try:
+            gate.admit()
+        except BusyError:
+            self.rejected.inc(gate.name, "busy")
+            raise
+        t_in = time.perf_counter()
+        started = False
+
+        def job():
+            nonlocal started
+            wait = time.perf_counter() - t_in
+            if wait > self.settings.queue_timeout_s:
+                raise UnavailableError(
+                    f"waited {wait:.1f} s for a worker (limit {self.settings.queue_timeout_s} s)"
+                )
+            gate.started()
+            started = True
+            self.queue_wait.observe(wait, gate.name)
+            return fn()
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, job)
+        except UnavailableError:
+            self.rejected.inc(gate.name, "timeout")
+            raise
+        finally:
+            gate.finished(started)
+
+    async def run_ingest(self, fn: Callable[[], Any]) -> Any:
+        return await self._run(self.ingests, self._ingest_pool, fn)
+
+    async def stream(self, spec: QuerySpec) -> AsyncIterator[TokenEvent | Final]:
+        """Token events then a :class:`Final`; generation runs in a worker thread or in the engine."""
+        if self._closed:
+            raise UnavailableError("server is shutting down")
+        if self.engine is not None:
+            async for item in self._engine_stream(spec):
+                yield item
+            return
+        try:
+            self.queries.admit()
+        except BusyError:
+            self.rejected.inc("query", "busy")
+            raise
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        t_in = time.perf_counter()
+        end = object()
+
+        def post(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # loop closed: nobody is listening
+                cancel.set()
+
+        def job() -> None:
+            started = False
+            try:
+                wait = time.perf_counter() - t_in
+                if cancel.is_set():
+                    return
+                if wait > self.settings.queue_timeout_s:
+                    self.rejected.inc("query", "timeout")
+                    raise UnavailableError(
+                        f"waited {wait:.1f} s for a worker (limit {self.settings.queue_timeout_s} s)"
+                    )
+                self.queries.started()
+                started = True
+                self.queue_wait.observe(wait, "query")
+                it = self._answer_iter(spec, wait)
+                for item in it:
+                    if cancel.is_set():
+                        it.close()
+                        self.cancelled.inc()
+                        return
+                    post((item, None))
+            except BaseException as e:  # noqa: BLE001 - delivered to the request
+                post((end, e))
+                return
+            finally:
+                self.queries.finished(started)
+            post((end, None))
+
+        try:
+            self._pool.submit(job)
+        except RuntimeError as e:  # pool shut down
+            self.queries.finished(False)
+            raise UnavailableError("server is shutting down") from e
+        try:
+            while True:
+                item, exc = await queue.get()
+                if item is end:
+                    if exc is not None:
+                        raise exc
+                    return
+                yield item
+        finally:
+            cancel.set()
+
+    async def answer(self, spec: QuerySpec) -> tuple[str, Final]:
+        parts = []
+        final = None
+        async for item in self.stream(spec):
+            if isinstance(item, Final):
+                final = item
+            else:
+                parts.append(item.text)
+        assert final is not None
+        return "".join(parts), final
+
+    # ---- the engine path -------------------------------------------------------------------------
+    async def _engine_stream(self, spec: QuerySpec) -> AsyncIterator[TokenEvent | Final]:
+        """Retrieve off the loop, then let the engine batch prefill and decode with other requests."""
+        from ragkv.engine import EngineBusyError, RequestTooLargeError
+
+        try:
+            self.queries.admit()
+        except BusyError:
+            self.rejected.inc("query", "busy")
+            raise
+        started = False
+        handle = None
+        try:
+            t0 = time.perf_counter()
+            prefix, recs, suffix, params, mode, ratio, hits = await asyncio.to_thread(self._prepare, spec)
+            t_prep = time.perf_counter() - t0
+            try:
+                handle = await self.engine.submit(
+                    prefix, [list(r.token_ids) for r in recs], suffix, params, mode=mode, ratio=ratio
+                )
+            except EngineBusyError as e:
+                self.rejected.inc("query", "busy")
+                raise BusyError(str(e)) from None
+            except RequestTooLargeError as e:
+                raise TooLargeError(str(e)) from None
+            n = 0
+            async for ev in handle:
+                if not started:
+                    self.queries.started()
+                    started = True
+                n += 1
+                yield ev
+            out = handle.request.output()
+            m = out.metrics
+            queue_s = m.queue_s or 0.0
+            stats = {**out.prefill_stats, "kv_hits": hits}
+            timings = {
+                "retrieval_s": t_prep,
+                "kv_fetch_s": m.fetch_s,
+                "ttft_s": t_prep + ((m.ttft_s or 0.0) - queue_s if n else (m.e2e_s or 0.0) - queue_s),
+                "total_s": t_prep + (m.e2e_s or 0.0) - queue_s,
+            }
+            answer = RagAnswer(out.text, recs, stats.get("mode", mode), timings, stats)
+            final = Final(answer, n, "length" if n >= params.max_new_tokens else "stop", queue_s)
+            self._observe(final)
+            yield final
+        finally:
+            self.queries.finished(started)
+            if handle is not None and handle.request.finish_reason is None:  # the client went away
+                self.cancelled.inc()
+                await handle.cancel()
+
+    def _prepare(self, spec: QuerySpec):
+        """Prompt parts, chunks (by id, none, or retrieved and fitted to the context) and options."""
+        from ragkv.rag import prompt_parts
+
+        rag = self.rag
+        params = spec.params or SamplingParams(max_new_tokens=self.settings.max_new_tokens)
+        mode = spec.mode or rag.mode
+        ratio = rag.ratio if spec.ratio is None else spec.ratio
+        if ratio == "auto":
+            raise InvalidRequestError(
+                "ratio 'auto' (the loading controller) is not available with the engine"
+            )
+        prefix, suffix = prompt_parts(rag.model, spec.question, rag.instruction, rag.question_template)
+        if spec.chunk_ids is not None:
+            try:
+                recs = rag.chunks_by_id(list(spec.chunk_ids))
+            except KeyError as e:
+                raise NotFoundError(str(e.args[0]) if e.args else "unknown chunk id") from None
+        elif not spec.retrieve:
+            recs = []
+        else:
+            budget = rag.model.config.max_position - len(prefix) - len(suffix) - params.max_new_tokens
+            recs = fit_chunks(rag.retrieve(spec.question, spec.top_k), budget)
+        hits = 0
+        if mode in ("reuse", "blend"):
+            hits = sum(rag.store.contains(r.kv_key) for r in recs)
+            rag.counters["kv_hits"] += hits
+            rag.counters["kv_misses"] += len(recs) - hits
+        return prefix, recs, suffix, params, mode, float(ratio), hits
+
+    # ---- the work (worker threads) -------------------------------------------------------------
+    def _answer_iter(self, spec: QuerySpec, queue_s: float) -> Iterator[TokenEvent | Final]:
+        rag = self.rag
+        params = spec.params or SamplingParams(max_new_tokens=self.settings.max_new_tokens)
+        recs: list[ChunkRecord] | None = None
+        if spec.chunk_ids is not None:
+            try:
+                recs = rag.chunks_by_id(list(spec.chunk_ids))
+            except KeyError as e:
+                raise NotFoundError(str(e.args[0]) if e.args else "unknown chunk id") from None
+        elif not spec.retrieve:
+            recs = []
+        n = 0
+        for item in rag.answer_stream(
+            spec.question, k=spec.top_k, mode=spec.mode, ratio=spec.ratio, params=params, chunks=recs
+        ):
+            if isinstance(item, RagAnswer):
+                reason = "length" if n >= params.max_new_tokens else "stop"
+                final = Final(item, n, reason, queue_s)
+                self._observe(final)
+                yield final
+            else:
+                n += 1
+                yield item
+
+    def _observe(self, f: Final) -> None:
+        t = f.answer.timings
+        self.ttft.observe(t["ttft_s"], f.answer.mode)
+        self.latency.observe(t["total_s"], f.answer.mode)
+        self.tokens.inc(n=f.completion_tokens)
+        self.prompt_tokens.inc(n=f.prompt_tokens)
+        self.answers.inc(f.answer.mode)
+
+    def ingest(self, docs: list[dict]) -> dict:
+        """Ingest ``[{id?, text, metadata}]``; per document: added / unchanged / replaced and its chunk ids."""
+        rag = self.rag
+        documents = [Document(d["text"], d.get("id"), dict(d.get("metadata") or {})) for d in docs]
+        seen: dict[str, str] = {}
+        unique = []
+        for d in documents:
+            sha = text_sha(d.text)
+            if d.id in seen:
+                if seen[d.id] != sha:
+                    raise InvalidRequestError(f"document id {d.id!r} appears twice with different texts")
+                continue
+            seen[d.id] = sha
+            unique.append(d)
+        before = {d.id: rag.index.document_sha(d.id) for d in unique}
+        rep = rag.ingest(unique, show_progress=False)
+        out = []
+        for d in unique:
+            old = before[d.id]
+            status = "added" if old is None else "unchanged" if old == seen[d.id] else "replaced"
+            out.append(
+                {"id": d.id, "status": status, "chunk_ids": [r.chunk_id for r in rag.index.chunks_of(d.id)]}
+            )
+        self.ingested.inc(n=rep.documents_added)
+        return {
+            "documents": out,
+            "documents_added": rep.documents_added,
+            "documents_unchanged": rep.documents_unchanged,
+            "chunks_added": rep.chunks_added,
+            "kv_computed": rep.kv_computed,
+            "seconds": rep.seconds,
+        }
+
+    def delete(self, doc_id: str) -> None:
+        try:
+            self.rag.delete_document(doc_id)
+        except KeyError:
+            raise NotFoundError(f"unknown document id {doc_id!r}") from None
+
+    # ---- metrics -------------------------------------------------------------------------------
+    def _setup_metrics(self) -> None:
+        r = self.registry
+        self.http_requests = r.add(
+            Counter(
+                "ragkv_http_requests_total",
+                "HTTP requests by route and status",
+                ("method", "route", "status"),
+            )
+        )
+        self.http_latency = r.add(
+            Histogram(
+                "ragkv_http_request_duration_seconds",
+                "HTTP request duration (to the end of the body)",
+                ("route",),
+            )
+        )
+        self.ttft = r.add(Histogram("ragkv_ttft_seconds", "time to first token (after the queue)", ("mode",)))
+        self.latency = r.add(
+            Histogram("ragkv_answer_seconds", "time to the whole answer (after the queue)", ("mode",))
+        )
+        self.queue_wait = r.add(Histogram("ragkv_queue_wait_seconds", "time waiting for a worker", ("pool",)))
+        self.answers = r.add(Counter("ragkv_answers_total", "answers generated by prefill mode", ("mode",)))
+        self.tokens = r.add(Counter("ragkv_generated_tokens_total", "tokens generated"))
+        self.prompt_tokens = r.add(Counter("ragkv_prompt_tokens_total", "prompt tokens prefilled or reused"))
+        self.rejected = r.add(
+            Counter(
+                "ragkv_rejected_requests_total", "requests refused (busy / queue timeout)", ("pool", "reason")
+            )
+        )
+        self.cancelled = r.add(Counter("ragkv_cancelled_streams_total", "streams whose client went away"))
+        self.ingested = r.add(Counter("ragkv_documents_ingested_total", "documents added or replaced"))
+
+        def counters() -> dict:
+            return self.rag.counters if self.rag is not None else {}
+
+        r.add(
+            Gauge(
+                "ragkv_kv_chunk_hits",
+                "retrieved chunks whose KV came from the store (since start)",
+                lambda: counters().get("kv_hits", 0),
+            )
+        )
+        r.add(
+            Gauge(
+                "ragkv_kv_chunk_misses",
+                "retrieved chunks whose KV had to be recomputed (since start)",
+                lambda: counters().get("kv_misses", 0),
+            )
+        )
+        r.add(
+            Gauge(
+                "ragkv_kv_hit_rate",
+                "kv hits / (hits + misses) of retrieved chunks (1 when none yet)",
+                lambda: _rate(counters().get("kv_hits", 0), counters().get("kv_misses", 0)),
+            )
+        )
+        r.add(Gauge("ragkv_store_bytes", "bytes of chunk KV in the store", lambda: self.rag.store.nbytes()))
+        r.add(
+            Gauge(
+                "ragkv_store_ops",
+                "chunk store counters (hits, misses, puts, bytes read/written ...)",
+                lambda: {(k,): v for k, v in self.rag.store.stats().items() if isinstance(v, (int, float))},
+                ("op",),
+            )
+        )
+        r.add(Gauge("ragkv_documents", "documents in the index", lambda: len(self.rag.index.document_ids())))
+        r.add(Gauge("ragkv_chunks", "chunks in the index", lambda: len(self.rag.index)))
+        r.add(
+            Gauge(
+                "ragkv_requests_running",
+                "requests being served by a worker",
+                lambda: {("query",): self.queries.running, ("ingest",): self.ingests.running},
+                ("pool",),
+            )
+        )
+        r.add(
+            Gauge(
+                "ragkv_requests_queued",
+                "requests waiting for a worker",
+                lambda: {("query",): self.queries.queued, ("ingest",): self.ingests.queued},
+                ("pool",),
+            )
+        )
+
+
+def fit_chunks(recs: list[ChunkRecord], budget: int) -> list[ChunkRecord]:
+    """Drop the lowest-scored chunks until their tokens fit ``budget`` (retrieval order kept)."""
+    kept = sorted(recs, key=lambda r: -r.score)
+    while kept and sum(len(r.token_ids) for r in kept) > budget:
+        kept.pop()
+    ids = {r.chunk_id for r in kept}
+    return [r for r in recs if r.chunk_id in ids]
+
+
+def _rate(hits: float, misses: float) -> float:
+    return hits / (hits + misses) if hits + misses else 1.0
+
+
+def build_rag(s: Settings) -> RAG:
+    """The RAG of these settings (model, data dir, store URL, embedder, chunking, defaults)."""
+    from ragkv.llm import LLM
+    from ragkv.rag import Embedder, prompt_parts
+
+    llm = LLM(s.model, dtype=s.dtype, device=s.device)
+    prefix, suffix = prompt_parts(llm.model, "?")
+    return RAG(
+        llm,
+        s.data_dir,
+        store=s.store,
+        embedder=Embedder(s.embedder),
+        chunk_tokens=s.chunk_tokens_for(llm.model.config.max_position, len(prefix) + len(suffix)),
+        overlap=s.overlap,
+        top_k=s.top_k,
+        mode=s.mode,
+        ratio=s.ratio,
+    )

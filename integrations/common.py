@@ -1,0 +1,412 @@
+"""What the LangChain and LlamaIndex wrappers share: turning their documents into ragkv chunks and
+answering over them with the chunks' stored KV reused.
+
+A framework document reaches ragkv in one of three ways:
+
+* a document ragkv produced (its metadata carries ``ragkv_chunk_id`` and its text is the chunk's
+  text): the indexed chunk, whose KV was stored at ingest, is used as is;
+* a chunk id (``int``, ``"ragkv:<id>"`` or a numeric string): looked up in ragkv's index;
+* any other document (e.g. from a foreign vector store): ingested on first use under the id
+  ``ext-<sha256 of the text>``; ingest is idempotent, so later uses find it and its KV stored.
+
+Flattened prompts still work. Text between :data:`CHUNK_SEPARATOR` markers (what
+:func:`format_docs` produces) is split out as chunks whose KV is looked up by content and stored
+after first use, the text before the first marker is the prefix and the text after the last one
+the question. A prompt without markers is one plain prompt, i.e. a full prefill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragkv.generate import SamplingParams, TokenEvent, stream
+from ragkv.kv.chunk import chunk_key
+from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
+
+CHUNK_SEPARATOR = "\n<ragkv:chunk>\n"
+"""Marks chunk boundaries in a flattened prompt: ``prefix SEP chunk1 SEP chunk2 SEP question``."""
+
+CHUNK_ID_PREFIX = "ragkv:"
+SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_ingest_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_locks_guard = threading.Lock()
+
+
+def ingest_lock(rag: RAG) -> threading.Lock:
+    """One lock per RAG serialising ingest/delete (two first uses of one document must not race)."""
+    with _locks_guard:
+        lock = _ingest_locks.get(rag)
+        if lock is None:
+            lock = _ingest_locks[rag] = threading.Lock()
+        return lock
+
+
+def format_docs(docs: Sequence[Any]) -> str:
+    """Join documents' texts with :data:`CHUNK_SEPARATOR` so a flattened prompt keeps its chunks."""
+    texts = [doc_fields(d)[0] for d in docs]
+    return CHUNK_SEPARATOR + CHUNK_SEPARATOR.join(texts) + CHUNK_SEPARATOR if texts else ""
+
+
+def split_prompt(prompt: str) -> tuple[str, list[str], str]:
+    """``(prefix, chunks, question)`` of a prompt with separators; no separator: ``("", [], prompt)``."""
+    parts = prompt.split(CHUNK_SEPARATOR)
+    if len(parts) == 1:
+        return "", [], prompt
+    chunks = [p for p in parts[1:-1] if p.strip()]
+    return parts[0], chunks, parts[-1]
+
+
+def chunk_metadata(rec: ChunkRecord) -> dict:
+    """Metadata a framework document carries for a ragkv chunk (ids, KV key, score, source metadata)."""
+    return {
+        **rec.metadata,
+        "ragkv_chunk_id": rec.chunk_id,
+        "ragkv_kv_key": rec.kv_key,
+        "ragkv_doc_id": rec.doc_id,
+        "ragkv_seq": rec.seq,
+        "score": rec.score,
+    }
+
+
+def doc_fields(doc: Any) -> tuple[str, dict, str | None]:
+    """``(text, metadata, id)`` of a LangChain ``Document``, a LlamaIndex node / ``NodeWithScore``,
+    a ``ChunkRecord``, a ``dict`` with ``text``/``page_content`` or a plain string."""
+    if isinstance(doc, ChunkRecord):
+        return doc.text, chunk_metadata(doc), f"{CHUNK_ID_PREFIX}{doc.chunk_id}"
+    if isinstance(doc, str):
+        return doc, {}, None
+    if isinstance(doc, dict):
+        text = doc.get("text", doc.get("page_content"))
+        return text, dict(doc.get("metadata") or {}), doc.get("id")
+    node = getattr(doc, "node", None)  # LlamaIndex NodeWithScore
+    if node is not None and hasattr(node, "get_content"):
+        doc = node
+    if hasattr(doc, "page_content"):  # LangChain Document
+        return doc.page_content, dict(doc.metadata or {}), getattr(doc, "id", None)
+    if hasattr(doc, "get_content"):  # LlamaIndex BaseNode
+        from llama_index.core.schema import MetadataMode
+
+        return doc.get_content(metadata_mode=MetadataMode.NONE), dict(doc.metadata or {}), doc.node_id
+    raise TypeError(
+        f"cannot use {type(doc).__name__} as a chunk; pass documents, nodes, chunk ids or strings"
+    )
+
+
+def parse_chunk_id(value: Any) -> int | None:
+    """A chunk id from ``int``, ``"ragkv:<id>"`` or ``"<digits>"``; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        s = value[len(CHUNK_ID_PREFIX) :] if value.startswith(CHUNK_ID_PREFIX) else value
+        value = int(s) if s.isascii() and s.isdigit() else None
+    if isinstance(value, int):
+        return value if 0 <= value < 2**63 else -1  # out of SQLite's range: an id no chunk has
+    return None
+
+
+@dataclass
+class Completion:
+    """A finished answer with what the frameworks expose as metadata."""
+
+    text: str
+    finish_reason: str
+    num_tokens: int
+    mode: str
+    stats: dict
+    timings: dict
+    sources: list[ChunkRecord] = field(default_factory=list)
+    ingested: list[str] = field(default_factory=list)
+
+    def info(self) -> dict:
+        """JSON-able summary: mode, reuse statistics, timings, source chunk ids and keys."""
+        keep = (
+            "num_tokens",
+            "num_reused_rows",
+            "num_computed_rows",
+            "recompute_fraction",
+            "recomputed_per_layer",
+            "kv_hits",
+            "num_chunks",
+            "fallback",
+        )
+        return {
+            "mode": self.mode,
+            "finish_reason": self.finish_reason,
+            "completion_tokens": self.num_tokens,
+            **{k: self.stats[k] for k in keep if k in self.stats},
+            "timings": dict(self.timings),
+            "chunk_ids": [r.chunk_id for r in self.sources],
+            "kv_keys": [r.kv_key for r in self.sources],
+            "ingested_documents": list(self.ingested),
+        }
+
+
+class RagkvRunner:
+    """Resolve framework documents to ragkv chunks and stream answers over them (thread-safe)."""
+
+    def __init__(self, rag: RAG):
+        self.rag = rag
+
+    # ---- documents -> chunks --------------------------------------------------------------------
+    def resolve(
+        self, chunks: Sequence[Any] | None = None, chunk_ids: Sequence[Any] | None = None
+    ) -> tuple[list[ChunkRecord], list[str]]:
+        """Index records for ``chunks`` (documents, nodes, records, ids) and ``chunk_ids``; foreign
+        documents are ingested first. Returns ``(records, ingested document ids)``."""
+        items: list[Any] = list(chunk_ids or []) + list(chunks or [])
+        slots: list[list[ChunkRecord] | None] = []
+        foreign: dict[int, Document] = {}
+        for i, item in enumerate(items):
+            cid = parse_chunk_id(item) if not isinstance(item, ChunkRecord) else item.chunk_id
+            if isinstance(item, ChunkRecord):
+                slots.append([item])
+                continue
+            if cid is not None:
+                if cid < 0:
+                    raise KeyError(f"unknown chunk id {item!r}")
+                slots.append(self.rag.chunks_by_id([cid]))  # KeyError on an unknown id
+                continue
+            if isinstance(item, str) and (item.startswith(CHUNK_ID_PREFIX) or not item.strip()):
+                raise KeyError(f"unknown chunk id {item!r}")
+            text, meta, _ = doc_fields(item)
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"chunk {i} has no text")
+            rec = self._known(meta, text)
+            if rec is not None:
+                slots.append([rec])
+                continue
+            doc_id = "ext-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+            clean = {k: v for k, v in meta.items() if not k.startswith("ragkv_") and _jsonable(v)}
+            foreign[i] = Document(text, doc_id, clean)
+            slots.append(None)
+        ingested: list[str] = []
+        if foreign:
+            with ingest_lock(self.rag):
+                todo = {d.id: d for d in foreign.values() if not self.rag.index.has_document(d.id)}
+                if todo:
+                    self.rag.ingest(list(todo.values()), show_progress=False)
+                    ingested = list(todo)
+            for i, d in foreign.items():
+                slots[i] = self.rag.index.chunks_of(d.id)
+        return [r for s in slots for r in (s or [])], ingested
+
+    def _known(self, meta: dict, text: str) -> ChunkRecord | None:
+        """The indexed chunk a ragkv-made document names, if it still exists with the same text."""
+        cid = parse_chunk_id(meta.get("ragkv_chunk_id"))
+        if cid is None:
+            return None
+        rec = self.rag.index.chunk(cid)
+        return rec if rec is not None and rec.text == text else None
+
+    # ---- answering ----------------------------------------------------------------------------
+    def stream_answer(
+        self,
+        question: str,
+        records: list[ChunkRecord] | None,
+        mode: str | None = None,
+        ratio: float | None = None,
+        k: int | None = None,
+        ingested: list[str] | None = None,
+        **sampling,
+    ) -> Iterator[TokenEvent | Completion]:
+        """Answer ``question`` over ``records`` (None: retrieve ``k``) with ragkv's RAG prompt."""
+        params = make_params(sampling)
+        n = 0
+        for item in self.rag.answer_stream(
+            question, k=k, mode=mode, ratio=ratio, params=params, chunks=records
+        ):
+            if isinstance(item, RagAnswer):
+                yield Completion(
+                    item.text,
+                    _reason(n, params),
+                    n,
+                    item.mode,
+                    item.stats,
+                    item.timings,
+                    list(item.sources),
+                    list(ingested or []),
+                )
+            else:
+                n += 1
+                yield item
+
+    def stream_prompt(
+        self, prompt: str, mode: str | None = None, ratio: float | None = None, **sampling
+    ) -> Iterator[TokenEvent | Completion]:
+        """Complete a flattened prompt; text between :data:`CHUNK_SEPARATOR` markers becomes chunks."""
+        prefix, chunk_texts, question = split_prompt(prompt)
+        return self.stream_parts(prefix, chunk_texts, question, mode, ratio, **sampling)
+
+    def stream_parts(
+        self,
+        prefix: str,
+        chunk_texts: list[str],
+        question: str,
+        mode: str | None = None,
+        ratio: float | None = None,
+        **sampling,
+    ) -> Iterator[TokenEvent | Completion]:
+        """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after use."""
+        llm, model = self.rag.llm, self.rag.model
+        mode = mode or (self.rag.mode if chunk_texts else "full")
+        ratio = self.rag.ratio if ratio is None else ratio
+        ratio = 0.15 if ratio == "auto" else float(ratio)  # the loading controller needs retrieved records
+        params = make_params(sampling)
+        t0 = time.perf_counter()
+        pre, chs, q = llm.tokenize_prompt(prefix, chunk_texts, question)
+        if not q and not chs and len(pre) <= 1:
+            raise ValueError("empty prompt")
+        hits = (
+            sum(self.rag.store.contains(chunk_key(c, model.fingerprint)) for c in chs)
+            if mode in ("reuse", "blend")
+            else 0
+        )
+        res = llm.prefill(pre, chs, q, mode, ratio)
+        n, parts, ttft = 0, [], None
+        for ev in stream(model, res, params, attention=llm.attention):
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            n += 1
+            parts.append(ev.text)
+            yield ev
+        total = time.perf_counter() - t0
+        stats = {**res.stats, "kv_hits": hits}
+        yield Completion(
+            "".join(parts),
+            _reason(n, params),
+            n,
+            res.stats["mode"],
+            stats,
+            {"ttft_s": ttft if ttft is not None else total, "total_s": total},
+        )
+
+
+def make_params(sampling: dict) -> SamplingParams:
+    """SamplingParams from framework kwargs (``max_tokens`` is accepted for ``max_new_tokens``)."""
+    s = {k: v for k, v in sampling.items() if v is not None}
+    if "max_tokens" in s:
+        s.setdefault("max_new_tokens", s.pop("max_tokens"))
+    unknown = set(s) - set(SAMPLING_KEYS)
+    if unknown:
+        raise TypeError(f"unknown generation options {sorted(unknown)}; use {SAMPLING_KEYS}")
+    if "stop" in s:
+        s["stop"] = tuple([s["stop"]] if isinstance(s["stop"], str) else s["stop"])
+    return SamplingParams(**s)
+
+
+def _reason(n: int, params: SamplingParams) -> str:
+    return "length" if n >= params.max_new_tokens else "stop"
+
+
+def _jsonable(v: Any) -> bool:
+    return isinstance(v, (str, int, float, bool, type(None), list, dict))
+
+
+def fold_messages(messages: Sequence[tuple[str, str]]) -> str:
+    """The question of a conversation: the last user turn, earlier turns prepended as ``Role: text`` lines.
+
+    ragkv's RAG prompt has one question slot, so history (system prompts included) goes there.
+    """
+    turns = [(r, t) for r, t in messages if t and t.strip()]
+    if not turns:
+        raise ValueError("no message with text")
+    last = max((i for i, (r, _) in enumerate(turns) if r in ("user", "human")), default=len(turns) - 1)
+    history = [f"{r.capitalize()}: {t.strip()}" for r, t in turns[:last]]
+    return "\n".join([*history, turns[last][1].strip()])
+
+
+def render_chat(model, messages: Sequence[tuple[str, str]]) -> str:
+    """A conversation as one prompt: the tokenizer's chat template, else ``Role: text`` lines."""
+    tok = model.tokenizer
+    roles = {"human": "user", "ai": "assistant"}
+    msgs = [{"role": roles.get(r, r), "content": t} for r, t in messages]
+    if tok is not None and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        bos = getattr(tok, "bos_token", None)
+        return text[len(bos) :] if bos and text.startswith(bos) else text  # the prefix gets BOS itself
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
+
+
+async def aiter_in_thread(make_iter):
+    """Run a blocking iterator in a worker thread and yield its items on the event loop.
+
+    Generation is CPU-bound; this keeps the loop free. When the consumer stops early the producer
+    stops at its next item.
+    """
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()
+    done = object()
+
+    def post(item) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            stop.set()
+
+    def work() -> None:
+        try:
+            it = make_iter()
+            for item in it:
+                if stop.is_set():
+                    close = getattr(it, "close", None)
+                    if close is not None:
+                        close()
+                    return
+                post((item, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            post((done, e))
+            return
+        post((done, None))
+
+    loop.run_in_executor(None, work)
+    try:
+        while True:
+            item, exc = await queue.get()
+            if item is done:
+                if exc is not None:
+                    raise exc
+                return
+            yield item
+    finally:
+        stop.set()
+
+
+CALL_KEYS = ("chunks", "chunk_ids", "mode", "ratio", "k", "retrieve", "max_tokens", *SAMPLING_KEYS)
+DEFAULT_KEYS = ("mode", "ratio", "k", "retrieve", *SAMPLING_KEYS)
+
+
+def call_events(
+    rag: RAG, defaults: dict, question: str | None, prompt: str, stop: Sequence[str] | None, kwargs: dict
+) -> Iterator[TokenEvent | Completion]:
+    """One framework call: per-call ``kwargs`` over the wrapper's ``defaults``; answers over chunks
+    (``chunks`` / ``chunk_ids`` / ``retrieve``) with ``question or prompt`` as the question, else
+    completes ``prompt``. Raises TypeError on an unknown option."""
+    opts = {k: v for k, v in kwargs.items() if not k.startswith("ls_")}  # LangChain tracing hints
+    unknown = set(opts) - set(CALL_KEYS)
+    if unknown:
+        raise TypeError(f"unknown options {sorted(unknown)} for a ragkv model; use {CALL_KEYS}")
+    o = {k: defaults.get(k) for k in DEFAULT_KEYS}
+    if "max_tokens" in opts:
+        opts["max_new_tokens"] = opts.pop("max_tokens")
+    o.update({k: v for k, v in opts.items() if k in DEFAULT_KEYS})
+    sampling = {k: o[k] for k in SAMPLING_KEYS}
+    if stop:
+        sampling["stop"] = tuple(stop)
+    runner = RagkvRunner(rag)
+    chunks, chunk_ids = opts.get("chunks"), opts.get("chunk_ids")
+    if chunks is not None or chunk_ids is not None:
+        records, ingested = runner.resolve(chunks, chunk_ids)
+        return runner.stream_answer(
+            question or prompt, records, o["mode"], o["ratio"], ingested=ingested, **sampling
+        )
+    if o["retrieve"]:
+        return runner.stream_answer(question or prompt, None, o["mode"], o["ratio"], k=o["k"], **sampling)
+    return runner.stream_prompt(prompt, o["mode"], o["ratio"], **sampling)

@@ -1,0 +1,133 @@
+"""``ChatRagkv``: a LangChain ``BaseChatModel`` answered by ragkv with reused chunk KV.
+
+With ``chunks=docs`` / ``chunk_ids=[...]`` / ``retrieve=True`` the last user message is the question
+(earlier turns are prepended to it) and the documents are chunks whose stored KV is reused. Without
+them the conversation is rendered with the model's chat template (``Role: text`` lines when it has
+none) and completed; ``CHUNK_SEPARATOR`` markers in it still split out chunks. The reply's
+``response_metadata["ragkv"]`` has the reuse statistics (``kv_hits``, ``num_reused_rows`` ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+
+from integrations.common import Completion, aiter_in_thread, fold_messages, render_chat
+from integrations.langchain._base import RagkvParams
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
+
+
+def message_pairs(messages: list[BaseMessage]) -> list[tuple[str, str]]:
+    """``(role, text)`` of LangChain messages (text blocks of multi-part contents joined)."""
+    out = []
+    for m in messages:
+        content = m.content
+        if not isinstance(content, str):
+            content = "".join(
+                b if isinstance(b, str) else str(b.get("text", ""))
+                for b in content
+                if isinstance(b, str) or b.get("type") == "text"
+            )
+        out.append((_ROLES.get(m.type, m.type), content))
+    return out
+
+
+class ChatRagkv(RagkvParams, BaseChatModel):
+    """Chat model backed by ragkv (see the module docstring)."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragkv-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._params()
+
+    def _chat_events(self, messages: list[BaseMessage], stop, kwargs):
+        pairs = message_pairs(messages)
+        wants_chunks = any(kwargs.get(k) is not None for k in ("chunks", "chunk_ids")) or kwargs.get(
+            "retrieve", self.retrieve
+        )
+        if wants_chunks:
+            return self._events(fold_messages(pairs), "", stop, kwargs)
+        return self._events(None, render_chat(self.rag.model, pairs), stop, kwargs)
+
+    @staticmethod
+    def _last(c: Completion) -> ChatGenerationChunk:
+        prompt_tokens = int(c.stats.get("num_tokens", 0))
+        msg = AIMessageChunk(
+            content="",
+            response_metadata={"finish_reason": c.finish_reason, "model_name": "ragkv", "ragkv": c.info()},
+            usage_metadata={
+                "input_tokens": prompt_tokens,
+                "output_tokens": c.num_tokens,
+                "total_tokens": prompt_tokens + c.num_tokens,
+            },
+        )
+        return ChatGenerationChunk(message=msg, generation_info={"finish_reason": c.finish_reason})
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        for ev in self._chat_events(messages, stop, kwargs):
+            if isinstance(ev, Completion):
+                yield self._last(ev)
+                return
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
+            if run_manager:
+                run_manager.on_llm_new_token(ev.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        async for ev in aiter_in_thread(lambda: self._chat_events(messages, stop, kwargs)):
+            if isinstance(ev, Completion):
+                yield self._last(ev)
+                return
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
+            if run_manager:
+                await run_manager.on_llm_new_token(ev.text, chunk=chunk)
+            yield chunk
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return _result(list(self._stream(messages, stop, run_manager, **kwargs)))
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return _result([c async for c in self._astream(messages, stop, run_manager, **kwargs)])
+
+
+def _result(chunks: list[ChatGenerationChunk]) -> ChatResult:
+    last = chunks[-1].message
+    msg = AIMessage(
+        content="".join(str(c.message.content) for c in chunks),
+        response_metadata=last.response_metadata,
+        usage_metadata=last.usage_metadata,
+    )
+    return ChatResult(generations=[ChatGeneration(message=msg, generation_info=chunks[-1].generation_info)])

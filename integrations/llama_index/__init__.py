@@ -1,0 +1,22 @@
+"""LlamaIndex integration: ragkv LLM (complete / stream / chat with chunk options), retriever, query engine.
+
+::
+
+    from integrations.llama_index import RagkvLlamaLLM, RagkvLlamaRetriever, RagkvQueryEngine
+    engine = RagkvQueryEngine(retriever=RagkvLlamaRetriever(rag, k=4), llm=RagkvLlamaLLM(rag=rag))
+    resp = engine.query("Who wrote ...?")   # resp.metadata["ragkv"]["kv_hits"], resp.source_nodes
+"""
+
+from integrations.common import CHUNK_SEPARATOR, format_docs
+from integrations.llama_index.llms import RagkvLlamaLLM
+from integrations.llama_index.query_engine import RagkvQueryEngine
+from integrations.llama_index.retrievers import RagkvLlamaRetriever, to_node
+
+__all__ = [
+    "CHUNK_SEPARATOR",
+    "RagkvLlamaLLM",
+    "RagkvLlamaRetriever",
+    "RagkvQueryEngine",
+    "format_docs",
+    "to_node",
+]

@@ -1,0 +1,525 @@
+"""The HTTP service end to end: a real ``python -m apps.server`` (uvicorn) on a loopback port, driven by
+httpx, the ``openai`` client and schemathesis."""
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from apps.config import ConfigError, load_settings
+from tests.helpers import REPO, shared_dir
+
+NEW = 8
+LIMITS = {  # small limits keep every request (and the schemathesis run) cheap on 2 cores
+    "RAGKV_TORCH_THREADS": "1",
+    "RAGKV_MAX_NEW_TOKENS": str(NEW),
+    "RAGKV_MAX_NEW_TOKENS_LIMIT": "48",
+    "RAGKV_TOP_K": "3",
+    "RAGKV_CHUNK_TOKENS": "64",
+    "RAGKV_MAX_CONCURRENCY": "2",
+    "RAGKV_MAX_QUEUE": "34",
+    "RAGKV_MAX_BODY_BYTES": str(64 << 10),
+    "RAGKV_MAX_UPLOAD_BYTES": str(256 << 10),
+    "RAGKV_MAX_DOCUMENTS": "4",
+    "RAGKV_MAX_DOCUMENT_CHARS": "1500",
+    "RAGKV_MAX_QUESTION_CHARS": "400",
+    "RAGKV_MAX_CHUNK_IDS": "8",
+    "RAGKV_MAX_MESSAGES": "6",
+    "RAGKV_LOG_LEVEL": "warning",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(data: Path, **env_extra: str):
+    """``python -m apps.server`` on a free loopback port with a fresh data directory; yields its base URL."""
+    port = _free_port()
+    env = {**os.environ, **LIMITS, **env_extra, "RAGKV_DATA_DIR": str(data / "data"), "PYTHONPATH": str(REPO)}
+    env.pop("RAGKV_CONFIG", None)
+    log_path = data / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "apps.server", "--port", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 180
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"server exited: {log_path.read_text()[-3000:]}")
+                try:
+                    if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.time() > deadline:
+                    pytest.fail("server did not start in time")
+                time.sleep(0.3)
+            yield base
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("server")) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return json.loads((shared_dir() / "data" / "musique_s.json").read_text())[:2]
+
+
+def _docs(samples) -> list[dict]:
+    return [
+        {"id": f"s{i}-p{j}", "text": c["text"][:300], "metadata": {"title": c["title"]}}
+        for i, s in enumerate(samples)
+        for j, c in enumerate(s["ctxs"][:3])
+    ]
+
+
+def _ingest(client: httpx.Client, samples) -> list[dict]:
+    docs = _docs(samples)
+    out = []
+    for part in (docs[:4], docs[4:]):  # RAGKV_MAX_DOCUMENTS=4 per request
+        r = client.post("/v1/documents", json={"documents": part})
+        assert r.status_code == 200, r.text
+        out += r.json()["documents"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ingested(client, samples):
+    return _ingest(client, samples)
+
+
+def _error(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert body["code"] == status and body["message"] and body["type"]
+    return body["message"]
+
+
+# ---- settings -------------------------------------------------------------------------------------------
+def test_settings_precedence_file_env_flags(tmp_path, monkeypatch):
+    cfg = tmp_path / "ragkv.toml"
+    cfg.write_text('top_k = 3\nport = 9000\nstore = "redis://localhost:6379/0"\n')
+    monkeypatch.setenv("RAGKV_PORT", "9100")
+    s = load_settings(cfg, max_queue=7)
+    assert (s.top_k, s.port, s.max_queue, s.store) == (3, 9100, 7, "redis://localhost:6379/0")
+    (tmp_path / "bad.toml").write_text("bogus = 1\n")
+    with pytest.raises(ConfigError, match="bogus"):
+        load_settings(tmp_path / "bad.toml")
+    with pytest.raises(ConfigError):
+        load_settings(cfg, top_k=1000)  # beyond max_top_k
+
+
+# ---- documents ------------------------------------------------------------------------------------------
+def test_ingest_returns_ids_and_is_idempotent(client, ingested, samples):
+    assert [d["id"] for d in ingested] == [f"s{i}-p{j}" for i in range(2) for j in range(3)]
+    assert all(d["status"] == "added" and d["chunk_ids"] for d in ingested)
+    again = client.post(
+        "/v1/documents",
+        json={
+            "documents": [
+                {
+                    "id": "s0-p0",
+                    "text": samples[0]["ctxs"][0]["text"][:300],
+                    "metadata": {"title": samples[0]["ctxs"][0]["title"]},
+                }
+            ]
+        },
+    )
+    assert again.status_code == 200
+    body = again.json()
+    assert body["documents"][0]["status"] == "unchanged" and body["kv_computed"] == 0
+    assert body["documents"][0]["chunk_ids"] == ingested[0]["chunk_ids"]
+    assert set(client.get("/v1/documents").json()["ids"]) >= {d["id"] for d in ingested}
+
+
+def test_ndjson_upload_streams_and_delete(client):
+    lines = [
+        json.dumps({"id": f"up-{i}", "text": f"Lily had {i} red balls. She played in the park."})
+        for i in range(3)
+    ]
+
+    def body():  # a generator: sent chunked, without Content-Length, read by the server as it arrives
+        for line in lines:
+            yield (line + "\n").encode()
+
+    r = client.post("/v1/documents", content=body(), headers={"content-type": "application/x-ndjson"})
+    assert r.status_code == 200, r.text
+    docs = r.json()["documents"]
+    assert [d["id"] for d in docs] == ["up-0", "up-1", "up-2"] and all(d["status"] == "added" for d in docs)
+    changed = client.post("/v1/documents", json={"documents": [{"id": "up-0", "text": "Tom had a dog."}]})
+    assert changed.json()["documents"][0]["status"] == "replaced"
+    bad = client.post(
+        "/v1/documents", content=lines[0] + "\n{not json\n", headers={"content-type": "application/x-ndjson"}
+    )
+    assert "line 2" in _error(bad, 422)
+    for d in ("up-0", "up-1", "up-2"):
+        assert client.delete(f"/v1/documents/{d}").json() == {"id": d, "deleted": True}
+    assert "unknown document" in _error(client.delete("/v1/documents/up-0"), 404)
+    gone = client.post("/v1/query", json={"question": "x", "chunk_ids": docs[1]["chunk_ids"]})
+    _error(gone, 404)
+    big = (lines[0] + "\n").encode() * 5000  # > 256 KiB: refused whether its length is declared or not
+    ndjson = {"content-type": "application/x-ndjson"}
+    assert "larger than" in _error(client.post("/v1/documents", content=big, headers=ndjson), 413)
+    streamed = client.post(
+        "/v1/documents", content=(big[i : i + 8192] for i in range(0, len(big), 8192)), headers=ndjson
+    )
+    assert "larger than" in _error(streamed, 413)
+
+
+# ---- query ----------------------------------------------------------------------------------------------
+def test_query_answers_with_sources_timings_and_reuse(client, ingested, samples):
+    q = samples[0]["question"]
+    r = client.post("/v1/query", json={"question": q})
+    assert r.status_code == 200, r.text
+    a = r.json()
+    assert a["answer"] and a["mode"] == "blend" and len(a["sources"]) == 3
+    assert set(a["timings"]) == {"queue_s", "retrieval_s", "kv_fetch_s", "ttft_s", "total_s"}
+    assert 0 < a["timings"]["ttft_s"] <= a["timings"]["total_s"]
+    assert a["stats"]["kv_hits"] == 3 and a["stats"]["num_reused_rows"] > 0
+    assert a["usage"]["completion_tokens"] == NEW and a["finish_reason"] == "length"
+    known = {c for d in ingested for c in d["chunk_ids"]}
+    assert all(s["chunk_id"] in known and s["kv_key"] and s["text"] for s in a["sources"])
+    ids = [s["chunk_id"] for s in a["sources"]]
+    full = client.post("/v1/query", json={"question": q, "chunk_ids": ids, "mode": "full"}).json()
+    assert full["stats"]["kv_hits"] == 0 and full["stats"]["num_reused_rows"] == 0
+    one = client.post("/v1/query", json={"question": q, "chunk_ids": ids, "ratio": 1.0}).json()
+    assert one["answer"] == full["answer"]  # blend at ratio 1 is full prefill, through the service
+    assert [s["chunk_id"] for s in one["sources"]] == ids
+
+
+def test_query_stream_delivers_tokens_incrementally(client, ingested, samples):
+    arrivals = []
+    with client.stream(
+        "POST", "/v1/query", json={"question": samples[1]["question"], "stream": True, "max_tokens": 48}
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        event = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                arrivals.append((time.perf_counter(), event, json.loads(line[6:])))
+    kinds = [e for _, e, _ in arrivals]
+    assert kinds[-1] == "answer" and kinds.count("token") >= 2 and "error" not in kinds
+    tokens = [d["text"] for _, e, d in arrivals if e == "token"]
+    final = arrivals[-1][2]
+    assert "".join(tokens) == final["answer"] and final["usage"]["completion_tokens"] == len(tokens)
+    first_token_at = next(t for t, e, _ in arrivals if e == "token")
+    assert first_token_at < arrivals[-1][0]  # the first token came before the answer was complete
+
+
+def test_client_that_goes_away_stops_its_generation(client, ingested, samples):
+    def cancelled() -> float:
+        line = next(
+            x
+            for x in client.get("/metrics").text.splitlines()
+            if x.startswith("ragkv_cancelled_streams_total")
+        )
+        return float(line.split()[-1])
+
+    before = cancelled()
+    body = {"question": samples[0]["question"], "stream": True, "max_tokens": 48, "stop": None}
+    with client.stream("POST", "/v1/query", json=body) as r:
+        for line in r.iter_lines():
+            if line == "event: token":
+                break  # leave after the first token: the connection closes with the block
+    deadline = time.time() + 10
+    while cancelled() == before and time.time() < deadline:
+        time.sleep(0.05)
+    assert cancelled() == before + 1
+
+
+# ---- OpenAI compatibility -------------------------------------------------------------------------------
+def test_openai_client_chat_completions(server, ingested, samples):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    q = samples[0]["question"]
+    assert oc.models.list().data[0].id == "stories260k"
+    out = oc.chat.completions.create(
+        model="stories260k", messages=[{"role": "user", "content": q}], max_tokens=NEW
+    )
+    assert out.choices[0].message.content and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == NEW
+    extra = out.model_extra["ragkv"]
+    assert extra["stats"]["kv_hits"] == len(extra["sources"]) == 3
+    ids = [s["chunk_id"] for s in extra["sources"]]
+    stream = oc.chat.completions.create(
+        model="stories260k",
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": q}],
+        max_tokens=NEW,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ragkv": {"chunk_ids": ids, "mode": "blend"}},
+    )
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals and finals[0].model_extra["ragkv"]["stats"]["kv_hits"] == 3
+    assert [s["chunk_id"] for s in finals[0].model_extra["ragkv"]["sources"]] == ids
+    assert chunks[-1].usage.completion_tokens == len(pieces)
+    with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):
+        oc.chat.completions.create(model="m", messages=[{"role": "user", "content": q}], max_tokens=-1)
+    with pytest.raises(openai.NotFoundError, match="unknown chunk id"):
+        oc.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": q}],
+            extra_body={"ragkv": {"chunk_ids": [987654]}},
+        )
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+def test_bad_inputs_get_4xx_with_a_message(client, ingested):
+    post = client.post
+    assert "question" in _error(post("/v1/query", json={"question": ""}), 422)
+    assert "question" in _error(post("/v1/query", json={"question": "   "}), 422)
+    assert "unknown chunk id" in _error(post("/v1/query", json={"question": "q", "chunk_ids": [987654]}), 404)
+    assert "max_tokens" in _error(post("/v1/query", json={"question": "q", "max_tokens": -1}), 422)
+    assert "mode" in _error(post("/v1/query", json={"question": "q", "mode": "turbo"}), 422)
+    assert "JSON" in _error(
+        post("/v1/query", content=b'{"question": ', headers={"content-type": "application/json"}), 422
+    )
+    assert "larger than" in _error(post("/v1/query", json={"question": "q" * (70 << 10)}), 413)
+    assert "unknown_field" in _error(post("/v1/query", json={"question": "q", "unknown_field": 1}), 422)
+    assert "context" in _error(
+        post(
+            "/v1/query",
+            json={
+                "question": "q",
+                "max_tokens": 48,
+                "chunk_ids": [c for d in ingested for c in d["chunk_ids"]][:8],
+            },
+        ),
+        413,
+    )
+    assert "user message" in _error(
+        post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "hi"}]}), 422
+    )
+    _error(post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2}), 422)
+    _error(post("/v1/chat/completions", json={"messages": []}), 422)
+    _error(post("/v1/documents", json={"documents": [{"text": "   "}]}), 422)
+    _error(post("/v1/documents", json={"documents": [{"id": "a/b", "text": "x"}]}), 422)
+    _error(post("/v1/documents", content=b"text", headers={"content-type": "text/plain"}), 415)
+    _error(client.get("/v1/nope"), 404)
+    _error(client.put("/v1/query", json={}), 405)
+
+
+# ---- concurrency, backpressure, metrics ----------------------------------------------------------------------
+def test_32_concurrent_queries_all_succeed(server, ingested, samples):
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=300) as c:
+            qs = [samples[i % 2]["question"] for i in range(32)]
+            return await asyncio.gather(
+                *(c.post("/v1/query", json={"question": q, "stream": i % 4 == 0}) for i, q in enumerate(qs))
+            )
+
+    rs = asyncio.run(run())
+    assert [r.status_code for r in rs] == [200] * 32
+    by_question: dict[int, set] = {0: set(), 1: set()}
+    for i, r in enumerate(rs):
+        if r.headers["content-type"].startswith("application/json"):
+            by_question[i % 2].add(r.json()["answer"])
+        else:
+            assert "event: answer" in r.text and "event: error" not in r.text
+    assert [len(v) for v in by_question.values()] == [1, 1]  # greedy: one question, one answer, under load
+
+
+def test_overload_gets_429_not_500(server, ingested, samples):
+    async def run():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=server, timeout=300, limits=limits) as c:
+            return await asyncio.gather(
+                *(
+                    c.post("/v1/query", json={"question": samples[0]["question"], "max_tokens": 32})
+                    for _ in range(64)
+                )
+            )
+
+    rs = asyncio.run(run())
+    codes = [r.status_code for r in rs]
+    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 36
+    busy = next(r for r in rs if r.status_code == 429)
+    assert "busy" in _error(busy, 429) and busy.headers["retry-after"] == "1"
+
+
+def test_metrics_prometheus_text(client, ingested):
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = r.text
+    for name in (
+        "ragkv_http_requests_total",
+        "ragkv_ttft_seconds_bucket",
+        "ragkv_kv_hit_rate",
+        "ragkv_store_bytes",
+        "ragkv_requests_queued",
+        "ragkv_rejected_requests_total",
+    ):
+        assert f"# TYPE {name.removesuffix('_bucket')} " in text, name
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[-1])
+        for line in text.splitlines()
+        if line and line[0] != "#"
+    }
+    assert samples['ragkv_ttft_seconds_count{mode="blend"}'] >= 32
+    assert samples["ragkv_store_bytes"] > 0 and samples["ragkv_kv_hit_rate"] == 1.0
+    assert samples['ragkv_http_requests_total{method="POST",route="/v1/query",status="200"}'] >= 32
+    assert samples['ragkv_rejected_requests_total{pool="query",reason="busy"}'] >= 1
+    assert client.get("/healthz").json()["chunks"] > 0
+
+
+# ---- schemathesis (last: it ingests random documents) --------------------------------------------------------
+def test_schemathesis_finds_no_server_errors(server, ingested):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+
+    schema = schemathesis.openapi.from_url(server + "/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert {f"{o.method.upper()} {o.path}" for o in ops} >= {
+        "POST /v1/query",
+        "POST /v1/chat/completions",
+        "POST /v1/documents",
+        "DELETE /v1/documents/{doc_id}",
+    }
+    seen = []
+    for op in ops:
+        cases = st.one_of(op.as_strategy(GenerationMode.POSITIVE), op.as_strategy(GenerationMode.NEGATIVE))
+
+        @settings(
+            max_examples=int(os.environ.get("RAGKV_SCHEMATHESIS_EXAMPLES", "10")),
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=cases)
+        def check(case):
+            resp = case.call(base_url=server, timeout=120)
+            seen.append(resp.status_code)
+            case.validate_response(resp, checks=[not_a_server_error])
+
+        check()
+    assert seen and max(seen) < 500
+
+
+# ---- generation through ragkv.engine (continuous batching) ------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_client(request, tmp_path_factory, samples):
+    """A second server: generation through ragkv.engine, chunk KV in Redis when redis-server is installed."""
+    pytest.importorskip("ragkv.engine")
+    from tests.conftest import REDIS_BIN
+
+    env = {"RAGKV_GENERATION": "engine"}
+    if REDIS_BIN is not None:
+        redis_url = request.getfixturevalue("redis_server").url
+        env["RAGKV_STORE"] = f"{redis_url}?prefix=ragkv-server-{uuid.uuid4().hex[:8]}:"
+    with running_server(tmp_path_factory.mktemp("engine"), **env) as base:
+        with httpx.Client(base_url=base, timeout=120) as c:
+            c.store_url = env.get("RAGKV_STORE")
+            _ingest(c, samples)
+            yield c
+
+
+def test_engine_server_store_is_selectable(engine_client):
+    if engine_client.store_url is None:
+        pytest.skip("redis-server not installed: the engine server uses the local-directory store")
+    import redis
+
+    url, prefix = engine_client.store_url.split("?prefix=")
+    keys = redis.Redis.from_url(url).hlen(f"{prefix}@index")  # the store's index of stored chunk KV
+    assert keys > 0
+    metrics = engine_client.get("/metrics").text
+    assert f'ragkv_store_ops{{op="puts"}} {keys}' in metrics
+
+
+def test_engine_generation_reuses_kv_streams_and_matches_full(engine_client, samples):
+    q = samples[0]["question"]
+    a = engine_client.post("/v1/query", json={"question": q}).json()
+    assert a["mode"] == "blend" and len(a["sources"]) == 3 and a["usage"]["completion_tokens"] == NEW
+    assert a["stats"]["kv_hits"] == 3 and a["stats"]["num_reused_rows"] > 0
+    assert 0 < a["timings"]["ttft_s"] <= a["timings"]["total_s"]
+    ids = [s["chunk_id"] for s in a["sources"]]
+    full = engine_client.post("/v1/query", json={"question": q, "chunk_ids": ids, "mode": "full"}).json()
+    one = engine_client.post("/v1/query", json={"question": q, "chunk_ids": ids, "ratio": 1.0}).json()
+    assert full["stats"]["num_reused_rows"] == 0 and one["answer"] == full["answer"]
+    with engine_client.stream("POST", "/v1/query", json={"question": q, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("event: ")]
+    assert lines.count("event: token") == NEW and lines[-1] == "event: answer"
+    _error(engine_client.post("/v1/query", json={"question": q, "chunk_ids": [987654]}), 404)
+    _error(
+        engine_client.post("/v1/query", json={"question": q, "max_tokens": 48, "chunk_ids": (ids * 3)[:8]}),
+        413,
+    )
+
+
+def test_engine_generation_32_concurrent_queries(engine_client, samples):
+    base = str(engine_client.base_url)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base, timeout=300) as c:
+            return await asyncio.gather(
+                *(c.post("/v1/query", json={"question": samples[i % 2]["question"]}) for i in range(32))
+            )
+
+    rs = asyncio.run(run())
+    assert [r.status_code for r in rs] == [200] * 32
+    assert len({r.json()["answer"] for r in rs[0::2]}) == 1  # batching does not change a greedy answer
+
+
+# ---- command line ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cmd", ["demo", "ingest", "ask", "serve", "eval"])
+def test_cli_subcommands_have_help(cmd, capsys):
+    from ragkv.cli import main
+
+    if cmd == "eval":
+        pytest.importorskip("eval.run")
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    flag = {
+        "demo": "--samples",
+        "ingest": "--limit",
+        "ask": "--compare",
+        "serve": "--port",
+        "eval": "--dataset",
+    }[cmd]
+    assert out.startswith("usage:") and flag in out
