@@ -182,7 +182,7 @@ def encode_chunk(chunk: ChunkKV, codec: KVCodec) -> bytes:
     parts: list[bytes] = []
     offset = 0
     for start, stop in codec.groups(chunk.num_layers):
-        data = codec.encode(chunk.k[start:stop], chunk.v[start:stop])
+        data = codec.encode(chunk.k[start:stop], chunk.v[start:stop], layer_start=start)
         segs.append(Segment(start, stop, offset, len(data), zlib.crc32(data)))
         parts.append(data)
         offset += len(data)

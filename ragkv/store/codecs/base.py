@@ -28,8 +28,12 @@ class KVCodec(ABC):
     lossless: bool = False
 
     @abstractmethod
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
-        """``k``, ``v``: ``[G, T, Hkv, D]`` (G <= group_size). Returns self-describing bytes."""
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:
+        """``k``, ``v``: ``[G, T, Hkv, D]`` (G <= group_size). Returns self-describing bytes.
+
+        ``layer_start`` is the group's first layer in the chunk, for codecs whose settings vary by
+        layer (per-layer quantization steps); codecs that treat every layer alike ignore it.
+        """
 
     @abstractmethod
     def decode(

@@ -76,7 +76,7 @@ class QuantCodec(KVCodec):
         }
 
     # -- encode ---------------------------------------------------------------------------------
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:
         if k.shape != v.shape or k.dim() != 4:
             raise ValueError(
                 f"quant codec needs k, v of one shape [G,T,Hkv,D]; got {tuple(k.shape)}, {tuple(v.shape)}"

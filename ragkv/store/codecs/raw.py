@@ -59,7 +59,7 @@ class RawCodec(KVCodec):
     def params(self) -> dict:
         return {"group_size": self.group_size}
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:
         if k.shape != v.shape or k.dim() != 4:
             raise ValueError(
                 f"raw codec needs k, v of one shape [G,T,Hkv,D]; got {tuple(k.shape)}, {tuple(v.shape)}"
