@@ -26,7 +26,7 @@ import torch
 from ragkv.attention.dense import attention_probs
 
 COMPUTED, EXACT, REUSED = 0, 1, 2
-POSITION_BLOCKS = 8
+POSITION_BLOCKS = 4  # measured: 4 beats 1 and 8 for 16% scattered rows of 3K tokens (fewer, larger SDPA calls)
 
 
 @dataclass(frozen=True)
