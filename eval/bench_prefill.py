@@ -48,7 +48,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--ratio", type=float, default=0.15)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' baseline")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # on a shared machine, 1 thread avoids OpenMP spin stalls
 
     torch.manual_seed(0)
     model, hf_cfg = bench_model(
