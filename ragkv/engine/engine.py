@@ -1,0 +1,610 @@
+"""The serving engine (synchronous front end): submit, step, stream, cancel, metrics.
+
+One ``step()`` (nano-vllm style: prefill has priority):
+
+1. take new submissions and cancellations; move finished background fetches to ``ready``;
+2. plan (``Scheduler.schedule``): requests needing chunk I/O go to ``waiting_for_kv`` and are handed
+   to the fetcher thread; local requests are admitted under the KV-block reservation budget;
+3. if anything was admitted, prefill each admitted request (``ragkv.blend.prefill`` in its mode),
+   copy its KV into paged blocks (sharing identical prompt-head blocks), run CFF if configured,
+   and emit its first token from the prefill logits;
+4. otherwise, BFF the group of freshly prefilled requests when due, then one batched decode step
+   over every running request.
+
+Run it from your thread (``step()`` / ``generate()`` / reading a handle's stream drives it), or in
+a background thread with ``start()``; ``ragkv.engine.async_engine`` wraps the latter for asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ragkv.blend import MODES, BlendSchedule, PrefixCache, UnknownModeError, prefill
+from ragkv.engine import joint
+from ragkv.engine.metrics import EngineMetrics, FusionStats
+from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step, block_bytes, block_keys
+from ragkv.engine.provider import ChunkProvider, KVFetcher, as_tokens, normalize_item
+from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
+from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
+from ragkv.fusion.bff import FusionConfig
+from ragkv.generate import SamplingParams, TokenEvent, sample
+
+log = logging.getLogger("ragkv.engine")
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. ``num_blocks`` wins over ``kv_memory_bytes`` (dense block bytes) when given."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_bytes: int = 256 << 20
+    mode: str = "blend"
+    ratio: float = 0.15
+    schedule: BlendSchedule | None = None
+    attention: str = "fp16"  # "fp16" (dense, model dtype) or "hack" (2-bit, HACK attention)
+    hack: dict = field(default_factory=dict)  # HackConfig options; partition defaults to block_size
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    share_prefix_blocks: bool = True
+    bff: FusionConfig | None = None
+    cff: FusionConfig | None = None
+    bff_short_first: bool = False  # Remark 1: put requests with fewer blocks on the left of the tree
+    fetch_workers: int = 1
+    compute_missing: bool = True
+    chunk_cache_bytes: int = 1 << 30
+    prefix_cache_bytes: int = 256 << 20
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise UnknownModeError(f"unknown prefill mode {self.mode!r}; use one of {MODES}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        if self.attention not in ("fp16", "dense", "hack"):
+            raise ValueError(f"unknown attention {self.attention!r}; use 'fp16' or 'hack'")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+class Engine:
+    """Continuous-batching RAG engine over paged KV; see the module docstring."""
+
+    def __init__(
+        self, model, config: EngineConfig | None = None, store=None, provider: ChunkProvider | None = None
+    ):
+        if isinstance(model, str):
+            from ragkv.model import load_model
+
+            model = load_model(model)
+        self.model = model
+        self.config = cfg = config or EngineConfig()
+        c = model.config
+        hack_cfg = None
+        if cfg.attention == "hack":
+            from ragkv.attention.hack_cache import HackConfig
+
+            hack_cfg = HackConfig.from_options(**{"partition": cfg.block_size, **cfg.hack})
+        if hack_cfg is None:
+            elem = torch.empty(0, dtype=model.dtype).element_size()
+            block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * elem
+        else:  # a byte budget buys more blocks when they are stored 2-bit
+            from ragkv.engine.hack_blocks import sealed_block_bytes
+
+            block = sealed_block_bytes(cfg.block_size, c.num_kv_heads, c.head_dim, hack_cfg)
+        num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // block)
+        self.pool = KVPool.for_model(model, num_blocks, cfg.block_size, hack_cfg)
+        self.scheduler = Scheduler(cfg.scheduler, self.pool.manager, cfg.block_size, c.num_layers)
+        self.provider = provider or ChunkProvider(model, store, cfg.compute_missing, cfg.chunk_cache_bytes)
+        self.fetcher = KVFetcher(self.provider, cfg.fetch_workers)
+        self.prefix_cache = PrefixCache(max_bytes=cfg.prefix_cache_bytes)
+        self.bff_stats = FusionStats("bff")
+        self.cff_stats = FusionStats("cff")
+        self._salt = f"{model.fingerprint}|{cfg.attention}"
+        self._lock = threading.RLock()  # held by step(): the engine state is single-threaded
+        self._inbox_lock = threading.Lock()
+        self._inbox: deque[Request] = deque()
+        self._cancels: set[str] = set()
+        self._fetch_done: deque[tuple[Request, Future, float]] = deque()
+        self._live: dict[str, Request] = {}  # submitted and not finished
+        self._n_queued = 0  # submitted and not yet running or finished (backpressure)
+        self._group: list[Request] = []  # prefilled since the last BFF
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0: float | None = None
+        self._t_last: float | None = None
+        self._counts = dict.fromkeys(("finished", "cancelled", "failed", "prompt_tokens", "output_tokens"), 0)
+        self._steps = {"all": 0, "prefill": 0, "decode": 0}
+        self._peak_bytes = 0
+
+    # ---- submission ---------------------------------------------------------------------------------
+    def _ids(self, part, bos: bool) -> list[int]:
+        if isinstance(part, str):
+            return self.model.encode(part, add_bos=bos) if part or bos else []
+        if isinstance(part, torch.Tensor):
+            return [int(t) for t in part.flatten().tolist()]
+        return [int(t) for t in part]
+
+    def make_request(
+        self,
+        prefix=(),
+        chunks=(),
+        question=(),
+        params: SamplingParams | None = None,
+        mode: str | None = None,
+        ratio: float | None = None,
+        request_id: str | None = None,
+        **sampling,
+    ) -> Request:
+        """Validate and tokenize a request (strings via the model's tokenizer; BOS starts a text prefix)."""
+        mode = mode or self.config.mode
+        if mode not in MODES:
+            raise UnknownModeError(f"unknown prefill mode {mode!r}; use one of {MODES}")
+        ratio = self.config.ratio if ratio is None else ratio
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        params = params or SamplingParams(**sampling)
+        req = Request(
+            self._ids(prefix, bos=isinstance(prefix, str)),
+            [normalize_item(self.model.encode(c) if isinstance(c, str) else c) for c in chunks],
+            self._ids(question, bos=False),
+            params,
+            mode,
+            ratio,
+            request_id,
+        )
+        toks = [as_tokens(c) for c in req.chunks]
+        if all(t is not None for t in toks):
+            n = len(req.prefix) + sum(len(t) for t in toks) + len(req.question)
+            if n == 0:
+                raise ValueError("empty prompt: no prefix, chunks or question")
+            self.model.check_length(n, params.max_new_tokens)
+            self.scheduler.check_fits(req, n)
+        return req
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a prepared request; raises :class:`EngineBusyError` past ``max_queue`` (nothing queued)."""
+        with self._inbox_lock:
+            if req.request_id in self._live:
+                raise ValueError(f"duplicate request id {req.request_id!r}")
+            if self._n_queued >= self.config.scheduler.max_queue:
+                raise EngineBusyError(
+                    f"engine busy: {self._n_queued} requests queued (max_queue="
+                    f"{self.config.scheduler.max_queue}); retry later"
+                )
+            self._n_queued += 1
+            self._live[req.request_id] = req
+            req.metrics.arrival = time.perf_counter()
+            if self._t0 is None:
+                self._t0 = req.metrics.arrival
+            self._inbox.append(req)
+        self._wake.set()
+
+    def submit(self, prefix=(), chunks=(), question=(), params=None, **kw) -> RequestHandle:
+        """Queue a request ``prefix + chunks + question`` and return its handle (stream / result / cancel).
+
+        ``chunks`` items: text (tokenized), token-id lists, :class:`~ragkv.engine.provider.ChunkRef`
+        of stored chunks, or ``ChunkKV``. Raises ``EngineBusyError``, ``PromptTooLongError``,
+        ``RequestTooLargeError``, ``UnknownModeError`` or ``ValueError`` without queueing anything.
+        """
+        req = self.make_request(prefix, chunks, question, params, **kw)
+        handle = RequestHandle(self, req)
+        self.enqueue(req)
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a live request: its stream ends with finish_reason ``cancelled`` and its blocks are freed."""
+        with self._inbox_lock:
+            if request_id not in self._live:
+                return False
+            self._cancels.add(request_id)
+        self._wake.set()
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_cancels()
+            finally:
+                self._lock.release()
+        return True
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling iteration; returns whether it did any work."""
+        with self._lock:
+            self._steps["all"] += 1
+            with self._inbox_lock:
+                while self._inbox:
+                    self.scheduler.add(self._inbox.popleft())
+            self._apply_cancels()
+            self._take_fetched()
+            plan = self.scheduler.schedule(self._needs_fetch, self._prompt_tokens)
+            for r in plan.fetch:
+                self._start_fetch(r)
+            if plan.prefill:
+                self._steps["prefill"] += 1
+                for r in plan.prefill:
+                    self._dequeued()
+                    self._prefill(r)
+                self._maybe_fuse(transition=False)
+                self._track_peak()
+                return True
+            if self.scheduler.running:
+                self._steps["decode"] += 1
+                self._maybe_fuse(transition=True)
+                self._decode()
+                self._track_peak()
+                return True
+            return bool(plan.fetch)
+
+    def _dequeued(self) -> None:
+        with self._inbox_lock:
+            self._n_queued -= 1
+
+    def _needs_fetch(self, r: Request) -> bool:
+        if r.resolved is not None:
+            return False
+        got = [self.provider.ready_now(c, r.needs_kv) for c in r.chunks]
+        if all(g is not None for g in got):
+            r.resolved = got
+            return False
+        return True
+
+    def _prompt_tokens(self, r: Request) -> int | None:
+        items = r.resolved if r.resolved is not None else r.chunks
+        toks = [as_tokens(c) for c in items]
+        if any(t is None for t in toks):
+            return None
+        return len(r.prefix) + sum(len(t) for t in toks) + len(r.question)
+
+    def _start_fetch(self, r: Request) -> None:
+        r.metrics.fetch_start = time.perf_counter()
+
+        def done(fut: Future, r=r) -> None:
+            with self._inbox_lock:
+                self._fetch_done.append((r, fut, time.perf_counter()))
+            self._wake.set()
+
+        self.fetcher.submit(r.chunks, r.needs_kv, done)
+
+    def _take_fetched(self) -> None:
+        with self._inbox_lock:
+            done = list(self._fetch_done)
+            self._fetch_done.clear()
+        for r, fut, t in done:
+            r.metrics.fetch_end = t
+            if r.finish_reason is not None:
+                continue  # cancelled while fetching
+            exc = fut.exception()
+            if exc is None:
+                r.resolved = fut.result()
+                r.metrics.num_chunks_fetched = len(r.resolved)
+                try:
+                    n = self._prompt_tokens(r)
+                    self.model.check_length(n, r.params.max_new_tokens)
+                    self.scheduler.check_fits(r, n)
+                except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+                    exc = e
+            if exc is not None:
+                self._dequeued()
+                self._fail(r, exc)
+                continue
+            self.scheduler.fetched(r)
+
+    # ---- prefill ------------------------------------------------------------------------------------
+    def _prefill(self, r: Request) -> None:
+        cfg = self.config
+        try:
+            if r.resolved is None:  # blocking baseline (not fetch-aware): fetch inside the step
+                r.metrics.fetch_start = time.perf_counter()
+                r.resolved = self.provider.fetch_all(r.chunks, r.needs_kv)
+                r.metrics.fetch_end = time.perf_counter()
+                r.metrics.num_chunks_fetched = len(r.resolved)
+                n = self._prompt_tokens(r)
+                self.model.check_length(n, r.params.max_new_tokens)
+                self.scheduler.check_fits(r, n)
+                need = self.scheduler.blocks_needed(n + r.params.max_new_tokens)
+                if need > self.scheduler.available():  # now that its length is known, it must wait
+                    r.status = RequestStatus.READY
+                    self.scheduler.ready.appendleft(r)
+                    with self._inbox_lock:
+                        self._n_queued += 1
+                    return
+                r.reserve = need
+            r.metrics.prefill_start = time.perf_counter()
+            items = r.resolved if r.needs_kv else [as_tokens(c) for c in r.resolved]
+            res = prefill(
+                self.model,
+                r.prefix,
+                items,
+                r.question,
+                r.mode,
+                r.ratio,
+                schedule=cfg.schedule if r.mode == "blend" else None,
+                prefix_cache=self.prefix_cache,
+            )
+            seq = PagedSequence(self.pool)
+            hack = self.pool.hack is not None
+            seq.quantize_now = not (hack and (cfg.bff is not None or cfg.cff is not None))
+            n = res.kv.num_tokens
+            keys = None
+            if cfg.share_prefix_blocks:
+                # rows whose KV depends on the prompt head only: all of them unless chunk KV was reused
+                exact = n if res.stats.get("num_reused_rows", 0) == 0 else len(r.prefix)
+                ids = res.kv.token_ids.tolist()
+                keys = block_keys(ids, cfg.block_size, exact // cfg.block_size, self._salt)
+            r.seq = seq
+            r.metrics.blocks_shared_at_load = seq.load_prompt(res.kv.k, res.kv.v, keys)
+            r.metrics.prefill_end = time.perf_counter()
+            r.metrics.num_prompt_tokens = n
+            r.prefill_stats = {k: v for k, v in res.stats.items() if not isinstance(v, torch.Tensor)}
+            self._counts["prompt_tokens"] += n
+            r.status = RequestStatus.RUNNING
+            self.scheduler.running.append(r)
+            if cfg.cff is not None:
+                joint.cff(self.pool, seq, cfg.cff, self.cff_stats)
+            if cfg.bff is None:
+                seq.quantize_now = True
+                seq.seal()
+            self._accept(r, res.logits)
+            if r.finish_reason is None and cfg.bff is not None:
+                self._group.append(r)
+        except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
+            log.warning(
+                "request %s failed in prefill: %s: %s", r.request_id, type(e).__name__, e, exc_info=True
+            )
+            self._fail(r, e)
+
+    # ---- tokens -------------------------------------------------------------------------------------
+    def _accept(self, r: Request, logits: torch.Tensor) -> None:
+        """Sample the next token from ``logits`` and emit it, or finish (as ``ragkv.generate.stream``)."""
+        p = r.params
+        i = len(r.output_ids)
+        if i >= p.max_new_tokens:
+            self._finish(r, "length")
+            return
+        tok = sample(logits, p, r.generator)
+        stops = p.stop_token_ids if p.stop_token_ids is not None else self.model.config.eos_token_ids
+        if tok in set(stops):
+            self._finish(r, "stop")
+            return
+        r.output_ids.append(tok)
+        new_text = self.model.decode(r.output_ids)
+        delta = new_text[len(r.text) :] if new_text.startswith(r.text) else new_text
+        prev_len = len(r.text)
+        r.text = new_text
+        now = time.perf_counter()
+        hit = next((s for s in p.stop if s and s in new_text), None)
+        if hit is not None:
+            cut = new_text.index(hit)
+            r.text = new_text[:cut]
+            self._token(r, TokenEvent(tok, new_text[prev_len:cut] if cut > prev_len else "", i), now)
+            self._finish(r, "stop")
+            return
+        self._token(r, TokenEvent(tok, delta, i), now)
+        if len(r.output_ids) >= p.max_new_tokens:
+            self._finish(r, "length")
+        else:
+            r.next_token = tok
+
+    def _token(self, r: Request, ev: TokenEvent, now: float) -> None:
+        if r.metrics.first_token is None:
+            r.metrics.first_token = now
+        r.metrics.last_token = now
+        r.metrics.num_output_tokens += 1
+        self._counts["output_tokens"] += 1
+        r.emit(ev)
+
+    def _decode(self) -> None:
+        reqs = [r for r in self.scheduler.running if r.next_token is not None]
+        if not reqs:
+            return
+        logits = batched_decode_step(self.model, [r.seq for r in reqs], [r.next_token for r in reqs])
+        for r, lg in zip(reqs, logits, strict=True):
+            r.next_token = None
+            self._accept(r, lg)
+
+    # ---- fusion -------------------------------------------------------------------------------------
+    def _maybe_fuse(self, transition: bool) -> None:
+        bff = self.config.bff
+        if bff is None or not self._group:
+            return
+        self._group = [r for r in self._group if r.finish_reason is None]
+        idle = self.scheduler.num_queued == 0 and not self._inbox
+        if len(self._group) >= bff.every or (transition and idle and len(self._group) >= bff.min_group):
+            group = self._group
+            if self.config.bff_short_first:
+                group = sorted(group, key=lambda r: r.seq.length)
+            joint.bff(self.pool, [r.seq for r in group], bff, self.bff_stats)
+            self._seal(self._group)
+            self._group = []
+        elif transition and idle and self.pool.hack is not None:
+            self._seal(self._group)  # HACK: nobody to fuse with now; quantize rather than stay fp16
+            self._group = []
+
+    def _seal(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            r.seq.quantize_now = True
+            r.seq.seal()
+
+    # ---- ending requests ----------------------------------------------------------------------------
+    def _finish(self, r: Request, reason: str) -> None:
+        if r.finish_reason is not None:
+            return
+        r.finish_reason = reason
+        r.status = RequestStatus.FINISHED
+        r.next_token = None
+        if r.seq is not None:
+            r.seq.release()
+        self.scheduler.remove(r)
+        if r in self._group:
+            self._group.remove(r)
+        now = time.perf_counter()
+        r.metrics.finished = now
+        self._t_last = now
+        key = {"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")
+        self._counts[key] += 1
+        with self._inbox_lock:
+            self._live.pop(r.request_id, None)
+        r.emit(r.output())
+        r.done.set()
+
+    def _fail(self, r: Request, exc: BaseException) -> None:
+        r.error = exc
+        self._finish(r, "error")
+
+    def _apply_cancels(self) -> None:
+        with self._inbox_lock:
+            ids = list(self._cancels)
+            self._cancels.clear()
+            reqs = [self._live.get(i) for i in ids]
+            for r in reqs:  # cancelled before the scheduler saw it
+                if r is not None and r in self._inbox:
+                    self._inbox.remove(r)
+                    self.scheduler.waiting.append(r)
+        for r in reqs:
+            if r is None or r.finish_reason is not None:
+                continue
+            if r.status != RequestStatus.RUNNING:
+                self._dequeued()
+            self._finish(r, "cancelled")
+
+    # ---- driving ------------------------------------------------------------------------------------
+    def wait_for_work(self, timeout: float) -> None:
+        """Sleep until a submission, cancellation or finished fetch arrives (or ``timeout``)."""
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+    def has_unfinished(self) -> bool:
+        with self._inbox_lock:
+            return bool(self._live)
+
+    def run_until_idle(self, timeout: float | None = None) -> None:
+        """Step until no request is live (waits for background fetches)."""
+        end = None if timeout is None else time.perf_counter() + timeout
+        while self.has_unfinished():
+            if end is not None and time.perf_counter() > end:
+                raise TimeoutError("engine did not become idle in time")
+            if self.background_running:
+                time.sleep(0.005)
+            elif not self.step():
+                self.wait_for_work(0.005)
+
+    def generate(self, requests: list[dict], timeout: float | None = None) -> list[RequestOutput]:
+        """Submit ``requests`` (each a dict of :meth:`submit` arguments), run them all, return outputs in order."""
+        handles = [self.submit(**kw) for kw in requests]
+        self.run_until_idle(timeout)
+        return [h.request.output() for h in handles]
+
+    @property
+    def background_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Run steps in a background thread until :meth:`shutdown`."""
+        if self.background_running:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="ragkv-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                worked = self.step()
+            except Exception:  # noqa: BLE001 - keep serving; the failure is logged
+                log.exception("engine step failed")
+                worked = False
+            if not worked:
+                self._wake.wait(0.02)
+                self._wake.clear()
+
+    def shutdown(self, cancel: bool = True) -> None:
+        """Stop the background loop (cancelling live requests) and the fetcher."""
+        if cancel:
+            for rid in list(self._live):
+                self.cancel(rid)
+            with self._lock:
+                self._apply_cancels()
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.fetcher.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- metrics ------------------------------------------------------------------------------------
+    def kv_bytes_used(self) -> int:
+        """Bytes of KV held in used blocks (dense blocks whole; HACK blocks by their codes + fp16 rows)."""
+        pool = self.pool
+        if pool.hack is None:
+            return pool.manager.num_used * pool.block_bytes
+        rows: dict[int, int] = {}
+        bs = pool.block_size
+        for r in self.scheduler.running:
+            s = r.seq
+            for layer in range(s.num_layers):
+                n = s.layer_length(layer)
+                for j, b in enumerate(s.tables[layer]):
+                    rows[b] = max(rows.get(b, 0), min(bs, n - j * bs))
+        return sum(block_bytes(pool, b, n) for b, n in rows.items())
+
+    def _track_peak(self) -> None:
+        """Peak KV bytes: exact for dense blocks (the allocator's peak); sampled at step ends for HACK."""
+        if self.pool.hack is None:
+            self._peak_bytes = self.pool.manager.peak_used * self.pool.block_bytes
+        else:
+            self._peak_bytes = max(self._peak_bytes, self.kv_bytes_used())
+
+    def references(self) -> dict[int, int]:
+        """Live block references of all running sequences (for accounting checks)."""
+        refs: dict[int, int] = {}
+        for r in self.scheduler.running:
+            for b, n in r.seq.references().items():
+                refs[b] = refs.get(b, 0) + n
+        return refs
+
+    def metrics(self) -> EngineMetrics:
+        with self._lock:
+            now = time.perf_counter()
+            span = ((self._t_last or now) - self._t0) if self._t0 is not None else 0.0
+            mgr = self.pool.manager
+            logical = sum(len(t) for r in self.scheduler.running for t in r.seq.tables)
+            c = self._counts
+            return EngineMetrics(
+                uptime_s=span,
+                requests_finished=c["finished"],
+                requests_cancelled=c["cancelled"],
+                requests_failed=c["failed"],
+                prompt_tokens=c["prompt_tokens"],
+                output_tokens=c["output_tokens"],
+                output_tokens_per_s=c["output_tokens"] / span if span > 0 else 0.0,
+                requests_per_s=c["finished"] / span if span > 0 else 0.0,
+                waiting=len(self.scheduler.waiting) + len(self._inbox),
+                waiting_for_kv=len(self.scheduler.waiting_for_kv),
+                ready=len(self.scheduler.ready),
+                running=len(self.scheduler.running),
+                kv_blocks_total=mgr.num_blocks,
+                kv_blocks_used=mgr.num_used,
+                kv_blocks_peak=mgr.peak_used,
+                kv_bytes_used=self.kv_bytes_used(),
+                kv_bytes_peak=self._peak_bytes,
+                compression_ratio=logical / mgr.num_used if mgr.num_used else 1.0,
+                steps=self._steps["all"],
+                prefill_steps=self._steps["prefill"],
+                decode_steps=self._steps["decode"],
+                bff=self.bff_stats.as_dict(),
+                cff=self.cff_stats.as_dict(),
+            )

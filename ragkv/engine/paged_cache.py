@@ -1,0 +1,380 @@
+"""Paged KV: the block pool, a per-sequence ``KVCache`` over block tables, and batched decode.
+
+The pool holds ``num_blocks`` physical blocks of ``block_size`` rows ``[Hkv, D]`` for K and V. A
+block belongs to one layer of one or more sequences; each sequence keeps one block table per layer
+(BFF/CFF may fuse different blocks in different layers) and, per table entry, the norms ``n_K, n_V``
+that rescale a fused representative for this member (1.0 for an ordinary block). Rows sit at
+positions ``0 .. length-1`` in table order. With ``attention="hack"`` a :class:`HackBlockStore`
+keeps the 2-bit codes next to the fp16 rows (see ``hack_blocks``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from ragkv.engine.block_manager import BlockManager
+from ragkv.fusion.norm_attention import decode_mask, norm_aware_attention, paged_attention
+from ragkv.model.kvcache import KVCache
+
+
+class PagedCacheError(ValueError):
+    """Bad use of a paged sequence (non-contiguous positions, wrong shapes, layer out of range)."""
+
+
+class KVPool:
+    """Physical K/V blocks ``[num_blocks, block_size, Hkv, D]`` plus the allocator that owns them."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        sliding_window: int | None = None,
+        hack_config=None,
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.device = torch.device(device)
+        self.hack = None
+        if hack_config is not None:
+            from ragkv.engine.hack_blocks import HackBlockStore
+
+            dtype = torch.float16  # HACK keeps its unquantized rows in fp16, as HackKVCache does
+            self.hack = HackBlockStore(
+                num_blocks, block_size, num_kv_heads, head_dim, hack_config, self.device
+            )
+        self.dtype = dtype
+        self.k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+        self.v = torch.zeros_like(self.k)
+        self.manager = BlockManager(num_blocks)
+        self.row_bytes = num_kv_heads * head_dim * self.k.element_size()  # one row of K (or V)
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int = 16, hack_config=None) -> KVPool:
+        c = model.config
+        return cls(
+            num_blocks,
+            block_size,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            model.scale,
+            model.dtype,
+            model.device,
+            c.sliding_window,
+            hack_config,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one dense block (K and V)."""
+        return 2 * self.block_size * self.row_bytes
+
+    def free(self, block: int) -> None:
+        """Drop one reference; a block that becomes free loses its quantization state."""
+        if self.manager.free(block) and self.hack is not None:
+            self.hack.reset(block)
+
+
+def block_keys(token_ids: list[int], block_size: int, num_blocks: int, salt: str) -> list[str]:
+    """Chained content hashes of the first ``num_blocks`` full blocks (vLLM-style prefix keys)."""
+    h = hashlib.sha256(f"ragkv-block|{salt}|".encode())
+    out = []
+    for j in range(num_blocks):
+        h.update(
+            torch.tensor(token_ids[j * block_size : (j + 1) * block_size], dtype=torch.int64)
+            .numpy()
+            .tobytes()
+        )
+        out.append(h.copy().hexdigest())
+    return out
+
+
+class PagedSequence(KVCache):
+    """One sequence's KV in the pool: per-layer block tables and per-entry fusion norms."""
+
+    def __init__(self, pool: KVPool, on_alloc: Callable[[int], None] | None = None):
+        self.pool = pool
+        self.num_layers = pool.num_layers
+        self.tables: list[list[int]] = [[] for _ in range(self.num_layers)]
+        self.k_norm: list[list[float]] = [[] for _ in range(self.num_layers)]
+        self.v_norm: list[list[float]] = [[] for _ in range(self.num_layers)]
+        self._len = [0] * self.num_layers
+        self.on_alloc = on_alloc
+        self.allocated = 0  # blocks this sequence took from the free list (for reservations)
+        #: False while the blocks wait for BFF in HACK mode (fuse in fp16, quantize once afterwards)
+        self.quantize_now = True
+        #: per layer, the table entries that are fused members (never fused again)
+        self.fused: list[set[int]] = [set() for _ in range(self.num_layers)]
+        self._fused_cache: dict[int, tuple] = {}
+        self.released = False
+
+    # ---- allocation ------------------------------------------------------------------------------
+    def _new_block(self, layer: int) -> int:
+        (b,) = self.pool.manager.allocate(1)
+        self.allocated += 1
+        if self.on_alloc is not None:
+            self.on_alloc(1)
+        self.tables[layer].append(b)
+        self.k_norm[layer].append(1.0)
+        self.v_norm[layer].append(1.0)
+        return b
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise PagedCacheError(f"layer {layer} out of range [0, {self.num_layers})")
+        if self.released:
+            raise PagedCacheError("sequence already released")
+
+    # ---- KVCache ---------------------------------------------------------------------------------
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append rows at the next positions of ``layer`` (paged rows are contiguous from 0)."""
+        self._check_layer(layer)
+        n = int(k.shape[0])
+        start = self._len[layer]
+        want = torch.arange(start, start + n)
+        if positions.numel() != n or not torch.equal(positions.cpu().long(), want):
+            raise PagedCacheError(f"paged rows must be appended at positions {start}..{start + n - 1}")
+        if k.shape != v.shape or tuple(k.shape[1:]) != (self.pool.num_kv_heads, self.pool.head_dim):
+            raise PagedCacheError(f"k and v must be [n, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+        bs = self.pool.block_size
+        row = 0
+        while row < n:
+            pos = start + row
+            j, s = divmod(pos, bs)
+            b = self.tables[layer][j] if j < len(self.tables[layer]) else self._new_block(layer)
+            take = min(bs - s, n - row)
+            self.pool.k[b, s : s + take] = k[row : row + take].to(self.pool.dtype)
+            self.pool.v[b, s : s + take] = v[row : row + take].to(self.pool.dtype)
+            row += take
+        self._len[layer] = start + n
+        if self.pool.hack is not None and self.quantize_now:
+            self._seal_layer(layer, start // bs)
+
+    def attend(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        self._check_layer(layer)
+        n = self._len[layer]
+        if n == 0:
+            raise PagedCacheError(f"attend on layer {layer} before any row was written")
+        p = self.pool
+        table = self.tables[layer]
+        if p.hack is not None:
+            return p.hack.attend(
+                p.k,
+                p.v,
+                table,
+                self.k_norm[layer],
+                self.v_norm[layer],
+                n,
+                q,
+                q_pos,
+                p.scale,
+                p.sliding_window,
+            )
+        idx = torch.tensor(table, dtype=torch.long, device=p.device)
+        k_pos = torch.arange(len(table) * p.block_size, device=p.device)
+        k_pos = torch.where(k_pos < n, k_pos, torch.full_like(k_pos, -1))
+        return norm_aware_attention(
+            q,
+            p.k[idx],
+            p.v[idx],
+            torch.tensor(self.k_norm[layer]),
+            torch.tensor(self.v_norm[layer]),
+            q_pos.to(p.device),
+            k_pos,
+            p.scale,
+            p.sliding_window,
+        )
+
+    @property
+    def length(self) -> int:
+        return self._len[-1]
+
+    def layer_length(self, layer: int) -> int:
+        return self._len[layer]
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks this sequence references, each shared block split among its holders."""
+        total = 0.0
+        for layer in range(self.num_layers):
+            for j, b in enumerate(self.tables[layer]):
+                rows = min(self.pool.block_size, self._len[layer] - j * self.pool.block_size)
+                total += block_bytes(self.pool, b, rows) / self.pool.manager.ref_count(b)
+        return int(total)
+
+    # ---- prompt loading, sealing, release ----------------------------------------------------------
+    def load_prompt(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: list[str] | None = None,
+    ) -> int:
+        """Write a prefill's post-RoPE ``k, v [L, N, Hkv, D]``; returns blocks shared instead of stored.
+
+        ``keys[j]`` (optional) is the content key of full block ``j`` for blocks whose KV depends on the
+        prompt head only; such blocks are shared with any live sequence that registered the same key.
+        """
+        if any(self._len):
+            raise PagedCacheError("load_prompt on a sequence that already has rows")
+        L, n = int(k.shape[0]), int(k.shape[1])
+        if L != self.num_layers:
+            raise PagedCacheError(f"prompt KV has {L} layers, the pool {self.num_layers}")
+        bs, mgr = self.pool.block_size, self.pool.manager
+        keys = keys or []
+        shared = 0
+        for layer in range(L):
+            j = 0
+            while j < len(keys) and (j + 1) * bs <= n:
+                key = (keys[j], layer)
+                b = mgr.lookup(key)
+                if b is None:
+                    break
+                mgr.incref(b)
+                self.tables[layer].append(b)
+                self.k_norm[layer].append(1.0)
+                self.v_norm[layer].append(1.0)
+                shared += 1
+                j += 1
+            self._len[layer] = j * bs
+            pos = torch.arange(j * bs, n)
+            self.write(layer, pos, k[layer, j * bs :], v[layer, j * bs :])
+            for jj in range(j, min(len(keys), n // bs)):
+                mgr.register((keys[jj], layer), self.tables[layer][jj])
+        if self.pool.hack is not None and self.quantize_now:
+            self.seal()  # shared head blocks too, so the whole prompt is quantized as HackKVCache does
+        return shared
+
+    def seal(self, layers: list[int] | None = None) -> None:
+        """HACK: quantize every K row written so far and the V of every full block (idempotent)."""
+        if self.pool.hack is None:
+            return
+        for layer in layers if layers is not None else range(self.num_layers):
+            self._seal_layer(layer, 0)
+
+    def _seal_layer(self, layer: int, first_block: int) -> None:
+        hack, bs = self.pool.hack, self.pool.block_size
+        n = self._len[layer]
+        for j in range(first_block, len(self.tables[layer])):
+            b = self.tables[layer][j]
+            rows = min(bs, n - j * bs)
+            if rows <= 0:
+                break
+            hack.seal_k(b, rows, self.pool.k[b])
+            if rows == bs:
+                hack.seal_v(b, self.pool.v[b])
+
+    def fused_norms(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(table indices, n_K, n_V) of the fused entries of ``layer``, cached until more are fused."""
+        cached = self._fused_cache.get(layer)
+        if cached is None or cached[0] != len(self.fused[layer]):
+            js = sorted(self.fused[layer])
+            cached = (
+                len(js),
+                torch.tensor(js, dtype=torch.long),
+                torch.tensor([self.k_norm[layer][j] for j in js]),
+                torch.tensor([self.v_norm[layer][j] for j in js]),
+            )
+            self._fused_cache[layer] = cached
+        return cached[1], cached[2], cached[3]
+
+    def full_blocks(self, layer: int) -> int:
+        return self._len[layer] // self.pool.block_size
+
+    def references(self) -> Counter:
+        """How many times this sequence references each physical block (all layers)."""
+        return Counter(b for t in self.tables for b in t)
+
+    def release(self) -> None:
+        """Drop every block reference (idempotent)."""
+        if self.released:
+            return
+        for layer in range(self.num_layers):
+            for b in self.tables[layer]:
+                self.pool.free(b)
+            self.tables[layer] = []
+            self.k_norm[layer] = []
+            self.v_norm[layer] = []
+        self.released = True
+
+
+def block_bytes(pool: KVPool, block: int, rows: int) -> int:
+    """Bytes block ``block`` occupies: a whole dense block, or HACK's codes + fp16 rows."""
+    if pool.hack is None:
+        return pool.block_bytes
+    return pool.hack.block_bytes(block, max(0, rows), pool.row_bytes)
+
+
+@torch.inference_mode()
+def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) -> torch.Tensor:
+    """One token per sequence through every layer, appending its KV; returns fp32 logits ``[B, vocab]``.
+
+    Rows run stacked through the projections and MLP; RoPE is applied at each sequence's own
+    position; attention is one padded batch over the block tables (norm-aware), or per sequence
+    for HACK. Greedy tokens match :func:`ragkv.generate.decode_step` on each sequence alone.
+    """
+    if not seqs:
+        raise ValueError("batched_decode_step needs at least one sequence")
+    pool = seqs[0].pool
+    dev = model.device
+    pos_list = [s.length for s in seqs]
+    pos = torch.tensor(pos_list, dtype=torch.long, device=dev)
+    h = model.embed(torch.tensor(token_ids, dtype=torch.long, device=dev))
+    cs = model.rotary.cos_sin(pos, model.dtype)
+    bs = pool.block_size
+    lengths = pos + 1
+    if pool.hack is None:
+        for s, p in zip(seqs, pos_list, strict=True):  # a fresh block wherever a sequence crosses into one
+            if p % bs == 0:
+                for layer in range(s.num_layers):
+                    if p // bs == len(s.tables[layer]):
+                        s._new_block(layer)
+        nb = max(len(t) for s in seqs for t in s.tables)
+        mask = decode_mask(lengths, nb * bs, pool.sliding_window)
+        slots = torch.tensor([p % bs for p in pos_list], dtype=torch.long, device=dev)
+    for layer in range(model.config.num_layers):
+        q, k, v = model.qkv(layer, h)
+        q, k = model.rotary.apply(q, pos, cs), model.rotary.apply(k, pos, cs)
+        if pool.hack is not None:
+            outs = []
+            for i, s in enumerate(seqs):
+                s.write(layer, pos[i : i + 1], k[i : i + 1], v[i : i + 1])
+                outs.append(s.attend(layer, q[i : i + 1], pos[i : i + 1]))
+            o = torch.cat(outs)
+        else:
+            rows = [s.tables[layer] + [0] * (nb - len(s.tables[layer])) for s in seqs]
+            tables = torch.tensor(rows, dtype=torch.long, device=dev)
+            cur = tables.gather(1, (pos // bs)[:, None]).squeeze(1)
+            pool.k[cur, slots] = k.to(pool.dtype)
+            pool.v[cur, slots] = v.to(pool.dtype)
+            fused = None
+            if any(s.fused[layer] for s in seqs):
+                parts = [(i, *s.fused_norms(layer)) for i, s in enumerate(seqs) if s.fused[layer]]
+                fused = (
+                    torch.cat([torch.full_like(j, i) for i, j, _, _ in parts]).to(dev),
+                    torch.cat([j for _, j, _, _ in parts]).to(dev),
+                    torch.cat([kn for _, _, kn, _ in parts]).to(dev),
+                    torch.cat([vn for _, _, _, vn in parts]).to(dev),
+                )
+            o = paged_attention(
+                q, pool.k, pool.v, tables, None, None, lengths, pool.scale, mask=mask, fused=fused
+            )
+        h = model.finish_layer(layer, h, o)
+    if pool.hack is None:
+        for s, p in zip(seqs, pos_list, strict=True):
+            s._len = [p + 1] * s.num_layers
+    return model.logits(h).float()

@@ -1,0 +1,471 @@
+"""Serving engine: paged KV accounting, batched decode, fetching-aware scheduling, BFF/CFF, HACK, front ends."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ragkv.blend import UnknownModeError, prefill
+from ragkv.engine import (
+    AsyncEngine,
+    BlockAccountingError,
+    BlockManager,
+    ChunkRef,
+    Engine,
+    EngineBusyError,
+    EngineConfig,
+    KVPool,
+    PagedSequence,
+    RequestFailedError,
+    RequestTooLargeError,
+    SchedulerConfig,
+)
+from ragkv.fusion import FusionConfig
+from ragkv.generate import SamplingParams, generate, stream
+from ragkv.kv import compute_chunk_kv
+from ragkv.model import PromptTooLongError, random_model
+from ragkv.store import MemoryStore
+from tests.helpers import sample_story_chunks, stories_model
+
+FUSE_MIDDLE = dict(skip_first=1, skip_last=1)  # stories260k has 5 layers: fuse 1..3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return stories_model()
+
+
+@pytest.fixture(scope="module")
+def chunks(model):
+    return sample_story_chunks(model, 6, 40, seed=3)
+
+
+def _reqs(model, chunks, n, mode="full", max_new=16):
+    out = []
+    for i in range(n):
+        cs = [chunks[(i + j) % len(chunks)] for j in range(3)]
+        q = model.encode(["Once upon a time", "Lily saw", "The dog ran to"][i % 3])
+        out.append(
+            dict(
+                prefix=[model.config.bos_token_id],
+                chunks=cs,
+                question=q,
+                mode=mode,
+                params=SamplingParams(max_new_tokens=max_new + i),
+            )
+        )
+    return out
+
+
+def _reference(model, req):
+    items = (
+        [compute_chunk_kv(model, c) for c in req["chunks"]]
+        if req["mode"] in ("blend", "reuse")
+        else req["chunks"]
+    )
+    res = prefill(model, req["prefix"], items, req["question"], req["mode"])
+    return generate(model, res, req["params"]).token_ids
+
+
+class SlowStore:
+    """A real in-memory chunk store behind a fixed delay per read (a slow link / remote tier)."""
+
+    def __init__(self, delay_s: float):
+        self.inner = MemoryStore()
+        self.delay_s = delay_s
+
+    def get(self, key, fingerprint, device=None, dtype=None):
+        time.sleep(self.delay_s)
+        return self.inner.get(key, fingerprint, device, dtype)
+
+    def put(self, chunk):
+        return self.inner.put(chunk)
+
+
+# ---- block manager and paged sequences --------------------------------------------------------------
+def test_block_manager_refcounts_and_double_free():
+    m = BlockManager(4)
+    a, b = m.allocate(2)
+    m.incref(a)
+    assert not m.free(a) and m.free(a) and m.num_free == 3
+    with pytest.raises(BlockAccountingError):
+        m.free(a)
+    with pytest.raises(BlockAccountingError):
+        m.incref(a)
+    m.register("k", b)
+    assert m.lookup("k") == b
+    m.free(b)
+    assert m.lookup("k") is None and m.num_used == 0
+    m.check({})
+
+
+def test_paged_sequence_is_a_kv_cache(model):
+    res = prefill(model, model.encode("Once upon a time, Lily", add_bos=True), [], [], "full")
+    p = SamplingParams(max_new_tokens=20)
+    pool = KVPool.for_model(model, 64, block_size=4)
+    seq = PagedSequence(pool)
+    seq.load_prompt(res.kv.k, res.kv.v)
+    assert [e.token_id for e in stream(model, res, p, cache=seq)] == generate(model, res, p).token_ids
+    seq.release()
+    assert pool.manager.num_used == 0
+
+
+# ---- batched decode = single-request decode ---------------------------------------------------------
+@pytest.mark.parametrize("mode", ["full", "blend"])
+def test_batched_greedy_decode_matches_single_request(model, chunks, mode):
+    reqs = _reqs(model, chunks, 5, mode)
+    with Engine(model, EngineConfig(num_blocks=600)) as eng:
+        outs = eng.generate(reqs)
+        assert eng.metrics().decode_steps >= 15 and eng.pool.manager.num_used == 0
+    for o, r in zip(outs, reqs, strict=True):
+        assert o.finish_reason == "length" and o.token_ids == _reference(model, r)
+
+
+# ---- fetching-aware scheduling -------------------------------------------------------------------------
+@pytest.mark.parametrize("fetch_aware", [True, False])
+def test_fetching_request_does_not_delay_local_one(model, chunks, fetch_aware):
+    per_chunk = 0.6
+    delay = 3 * per_chunk  # three chunks read one after the other
+    store = SlowStore(per_chunk)
+    for c in chunks[:3]:
+        store.put(compute_chunk_kv(model, c))
+    cfg = EngineConfig(num_blocks=600, scheduler=SchedulerConfig(fetch_aware=fetch_aware))
+    with Engine(model, cfg, store=store) as eng:
+        fetching = eng.submit(
+            prefix=[1],
+            chunks=chunks[:3],
+            question=model.encode("Lily"),
+            mode="blend",
+            params=SamplingParams(max_new_tokens=4),
+        )
+        local = eng.submit(
+            prefix=[1],
+            chunks=chunks[3:5],
+            question=model.encode("Tom"),
+            mode="full",
+            params=SamplingParams(max_new_tokens=4),
+        )
+        while not local.request.done.is_set():
+            eng.step()
+        lm = local.request.metrics
+        if fetch_aware:
+            # the local request was served completely while the other one was still fetching
+            assert fetching.request.metrics.fetch_end is None and lm.ttft_s < delay
+        else:
+            assert lm.ttft_s >= delay  # head-of-line blocking: the baseline this scheduler avoids
+        out = fetching.result(timeout=30)
+        assert out.finish_reason == "length" and out.metrics.fetch_s >= delay * 0.9
+        assert out.metrics.num_chunks_fetched == 3 and out.prefill_stats["mode"] == "blend"
+
+
+def test_missing_chunks_are_computed_and_stored_and_refs_resolve(model, chunks):
+    store = MemoryStore()
+    with Engine(model, EngineConfig(num_blocks=600), store=store) as eng:
+        a = eng.submit(prefix=[1], chunks=chunks[:2], question=[5], mode="blend", max_new_tokens=3).result()
+        keys = [compute_chunk_kv(model, c).key for c in chunks[:2]]
+        assert all(store.contains(k) for k in keys)
+        b = eng.submit(
+            prefix=[1], chunks=[ChunkRef(k) for k in keys], question=[5], mode="blend", max_new_tokens=3
+        )
+        assert b.result().token_ids == a.token_ids
+        bad = eng.submit(
+            prefix=[1], chunks=[ChunkRef("0" * 64)], question=[5], mode="blend", max_new_tokens=3
+        )
+        with pytest.raises(RequestFailedError, match="ChunkNotFoundError"):
+            bad.result()
+        assert eng.metrics().requests_failed == 1 and eng.pool.manager.num_used == 0
+
+
+# ---- front ends: backpressure, cancellation, streaming, metrics, async -------------------------------------
+def test_backpressure_cancellation_streaming_and_metrics(model, chunks):
+    cfg = EngineConfig(num_blocks=600, scheduler=SchedulerConfig(max_queue=2))
+    with Engine(model, cfg) as eng:
+        reqs = _reqs(model, chunks, 3, max_new=20)
+        h1, h2 = eng.submit(**reqs[0]), eng.submit(**reqs[1])
+        with pytest.raises(EngineBusyError):
+            eng.submit(**reqs[2])
+        events = []
+        for ev in h1.stream():
+            events.append(ev)
+            if len(events) == 3:
+                h2.cancel()
+        out1, out2 = h1.request.output(), h2.result()
+        assert [e.token_id for e in events] == out1.token_ids == _reference(model, reqs[0])
+        assert "".join(e.text for e in events) == out1.text
+        assert out2.finish_reason == "cancelled" and len(out2.token_ids) < 21
+        m = out1.metrics
+        assert m.queue_s >= 0 and m.ttft_s > 0 and m.tpot_s > 0 and m.num_output_tokens == 20
+        h3 = eng.submit(**reqs[2])  # room again once the queue drained
+        assert h3.result().finish_reason == "length"
+        em = eng.metrics()
+        assert em.requests_finished == 2 and em.requests_cancelled == 1 and em.output_tokens_per_s > 0
+        assert em.kv_blocks_used == 0 and em.kv_blocks_peak > 0
+        assert not eng.cancel(h1.request_id)
+
+
+def test_bad_requests_raise_clear_errors_and_queue_nothing(model):
+    with Engine(model, EngineConfig(num_blocks=20)) as eng:
+        with pytest.raises(PromptTooLongError):
+            eng.submit(prefix=list(range(3, 500)), max_new_tokens=100)
+        with pytest.raises(RequestTooLargeError):
+            eng.submit(prefix=list(range(3, 200)), max_new_tokens=10)
+        with pytest.raises(UnknownModeError):
+            eng.submit(prefix=[1, 5], mode="magic")
+        with pytest.raises(ValueError, match="empty prompt"):
+            eng.submit()
+        with pytest.raises(TypeError):
+            eng.submit(prefix=[1], chunks=[3.5])
+        assert not eng.has_unfinished()
+
+
+def test_async_front_end_streams_concurrently(model, chunks):
+    reqs = _reqs(model, chunks, 3, max_new=8)
+
+    async def main():
+        async with AsyncEngine(model, EngineConfig(num_blocks=600)) as eng:
+            handles = [await eng.submit(**r) for r in reqs]
+
+            async def collect(h):
+                return [ev.token_id async for ev in h]
+
+            toks = await asyncio.gather(*(collect(h) for h in handles))
+            early = [ev async for ev in eng.stream(**reqs[0])][:2]
+            return toks, early, eng.metrics()
+
+    toks, early, m = asyncio.run(main())
+    assert toks == [_reference(model, r) for r in reqs] and len(early) == 2
+    assert m.requests_finished == 4 and m.kv_blocks_used == 0
+
+
+# ---- BFF / CFF in the engine ---------------------------------------------------------------------------------
+def test_bff_threshold_above_one_is_identical_to_unfused(model, chunks):
+    reqs = _reqs(model, chunks, 4)
+    with Engine(model, EngineConfig(num_blocks=600)) as plain:
+        base = plain.generate(reqs)
+    cfg = EngineConfig(num_blocks=600, bff=FusionConfig(threshold=1.01, every=4, **FUSE_MIDDLE))
+    with Engine(model, cfg) as eng:
+        outs = eng.generate(reqs)
+        assert eng.bff_stats.runs == 1 and eng.bff_stats.cr == 1.0 and eng.bff_stats.blocks_freed == 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+
+
+def test_identical_blocks_across_requests_always_fuse_and_memory_is_freed(model, chunks):
+    req = _reqs(model, chunks, 1, max_new=6)[0]
+    cfg = EngineConfig(
+        num_blocks=600, share_prefix_blocks=False, bff=FusionConfig(threshold=0.999, every=3, **FUSE_MIDDLE)
+    )
+    with Engine(model, cfg) as eng:
+        hs = [eng.submit(**req) for _ in range(3)]
+        while eng.bff_stats.runs == 0:
+            eng.step()
+        full_blocks = (1 + 3 * 40 + 4) // 16  # 125 prompt tokens -> 7 full blocks per layer
+        assert eng.bff_stats.blocks_freed == 3 * 2 * full_blocks  # 3 layers, 2 of 3 copies freed
+        used_after = eng.pool.manager.num_used
+        assert used_after == 3 * 5 * 8 - 3 * 2 * full_blocks
+        assert eng.metrics().compression_ratio == pytest.approx(3 * 5 * 8 / used_after)
+        eng.pool.manager.check(eng.references())
+        outs = [h.result() for h in hs]
+    ref = _reference(model, req)
+    assert all(o.token_ids == ref for o in outs)
+
+
+def test_bff_fuses_similar_blocks_norm_equals_replicate(model, chunks):
+    reqs = _reqs(model, chunks, 4, max_new=10)
+    results = {}
+    for attn in ("norm", "replicate"):
+        cfg = EngineConfig(
+            num_blocks=600, bff=FusionConfig(threshold=0.95, every=4, attention=attn, **FUSE_MIDDLE)
+        )
+        with Engine(model, cfg) as eng:
+            hs = [eng.submit(**r) for r in reqs]
+            while eng.bff_stats.runs == 0:
+                eng.step()
+            used = eng.pool.manager.num_used
+            logits = torch.stack(_next_logits(eng))
+            results[attn] = (used, logits, eng.bff_stats.cr)
+            for h in hs:
+                h.result()
+    (un, ln, crn), (ur, lr, crr) = results["norm"], results["replicate"]
+    assert crn == crr > 1.0 and un < ur  # same fusion; only norm mode frees memory
+    assert torch.allclose(ln, lr, atol=1e-4)  # and attends exactly like the rescaled replicas
+
+
+def _next_logits(eng):
+    """Logits of the next decode step for every running request, without advancing the engine."""
+    from ragkv.engine.paged_cache import batched_decode_step
+
+    run = [r for r in eng.scheduler.running if r.next_token is not None]
+    saved = [[list(t) for t in r.seq.tables] for r in run]
+    lens = [list(r.seq._len) for r in run]
+    free_before = eng.pool.manager.num_free
+    logits = batched_decode_step(eng.model, [r.seq for r in run], [r.next_token for r in run])
+    for r, t, n in zip(run, saved, lens, strict=True):  # roll the appended row back
+        for layer in range(len(t)):
+            for b in r.seq.tables[layer][len(t[layer]) :]:
+                eng.pool.free(b)
+        r.seq.tables = t
+        for layer in range(len(t)):
+            r.seq.k_norm[layer] = r.seq.k_norm[layer][: len(t[layer])]
+            r.seq.v_norm[layer] = r.seq.v_norm[layer][: len(t[layer])]
+        r.seq._len = n
+    assert eng.pool.manager.num_free == free_before
+    return list(logits)
+
+
+def test_cff_fuses_chunks_of_one_prompt(model, chunks):
+    req = dict(
+        prefix=[],
+        chunks=[c[:32] for c in chunks[:4]],
+        question=model.encode("Lily"),
+        mode="full",
+        params=SamplingParams(max_new_tokens=6),
+    )
+    ref = _reference(model, req)
+    for thr in (1.01, 0.9):
+        cff = FusionConfig(threshold=thr, every=4, chunk_tokens=32, **FUSE_MIDDLE)
+        with Engine(model, EngineConfig(num_blocks=600, cff=cff)) as eng:
+            h = eng.submit(**req)
+            eng.step()  # prefill + CFF
+            used = eng.pool.manager.num_used
+            eng.pool.manager.check(eng.references())
+            out = h.result()
+            st_ = eng.cff_stats
+        if thr > 1:
+            assert out.token_ids == ref and st_.blocks_freed == 0 and used == 5 * 9  # 133 tokens: 9 blocks
+        else:
+            # chunks at different positions: post-RoPE K is never identical, but similar enough to fuse
+            assert st_.blocks_freed > 0 and used == 5 * 9 - st_.blocks_freed and len(out.token_ids) == 6
+
+
+def test_prefix_blocks_are_shared_between_requests(model, chunks):
+    prefix = [1] + chunks[0][:40]
+    reqs = [
+        dict(prefix=prefix, question=model.encode(q), mode="full", params=SamplingParams(max_new_tokens=5))
+        for q in ("Lily", "Tom ran")
+    ]
+    with Engine(model, EngineConfig(num_blocks=600)) as eng:
+        hs = [eng.submit(**r) for r in reqs]
+        eng.step()  # both prefilled in one step
+        assert hs[1].request.metrics.blocks_shared_at_load == 5 * (41 // 16)
+        eng.pool.manager.check(eng.references())
+        outs = [h.result() for h in hs]
+    assert [o.token_ids for o in outs] == [_reference(model, dict(r, chunks=[])) for r in reqs]
+
+
+# ---- HACK ------------------------------------------------------------------------------------------------------
+def test_hack_engine_matches_hack_cache_and_fuses_before_quantizing(model, chunks):
+    reqs = _reqs(model, chunks, 3, max_new=12)
+    refs = []
+    for r in reqs:
+        res = prefill(model, r["prefix"], r["chunks"], r["question"], "full")
+        refs.append(generate(model, res, r["params"], attention="hack", partition=16).token_ids)
+    with Engine(model, EngineConfig(num_blocks=600, attention="hack")) as eng:
+        assert [o.token_ids for o in eng.generate(reqs)] == refs
+        hack_peak = eng.metrics().kv_bytes_peak
+    with Engine(model, EngineConfig(num_blocks=600)) as dense:
+        dense.generate(reqs)
+        assert hack_peak < dense.metrics().kv_bytes_peak / 4
+    cfg = EngineConfig(
+        num_blocks=600, attention="hack", bff=FusionConfig(threshold=0.95, every=3, **FUSE_MIDDLE)
+    )
+    with Engine(model, cfg) as eng:
+        hs = [eng.submit(**r) for r in reqs]
+        while eng.bff_stats.runs == 0:
+            eng.step()
+        hack = eng.pool.hack
+        for r in eng.scheduler.running:  # everything sealed once fused: full blocks 2-bit
+            s = r.seq
+            for layer in range(s.num_layers):
+                assert all(hack.v_sealed[b] for b in s.tables[layer][: s.full_blocks(layer)])
+        assert eng.bff_stats.blocks_freed > 0
+        assert all(h.result().finish_reason == "length" for h in hs)
+
+
+# ---- block accounting under random admit / cancel / finish ------------------------------------------------------
+_tiny = {}
+
+
+def _tiny_model():
+    if "m" not in _tiny:
+        _tiny["m"] = random_model(
+            "llama",
+            seed=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=256,
+        )
+        g = torch.Generator().manual_seed(0)
+        toks = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (9, 14, 20)]
+        _tiny["chunks"] = [compute_chunk_kv(_tiny["m"], t) for t in toks]
+    return _tiny["m"], _tiny["chunks"]
+
+
+op = st.one_of(
+    st.tuples(
+        st.just("submit"),
+        st.integers(0, 2),
+        st.integers(1, 40),
+        st.integers(0, 9),
+        st.sampled_from(["full", "blend", "prefix"]),
+        st.lists(st.integers(0, 2), max_size=3),
+    ),
+    st.tuples(st.just("cancel"), st.integers(0, 30)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(op, min_size=1, max_size=25),
+    thr=st.sampled_from([0.2, 0.8, 1.1]),
+    attn=st.sampled_from(["norm", "replicate"]),
+)
+def test_block_accounting_never_leaks_or_double_frees(ops, thr, attn):
+    m, kvs = _tiny_model()
+    prefixes = [[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 5, 6, 7, 8, 9, 10, 11, 13], [1]]
+    cfg = EngineConfig(
+        block_size=4,
+        num_blocks=160,
+        share_prefix_blocks=True,
+        scheduler=SchedulerConfig(max_queue=6, max_num_seqs=4, max_prefill_tokens=64),
+        bff=FusionConfig(threshold=thr, every=2, attention=attn, skip_first=1, skip_last=1),
+        cff=FusionConfig(threshold=thr, every=2, chunk_tokens=8, attention=attn, skip_first=1, skip_last=1),
+    )
+    eng = Engine(m, cfg)
+    handles = []
+    try:
+        for o in ops:
+            if o[0] == "submit":
+                _, p, qlen, new, mode, cs = o
+                try:
+                    handles.append(
+                        eng.submit(
+                            prefix=prefixes[p],
+                            chunks=[kvs[i] for i in cs],
+                            question=list(range(3, 3 + qlen)),
+                            mode=mode,
+                            max_new_tokens=new,
+                        )
+                    )
+                except (EngineBusyError, RequestTooLargeError):
+                    pass
+            elif o[0] == "cancel" and handles:
+                handles[o[1] % len(handles)].cancel()
+            else:
+                for _ in range(o[1]):
+                    eng.step()
+            eng.pool.manager.check(eng.references())
+            assert eng.scheduler.outstanding() <= eng.pool.manager.num_free
+        eng.run_until_idle(timeout=60)
+        eng.pool.manager.check({})
+        assert eng.pool.manager.num_used == 0
+        assert all(h.request.finish_reason in ("length", "stop", "cancelled") for h in handles)
+    finally:
+        eng.shutdown()
