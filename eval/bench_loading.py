@@ -139,7 +139,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--codecs", default="raw,int8")
     ap.add_argument("--redis-url", default=None, help="use this Redis (default: start redis-server if found)")
     ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for compute (0: torch's default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model, _ = bench_model(args.layers, args.hidden, 8, 2, 1536, 32000)
     g = torch.Generator().manual_seed(1)
