@@ -10,6 +10,16 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: Llama-3 RoPE scaling for small random test models (original context 32, so scaling bites)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
 
 def shared_dir() -> Path:
     return Path(os.environ.get("RAGKV_SHARED_DIR", REPO.parent / "shared")).resolve()

@@ -10,16 +10,8 @@ from ragkv.blend.gate import self_check
 from ragkv.kv import KVMismatchError, compute_chunk_kv
 from ragkv.metrics import attention_deviation, first_token_kl
 from ragkv.model import PromptTooLongError, random_model
-from tests.helpers import sample_story_chunks, stories_model
+from tests.helpers import LLAMA3_ROPE, sample_story_chunks, stories_model
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
 ARCHS = [
     ("llama", {}),
     ("llama", {"rope_parameters": LLAMA3_ROPE}),

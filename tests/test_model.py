@@ -6,16 +6,7 @@ import torch
 from ragkv.model import PromptTooLongError, UnsupportedModelError, load_model, random_hf_config, random_model
 from ragkv.model.config import ModelConfig
 from ragkv.model.loader import random_weight_shapes
-from tests.helpers import hf_logits, stories_model, stories_path
-
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
+from tests.helpers import LLAMA3_ROPE, hf_logits, stories_model, stories_path
 
 
 def _weights_of(model):

@@ -26,7 +26,9 @@ import torch
 from ragkv.attention.dense import attention_probs
 
 COMPUTED, EXACT, REUSED = 0, 1, 2
-POSITION_BLOCKS = 4  # measured: 4 beats 1 and 8 for 16% scattered rows of 3K tokens (fewer, larger SDPA calls)
+POSITION_BLOCKS = (
+    4  # measured: 4 beats 1 and 8 for 16% scattered rows of 3K tokens (fewer, larger SDPA calls)
+)
 
 
 @dataclass(frozen=True)
@@ -134,26 +136,64 @@ def selective_prefill(
 
     h = model.embed(token_ids.to(dev)[S])
     try:
-        h, S, recomputed, t_select = _layer_loop(
-            model,
-            h,
-            S,
-            pos,
-            cached,
-            reused_mask,
-            cache_index,
-            n_reused,
-            source,
-            schedule,
-            checks,
-            cs_all,
-            out_k,
-            out_v,
-            out_kpre,
-            probes,
-            probe_rows,
-            drop_last_cached,
-        )
+        recomputed: list[int] = []
+        t_select = 0.0
+        cs_cached = (cs_all[0][cached], cs_all[1][cached])
+        pos_cached = pos[cached]
+        cs, cs_rows = None, None
+        for layer in range(cfg.num_layers):
+            Kc = Vc = None
+            if cached.numel() or drop_last_cached:
+                Kc, Vc = source.layer(layer)
+                if drop_last_cached:
+                    Kc, Vc = Kc[:-1], Vc[:-1]
+            q, k, v = model.qkv(layer, h)
+            fresh = None
+            if layer in checks:
+                if schedule.fresh_check_kv:
+                    fresh = (S, model.rotary.apply(k, pos[S], (cs_all[0][S], cs_all[1][S])), v)
+                ts = time.perf_counter()
+                keep = select_hkvd(
+                    S, k, v, Kc, Vc, reused_mask, cache_index, checks[layer], n_reused, schedule.deviation
+                )
+                S, h, q, k, v = S[keep], h[keep], q[keep], k[keep], v[keep]
+                t_select += time.perf_counter() - ts
+            recomputed.append(int(S.numel()))
+            if cs_rows is not S:  # S only changes at check layers
+                cs, cs_rows = (cs_all[0][S], cs_all[1][S]), S
+            q = model.rotary.apply(q, pos[S], cs)
+            if out_kpre is not None:
+                if Kc is not None:
+                    out_kpre[layer, cached] = Kc
+                out_kpre[layer, S] = k
+            k = model.rotary.apply(k, pos[S], cs)
+            full_rows = S.numel() == n
+            if full_rows:
+                out_k[layer], out_v[layer] = k, v
+            else:
+                out_k[layer, cached] = model.rotary.apply(Kc, pos_cached, cs_cached)
+                out_v[layer, cached] = Vc
+                if fresh is not None:
+                    out_k[layer, fresh[0]], out_v[layer, fresh[0]] = fresh[1], fresh[2]
+                out_k[layer, S], out_v[layer, S] = k, v
+            # sorted query rows over keys at positions 0..n-1: attend in position blocks (see attention())
+            o = model.attend(
+                q,
+                out_k[layer],
+                out_v[layer],
+                pos[S],
+                pos,
+                contiguous=full_rows,
+                position_blocks=0 if full_rows else POSITION_BLOCKS,
+            )
+            if probes is not None:
+                local = torch.searchsorted(S, probe_rows.to(pos.device))
+                probes.append(
+                    attention_probs(
+                        q[local], out_k[layer], pos[probe_rows], pos, model.scale, cfg.sliding_window
+                    )
+                )
+            h = model.finish_layer(layer, h, o)
     finally:
         if source is not None:
             source.close()
@@ -172,88 +212,6 @@ def selective_prefill(
     }
     kv = PromptKV(out_k, out_v, pos, token_ids.to(dev), out_kpre)
     return PrefillResult(logits, kv, stats, probes)
-
-
-def _layer_loop(
-    model,
-    h,
-    S,
-    pos,
-    cached,
-    reused_mask,
-    cache_index,
-    n_reused,
-    source,
-    schedule,
-    checks,
-    cs_all,
-    out_k,
-    out_v,
-    out_kpre,
-    probes,
-    probe_rows,
-    drop_last_cached=False,
-):
-    """The per-layer body of :func:`selective_prefill` (see its docstring and the module's)."""
-    recomputed: list[int] = []
-    t_select = 0.0
-    cfg = model.config
-    n = int(pos.numel())
-    cs_cached = (cs_all[0][cached], cs_all[1][cached])
-    pos_cached = pos[cached]
-    cs, cs_rows = None, None
-    for layer in range(cfg.num_layers):
-        Kc = Vc = None
-        if cached.numel() or drop_last_cached:
-            Kc, Vc = source.layer(layer)
-            if drop_last_cached:
-                Kc, Vc = Kc[:-1], Vc[:-1]
-        q, k, v = model.qkv(layer, h)
-        fresh = None
-        if layer in checks:
-            if schedule.fresh_check_kv:
-                fresh = (S, model.rotary.apply(k, pos[S], (cs_all[0][S], cs_all[1][S])), v)
-            ts = time.perf_counter()
-            keep = select_hkvd(
-                S, k, v, Kc, Vc, reused_mask, cache_index, checks[layer], n_reused, schedule.deviation
-            )
-            S, h, q, k, v = S[keep], h[keep], q[keep], k[keep], v[keep]
-            t_select += time.perf_counter() - ts
-        recomputed.append(int(S.numel()))
-        if cs_rows is not S:  # S only changes at check layers
-            cs, cs_rows = (cs_all[0][S], cs_all[1][S]), S
-        q = model.rotary.apply(q, pos[S], cs)
-        if out_kpre is not None:
-            if Kc is not None:
-                out_kpre[layer, cached] = Kc
-            out_kpre[layer, S] = k
-        k = model.rotary.apply(k, pos[S], cs)
-        full_rows = S.numel() == n
-        if full_rows:
-            out_k[layer], out_v[layer] = k, v
-        else:
-            out_k[layer, cached] = model.rotary.apply(Kc, pos_cached, cs_cached)
-            out_v[layer, cached] = Vc
-            if fresh is not None:
-                out_k[layer, fresh[0]], out_v[layer, fresh[0]] = fresh[1], fresh[2]
-            out_k[layer, S], out_v[layer, S] = k, v
-        # sorted query rows over keys at positions 0..n-1: attend in position blocks (see attention())
-        o = model.attend(
-            q,
-            out_k[layer],
-            out_v[layer],
-            pos[S],
-            pos,
-            contiguous=full_rows,
-            position_blocks=0 if full_rows else POSITION_BLOCKS,
-        )
-        if probes is not None:
-            local = torch.searchsorted(S, probe_rows.to(pos.device))
-            probes.append(
-                attention_probs(q[local], out_k[layer], pos[probe_rows], pos, model.scale, cfg.sliding_window)
-            )
-        h = model.finish_layer(layer, h, o)
-    return h, S, recomputed, t_select
 
 
 def select_hkvd(S, k, v, Kc, Vc, reused_mask, cache_index, ratio, n_reused, deviation) -> torch.Tensor:
