@@ -25,6 +25,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from ragkv.generate import SamplingParams, TokenEvent, stream
 from ragkv.kv.chunk import chunk_key
 from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
@@ -108,6 +110,23 @@ def parse_chunk_id(value: Any) -> int | None:
     if isinstance(value, int):
         return value if 0 <= value < 2**63 else -1  # out of SQLite's range: an id no chunk has
     return None
+
+
+class RagkvOptions(BaseModel):
+    """Options every ragkv-backed framework model carries (LangChain and LlamaIndex wrappers alike)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    rag: Any = Field(exclude=True, description="the ragkv.rag.RAG that owns the model, index and KV store")
+    mode: str | None = Field(None, description="prefill mode for chunked calls (None: the RAG's default)")
+    ratio: float | None = Field(None, description="blend recompute ratio (None: the RAG's default)")
+    k: int | None = Field(None, description="chunks to retrieve when retrieve=True (None: the RAG's top_k)")
+    retrieve: bool = Field(False, description="retrieve chunks from ragkv's index when a call passes none")
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
 
 
 @dataclass

@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from integrations.common import DEFAULT_KEYS, Completion, call_events
+from integrations.common import DEFAULT_KEYS, Completion, RagkvOptions, call_events
 from ragkv.generate import TokenEvent
 
 
-class RagkvParams(BaseModel):
-    """Defaults of a ragkv-backed model; every one can be overridden per call (``invoke(q, mode=...)``)."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    rag: Any = Field(exclude=True, description="the ragkv.rag.RAG that owns the model, index and KV store")
-    mode: str | None = Field(None, description="prefill mode for chunked calls (None: the RAG's default)")
-    ratio: float | None = Field(None, description="blend recompute ratio (None: the RAG's default)")
-    k: int | None = Field(None, description="chunks to retrieve when retrieve=True (None: the RAG's top_k)")
-    retrieve: bool = Field(False, description="retrieve chunks from ragkv's index when a call passes none")
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+class RagkvParams(RagkvOptions):
+    """Defaults of a ragkv-backed LangChain model; every one can be overridden per call (``invoke(q, mode=...)``)."""
 
     @classmethod
     def from_data_dir(cls, model: str, data_dir: str, rag_kwargs: dict | None = None, **kwargs):

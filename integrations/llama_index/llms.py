@@ -23,9 +23,15 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms import CustomLLM
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from pydantic import Field
 
-from integrations.common import DEFAULT_KEYS, Completion, call_events, fold_messages, render_chat
+from integrations.common import (
+    DEFAULT_KEYS,
+    Completion,
+    RagkvOptions,
+    call_events,
+    fold_messages,
+    render_chat,
+)
 
 
 def message_pairs(messages: Sequence[ChatMessage]) -> list[tuple[str, str]]:
@@ -41,19 +47,8 @@ def _final(responses: CompletionResponseGen) -> CompletionResponse:
     return last
 
 
-class RagkvLlamaLLM(CustomLLM):
+class RagkvLlamaLLM(RagkvOptions, CustomLLM):
     """LlamaIndex LLM backed by a ``ragkv.rag.RAG`` (see the module docstring)."""
-
-    rag: Any = Field(exclude=True, description="the ragkv.rag.RAG that owns the model, index and KV store")
-    mode: str | None = Field(None, description="prefill mode for chunked calls (None: the RAG's default)")
-    ratio: float | None = Field(None, description="blend recompute ratio (None: the RAG's default)")
-    k: int | None = Field(None, description="chunks to retrieve when retrieve=True (None: the RAG's top_k)")
-    retrieve: bool = Field(False, description="retrieve chunks from ragkv's index when a call passes none")
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
 
     @classmethod
     def class_name(cls) -> str:
