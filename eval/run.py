@@ -330,12 +330,11 @@ class Evaluator:
         """Exact prefix caching's state: the instruction and instruction + first passage are cached."""
         warm_prefix_cache(self.model, self.prefix_cache, prompt.prefix, prompt.chunks[:1])
 
-    def timed_prefill(self, prompt: PromptIds, mode: str, ratio: float | None, kvs: list):
+    def _prefill(self, prompt: PromptIds, mode: str, ratio: float | None, kvs: list, **extra):
+        """One prefill of ``prompt`` in ``mode`` (stored KV for reuse/blend, the prefix cache unless full)."""
         items = kvs if mode in ("reuse", "blend") else prompt.chunks
         pc = None if mode == "full" else self.prefix_cache
-        self._sync()
-        t0 = time.perf_counter()
-        res = prefill(
+        return prefill(
             self.model,
             prompt.prefix,
             items,
@@ -344,27 +343,20 @@ class Evaluator:
             ratio if ratio is not None else 0.0,
             prefix_cache=pc,
             prefix_cache_insert=False,
+            **extra,
         )
+
+    def timed_prefill(self, prompt: PromptIds, mode: str, ratio: float | None, kvs: list):
+        self._sync()
+        t0 = time.perf_counter()
+        res = self._prefill(prompt, mode, ratio, kvs)
         first = int(res.logits.argmax())
         self._sync()
         return res, first, time.perf_counter() - t0
 
     def probe(self, prompt: PromptIds, mode: str, ratio: float | None, kvs: list):
         """Attention rows of the query suffix (untimed second prefill, so TTFT carries no probe cost)."""
-        items = kvs if mode in ("reuse", "blend") else prompt.chunks
-        pc = None if mode == "full" else self.prefix_cache
-        res = prefill(
-            self.model,
-            prompt.prefix,
-            items,
-            prompt.suffix,
-            mode,
-            ratio if ratio is not None else 0.0,
-            prefix_cache=pc,
-            prefix_cache_insert=False,
-            probe_suffix=True,
-        )
-        return res.attn_probs
+        return self._prefill(prompt, mode, ratio, kvs, probe_suffix=True).attn_probs
 
     def warmup(self, prompt: PromptIds) -> None:
         """One untimed pass of each prefill mode (lazy initialisations stay out of the first TTFT)."""
