@@ -38,8 +38,24 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: torch's default)"
     )
-    backend: Literal["local"] = Field(
-        "local", description="'local': the model runs in this process (a vLLM client backend is issue 9's)"
+    backend: Literal["local", "vllm"] = Field(
+        "local",
+        description="'local': generation in this process; 'vllm': generation on the vLLM OpenAI server at "
+        "vllm_url (with the ragkv plugin, or another ragkv server), chunk keys in kv_transfer_params. "
+        "Retrieval, ingest and chunk-KV precompute stay here either way",
+    )
+    vllm_url: str | None = Field(None, description="base URL of the vLLM server (backend='vllm')")
+    vllm_model: str | None = Field(
+        None, description="model name on the vLLM server (None: its first listed model)"
+    )
+    vllm_api_key: str | None = Field(None, description="bearer token for the vLLM server")
+    vllm_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="longest silence from the vLLM server: whole answer, or between streamed tokens",
+    )
+    vllm_connect_timeout_s: float = Field(
+        10.0, gt=0, description="longest wait to connect to the vLLM server"
     )
     # storage and retrieval
     data_dir: Path = Field(
@@ -91,6 +107,11 @@ class Settings(BaseSettings):
             raise ValueError("max_new_tokens must not exceed max_new_tokens_limit")
         if self.top_k > self.max_top_k:
             raise ValueError("top_k must not exceed max_top_k")
+        if self.backend == "vllm":
+            if not self.vllm_url:
+                raise ValueError("backend 'vllm' needs vllm_url (e.g. http://127.0.0.1:8000)")
+            if self.generation != "threads":
+                raise ValueError("backend 'vllm' batches on the vLLM server: use generation='threads'")
         return self
 
     def chunk_tokens_for(self, max_position: int, prompt_overhead: int = 0) -> int:

@@ -11,8 +11,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -21,11 +22,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from apps import openai_compat as oc
 from apps import schemas as sc
 from apps.config import ConfigError, Settings, load_settings
 from apps.metrics import CONTENT_TYPE
-from apps.service import Final, InvalidRequestError, QuerySpec, Service, ServiceError
+from apps.service import (
+    STAT_KEYS,
+    Final,
+    InvalidRequestError,
+    NotFoundError,
+    QuerySpec,
+    Service,
+    ServiceError,
+)
 from integrations.common import fold_messages
+from integrations.vllm.client import VllmServerError, VllmUnavailableError
 from ragkv.generate import SamplingParams
 from ragkv.model import PromptTooLongError
 
@@ -37,7 +48,11 @@ ERRORS = {
     413: {"model": sc.ErrorResponse, "description": "request body, or prompt + max_tokens, too large"},
     422: {"model": sc.ErrorResponse, "description": "invalid input"},
     429: {"model": sc.ErrorResponse, "description": "busy: the queue is full, retry later"},
-    503: {"model": sc.ErrorResponse, "description": "waited too long for a worker, or shutting down"},
+    502: {"model": sc.ErrorResponse, "description": "backend 'vllm': the vLLM server answered with an error"},
+    503: {
+        "model": sc.ErrorResponse,
+        "description": "waited too long for a worker, shutting down, or vLLM down",
+    },
 }
 
 
@@ -58,6 +73,10 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
     """``(status, type, message)`` of an exception raised while serving a request."""
     if isinstance(exc, ServiceError):
         return exc.status, exc.type, str(exc)
+    if isinstance(exc, VllmUnavailableError):  # backend 'vllm': the server is down or too slow
+        return 503, "service_unavailable", f"the vLLM server is unavailable: {exc}"
+    if isinstance(exc, VllmServerError):  # it answered with an error or a malformed response
+        return 502, "bad_gateway", f"the vLLM server failed: {exc}"
     if isinstance(exc, PromptTooLongError):
         return 413, "context_length_exceeded", str(exc)
     if isinstance(exc, ValueError):  # ragkv's typed input errors (unknown mode, empty question ...)
@@ -107,7 +126,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(status, message, kind)
 
     # typed errors are answered by the inner exception middleware (not re-raised, not logged as crashes)
-    for cls in (ServiceError, PromptTooLongError, ValueError, ConnectionError):
+    for cls in (ServiceError, VllmServerError, PromptTooLongError, ValueError, ConnectionError):
         app.add_exception_handler(cls, _known)
 
     @app.exception_handler(Exception)
@@ -225,26 +244,8 @@ def _source(r) -> dict:
     }
 
 
-_STAT_KEYS = (
-    "mode",
-    "ratio",
-    "num_tokens",
-    "num_reused_rows",
-    "num_computed_rows",
-    "num_exact_rows",
-    "recompute_fraction",
-    "recomputed_per_layer",
-    "kv_hits",
-    "num_chunks",
-    "fallback",
-    "t_prefill_s",
-    "t_load_wait_s",
-    "controller",
-)
-
-
 def _stats(f: Final) -> dict:
-    return jsonable_encoder({k: f.answer.stats[k] for k in _STAT_KEYS if k in f.answer.stats})
+    return jsonable_encoder({k: f.answer.stats[k] for k in STAT_KEYS if k in f.answer.stats})
 
 
 def _timings(f: Final) -> dict:
@@ -277,6 +278,34 @@ async def _start_stream(it: AsyncIterator) -> tuple[object | None, bool]:
         return await it.__anext__(), True
     except StopAsyncIteration:
         return None, False
+
+
+async def _openai_events(
+    it: AsyncIterator,
+    first,
+    more: bool,
+    render: Callable[[Any], Iterator[str]],
+    head: list[str] | None = None,
+) -> AsyncIterator[str]:
+    """An OpenAI SSE stream: ``head``, ``render(item)`` for each item, then ``data: [DONE]``; an error
+    after the headers becomes an error chunk. Closes ``it`` (which stops a generation that is cut off)."""
+    item, has = first, more
+    try:
+        for line in head or ():
+            yield line
+        while has:
+            for line in render(item):
+                yield line
+            try:
+                item = await it.__anext__()
+            except StopAsyncIteration:
+                has = False
+        yield _sse("[DONE]")
+    except Exception as e:  # noqa: BLE001 - after the headers, errors become an error chunk
+        status, kind, message = classify(e)
+        yield _sse(error_json(status, message, kind))
+    finally:
+        await it.aclose()
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -501,38 +530,91 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                 }
             )
 
-        async def events():
-            yield chunk({"role": "assistant", "content": ""})
-            item, has = first, more
+        def render(item) -> Iterator[str]:
+            if not isinstance(item, Final):
+                yield chunk({"content": item.text})
+                return
+            yield chunk({}, item.finish_reason, ragkv=_ragkv_info(item))
+            if include_usage:
+                yield _sse(
+                    {
+                        "id": cid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model_name,
+                        "choices": [],
+                        "usage": _usage(item),
+                    }
+                )
+
+        head = [chunk({"role": "assistant", "content": ""})]
+        return StreamingResponse(
+            _openai_events(it, first, more, render, head), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    # -- OpenAI / vLLM-compatible completions (a drop-in for a vLLM server with the ragkv plugin)
+    CompletionRequest = oc.build_completion_request(settings)
+
+    @app.post(
+        "/v1/completions",
+        responses={
+            **ERRORS,
+            400: {"model": sc.ErrorResponse, "description": "bad kv_transfer_params, spans or token ids"},
+            501: {
+                "model": sc.ErrorResponse,
+                "description": "backend 'vllm': send completions to the vLLM server",
+            },
+            200: {"content": {"text/event-stream": {}}, "description": "the completion (or SSE chunks)"},
+        },
+        tags=["openai"],
+        summary="OpenAI / vLLM completions; kv_transfer_params chunks served from the chunk store",
+    )
+    async def completions(req: CompletionRequest):
+        """vLLM's ``/v1/completions``: a token-id or text prompt; ``kv_transfer_params["ragkv"]`` names
+        stored chunks (key, start, length) whose KV is blended in (docs/API.md)."""
+        if settings.backend != "local":
+            raise oc.NotServedHereError(
+                f"this service generates on the vLLM server {settings.vllm_url}; send completions there"
+            )
+        if req.model and req.model != model_name:
+            raise NotFoundError(f"The model `{req.model}` does not exist.")
+        rag = svc.rag
+        ids = await asyncio.to_thread(oc.prompt_ids, rag.model, req.prompt)
+        blend = oc.blend_params(req.kv_transfer_params)
+        params = oc.sampling(req, rag.model)
+        cid = "cmpl-" + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        tids = bool(req.return_token_ids)
+        it = svc.run_stream(lambda wait: oc.completion_events(rag, ids, blend, params))
+        first, more = await _start_stream(it)
+        if not req.stream:
+            item, has, parts = first, more, []
             try:
-                while has:
-                    if isinstance(item, Final):
-                        yield chunk({}, item.finish_reason, ragkv=_ragkv_info(item))
-                        if include_usage:
-                            yield _sse(
-                                {
-                                    "id": cid,
-                                    "object": "chat.completion.chunk",
-                                    "created": created,
-                                    "model": model_name,
-                                    "choices": [],
-                                    "usage": _usage(item),
-                                }
-                            )
-                    else:
-                        yield chunk({"content": item.text})
-                    try:
-                        item = await it.__anext__()
-                    except StopAsyncIteration:
-                        has = False
-                yield _sse("[DONE]")
-            except Exception as e:  # noqa: BLE001 - after the headers, errors become an error chunk
-                status, kind, message = classify(e)
-                yield _sse(error_json(status, message, kind))
+                while has and not isinstance(item, oc.Done):
+                    parts.append(item)
+                    item = await it.__anext__()
             finally:
                 await it.aclose()
+            svc.answers.inc(item.stats.get("mode", "full"))
+            svc.tokens.inc(n=len(item.token_ids))
+            return oc.completion_response(cid, created, model_name, item, tids)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+        def render(item) -> Iterator[str]:
+            if not isinstance(item, oc.Done):
+                tok = [item.token_id] if tids else None
+                yield _sse(oc.completion_chunk(cid, created, model_name, item.text, None, tok))
+                return
+            svc.answers.inc(item.stats.get("mode", "full"))
+            svc.tokens.inc(n=len(item.token_ids))
+            end = oc.completion_chunk(cid, created, model_name, "", item.finish_reason, [] if tids else None)
+            yield _sse({**end, "ragkv": item.stats})
+            if include_usage:
+                yield _sse(oc.usage_chunk(cid, created, model_name, item))
+
+        return StreamingResponse(
+            _openai_events(it, first, more, render), media_type="text/event-stream", headers=SSE_HEADERS
+        )
 
     def _ragkv_info(f: Final) -> dict:
         return {"sources": [_source(r) for r in f.answer.sources], "timings": _timings(f), "stats": _stats(f)}

@@ -21,6 +21,7 @@ from typing import Any
 
 from apps.config import Settings
 from apps.metrics import Counter, Gauge, Histogram, Registry
+from integrations.common import RagBackend
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
 from ragkv.rag.index import text_sha
@@ -58,6 +59,25 @@ class InvalidRequestError(ServiceError):
 class TooLargeError(ServiceError):
     status = 413
     type = "context_length_exceeded"
+
+
+#: prefill statistics the API reports (``stats`` of /v1/query, ``ragkv.stats`` of the OpenAI endpoints)
+STAT_KEYS = (
+    "mode",
+    "ratio",
+    "num_tokens",
+    "num_reused_rows",
+    "num_computed_rows",
+    "num_exact_rows",
+    "recompute_fraction",
+    "recomputed_per_layer",
+    "kv_hits",
+    "num_chunks",
+    "fallback",
+    "t_prefill_s",
+    "t_load_wait_s",
+    "controller",
+)
 
 
 @dataclass
@@ -125,6 +145,7 @@ class Service:
     def __init__(self, settings: Settings, rag: RAG | None = None):
         self.settings = settings
         self.rag = rag
+        self.backend: RagBackend | None = None  # what generates answers: the RAG itself, or a VllmRAG over it
         running = settings.engine_max_seqs if settings.generation == "engine" else settings.max_concurrency
         self.queries = _Gate("query", running, settings.max_queue)
         self.engine = None  # ragkv.engine.AsyncEngine when settings.generation == "engine"
@@ -140,6 +161,7 @@ class Service:
     def start(self) -> None:
         """Load the model, embedder, index and store (slow: call it off the event loop)."""
         if self.rag is not None:
+            self.backend = build_backend(self.settings, self.rag)
             return
         s = self.settings
         if s.torch_threads:
@@ -147,6 +169,7 @@ class Service:
 
             torch.set_num_threads(s.torch_threads)
         self.rag = build_rag(s)
+        self.backend = build_backend(s, self.rag)
         if s.generation == "engine":
             from ragkv.engine import AsyncEngine, EngineConfig, SchedulerConfig
 
@@ -210,6 +233,14 @@ class Service:
             async for item in self._engine_stream(spec):
                 yield item
             return
+        async for item in self.run_stream(lambda wait: self._answer_iter(spec, wait)):
+            yield item
+
+    async def run_stream(self, make_iter: Callable[[float], Iterator[Any]]) -> AsyncIterator[Any]:
+        """The items of ``make_iter(queue seconds)``, produced in a worker thread under the query gate
+        (admission, queue timeout, cancellation when the consumer stops)."""
+        if self._closed:
+            raise UnavailableError("server is shutting down")
         try:
             self.queries.admit()
         except BusyError:
@@ -241,7 +272,7 @@ class Service:
                 self.queries.started()
                 started = True
                 self.queue_wait.observe(wait, "query")
-                it = self._answer_iter(spec, wait)
+                it = make_iter(wait)
                 for item in it:
                     if cancel.is_set():
                         it.close()
@@ -355,8 +386,8 @@ class Service:
         elif not spec.retrieve:
             recs = []
         else:
-            budget = rag.model.config.max_position - len(prefix) - len(suffix) - params.max_new_tokens
-            recs = fit_chunks(rag.retrieve(spec.question, spec.top_k), budget)
+            other = len(prefix) + len(suffix) + params.max_new_tokens
+            recs = rag.fit_chunks(rag.retrieve(spec.question, spec.top_k), other)
         hits = 0
         if mode in ("reuse", "blend"):
             hits = sum(rag.store.contains(r.kv_key) for r in recs)
@@ -366,7 +397,7 @@ class Service:
 
     # ---- the work (worker threads) -------------------------------------------------------------
     def _answer_iter(self, spec: QuerySpec, queue_s: float) -> Iterator[TokenEvent | Final]:
-        rag = self.rag
+        rag = self.backend
         params = spec.params or SamplingParams(max_new_tokens=self.settings.max_new_tokens)
         recs: list[ChunkRecord] | None = None
         if spec.chunk_ids is not None:
@@ -381,7 +412,9 @@ class Service:
             spec.question, k=spec.top_k, mode=spec.mode, ratio=spec.ratio, params=params, chunks=recs
         ):
             if isinstance(item, RagAnswer):
-                reason = "length" if n >= params.max_new_tokens else "stop"
+                reason = item.stats.get("finish_reason") or (
+                    "length" if n >= params.max_new_tokens else "stop"
+                )
                 final = Final(item, n, reason, queue_s)
                 self._observe(final)
                 yield final
@@ -522,17 +555,24 @@ class Service:
         )
 
 
-def fit_chunks(recs: list[ChunkRecord], budget: int) -> list[ChunkRecord]:
-    """Drop the lowest-scored chunks until their tokens fit ``budget`` (retrieval order kept)."""
-    kept = sorted(recs, key=lambda r: -r.score)
-    while kept and sum(len(r.token_ids) for r in kept) > budget:
-        kept.pop()
-    ids = {r.chunk_id for r in kept}
-    return [r for r in recs if r.chunk_id in ids]
-
-
 def _rate(hits: float, misses: float) -> float:
     return hits / (hits + misses) if hits + misses else 1.0
+
+
+def build_backend(s: Settings, rag: RAG) -> RagBackend:
+    """What generates: ``rag`` itself (backend 'local'), or a VllmRAG sending its prompts to ``vllm_url``."""
+    if s.backend == "local":
+        return rag
+    from integrations.vllm.client import VllmClient, VllmRAG
+
+    client = VllmClient(
+        s.vllm_url,
+        s.vllm_model,
+        api_key=s.vllm_api_key,
+        timeout=s.vllm_timeout_s,
+        connect_timeout=s.vllm_connect_timeout_s,
+    )
+    return VllmRAG(rag, client)
 
 
 def build_rag(s: Settings) -> RAG:

@@ -13,6 +13,12 @@ Flattened prompts still work. Text between :data:`CHUNK_SEPARATOR` markers (what
 :func:`format_docs` produces) is split out as chunks whose KV is looked up by content and stored
 after first use, the text before the first marker is the prefix and the text after the last one
 the question. A prompt without markers is one plain prompt, i.e. a full prefill.
+
+Generation runs wherever the wrapper's ``rag`` runs it: a :class:`ragkv.rag.RAG` generates in this
+process; an :class:`integrations.vllm.client.VllmRAG` retrieves here and generates on a vLLM server
+(with the ragkv plugin, or ragkv's own HTTP service), passing the chunk keys in
+``kv_transfer_params``. Both satisfy :class:`RagBackend`, the one interface the wrappers, the
+runner and the FastAPI app use.
 """
 
 from __future__ import annotations
@@ -23,13 +29,69 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ragkv.generate import SamplingParams, TokenEvent, stream
 from ragkv.kv.chunk import chunk_key
 from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
+
+
+@runtime_checkable
+class RagBackend(Protocol):
+    """What the wrappers and the app use of a RAG: ragkv's in-process :class:`ragkv.rag.RAG`, or
+    :class:`integrations.vllm.client.VllmRAG` (retrieval here, generation on a vLLM server)."""
+
+    mode: str
+    ratio: float | str
+    top_k: int
+
+    @property
+    def model(self) -> Any:
+        """The served model's tokenizer and config (``encode``, ``tokenizer``, ``config``, ``fingerprint``)."""
+
+    @property
+    def index(self) -> Any:
+        """The chunk index (``chunk``, ``chunks_of``, ``has_document``, ``document_ids``)."""
+
+    @property
+    def store(self) -> Any:
+        """The chunk KV store."""
+
+    def retrieve(self, question: str, k: int | None = None) -> list[ChunkRecord]: ...
+
+    def chunks_by_id(self, chunk_ids: list[int]) -> list[ChunkRecord]: ...
+
+    def fit_chunks(self, recs: list[ChunkRecord], other_tokens: int) -> list[ChunkRecord]: ...
+
+    def ingest(self, docs: Any, show_progress: bool = True) -> Any: ...
+
+    def answer(self, question: str, k=None, mode=None, ratio=None, params=None, chunks=None, **sampling): ...
+
+    def answer_stream(
+        self, question: str, k=None, mode=None, ratio=None, params=None, chunks=None, **sampling
+    ) -> Iterator[TokenEvent | RagAnswer]: ...
+
+
+@runtime_checkable
+class PartsBackend(Protocol):
+    """A backend that completes token-id ``prefix + chunks + suffix`` itself (VllmRAG: on its server)."""
+
+    def stream_parts(
+        self, prefix: list[int], chunks: list[list[int]], suffix: list[int], mode: str, ratio: float, params
+    ) -> Iterator[TokenEvent | RagAnswer]: ...
+
+
+def check_backend(rag: Any) -> RagBackend:
+    """``rag`` if it is a :class:`RagBackend`, else a TypeError naming what is missing."""
+    if not isinstance(rag, RagBackend):
+        missing = [n for n in ("model", "index", "store", "retrieve", "answer_stream") if not hasattr(rag, n)]
+        raise TypeError(
+            f"{type(rag).__name__} is not a ragkv RAG backend (lacks {missing}); pass a RAG or VllmRAG"
+        )
+    return rag
+
 
 CHUNK_SEPARATOR = "\n<ragkv:chunk>\n"
 """Marks chunk boundaries in a flattened prompt: ``prefix SEP chunk1 SEP chunk2 SEP question``."""
@@ -117,7 +179,11 @@ class RagkvOptions(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    rag: Any = Field(exclude=True, description="the ragkv.rag.RAG that owns the model, index and KV store")
+    rag: Any = Field(
+        exclude=True,
+        description="the RagBackend: a ragkv.rag.RAG (generates in process) or an "
+        "integrations.vllm.client.VllmRAG (generates on a vLLM server)",
+    )
     mode: str | None = Field(None, description="prefill mode for chunked calls (None: the RAG's default)")
     ratio: float | None = Field(None, description="blend recompute ratio (None: the RAG's default)")
     k: int | None = Field(None, description="chunks to retrieve when retrieve=True (None: the RAG's top_k)")
@@ -127,6 +193,14 @@ class RagkvOptions(BaseModel):
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+
+    @field_validator("rag")
+    @classmethod
+    def _backend(cls, v: Any) -> Any:
+        try:
+            return check_backend(v)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
 
 
 @dataclass
@@ -169,8 +243,8 @@ class Completion:
 class RagkvRunner:
     """Resolve framework documents to ragkv chunks and stream answers over them (thread-safe)."""
 
-    def __init__(self, rag: RAG):
-        self.rag = rag
+    def __init__(self, rag: RagBackend):
+        self.rag = check_backend(rag)
 
     # ---- documents -> chunks --------------------------------------------------------------------
     def resolve(
@@ -243,7 +317,7 @@ class RagkvRunner:
             if isinstance(item, RagAnswer):
                 yield Completion(
                     item.text,
-                    _reason(n, params),
+                    item.stats.get("finish_reason") or _reason(n, params),
                     n,
                     item.mode,
                     item.stats,
@@ -272,37 +346,50 @@ class RagkvRunner:
         **sampling,
     ) -> Iterator[TokenEvent | Completion]:
         """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after use."""
-        llm, model = self.rag.llm, self.rag.model
+        model = self.rag.model
         mode = mode or (self.rag.mode if chunk_texts else "full")
         ratio = self.rag.ratio if ratio is None else ratio
         ratio = 0.15 if ratio == "auto" else float(ratio)  # the loading controller needs retrieved records
         params = make_params(sampling)
-        t0 = time.perf_counter()
-        pre, chs, q = llm.tokenize_prompt(prefix, chunk_texts, question)
+        pre = model.encode(prefix, add_bos=True)
+        chs = [model.encode(c) for c in chunk_texts]
+        q = model.encode(question)
         if not q and not chs and len(pre) <= 1:
             raise ValueError("empty prompt")
-        hits = (
-            sum(self.rag.store.contains(chunk_key(c, model.fingerprint)) for c in chs)
-            if mode in ("reuse", "blend")
-            else 0
-        )
-        res = llm.prefill(pre, chs, q, mode, ratio)
-        n, parts, ttft = 0, [], None
-        for ev in stream(model, res, params, attention=llm.attention):
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
-            n += 1
-            parts.append(ev.text)
-            yield ev
-        total = time.perf_counter() - t0
-        stats = {**res.stats, "kv_hits": hits}
-        yield Completion(
-            "".join(parts),
-            _reason(n, params),
-            n,
-            res.stats["mode"],
-            stats,
-            {"ttft_s": ttft if ttft is not None else total, "total_s": total},
-        )
+        if isinstance(self.rag, PartsBackend):
+            items = self.rag.stream_parts(pre, chs, q, mode, ratio, params)
+        else:
+            items = _local_parts(self.rag, pre, chs, q, mode, ratio, params)
+        n = 0
+        for item in items:
+            if isinstance(item, RagAnswer):
+                reason = item.stats.get("finish_reason") or _reason(n, params)
+                yield Completion(item.text, reason, n, item.mode, item.stats, item.timings)
+            else:
+                n += 1
+                yield item
+
+
+def _local_parts(
+    rag: RAG, pre: list[int], chs: list[list[int]], q: list[int], mode: str, ratio: float, params
+) -> Iterator[TokenEvent | RagAnswer]:
+    """In-process completion of token-id parts: token events, then a RagAnswer without sources."""
+    model = rag.model
+    t0 = time.perf_counter()
+    hits = (
+        sum(rag.store.contains(chunk_key(c, model.fingerprint)) for c in chs)
+        if mode in ("reuse", "blend")
+        else 0
+    )
+    res = rag.llm.prefill(pre, chs, q, mode, ratio)
+    parts, ttft = [], None
+    for ev in stream(model, res, params, attention=rag.llm.attention):
+        ttft = ttft if ttft is not None else time.perf_counter() - t0
+        parts.append(ev.text)
+        yield ev
+    total = time.perf_counter() - t0
+    timings = {"ttft_s": ttft if ttft is not None else total, "total_s": total}
+    yield RagAnswer("".join(parts), [], res.stats["mode"], timings, {**res.stats, "kv_hits": hits})
 
 
 def make_params(sampling: dict) -> SamplingParams:
@@ -403,7 +490,12 @@ DEFAULT_KEYS = ("mode", "ratio", "k", "retrieve", *SAMPLING_KEYS)
 
 
 def call_events(
-    rag: RAG, defaults: dict, question: str | None, prompt: str, stop: Sequence[str] | None, kwargs: dict
+    rag: RagBackend,
+    defaults: dict,
+    question: str | None,
+    prompt: str,
+    stop: Sequence[str] | None,
+    kwargs: dict,
 ) -> Iterator[TokenEvent | Completion]:
     """One framework call: per-call ``kwargs`` over the wrapper's ``defaults``; answers over chunks
     (``chunks`` / ``chunk_ids`` / ``retrieve``) with ``question or prompt`` as the question, else

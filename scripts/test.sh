@@ -6,4 +6,5 @@ bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 ruff check ragkv integrations apps eval tests
+ruff format --check ragkv integrations apps eval tests
 exec python -m pytest -q "$@"

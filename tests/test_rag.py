@@ -31,7 +31,11 @@ def musique():
 
 
 def _docs(samples, per_sample=3):
-    return [Document(c["text"], f"s{i}-p{j}") for i, s in enumerate(samples) for j, c in enumerate(s["ctxs"][:per_sample])]
+    return [
+        Document(c["text"], f"s{i}-p{j}")
+        for i, s in enumerate(samples)
+        for j, c in enumerate(s["ctxs"][:per_sample])
+    ]
 
 
 def _rag(tmp_path, embedder, store=None, **kw):
@@ -160,7 +164,9 @@ def test_two_processes_share_one_redis_store(redis_server, tmp_path):
         kv = llm.chunk_kv({chunk!r})
         print(kv.key)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     key = out.stdout.strip().splitlines()[-1]
     store = store_from_url(url)
     assert store.contains(key)
@@ -193,7 +199,9 @@ def test_pipelined_and_sequential_loading_give_identical_kv(tmp_path):
 
 
 def test_loading_controller(tmp_path):
-    c = LoadingController({1000: 0.010, 2000: 0.030}, {"ssd": 1e8, "ram": 1e10}, kv_bytes_per_token_layer=4096)
+    c = LoadingController(
+        {1000: 0.010, 2000: 0.030}, {"ssd": 1e8, "ram": 1e10}, kv_bytes_per_token_layer=4096
+    )
     assert c.t_prefill_layer(1000) == pytest.approx(0.010, rel=1e-6)
     assert c.t_prefill_layer(2000) == pytest.approx(0.030, rel=1e-6)
     fast = c.choose_ratio(2000, 1900, "ram")
@@ -207,11 +215,17 @@ def test_loading_controller(tmp_path):
     with pytest.raises(KeyError):
         c.choose_ratio(10, 10, "tape")
     m = stories_model()
-    prof = LoadingController.profile(m, {"memory": store_from_url("memory://")}, lengths=(64, 128),
-                                     cache_path=tmp_path / "prof.json", runs=1)
+    prof = LoadingController.profile(
+        m,
+        {"memory": store_from_url("memory://")},
+        lengths=(64, 128),
+        cache_path=tmp_path / "prof.json",
+        runs=1,
+    )
     assert all(v > 0 for v in prof.prefill_layer_s.values()) and prof.load_bytes_per_s["memory"] > 0
-    again = LoadingController.profile(m, {"memory": store_from_url("memory://")}, lengths=(64, 128),
-                                      cache_path=tmp_path / "prof.json")
+    again = LoadingController.profile(
+        m, {"memory": store_from_url("memory://")}, lengths=(64, 128), cache_path=tmp_path / "prof.json"
+    )
     assert again.prefill_layer_s == prof.prefill_layer_s  # cached per model and device
 
 

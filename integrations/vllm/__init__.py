@@ -5,4 +5,4 @@ Importing this package does not import vLLM. The pieces that need vLLM (``connec
 work without it. See integrations/vllm/README.md for what has and has not been verified.
 """
 
-SUPPORTED_VLLM = ">=0.32,<0.33"
+SUPPORTED_VLLM = ">=0.32,<0.34"

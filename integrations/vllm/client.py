@@ -7,27 +7,55 @@ their store keys and spans, and the server's ``RagkvConnector`` blends their sto
 prompts matter: chat-completion text would be re-tokenized by the server and a chunk's tokens
 could merge with its neighbours, which the connector detects and then simply recomputes.
 
-:class:`VllmRAG` has the ``answer(question, k, mode, ratio, chunks=..., **sampling) -> RagAnswer``
-shape of :class:`ragkv.rag.RAG`, so code written against ``RAG.answer`` (the LangChain and
-LlamaIndex wrappers, the FastAPI app) can be pointed at it. Stdlib HTTP only (no new dependency).
+:class:`VllmRAG` has the public surface of :class:`ragkv.rag.RAG` that the LangChain and LlamaIndex
+wrappers and the FastAPI app use (:class:`integrations.common.RagBackend`): ``answer``,
+``answer_stream`` (real token streaming over the OpenAI SSE protocol), ``retrieve``,
+``chunks_by_id``, ``ingest`` and the index / store / model of the RAG it wraps. Any server that
+speaks vLLM's ``/v1/completions`` with ``kv_transfer_params`` works: vLLM with the ragkv plugin, or
+ragkv's own HTTP service (``python -m apps.server``, docs/API.md). Stdlib HTTP only.
+
+Errors are typed: :class:`VllmUnavailableError` (cannot connect, timed out: retry later),
+:class:`VllmHTTPError` (the server answered with an error status; ``status`` and its message) and
+:class:`VllmResponseError` (a response that is not the OpenAI shape), all :class:`VllmServerError`.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
+import urllib.parse
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ragkv.blend.spans import BlendParams, ChunkRef
+from ragkv.generate import SamplingParams, TokenEvent
+from ragkv.kv.chunk import chunk_key
 
-_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+#: prefill modes a served request can ask for: blend / reuse via the connector; full and prefix send no
+#: ragkv parameters (prefix caching is then vLLM's own, which is exact)
+SERVED_MODES = ("full", "prefix", "reuse", "blend")
 
 
 class VllmServerError(RuntimeError):
     """The vLLM server could not be reached or answered with an error."""
+
+
+class VllmUnavailableError(VllmServerError):
+    """No answer: connection refused or reset, or no byte within the timeout (HTTP 503 in the app)."""
+
+
+class VllmHTTPError(VllmServerError):
+    """The server answered with an error status (its message kept; HTTP 502 in the app)."""
+
+    def __init__(self, path: str, status: int, message: str):
+        super().__init__(f"{path}: HTTP {status}: {message}")
+        self.path, self.status, self.message = path, status, message
+
+
+class VllmResponseError(VllmServerError):
+    """A response that is not the OpenAI completions shape (HTTP 502 in the app)."""
 
 
 @dataclass
@@ -39,6 +67,8 @@ class Completion:
     seconds: float
     kv_transfer_params: dict | None = None
     raw: dict = field(default_factory=dict, repr=False)
+    ttft_s: float | None = None
+    ragkv: dict = field(default_factory=dict)  # what a ragkv server adds (reuse statistics)
 
 
 def build_prompt(
@@ -76,8 +106,12 @@ def completion_body(
     top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    stream: bool = False,
+    return_token_ids: bool = False,
 ) -> dict:
-    """JSON body of a ``/v1/completions`` request with a token-id prompt."""
+    """JSON body of a ``/v1/completions`` request with a token-id prompt (``return_token_ids``: vLLM's
+    option to list the generated token ids in each choice; servers without it ignore it)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     body: dict = {
@@ -92,9 +126,16 @@ def completion_body(
     if seed is not None:
         body["seed"] = int(seed)
     if stop:
-        body["stop"] = list(stop)
+        body["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if stop_token_ids is not None:
+        body["stop_token_ids"] = [int(t) for t in stop_token_ids]
     if kv_transfer_params:
         body["kv_transfer_params"] = kv_transfer_params
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    if return_token_ids:
+        body["return_token_ids"] = True
     return body
 
 
@@ -111,13 +152,31 @@ def parse_completion(data: dict, seconds: float = 0.0) -> Completion:
             seconds=seconds,
             kv_transfer_params=data.get("kv_transfer_params"),
             raw=data,
+            ragkv=dict(data.get("ragkv") or {}),
         )
-    except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise VllmServerError(f"unexpected completion response: {str(data)[:300]}") from e
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise VllmResponseError(f"unexpected completion response: {str(data)[:300]}") from e
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of an OpenAI / vLLM error body (``{"error": {"message"}}`` or ``{"message"}``), else the text."""
+    text = raw.decode(errors="replace")
+    try:
+        body = json.loads(text)
+        err = body.get("error", body) if isinstance(body, dict) else body
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:1000]
+    except ValueError:
+        pass
+    return text[:1000]
 
 
 class VllmClient:
-    """Minimal client of a vLLM OpenAI-compatible server (``/v1/models``, ``/v1/completions``)."""
+    """Client of a vLLM OpenAI-compatible server (``/v1/models``, ``/v1/completions``, plain and streamed).
+
+    ``connect_timeout``: seconds to open the connection; ``timeout``: seconds the server may stay
+    silent once connected (for a whole non-streamed answer, or between two streamed chunks).
+    """
 
     def __init__(
         self,
@@ -125,57 +184,210 @@ class VllmClient:
         model: str | None = None,
         api_key: str | None = None,
         timeout: float = 300.0,
+        connect_timeout: float = 10.0,
     ):
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
+        url = urllib.parse.urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"server URL must be http(s)://host[:port], got {base_url!r}")
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        self._url = url
         self.api_key = api_key
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._model = model
 
-    def _request(self, path: str, body: dict | None = None) -> dict:
-        headers = {"Content-Type": "application/json"}
+    # ---- transport ------------------------------------------------------------------------------
+    def _open(
+        self, path: str, body: dict | None
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send the request; the open response of a 2xx status, else a typed error."""
+        cls = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
+        conn = cls(self._url.hostname, self._url.port, timeout=self.connect_timeout)
+        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.base_url + path, data=data, headers=headers, method="POST" if body is not None else "GET"
-        )
+        full = self._url.path + path
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            raise VllmServerError(f"{path}: HTTP {e.code}: {detail}") from e
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise VllmServerError(f"{path}: {type(e).__name__}: {e}") from e
+            conn.connect()
+            conn.sock.settimeout(self.timeout)
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request("POST" if body is not None else "GET", full, body=data, headers=headers)
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise VllmUnavailableError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from e
+        if resp.status >= 300:
+            try:
+                raw = resp.read()
+            except (OSError, http.client.HTTPException):
+                raw = b""
+            conn.close()
+            raise VllmHTTPError(path, resp.status, _error_message(raw) or resp.reason)
+        return conn, resp
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        conn, resp = self._open(path, body)
+        try:
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise VllmUnavailableError(f"{path}: reading the response: {type(e).__name__}: {e}") from e
+        finally:
+            conn.close()
+        try:
+            data = json.loads(raw)
+        except ValueError as e:
+            raise VllmResponseError(f"{path}: response is not JSON: {raw[:200]!r}") from e
+        if not isinstance(data, dict):
+            raise VllmResponseError(f"{path}: response is not a JSON object: {raw[:200]!r}")
+        return data
+
+    # ---- API ------------------------------------------------------------------------------------
+    def models(self) -> list[str]:
+        """Names of the served models (``GET /v1/models``)."""
+        data = self._request("/v1/models").get("data")
+        if not isinstance(data, list) or not all(isinstance(m, dict) and "id" in m for m in data):
+            raise VllmResponseError(f"/v1/models: unexpected response {str(data)[:200]}")
+        return [str(m["id"]) for m in data]
 
     @property
     def model(self) -> str:
         """The served model name (the first one the server lists, unless given)."""
         if self._model is None:
-            models = self._request("/v1/models").get("data") or []
+            models = self.models()
             if not models:
-                raise VllmServerError("the server lists no models")
-            self._model = models[0]["id"]
+                raise VllmResponseError("the server lists no models")
+            self._model = models[0]
         return self._model
 
-    def complete(self, prompt: list[int], kv_transfer_params: dict | None = None, **sampling) -> Completion:
+    def _body(self, prompt: list[int], kv_transfer_params: dict | None, stream: bool, sampling: dict) -> dict:
         unknown = set(sampling) - set(_SAMPLING)
         if unknown:
             raise TypeError(f"unknown sampling arguments {sorted(unknown)}")
-        body = completion_body(self.model, prompt, kv_transfer_params, **sampling)
+        return completion_body(
+            self.model, prompt, kv_transfer_params, stream=stream, return_token_ids=True, **sampling
+        )
+
+    def complete(self, prompt: list[int], kv_transfer_params: dict | None = None, **sampling) -> Completion:
+        """One completion of a token-id prompt (not streamed)."""
+        body = self._body(prompt, kv_transfer_params, False, sampling)
         t0 = time.perf_counter()
         data = self._request("/v1/completions", body)
         return parse_completion(data, time.perf_counter() - t0)
 
+    def stream(
+        self, prompt: list[int], kv_transfer_params: dict | None = None, **sampling
+    ) -> Iterator[TokenEvent | Completion]:
+        """Stream a completion (``stream: true``, SSE): a :class:`TokenEvent` per chunk with text or
+        tokens, then the :class:`Completion` (usage from the final chunk). ``token_id`` is the chunk's
+        last token id when the server returns token ids, else -1."""
+        body = self._body(prompt, kv_transfer_params, True, sampling)
+        t0 = time.perf_counter()
+        conn, resp = self._open("/v1/completions", body)
+        parts: list[str] = []
+        finish, usage, ragkv, ttft, last = None, {}, {}, None, None
+        try:
+            for data in _sse_events(resp):
+                if data == "[DONE]":
+                    break
+                try:
+                    obj = json.loads(data)
+                except ValueError as e:
+                    raise VllmResponseError(f"stream: chunk is not JSON: {data[:200]!r}") from e
+                if not isinstance(obj, dict):
+                    raise VllmResponseError(f"stream: unexpected chunk {data[:200]!r}")
+                if "error" in obj:  # an error after the headers (the server's generation failed)
+                    err = obj["error"] if isinstance(obj["error"], dict) else {"message": obj["error"]}
+                    raise VllmHTTPError(
+                        "/v1/completions", int(err.get("code") or 500), str(err.get("message"))
+                    )
+                last = obj
+                usage = obj.get("usage") or usage
+                ragkv = obj.get("ragkv") or ragkv
+                for ch in obj.get("choices") or []:
+                    text = ch.get("text") or ""
+                    ids = ch.get("token_ids") or []
+                    finish = ch.get("finish_reason") or finish
+                    if text or ids:
+                        ttft = ttft if ttft is not None else time.perf_counter() - t0
+                        yield TokenEvent(int(ids[-1]) if ids else -1, text, len(parts))
+                        parts.append(text)
+            else:
+                raise VllmResponseError("stream: the server closed it before 'data: [DONE]'")
+        except (OSError, http.client.HTTPException) as e:
+            raise VllmUnavailableError(f"stream: connection lost: {type(e).__name__}: {e}") from e
+        finally:
+            conn.close()
+        total = time.perf_counter() - t0
+        yield Completion(
+            text="".join(parts),
+            finish_reason=finish,
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", len(parts))),
+            seconds=total,
+            kv_transfer_params=(last or {}).get("kv_transfer_params"),
+            raw=last or {},
+            ttft_s=ttft if ttft is not None else total,
+            ragkv=dict(ragkv),
+        )
+
+
+def _sse_events(resp) -> Iterator[str]:
+    """The ``data:`` payloads of a server-sent event stream (multi-line data joined with newlines)."""
+    data: list[str] = []
+    while True:
+        try:
+            line = resp.readline()
+        except TimeoutError as e:
+            raise VllmUnavailableError("stream: no chunk within the timeout") from e
+        if not line:
+            if data:
+                yield "\n".join(data)
+            return
+        line = line.decode("utf-8", errors="replace").rstrip("\r\n")
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+
+
+# ---- the RAG backend ---------------------------------------------------------------------------------
+def served_params(params: SamplingParams) -> dict:
+    """Client sampling arguments of ragkv's :class:`SamplingParams`."""
+    out = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "seed": params.seed,
+        "stop": list(params.stop),
+    }
+    if params.stop_token_ids is not None:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    return out
+
+
+def _local(name: str, doc: str) -> property:
+    """A read-only attribute of the wrapped RAG."""
+    return property(lambda self: getattr(self.rag, name), doc=doc)
+
 
 class VllmRAG:
-    """ragkv retrieval + generation by a vLLM server with the ragkv plugin (same ``answer`` as ``RAG``).
+    """ragkv retrieval (the wrapped :class:`ragkv.rag.RAG`'s index) + generation by a vLLM server with
+    the ragkv plugin; the same public surface as ``RAG`` (:class:`integrations.common.RagBackend`).
 
     The server must serve the same checkpoint and dtype that ragkv used to store the chunk KV
-    (the connector checks the model fingerprint; other KV is never used, only recomputed).
+    (the connector checks the model fingerprint; other KV is never used, only recomputed). The
+    wrapped RAG keeps doing what is local: tokenizing, splitting and embedding, the index, and
+    precomputing chunk KV at ingest into the store the server reads.
     """
+
+    backend = "vllm"
 
     def __init__(self, rag, client: VllmClient, check_layers: Sequence[int] = (1,), save: bool = True):
         self.rag = rag
@@ -183,53 +395,177 @@ class VllmRAG:
         self.check_layers = tuple(check_layers)
         self.save = save
 
+    # ---- what stays local: the RAG's model (tokenizer), index, store and settings -----------------
+    model = _local("model", "the model: tokenizer for token-id prompts, chunk KV at ingest")
+    index = _local("index", "the chunk index")
+    store = _local("store", "the chunk KV store the server reads")
+    mode = _local("mode", "default prefill mode")
+    ratio = _local("ratio", "default blend recompute ratio")
+    top_k = _local("top_k", "chunks retrieved per question")
+    counters = _local("counters", "the RAG's chunk hit / miss counters")
+    instruction = _local("instruction", "prompt instruction")
+    question_template = _local("question_template", "prompt question template")
+
+    def retrieve(self, question: str, k: int | None = None) -> list:
+        return self.rag.retrieve(question, k)
+
+    def chunks_by_id(self, chunk_ids: list[int]) -> list:
+        return self.rag.chunks_by_id(chunk_ids)
+
+    def fit_chunks(self, recs: list, other_tokens: int) -> list:
+        return self.rag.fit_chunks(recs, other_tokens)
+
+    def ingest(self, docs, show_progress: bool = True):
+        return self.rag.ingest(docs, show_progress=show_progress)
+
+    def delete_document(self, doc_id: str) -> None:
+        self.rag.delete_document(doc_id)
+
+    def flush(self) -> None:
+        self.rag.flush()
+
+    def close(self) -> None:
+        self.rag.close()
+
+    # ---- generation on the server -------------------------------------------------------------------
+    @staticmethod
+    def _check(mode: str, ratio) -> tuple[str, float]:
+        """A served mode and a numeric ratio (``"auto"``, the loading controller's, is in-process only)."""
+        if mode not in SERVED_MODES:
+            from ragkv.blend import UnknownModeError
+
+            raise UnknownModeError(f"unknown mode {mode!r}; use one of {SERVED_MODES}")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise ValueError(f"ratio must be a number for vLLM serving, got {ratio!r}")
+        return mode, float(ratio)
+
+    def stream_prompt(
+        self,
+        prefix: list[int],
+        pairs: list[tuple[str, list[int]]],
+        suffix: list[int],
+        mode: str,
+        ratio: float,
+        params: SamplingParams,
+    ) -> Iterator[TokenEvent | Completion]:
+        """Generate on the server for ``prefix + chunks + suffix`` (chunks as ``(store key, token ids)``)."""
+        self.model.check_length(
+            len(prefix) + sum(len(t) for _, t in pairs) + len(suffix), params.max_new_tokens
+        )
+        reuse = mode in ("reuse", "blend") and bool(pairs)
+        prompt, kv = build_prompt(
+            prefix,
+            pairs,
+            suffix,
+            mode=mode if reuse else "blend",
+            ratio=ratio,
+            check_layers=self.check_layers,
+            save=self.save,
+        )
+        if params.max_new_tokens == 0:
+            yield Completion("", "length", len(prompt), 0, 0.0, ttft_s=0.0)
+            return
+        for item in self.client.stream(prompt, kv if reuse else None, **served_params(params)):
+            if isinstance(
+                item, Completion
+            ):  # a server that reports its chunk hits (ragkv's) feeds our counters
+                for name in ("kv_hits", "kv_misses", "kv_recomputed_bad"):
+                    if isinstance(item.ragkv.get(name), int) and name in self.counters:
+                        self.counters[name] += item.ragkv[name]
+            yield item
+
+    def stream_parts(
+        self,
+        prefix: list[int],
+        chunks: list[list[int]],
+        suffix: list[int],
+        mode: str,
+        ratio: float,
+        params: SamplingParams,
+    ) -> Iterator:
+        """Token events then a ``RagAnswer`` (no sources) for token-id parts; chunk keys from their content."""
+        from ragkv.rag import RagAnswer
+
+        mode, ratio = self._check(mode, ratio)
+        fp = self.model.fingerprint
+        pairs = [(chunk_key(list(c), fp), list(c)) for c in chunks]
+        t0 = time.perf_counter()
+        for item in self.stream_prompt(prefix, pairs, suffix, mode, ratio, params):
+            if isinstance(item, Completion):
+                yield RagAnswer(item.text, [], self._mode(item, mode), *self._report(item, t0, 0.0))
+            else:
+                yield item
+
+    def answer_stream(
+        self,
+        question: str,
+        k: int | None = None,
+        mode: str | None = None,
+        ratio: float | str | None = None,
+        params: SamplingParams | None = None,
+        chunks: list | None = None,
+        **sampling,
+    ) -> Iterator:
+        """Like ``RAG.answer_stream``: ``TokenEvent``s as the server streams them, then a ``RagAnswer``."""
+        from ragkv.rag import RagAnswer, prompt_parts
+
+        rag = self.rag
+        mode, ratio = self._check(mode or rag.mode, rag.ratio if ratio is None else ratio)
+        params = params or SamplingParams(**{"max_new_tokens": 32, **sampling})
+        t0 = time.perf_counter()
+        prefix, suffix = prompt_parts(rag.model, question, rag.instruction, rag.question_template)
+        if chunks is not None:
+            recs = list(chunks)
+        else:
+            recs = rag.fit_chunks(
+                rag.retrieve(question, k), len(prefix) + len(suffix) + params.max_new_tokens
+            )
+        t_ret = time.perf_counter() - t0
+        pairs = [(r.kv_key, list(r.token_ids)) for r in recs]
+        for item in self.stream_prompt(prefix, pairs, suffix, mode, ratio, params):
+            if isinstance(item, Completion):
+                yield RagAnswer(item.text, recs, self._mode(item, mode), *self._report(item, t0, t_ret))
+            else:
+                yield item
+
     def answer(
         self,
         question: str,
         k: int | None = None,
         mode: str | None = None,
-        ratio: float | None = None,
+        ratio: float | str | None = None,
+        params: SamplingParams | None = None,
         chunks: list | None = None,
         **sampling,
     ):
-        from ragkv.rag import RagAnswer, prompt_parts
+        """Like ``RAG.answer``: retrieve (unless ``chunks`` are given) and answer on the server."""
+        ans = None
+        for item in self.answer_stream(question, k, mode, ratio, params, chunks, **sampling):
+            ans = item
+        return ans
 
-        mode = mode or self.rag.mode
-        if mode not in ("blend", "reuse", "full"):
-            raise ValueError(f"mode {mode!r} is not served through vLLM (blend, reuse or full)")
-        ratio = self.rag.ratio if ratio is None else ratio
-        if not isinstance(ratio, (int, float)):
-            raise ValueError(f"ratio must be a number for vLLM serving, got {ratio!r}")
-        t0 = time.perf_counter()
-        recs = chunks if chunks is not None else self.rag.retrieve(question, k)
-        t_ret = time.perf_counter() - t0
-        prefix, suffix = prompt_parts(self.rag.model, question)
-        pairs = [(r.kv_key, r.token_ids) for r in recs]
-        prompt, params = build_prompt(
-            prefix,
-            pairs,
-            suffix,
-            mode="blend" if mode == "full" else mode,
-            ratio=float(ratio),
-            check_layers=self.check_layers,
-            save=self.save,
-        )
-        out = self.client.complete(prompt, None if mode == "full" else params, **sampling)
-        return RagAnswer(
-            text=out.text,
-            sources=list(recs),
-            mode=mode,
-            timings={
-                "retrieval_s": t_ret,
-                "kv_fetch_s": 0.0,
-                "ttft_s": float("nan"),
-                "total_s": time.perf_counter() - t0,
-                "server_s": out.seconds,
-            },
-            stats={
-                "prompt_tokens": out.prompt_tokens,
-                "completion_tokens": out.completion_tokens,
-                "finish_reason": out.finish_reason,
-                "backend": "vllm",
-            },
-        )
+    @staticmethod
+    def _mode(c: Completion, mode: str) -> str:
+        return str(c.ragkv.get("mode") or mode)
+
+    @staticmethod
+    def _report(c: Completion, t0: float, t_ret: float) -> tuple[dict, dict]:
+        """``(timings, stats)`` of a served answer: client-side times, the server's usage and, when the
+        server is ragkv's own, its reuse statistics (``kv_hits``, ``num_reused_rows`` ...)."""
+        total = time.perf_counter() - t0
+        timings = {
+            "retrieval_s": t_ret,
+            "kv_fetch_s": float(c.ragkv.get("t_load_wait_s", 0.0)),
+            "ttft_s": t_ret + (c.ttft_s if c.ttft_s is not None else c.seconds),
+            "total_s": total,
+            "server_s": c.seconds,
+        }
+        stats = {
+            **c.ragkv,
+            "num_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "finish_reason": c.finish_reason,
+            "backend": "vllm",
+            "server_model": c.raw.get("model"),
+        }
+        return timings, stats

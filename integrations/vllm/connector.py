@@ -30,7 +30,8 @@ A request names its chunks in ``kv_transfer_params`` (see :mod:`ragkv.blend.span
 
 Limits: one KV-cache group (standard decoder-only attention), tensor/pipeline parallel size 1,
 cache layouts whose per-layer view is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
-(FlashAttention and Triton attention backends), Llama / Mistral / Qwen2. Experimental.
+(FlashAttention and Triton attention backends) or the HACK backend's uint8 pages (blended rows are
+written through ``ragkv.attention.hack_paged.write_rows``), Llama / Mistral / Qwen2. Experimental.
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ log = logging.getLogger("vllm.ragkv")  # under vLLM's logger: shown in its log a
 
 class ConnectorConfigError(ValueError):
     """``kv_connector_extra_config`` is missing or malformed."""
+
+
+@dataclass
+class _HackCache:
+    """A layer's KV cache in the HACK backend's paged layout and its V tail pool."""
+
+    cache: torch.Tensor
+    tails: Any
 
 
 class UnsupportedCacheLayoutError(ValueError):
@@ -464,9 +473,11 @@ class RagkvConnector(KVConnectorBase_V1):
         bos, window = served_bos_and_window(self._hf_config)
         return layer_model(bos, window)
 
-    def _layer_cache(self, layer: int, model) -> torch.Tensor:
+    def _layer_cache(self, layer: int, model) -> torch.Tensor | _HackCache:
         kv = self._kv_caches.get(layer)
         c = model.config
+        if kv is not None and kv.dtype == torch.uint8 and kv.dim() == 4:
+            return self._hack_cache(kv, c)
         if (
             kv is None
             or kv.dim() != 4
@@ -480,6 +491,18 @@ class RagkvConnector(KVConnectorBase_V1):
                 f"dividing {self._block_size} (FlashAttention / Triton attention layouts)"
             )
         return kv
+
+    def _hack_cache(self, kv: torch.Tensor, c) -> _HackCache:
+        """A layer cache in the HACK attention backend's paged layout, with its shared V tail pool."""
+        try:
+            from integrations.vllm.hack_backend import _k_partition, hack_bits, hack_layer
+
+            bits = hack_bits(self._vllm_config.cache_config.cache_dtype)
+            return _HackCache(kv, hack_layer(kv, c.num_kv_heads, c.head_dim, bits, _k_partition()))
+        except Exception as e:
+            raise UnsupportedCacheLayoutError(
+                f"uint8 KV cache {tuple(kv.shape)} is not a HACK cache for this model ({type(e).__name__}: {e})"
+            ) from e
 
     def _load(self, spec: LoadSpec) -> None:
         """Blend one request's rows into its blocks; on failure apply ``kv_load_failure_policy``."""
@@ -557,19 +580,11 @@ class RagkvConnector(KVConnectorBase_V1):
 
     def _blend(self, spec: LoadSpec, plan: RowPlan, model, caches: list[torch.Tensor]) -> dict:
         bs = self._block_size
+        if isinstance(caches[0], _HackCache):
+            return self._blend_hack(spec, plan, model, caches)
         kbs = int(caches[0].shape[2])  # kernel block size: vLLM may split a block into kernel blocks
         D = model.config.head_dim
-        pieces = []
-        for p in plan.pieces:
-            s = p.span
-            toks = spec.token_ids[s.start : s.stop]
-            stored = StoredChunk(self.store, s.key, toks, self.fingerprint, index=s.index)
-            pieces.append(PieceSlice(stored, p.src_start, p.src_start + p.num_tokens))
-        source = None
-        if pieces:
-            source = PipelinedSource(
-                pieces, model.device, model.dtype, self.settings.prefetch_depth, model.config.num_layers
-            )
+        source = self._source(spec, plan, model)
         exact_slots = slot_mapping(spec.block_ids, bs, torch.arange(plan.num_exact))
         out_slots = slot_mapping(spec.block_ids, bs, torch.arange(plan.num_exact, plan.num_rows))
         # block b's kernel blocks are b * (bs // kbs) + i, so a slot's kernel block is slot // kbs
@@ -583,6 +598,46 @@ class RagkvConnector(KVConnectorBase_V1):
         def write(layer: int, rows, k, v):
             kv = caches[layer]
             kv[ob, :, oo] = torch.cat([k, v], dim=-1).to(kv.dtype)
+
+        ids = torch.tensor(spec.token_ids, dtype=torch.long)
+        return blend_rows(model, ids, plan, source, exact_kv, spec.params().schedule(), write)
+
+    def _source(self, spec: LoadSpec, plan: RowPlan, model) -> PipelinedSource | None:
+        """The stored chunks' KV, layer by layer (prefetched on a thread)."""
+        pieces = []
+        for p in plan.pieces:
+            s = p.span
+            toks = spec.token_ids[s.start : s.stop]
+            stored = StoredChunk(self.store, s.key, toks, self.fingerprint, index=s.index)
+            pieces.append(PieceSlice(stored, p.src_start, p.src_start + p.num_tokens))
+        if not pieces:
+            return None
+        return PipelinedSource(
+            pieces, model.device, model.dtype, self.settings.prefetch_depth, model.config.num_layers
+        )
+
+    def _blend_hack(self, spec: LoadSpec, plan: RowPlan, model, caches: list[_HackCache]) -> dict:
+        """The blend over HACK pages: exact rows read back dequantized, blended rows quantized on write.
+
+        Rows are written through :func:`ragkv.attention.hack_paged.write_rows` (K quantized at once, V
+        through the block's fp16 tail, sealed when the block fills), exactly as the attention backend
+        writes vLLM's own rows, so the HACK decode that follows reads blended and computed rows alike.
+        """
+        from ragkv.attention.hack_paged import read_rows, write_rows
+
+        bs = self._block_size
+        source = self._source(spec, plan, model)
+        exact_slots = slot_mapping(spec.block_ids, bs, torch.arange(plan.num_exact)).to(model.device)
+        out_slots = slot_mapping(spec.block_ids, bs, torch.arange(plan.num_exact, plan.num_rows)).to(
+            model.device
+        )
+
+        def exact_kv(layer: int):
+            k, v = read_rows(caches[layer].cache, caches[layer].tails, exact_slots)
+            return k.to(model.dtype), v.to(model.dtype)
+
+        def write(layer: int, rows, k, v):
+            write_rows(caches[layer].cache, caches[layer].tails, out_slots, k, v)
 
         ids = torch.tensor(spec.token_ids, dtype=torch.long)
         return blend_rows(model, ids, plan, source, exact_kv, spec.params().schedule(), write)

@@ -18,6 +18,10 @@ _LAZY = {
     "HackError": "ragkv.attention.hack_quant",
     "HackQuantError": "ragkv.attention.hack_quant",
     "HackLayerView": "ragkv.attention.hack_ref",
+    "HackPagedError": "ragkv.attention.hack_paged",
+    "HackTailError": "ragkv.attention.hack_paged",
+    "PagedLayout": "ragkv.attention.hack_paged",
+    "TailPool": "ragkv.attention.hack_paged",
     "dequant_attention": "ragkv.attention.hack_ref",
     "hack_attention": "ragkv.attention.hack_ref",
 }

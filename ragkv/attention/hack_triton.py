@@ -126,11 +126,16 @@ if HAS_TRITON:
         stride_ksb,
         stride_kst,
         stride_ksh,
+        stride_kub,
+        stride_kut,
+        stride_kuh,
         stride_vcb,
         stride_vct,
         stride_vch,
         stride_vsb,
         stride_vsh,
+        stride_vub,
+        stride_vuh,
         stride_vtb,
         stride_vtt,
         stride_vth,
@@ -209,13 +214,14 @@ if HAS_TRITON:
                 kc8 = kc.to(tl.int8)
             kc8_t = tl.trans(kc8)  # [D, PI]
             meta = phys * stride_ksb + tok * stride_kst + h * stride_ksh
+            smeta = phys * stride_kub + tok * stride_kut + h * stride_kuh  # sums: own dtype, own strides
             sc = tl.zeros([BLOCK_G, PI], dtype=tl.float32)
             for p in tl.static_range(NKP):
                 qcp = tl.where(part_of[None, :] == p, qc8, 0).to(tl.int8)
                 dot = tl.dot(qcp, kc8_t, out_dtype=tl.int32).to(tl.float32)
                 ks = tl.load(KS + meta + p, mask=t_ok, other=0.0).to(tl.float32)
                 km = tl.load(KM + meta + p, mask=t_ok, other=0.0).to(tl.float32)
-                ksum = tl.load(KSUM + meta + p, mask=t_ok, other=0).to(tl.float32)
+                ksum = tl.load(KSUM + smeta + p, mask=t_ok, other=0).to(tl.float32)
                 if BITS == 8:  # K codes re-centred too: fold the shift into K's min and sum
                     km = km + 128.0 * ks
                     ksum = ksum - 128.0 * PK
@@ -255,7 +261,7 @@ if HAS_TRITON:
                 vmeta = phys * stride_vsb + h * stride_vsh + ch
                 vs = tl.load(VS + vmeta).to(tl.float32)
                 vm = tl.load(VM + vmeta).to(tl.float32)
-                vsum = tl.load(VSUM + vmeta).to(tl.float32)
+                vsum = tl.load(VSUM + phys * stride_vub + h * stride_vuh + ch).to(tl.float32)
                 if BITS == 8:
                     vm = vm + 128.0 * vs
                     vsum = vsum - 128.0 * PI
@@ -469,10 +475,13 @@ def quantized_partials(q: Tensor, batch: HackBatch, scale: float, num_splits: in
     kc, ks, km, ksum = (_nonempty(t) for t in (batch.k_packed, batch.k_scale, batch.k_min, batch.k_sum))
     vc, vs, vm, vsum = (_nonempty(t) for t in (batch.v_packed, batch.v_scale, batch.v_min, batch.v_sum))
     vt = _nonempty(batch.v_tail)
-    if not (ks.stride() == km.stride() == ksum.stride() and vs.stride() == vm.stride() == vsum.stride()):
-        raise HackError("K (and V) scale, min and sum tensors must share one layout")
+    if not (ks.stride() == km.stride() and vs.stride() == vm.stride()):
+        raise HackError("K (and V) scale and min tensors must share one layout")
+    if ksum.stride(-1) != 1 or vsum.stride(-1) != 1 or ks.stride(-1) != 1 or vs.stride(-1) != 1:
+        raise HackError("the last dim of scale, min and sum tensors must be contiguous")
     qmul = batch.q_mul.contiguous() if batch.q_mul is not None else q  # dummy pointer when unused
     kc_st, ks_st, vc_st = _block_strides(kc, pi), _block_strides(ks, pi), _block_strides(vc, pi)
+    ku_st = _block_strides(ksum, pi)  # sums may differ in dtype (paged layout: strides in their own units)
     nkp = d // batch.k_part
     _hack_decode_kernel[(bsz, hkv, splits)](
         q,
@@ -498,9 +507,12 @@ def quantized_partials(q: Tensor, batch: HackBatch, scale: float, num_splits: in
         batch.block_table.stride(0),
         *kc_st,
         *ks_st,
+        *ku_st,
         *vc_st,
         vs.stride(0),
         vs.stride(1),
+        vsum.stride(0),
+        vsum.stride(1),
         vt.stride(0),
         vt.stride(1),
         vt.stride(2),

@@ -82,31 +82,45 @@ class LoadingController:
         r_match = min(1.0, t_load / t_pre)
         ratio = max(r_match, self.r_min)
         if r_match > self.r_min:
-            reason = (f"loading a layer from {store} ({t_load * 1e3:.2f} ms) outlasts recomputing "
-                      f"{self.r_min:.0%} of it; recomputing {ratio:.0%} is hidden behind the load")
+            reason = (
+                f"loading a layer from {store} ({t_load * 1e3:.2f} ms) outlasts recomputing "
+                f"{self.r_min:.0%} of it; recomputing {ratio:.0%} is hidden behind the load"
+            )
         else:
-            reason = (f"loading a layer from {store} ({t_load * 1e3:.2f} ms) is faster than recomputing "
-                      f"{self.r_min:.0%} ({self.r_min * t_pre * 1e3:.2f} ms): the quality floor r_min applies")
+            reason = (
+                f"loading a layer from {store} ({t_load * 1e3:.2f} ms) is faster than recomputing "
+                f"{self.r_min:.0%} ({self.r_min * t_pre * 1e3:.2f} ms): the quality floor r_min applies"
+            )
         d = Decision(round(ratio, 4), round(r_match, 4), self.r_min, t_load, t_pre, store, reason)
         self.decisions.append(d)
         log.info("loading controller: ratio %.3f (%s)", d.ratio, reason)
         return d
 
-    def recommend_store(self, n_tokens: int, n_cached_tokens: int, costs: dict[str, float],
-                        ratio: float | None = None) -> str | None:
+    def recommend_store(
+        self, n_tokens: int, n_cached_tokens: int, costs: dict[str, float], ratio: float | None = None
+    ) -> str | None:
         """Mode 2: the ratio is fixed; the cheapest store (by ``costs``) whose load hides behind it."""
         ratio = self.r_min if ratio is None else ratio
         budget = ratio * self.t_prefill_layer(n_tokens)
-        ok = [s for s in costs if s in self.load_bytes_per_s and self.t_load_layer(n_cached_tokens, s) <= budget]
+        ok = [
+            s for s in costs if s in self.load_bytes_per_s and self.t_load_layer(n_cached_tokens, s) <= budget
+        ]
         choice = min(ok, key=lambda s: costs[s]) if ok else None
         log.info("loading controller: cheapest store hiding loads at ratio %.2f: %s", ratio, choice)
         return choice
 
     # ---- profiling -----------------------------------------------------------------------------
     @classmethod
-    def profile(cls, model, stores: dict | None = None, lengths: tuple[int, ...] = (256, 1024, 2048),
-                probe_tokens: int = 512, r_min: float = 0.15, cache_path: str | os.PathLike | None = None,
-                runs: int = 2) -> LoadingController:
+    def profile(
+        cls,
+        model,
+        stores: dict | None = None,
+        lengths: tuple[int, ...] = (256, 1024, 2048),
+        probe_tokens: int = 512,
+        r_min: float = 0.15,
+        cache_path: str | os.PathLike | None = None,
+        runs: int = 2,
+    ) -> LoadingController:
         """Measure prefill and store load speed on this machine (cached per model and device)."""
         c = model.config
         per_tok = 2 * c.num_kv_heads * c.head_dim * torch.empty((), dtype=model.dtype).element_size()
@@ -154,15 +168,20 @@ def _profile_store(model, store, n_tokens: int, runs: int) -> float:
     shape = (c.num_layers, n_tokens, c.num_kv_heads, c.head_dim)
     probe = ChunkKV(
         token_ids=torch.randint(3, c.vocab_size, (n_tokens,), generator=g),
-        k=torch.randn(shape, generator=g).to(model.dtype), v=torch.randn(shape, generator=g).to(model.dtype),
-        start_pos=1, fingerprint=model.fingerprint, meta={"probe": True},
+        k=torch.randn(shape, generator=g).to(model.dtype),
+        v=torch.randn(shape, generator=g).to(model.dtype),
+        start_pos=1,
+        fingerprint=model.fingerprint,
+        meta={"probe": True},
     )
     key = probe.key
     if not store.put(probe):
         raise RuntimeError(f"cannot profile {store.describe()}: write failed")
     try:
         hdr = store.header(key)
-        groups = [(s.start, s.stop) for s in hdr.segments] if hdr else [(i, i + 1) for i in range(c.num_layers)]
+        groups = (
+            [(s.start, s.stop) for s in hdr.segments] if hdr else [(i, i + 1) for i in range(c.num_layers)]
+        )
         times = []
         for _ in range(runs):
             t0 = time.perf_counter()

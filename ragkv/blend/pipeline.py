@@ -31,8 +31,9 @@ class ChunkLoadError(RuntimeError):
 class StoredChunk:
     """A chunk whose KV lives in a :class:`ragkv.store.ChunkStore`, read one layer group at a time."""
 
-    def __init__(self, store, key: str, token_ids: list[int], fingerprint: str, header=None,
-                 index: int | None = None):
+    def __init__(
+        self, store, key: str, token_ids: list[int], fingerprint: str, header=None, index: int | None = None
+    ):
         self.store = store
         self.key = key
         self.token_ids = list(token_ids)
@@ -74,15 +75,25 @@ class StoredChunk:
 class PipelinedSource(LayerSource):
     """Prefetches the next ``depth`` layers on a background thread while the blender computes."""
 
-    def __init__(self, pieces: list, device: torch.device | str, dtype: torch.dtype, depth: int = 1,
-                 num_layers: int | None = None):
+    def __init__(
+        self,
+        pieces: list,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        depth: int = 1,
+        num_layers: int | None = None,
+    ):
         super().__init__(pieces, device, dtype)
         self.depth = max(1, depth)
         self.num_layers = num_layers
         # one torch thread in the loader (the setting is per thread): with the compute thread's pool busy,
         # multi-threaded copies there stall for milliseconds each (measured by the store benchmark)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-kv-load",
-                                        initializer=torch.set_num_threads, initargs=(1,))
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="ragkv-kv-load",
+            initializer=torch.set_num_threads,
+            initargs=(1,),
+        )
         self._futures: dict[int, Future] = {}
         dev = torch.device(device)
         self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
@@ -98,8 +109,10 @@ class PipelinedSource(LayerSource):
             with torch.cuda.stream(self._stream):
                 k = torch.cat([x.pin_memory() if x.device.type == "cpu" else x for x in ks])
                 v = torch.cat([x.pin_memory() if x.device.type == "cpu" else x for x in vs])
-                out = (k.to(self.device, self.dtype, non_blocking=True), v.to(self.device, self.dtype,
-                                                                            non_blocking=True))
+                out = (
+                    k.to(self.device, self.dtype, non_blocking=True),
+                    v.to(self.device, self.dtype, non_blocking=True),
+                )
                 event = torch.cuda.Event()
                 event.record(self._stream)
             out = (*out, event)

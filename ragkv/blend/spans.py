@@ -480,3 +480,133 @@ class PieceSlice:
         if self.lo == 0 and self.hi == k.shape[0]:
             return k, v
         return k[self.lo : self.hi], v[self.lo : self.hi]
+
+
+# ---- in-process prefill of a prompt whose spans are stored chunks ------------------------------------
+@dataclass
+class SpanPrefill:
+    """What :func:`prefill_stored_spans` did: the prefill result and what happened to each chunk."""
+
+    result: object  # ragkv.blend.core.PrefillResult
+    spans: list[ChunkSpan]
+    kv_hits: int = 0  # chunks whose stored KV was used
+    kv_misses: int = 0  # absent, of another model / text, or not found in the prompt: computed alone
+    kv_recomputed_bad: int = 0  # stored KV that failed to load mid-prefill (corrupt, store down)
+    computed: list[ChunkKV] = field(default_factory=list)  # KV computed here (to save when asked)
+
+    def stats(self) -> dict:
+        return {
+            **self.result.stats,
+            "kv_hits": self.kv_hits,
+            "kv_misses": self.kv_misses,
+            "kv_recomputed_bad": self.kv_recomputed_bad,
+        }
+
+
+def request_spans(prompt_ids: Sequence[int], params: BlendParams, store, fingerprint: str) -> list[ChunkSpan]:
+    """Where a request's chunks sit in its prompt, in prompt order.
+
+    Chunks with ``start``/``length`` are taken as given (:class:`SpanError` if they leave the prompt
+    or overlap). Key-only chunks are searched by the token ids their store header records (headers of
+    another model are ignored); one that is not stored or not found is left out, i.e. computed.
+    """
+    given = [
+        ChunkSpan(i, c.key, c.start, c.length) for i, c in enumerate(params.chunks) if c.start is not None
+    ]
+    loose = [(i, c.key) for i, c in enumerate(params.chunks) if c.start is None]
+    found: list[ChunkSpan] = []
+    if loose:
+        toks = []
+        for _, key in loose:
+            h = store.header(key)
+            toks.append(list(h.token_ids) if h is not None and h.fingerprint == fingerprint else None)
+        for (i, key), at, t in zip(loose, locate_chunks(prompt_ids, toks), toks, strict=True):
+            if at is not None:
+                found.append(ChunkSpan(i, key, at, len(t)))
+    return check_spans(given + found, len(prompt_ids))
+
+
+def prefill_stored_spans(
+    model,
+    store,
+    prompt_ids: Sequence[int],
+    params: BlendParams | None,
+    *,
+    prefix_cache=None,
+    source_factory=None,
+) -> SpanPrefill:
+    """Prefill ``prompt_ids`` in process, taking the rows of ``params``' chunks from ``store``.
+
+    The in-process counterpart of the vLLM connector, with ragkv's own recovery: a chunk is reused
+    only if its key is ``chunk_key(its prompt tokens, model fingerprint)`` and its stored header has
+    that fingerprint and those tokens; otherwise, or when a layer fails to load, its KV is computed
+    alone (chunk convention) and used instead (listed in ``computed`` so the caller can save it).
+    Text before, between and after the chunks is computed. No ``params``: a full prefill.
+    """
+    from dataclasses import replace
+
+    from ragkv.blend.pipeline import ChunkLoadError, StoredChunk
+    from ragkv.blend.prefill import prefill
+    from ragkv.kv.chunk import chunk_key
+    from ragkv.kv.compute import compute_chunk_kv
+
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise ValueError("empty prompt")
+    if params is None or not params.chunks:
+        res = prefill(model, ids, [], [], "full", prefix_cache=prefix_cache)
+        return SpanPrefill(res, [])
+    fp = model.fingerprint
+    spans = request_spans(ids, params, store, fp)
+    if not spans:  # none of the key-only chunks is in the prompt: nothing to reuse
+        res = prefill(model, ids, [], [], "full", prefix_cache=prefix_cache)
+        return SpanPrefill(res, [], kv_misses=len(params.chunks))
+    out = SpanPrefill(None, spans, kv_misses=len(params.chunks) - len(spans))
+    items: list = []
+    chunk_slots: list[int] = []  # positions in ``items`` of the chunks (the rest is text between them)
+    pos = spans[0].start
+    for s in spans:
+        if s.start > pos:
+            items.append(ids[pos : s.start])
+        toks = ids[s.start : s.stop]
+        chunk_slots.append(len(items))
+        try:
+            if s.key != chunk_key(toks, fp):
+                raise ChunkLoadError(s.key, -1, len(items))
+            items.append(StoredChunk(store, s.key, toks, fp, index=len(items)))
+            out.kv_hits += 1
+        except ChunkLoadError:
+            out.kv_misses += 1
+            out.computed.append(compute_chunk_kv(model, toks))
+            items.append(out.computed[-1])
+        pos = s.stop
+    schedule = None
+    if params.mode == "blend":
+        schedule = replace(params.schedule(), fresh_check_kv=params.fresh_check_kv)
+    prefix, suffix = ids[: spans[0].start], ids[spans[-1].stop :]
+    for _ in range(len(items) + 1):
+        try:
+            out.result = prefill(
+                model,
+                prefix,
+                items,
+                suffix,
+                params.mode,
+                float(params.ratio),
+                schedule=schedule,
+                prefix_cache=prefix_cache,
+                source_factory=source_factory,
+            )
+            out.result.stats["num_chunks"] = len(chunk_slots)  # text between chunks is not a chunk
+            return out
+        except ChunkLoadError as e:
+            i = (
+                e.index
+                if e.index is not None
+                else next(j for j, it in enumerate(items) if getattr(it, "key", None) == e.key)
+            )
+            out.kv_hits -= 1
+            out.kv_recomputed_bad += 1
+            out.computed.append(compute_chunk_kv(model, list(items[i].token_ids)))
+            items[i] = out.computed[-1]
+    raise RuntimeError("could not load or recompute the chunks' KV")

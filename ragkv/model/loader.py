@@ -95,8 +95,9 @@ def weights_digest(folder: Path) -> str:
     return hashlib.sha256("|".join(_file_digest(f) for f in files).encode()).hexdigest()
 
 
-def checkpoint_fingerprint(path_or_id: str | os.PathLike, dtype: str | torch.dtype,
-                           tokenizer_path: str | os.PathLike | None = None) -> str:
+def checkpoint_fingerprint(
+    path_or_id: str | os.PathLike, dtype: str | torch.dtype, tokenizer_path: str | os.PathLike | None = None
+) -> str:
     """The fingerprint ``load_model(path_or_id, dtype)`` would have, without loading the weights.
 
     Other serving engines (the vLLM plugin) use it to find the chunk KV ragkv stored for the same

@@ -32,7 +32,10 @@ class Embedder:
 
         self.name = name_or_path
         self.model = SentenceTransformer(resolve_embedder(name_or_path), device=device)
-        get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        get_dim = (
+            getattr(self.model, "get_embedding_dimension", None)
+            or self.model.get_sentence_embedding_dimension
+        )
         self.dim = int(get_dim())
         self.batch_size = batch_size
         self._lock = threading.Lock()  # a SentenceTransformer is not safe to call from threads at once
@@ -41,6 +44,11 @@ class Embedder:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         with self._lock:
-            out = self.model.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
-                                    normalize_embeddings=True, show_progress_bar=False)
+            out = self.model.encode(
+                texts,
+                batch_size=self.batch_size,
+                convert_to_numpy=True,
+                normalize_embeddings=True,
+                show_progress_bar=False,
+            )
         return np.ascontiguousarray(out, dtype=np.float32)

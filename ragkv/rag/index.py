@@ -90,16 +90,26 @@ class ChunkIndex:
     def document_ids(self) -> list[str]:
         return [r[0] for r in self._query("SELECT doc_id FROM documents ORDER BY doc_id")]
 
-    def add_document(self, doc_id: str, sha: str, metadata: dict, chunks: list[tuple[int, str, list[int], str]],
-                     vectors: np.ndarray) -> list[int]:
+    def add_document(
+        self,
+        doc_id: str,
+        sha: str,
+        metadata: dict,
+        chunks: list[tuple[int, str, list[int], str]],
+        vectors: np.ndarray,
+    ) -> list[int]:
         """Insert a document's chunks ``(seq, text, token_ids, kv_key)`` and their vectors."""
         with self._lock:
             cur = self.db.cursor()
-            cur.execute("INSERT OR REPLACE INTO documents VALUES (?, ?, ?)", (doc_id, sha, json.dumps(metadata)))
+            cur.execute(
+                "INSERT OR REPLACE INTO documents VALUES (?, ?, ?)", (doc_id, sha, json.dumps(metadata))
+            )
             ids = []
             for seq, text, tokens, key in chunks:
-                cur.execute("INSERT INTO chunks (doc_id, seq, text, token_ids, kv_key) VALUES (?, ?, ?, ?, ?)",
-                            (doc_id, seq, text, np.asarray(tokens, dtype=np.int32).tobytes(), key))
+                cur.execute(
+                    "INSERT INTO chunks (doc_id, seq, text, token_ids, kv_key) VALUES (?, ?, ?, ?, ?)",
+                    (doc_id, seq, text, np.asarray(tokens, dtype=np.int32).tobytes(), key),
+                )
                 ids.append(int(cur.lastrowid))
             if ids:
                 self.vectors.add_with_ids(vectors, np.asarray(ids, dtype=np.int64))
@@ -126,11 +136,21 @@ class ChunkIndex:
     # ---- chunks ----------------------------------------------------------------------------------
     def _record(self, row, score: float = 0.0) -> ChunkRecord:
         cid, doc_id, seq, text, tokens, key, meta = row
-        return ChunkRecord(cid, doc_id, seq, text, np.frombuffer(tokens, dtype=np.int32).tolist(), key,
-                           json.loads(meta) if meta else {}, score)
+        return ChunkRecord(
+            cid,
+            doc_id,
+            seq,
+            text,
+            np.frombuffer(tokens, dtype=np.int32).tolist(),
+            key,
+            json.loads(meta) if meta else {},
+            score,
+        )
 
-    _SELECT = ("SELECT c.chunk_id, c.doc_id, c.seq, c.text, c.token_ids, c.kv_key, d.metadata FROM chunks c "
-               "JOIN documents d ON d.doc_id = c.doc_id")
+    _SELECT = (
+        "SELECT c.chunk_id, c.doc_id, c.seq, c.text, c.token_ids, c.kv_key, d.metadata FROM chunks c "
+        "JOIN documents d ON d.doc_id = c.doc_id"
+    )
 
     def chunk(self, chunk_id: int) -> ChunkRecord | None:
         if not 0 <= int(chunk_id) < 2**63:  # SQLite integers are 64-bit: anything else is unknown

@@ -70,11 +70,25 @@ class RagAnswer:
 class RAG:
     """Ingest -> retrieve -> answer with reused chunk KV; everything persists under ``data_dir``."""
 
-    def __init__(self, llm: LLM | str, data_dir: str | Path, store=None, embedder: Embedder | str = DEFAULT_EMBEDDER,
-                 chunk_tokens: int = 512, overlap: int = 0, top_k: int = 6, order: str = "score",
-                 mode: str = "blend", ratio: float | str = 0.15, instruction: str = DEFAULT_INSTRUCTION,
-                 question_template: str = DEFAULT_QUESTION, pipelined: bool = True,
-                 controller: LoadingController | None = None, metric: str = "cosine", seed: int = 0):
+    def __init__(
+        self,
+        llm: LLM | str,
+        data_dir: str | Path,
+        store=None,
+        embedder: Embedder | str = DEFAULT_EMBEDDER,
+        chunk_tokens: int = 512,
+        overlap: int = 0,
+        top_k: int = 6,
+        order: str = "score",
+        mode: str = "blend",
+        ratio: float | str = 0.15,
+        instruction: str = DEFAULT_INSTRUCTION,
+        question_template: str = DEFAULT_QUESTION,
+        pipelined: bool = True,
+        controller: LoadingController | None = None,
+        metric: str = "cosine",
+        seed: int = 0,
+    ):
         from ragkv.store import store_from_url
 
         self.llm = llm if isinstance(llm, LLM) else LLM(llm)
@@ -99,8 +113,12 @@ class RAG:
         self.mode, self.ratio, self.pipelined, self.seed = mode, ratio, pipelined, seed
         self.instruction, self.question_template = instruction, question_template
         self.controller = controller
-        self.index = ChunkIndex(self.data_dir / "index", self.embedder.dim, metric,
-                                identity=f"{self.embedder.name}|{self.model.fingerprint}")
+        self.index = ChunkIndex(
+            self.data_dir / "index",
+            self.embedder.dim,
+            metric,
+            identity=f"{self.embedder.name}|{self.model.fingerprint}",
+        )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-kv-writeback")
         self.counters = {"kv_hits": 0, "kv_misses": 0, "kv_recomputed_bad": 0}
         self._ingest_lock = threading.Lock()  # concurrent ingests of one new document must not race
@@ -188,9 +206,16 @@ class RAG:
         return recs
 
     # ---- answer --------------------------------------------------------------------------------
-    def answer(self, question: str, k: int | None = None, mode: str | None = None, ratio: float | str | None = None,
-               params: SamplingParams | None = None, chunks: list[ChunkRecord] | None = None,
-               **sampling) -> RagAnswer:
+    def answer(
+        self,
+        question: str,
+        k: int | None = None,
+        mode: str | None = None,
+        ratio: float | str | None = None,
+        params: SamplingParams | None = None,
+        chunks: list[ChunkRecord] | None = None,
+        **sampling,
+    ) -> RagAnswer:
         """Retrieve (unless ``chunks`` are given) and answer; timings: retrieval, kv_fetch, ttft, total."""
         parts = []
         ans = None
@@ -202,9 +227,16 @@ class RAG:
         assert ans is not None
         return ans
 
-    def answer_stream(self, question: str, k: int | None = None, mode: str | None = None,
-                      ratio: float | str | None = None, params: SamplingParams | None = None,
-                      chunks: list[ChunkRecord] | None = None, **sampling) -> Iterator:
+    def answer_stream(
+        self,
+        question: str,
+        k: int | None = None,
+        mode: str | None = None,
+        ratio: float | str | None = None,
+        params: SamplingParams | None = None,
+        chunks: list[ChunkRecord] | None = None,
+        **sampling,
+    ) -> Iterator:
         """Yield ``TokenEvent``s as they are generated, then the final :class:`RagAnswer`."""
         mode = mode or self.mode
         if mode not in MODES:
@@ -215,11 +247,15 @@ class RAG:
         if chunks is not None:
             recs = list(chunks)
         else:
-            recs = self._fit(self.retrieve(question, k), len(prefix) + len(suffix) + params.max_new_tokens)
+            recs = self.fit_chunks(
+                self.retrieve(question, k), len(prefix) + len(suffix) + params.max_new_tokens
+            )
         t_retrieval = time.perf_counter() - t0
         t1 = time.perf_counter()
         items = self._chunk_items(recs, mode)
-        n_cached = sum(len(r.token_ids) for r, it in zip(recs, items, strict=True) if not isinstance(it, list))
+        n_cached = sum(
+            len(r.token_ids) for r, it in zip(recs, items, strict=True) if not isinstance(it, list)
+        )
         n_total = len(prefix) + sum(len(r.token_ids) for r in recs) + len(suffix)
         self.model.check_length(n_total, params.max_new_tokens)
         decision = None
@@ -242,21 +278,27 @@ class RAG:
             text_parts.append(ev.text)
             yield ev
         total = time.perf_counter() - t0
-        timings = {"retrieval_s": t_retrieval, "kv_fetch_s": t_lookup + res.stats.get("t_load_wait_s", 0.0),
-                   "ttft_s": ttft if ttft is not None else total, "total_s": total}
+        timings = {
+            "retrieval_s": t_retrieval,
+            "kv_fetch_s": t_lookup + res.stats.get("t_load_wait_s", 0.0),
+            "ttft_s": ttft if ttft is not None else total,
+            "total_s": total,
+        }
         stats = dict(res.stats)
         if decision is not None:
             stats["controller"] = decision.as_dict()
         stats["kv_hits"] = sum(not isinstance(it, list) and not isinstance(it, ChunkKV) for it in items)
         yield RagAnswer("".join(text_parts), recs, stats["mode"], timings, stats)
 
-    def _fit(self, recs: list[ChunkRecord], other_tokens: int) -> list[ChunkRecord]:
-        """Drop the lowest-scored retrieved chunks until the prompt fits the model's context."""
+    def fit_chunks(self, recs: list[ChunkRecord], other_tokens: int) -> list[ChunkRecord]:
+        """Drop the lowest-scored chunks until they fit the context next to ``other_tokens`` (order kept)."""
         budget = self.model.config.max_position - other_tokens
         kept = sorted(recs, key=lambda r: -r.score)
         while kept and sum(len(r.token_ids) for r in kept) > budget:
             dropped = kept.pop()
-            log.info("dropping retrieved chunk %d (score %.3f) to fit the context", dropped.chunk_id, dropped.score)
+            log.info(
+                "dropping retrieved chunk %d (score %.3f) to fit the context", dropped.chunk_id, dropped.score
+            )
         keep_ids = {r.chunk_id for r in kept}
         return [r for r in recs if r.chunk_id in keep_ids]
 
@@ -272,7 +314,9 @@ class RAG:
         items = []
         for i, rec in enumerate(recs):
             try:
-                items.append(StoredChunk(self.store, rec.kv_key, rec.token_ids, self.model.fingerprint, index=i))
+                items.append(
+                    StoredChunk(self.store, rec.kv_key, rec.token_ids, self.model.fingerprint, index=i)
+                )
                 self.counters["kv_hits"] += 1
             except ChunkLoadError:
                 self.counters["kv_misses"] += 1
@@ -296,13 +340,26 @@ class RAG:
         factory = pipelined_factory(self.model) if self.pipelined else None
         for _ in range(len(items) + 1):
             try:
-                return prefill(self.model, prefix, items, suffix, mode, ratio, source_factory=factory,
-                               prefix_cache=self.llm.prefix_cache)
+                return prefill(
+                    self.model,
+                    prefix,
+                    items,
+                    suffix,
+                    mode,
+                    ratio,
+                    source_factory=factory,
+                    prefix_cache=self.llm.prefix_cache,
+                )
             except ChunkLoadError as e:
-                log.warning("stored KV of chunk %s failed to load (layer %d): recomputing it", e.key[:16], e.layer)
+                log.warning(
+                    "stored KV of chunk %s failed to load (layer %d): recomputing it", e.key[:16], e.layer
+                )
                 self.counters["kv_recomputed_bad"] += 1
-                i = e.index if e.index is not None else next(
-                    j for j, it in enumerate(items) if getattr(it, "key", None) == e.key)
+                i = (
+                    e.index
+                    if e.index is not None
+                    else next(j for j, it in enumerate(items) if getattr(it, "key", None) == e.key)
+                )
                 items[i] = self._recompute(list(items[i].token_ids))
         raise RuntimeError("could not load or recompute the chunks' KV")
 

@@ -6,13 +6,19 @@ DEFAULT_INSTRUCTION = (
     "You will be asked a question after reading several passages. Please directly answer the question "
     "based on the given passages. Do NOT repeat the question. The answer should be within 5 words."
 )
-DEFAULT_QUESTION = "\n\nAnswer the question directly based on the given passages. Question: {question}\nAnswer:"
+DEFAULT_QUESTION = (
+    "\n\nAnswer the question directly based on the given passages. Question: {question}\nAnswer:"
+)
 _MARK = "\u2063RAGKV_CHUNKS\u2063"
 
 
-def prompt_parts(model, question: str, instruction: str = DEFAULT_INSTRUCTION,
-                 question_template: str = DEFAULT_QUESTION, use_chat_template: bool | None = None
-                 ) -> tuple[list[int], list[int]]:
+def prompt_parts(
+    model,
+    question: str,
+    instruction: str = DEFAULT_INSTRUCTION,
+    question_template: str = DEFAULT_QUESTION,
+    use_chat_template: bool | None = None,
+) -> tuple[list[int], list[int]]:
     """Token ids of the prefix (BOS + instruction, chat head) and suffix (question, chat tail).
 
     With a chat template (used when the tokenizer has one, unless disabled) the user message is
@@ -28,7 +34,9 @@ def prompt_parts(model, question: str, instruction: str = DEFAULT_INSTRUCTION,
         use_chat_template = has_template
     if use_chat_template and has_template:
         rendered = tok.apply_chat_template(
-            [{"role": "user", "content": f"{instruction}\n\n{_MARK}{q}"}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": f"{instruction}\n\n{_MARK}{q}"}],
+            tokenize=False,
+            add_generation_prompt=True,
         )
         head, tail = rendered.split(_MARK)
         prefix = tok.encode(head, add_special_tokens=False)

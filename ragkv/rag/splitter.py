@@ -52,4 +52,4 @@ def split_tokens(
 
 def _starts_word(text: str, offsets, i: int) -> bool:
     a = offsets[i][0]
-    return a == 0 or text[a - 1].isspace() or text[a:a + 1].isspace()
+    return a == 0 or text[a - 1].isspace() or text[a : a + 1].isspace()

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Build a throwaway CPU venv in which the real vLLM 0.32 imports, and run tests/test_vllm_plugin.py in it.
+# Build a throwaway CPU venv in which the real vLLM (0.32 or 0.33) imports, and run the vLLM contract tests
+# (tests/test_vllm_plugin.py, tests/test_vllm_hack.py) and the paged HACK tests in it.
+# vLLM 0.33.0 does not resolve with pip's resolver here (it pins certifi>=2026.10.19 and torch==2.14), but
+# the wheel installs with --no-deps like 0.32's: VLLM_SPEC=vllm==0.33.0 VENV=/tmp/ragkv-vllm-033 <this script>.
+# (0.33 then runs on torch 2.13 CPU, which its Python code imports fine; its CUDA kernels are never loaded.)
 #
 # vLLM's PyPI wheel is the CUDA build and pins torch==2.13.0; installed with --no-deps next to a CPU
 # torch 2.13.0, plus the pure-Python packages its imports need, it imports and builds models on its
@@ -41,5 +45,6 @@ assert "+cpu" in torch.__version__ or not torch.cuda.is_available(), torch.__ver
 print("vllm", vllm.__version__, "torch", torch.__version__)
 PY
 cd "$REPO"
-PYTHONPATH="$REPO" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rs tests/test_vllm_plugin.py
+PYTHONPATH="$REPO" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rs tests/test_vllm_plugin.py \
+  tests/test_vllm_hack.py tests/test_hack_paged.py
 echo "done; remove the venv with: rm -rf $VENV"

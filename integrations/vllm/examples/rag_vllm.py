@@ -8,8 +8,10 @@ Used by ``serve_and_query.sh`` (a GPU machine with vLLM and the ragkv plugin)::
         --store file:///path/kv --dataset musique_s.json -n 20 --url http://127.0.0.1:8000
 
 ``query`` asks every question twice, ``full`` (no KV reuse: vLLM prefills everything) and ``blend``
-(the connector blends the stored chunk KV), prints per-question answers, F1 and server seconds, and
-ends with one JSON line. It loads the model on CPU only for tokenization (prompt parts).
+(the connector blends the stored chunk KV), streaming the answers, prints per-question answers, F1,
+time to first token and server seconds, and ends with one JSON line. It loads the model on CPU only
+for tokenization (prompt parts). ``--url`` may also be a ragkv service (``python -m apps.server``),
+which serves the same ``/v1/completions`` with ``kv_transfer_params`` in process.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def query(args) -> int:
             ans = served.answer(
                 q, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=args.max_new_tokens
             )
-            res[mode] = (ans.text.strip(), max_over_golds(token_f1, ans.text, golds), ans.timings["server_s"])
+            f1 = max_over_golds(token_f1, ans.text, golds)
+            res[mode] = (ans.text.strip(), f1, ans.timings["server_s"], ans.timings["ttft_s"])
         rows.append(res)
         print(
             f"Q: {q}\n  gold: {golds[0]!r}\n  full : {res['full'][0]!r} (F1 {res['full'][1]:.2f}, "
@@ -77,9 +80,10 @@ def query(args) -> int:
         )
     f1 = {m: statistics.mean(r[m][1] for r in rows) for m in ("full", "blend")}
     sec = {m: statistics.median(r[m][2] for r in rows) for m in ("full", "blend")}
-    print(f"{'mode':6} {'mean F1':>8} {'median server s':>16}")
+    ttft = {m: statistics.median(r[m][3] for r in rows) for m in ("full", "blend")}
+    print(f"{'mode':6} {'mean F1':>8} {'median TTFT s':>14} {'median server s':>16}")
     for m in ("full", "blend"):
-        print(f"{m:6} {f1[m]:8.3f} {sec[m]:16.3f}")
+        print(f"{m:6} {f1[m]:8.3f} {ttft[m]:14.3f} {sec[m]:16.3f}")
     print(
         json.dumps(
             {
@@ -88,6 +92,9 @@ def query(args) -> int:
                 "f1_blend": f1["blend"],
                 "server_s_full": sec["full"],
                 "server_s_blend": sec["blend"],
+                "ttft_s_full": ttft["full"],
+                "ttft_s_blend": ttft["blend"],
+                "speedup_ttft": ttft["full"] / ttft["blend"] if ttft["blend"] else None,
                 "speedup_server_s": sec["full"] / sec["blend"] if sec["blend"] else None,
             }
         )

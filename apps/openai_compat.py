@@ -1,0 +1,259 @@
+"""``POST /v1/completions`` as vLLM's OpenAI server has it, with ``kv_transfer_params`` served by ragkv.
+
+This makes ragkv's HTTP service a drop-in for a vLLM server running the ragkv plugin, for any
+OpenAI-protocol client (``integrations.vllm.client.VllmRAG``, the ``openai`` package, curl): the
+prompt (token ids or text) is prefilled in process, and the chunks that ``kv_transfer_params``
+names (``{"ragkv": {"chunks": [{"key", "start", "length"}], "mode", "ratio", ...}}``, the format of
+integrations/vllm/README.md) take their rows from the service's chunk store, blended with HKVD
+selective recompute (``mode: "blend"``) or reused as is (``"reuse"``). A chunk whose stored KV is
+missing, of another model, or fails to load is computed alone and used instead (and saved when
+``save`` is set): never silently wrong KV. Without ``kv_transfer_params`` the prompt is fully
+prefilled. Responses and streamed chunks follow vLLM's shapes; ragkv adds a ``ragkv`` field with
+the reuse statistics. The route itself is in :mod:`apps.server`; the logic is here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from fastapi.encoders import jsonable_encoder
+from pydantic import BaseModel, ConfigDict, Field
+
+from apps.config import Settings
+from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
+from apps.service import ServiceError
+from ragkv.blend.pipeline import pipelined_factory
+from ragkv.blend.spans import BlendParams, KVParamsError, SpanError, prefill_stored_spans
+from ragkv.generate import MIN_TEMPERATURE, SamplingParams, TokenEvent, stream
+
+log = logging.getLogger("ragkv.server")
+
+#: OpenAI's and vLLM's default ``max_tokens`` of a completion
+DEFAULT_MAX_TOKENS = 16
+STAT_KEYS = (*SERVICE_STAT_KEYS, "kv_misses", "kv_recomputed_bad", "kv_saved")
+
+
+class BadRequestError(ServiceError):
+    """A request vLLM would refuse with 400: bad ``kv_transfer_params`` or chunk spans, bad token ids."""
+
+    status = 400
+    type = "BadRequestError"
+
+
+class NotServedHereError(ServiceError):
+    """``/v1/completions`` on a service whose generation is on a vLLM server (backend 'vllm')."""
+
+    status = 501
+    type = "not_implemented"
+
+
+def build_completion_request(s: Settings) -> type[BaseModel]:
+    """The request model of ``/v1/completions`` with ``s``'s limits (vLLM's fields that ragkv serves)."""
+
+    class StreamOptions(BaseModel):
+        include_usage: bool = False
+
+    Stop = Annotated[str, Field(min_length=1, max_length=64)]
+
+    class CompletionRequest(BaseModel):
+        """vLLM's completion request: one prompt (token ids or text); unsupported options only at their
+        defaults; ``kv_transfer_params`` in the ragkv connector's format."""
+
+        model_config = ConfigDict(extra="ignore")
+        model: str | None = Field(None, max_length=256)
+        prompt: list[int] | str | list[list[int]] | list[str] = Field(
+            description="token ids or text; a list of one prompt is accepted (one prompt per request)"
+        )
+        max_tokens: int | None = Field(
+            DEFAULT_MAX_TOKENS, ge=1, le=s.max_new_tokens_limit, description="tokens to generate at most"
+        )
+        temperature: float | None = Field(None, ge=0.0, le=2.0, description="default 1 (0: greedy)")
+        top_p: float | None = Field(None, gt=0.0, le=1.0)
+        top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+        seed: int | None = Field(None, ge=0, le=2**63 - 1)
+        stop: Stop | list[Stop] | None = Field(None)
+        stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=16)
+        stream: bool | None = False
+        stream_options: StreamOptions | None = None
+        return_token_ids: bool | None = Field(
+            None, description="add token_ids (and prompt_token_ids) to choices"
+        )
+        kv_transfer_params: Any = Field(  # checked by BlendParams (400 with the reason), not by the schema
+            None, description='{"ragkv": {"chunks": [{"key", "start", "length"}], "mode", "ratio", ...}}'
+        )
+        user: str | None = Field(None, max_length=256)
+        n: Literal[1] | None = Field(None, description="only 1")
+        best_of: Literal[1] | None = Field(None, description="only 1")
+        echo: Literal[False] | None = Field(None, description="not supported")
+        logprobs: None = Field(None, description="not supported")
+        suffix: None = Field(None, description="not supported")
+        presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
+        frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
+
+    return CompletionRequest
+
+
+def prompt_ids(model, prompt) -> list[int]:
+    """The token ids of a request's prompt (text is tokenized with BOS, as vLLM does for Llama)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        if len(prompt) != 1:
+            raise BadRequestError(f"one prompt per request, got {len(prompt)}")
+        prompt = prompt[0]
+    ids = model.encode(prompt, add_bos=True) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise BadRequestError("empty prompt")
+    vocab = model.config.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise BadRequestError(f"token id {bad} is outside the vocabulary of {vocab}")
+    return ids
+
+
+def blend_params(raw: dict | None) -> BlendParams | None:
+    """The ragkv part of ``kv_transfer_params`` (None: no chunks to reuse); 400 with the reason if malformed."""
+    try:
+        return BlendParams.from_kv_transfer_params(raw)
+    except KVParamsError as e:
+        raise BadRequestError(f"kv_transfer_params: {e}") from None
+
+
+def sampling(req, model) -> SamplingParams:
+    """ragkv sampling of an OpenAI request (OpenAI's defaults: temperature 1, top_p 1, 16 tokens);
+    ``stop_token_ids`` stop in addition to the model's EOS, as in vLLM."""
+    stop_ids = None
+    if req.stop_token_ids:
+        stop_ids = tuple(dict.fromkeys([*model.config.eos_token_ids, *req.stop_token_ids]))
+    temperature = 1.0 if req.temperature is None else req.temperature
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        max_new_tokens=req.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=stop_ids,
+    )
+
+
+@dataclass
+class Done:
+    """The end of a completion: what the final response / chunk reports."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def usage(self) -> dict:
+        n, p = len(self.token_ids), len(self.prompt_ids)
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": n,
+            "total_tokens": p + n,
+            "prompt_tokens_details": None,
+        }
+
+
+def completion_events(
+    rag, ids: list[int], blend: BlendParams | None, params: SamplingParams
+) -> Iterator[TokenEvent | Done]:
+    """Prefill ``ids`` with ``blend``'s chunks from ``rag``'s store, then stream: token events, then :class:`Done`.
+
+    Runs in a worker thread. Counts chunk hits and misses in ``rag.counters`` (the service's metrics).
+    """
+    model = rag.model
+    model.check_length(len(ids), params.max_new_tokens)
+    try:
+        sp = prefill_stored_spans(
+            model,
+            rag.store,
+            ids,
+            blend,
+            prefix_cache=rag.llm.prefix_cache,
+            source_factory=pipelined_factory(model) if rag.pipelined else None,
+        )
+    except SpanError as e:
+        raise BadRequestError(f"kv_transfer_params: {e}") from None
+    rag.counters["kv_hits"] += sp.kv_hits
+    rag.counters["kv_misses"] += sp.kv_misses
+    rag.counters["kv_recomputed_bad"] += sp.kv_recomputed_bad
+    saved = 0
+    if blend is not None and blend.save:
+        for kv in sp.computed:
+            try:
+                saved += bool(rag.store.put(kv))
+            except Exception as e:  # noqa: BLE001 - a store that fails costs a recompute next time, not this answer
+                log.warning("could not save the KV of chunk %s: %s", kv.key[:16], e)
+    if sp.computed:
+        log.info("completion: %d chunk(s) computed (missing or unreadable stored KV)", len(sp.computed))
+    out: list[int] = []
+    parts: list[str] = []
+    for ev in stream(model, sp.result, params, attention=rag.llm.attention):
+        out.append(ev.token_id)
+        parts.append(ev.text)
+        yield ev
+    reason = "length" if len(out) >= params.max_new_tokens else "stop"
+    stats = {**sp.stats(), "kv_saved": saved}
+    yield Done(
+        "".join(parts), out, ids, reason, jsonable_encoder({k: stats[k] for k in STAT_KEYS if k in stats})
+    )
+
+
+def _choice(text: str, finish: str | None, token_ids: list[int] | None) -> dict:
+    c: dict = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    return c
+
+
+def completion_response(cid: str, created: int, model: str, done: Done, return_token_ids: bool) -> dict:
+    """vLLM's ``CompletionResponse`` of a finished completion (plus ``ragkv``: reuse statistics)."""
+    choice = _choice(done.text, done.finish_reason, done.token_ids if return_token_ids else None)
+    if return_token_ids:
+        choice["prompt_token_ids"] = done.prompt_ids
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": done.usage,
+        "kv_transfer_params": None,
+        "ragkv": done.stats,
+    }
+
+
+def completion_chunk(
+    cid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish: str | None = None,
+    token_ids: list[int] | None = None,
+) -> dict:
+    """vLLM's ``CompletionStreamResponse`` with one choice."""
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [_choice(text, finish, token_ids)],
+    }
+
+
+def usage_chunk(cid: str, created: int, model: str, done: Done) -> dict:
+    """The last streamed chunk when ``stream_options.include_usage``: no choices, the usage."""
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": done.usage,
+    }
