@@ -507,20 +507,14 @@ class VllmRAG:
         **sampling,
     ) -> Iterator:
         """Like ``RAG.answer_stream``: ``TokenEvent``s as the server streams them, then a ``RagAnswer``."""
-        from ragkv.rag import RagAnswer, prompt_parts
+        from ragkv.rag import RagAnswer
 
         rag = self.rag
         mode, ratio = self._check(mode or rag.mode, rag.ratio if ratio is None else ratio)
         params = params or SamplingParams(**{"max_new_tokens": 32, **sampling})
         t0 = time.perf_counter()
-        prefix, suffix = prompt_parts(rag.model, question, rag.instruction, rag.question_template)
-        if chunks is not None:
-            recs = list(chunks)
-        else:
-            recs = rag.fit_chunks(
-                rag.retrieve(question, k), len(prefix) + len(suffix) + params.max_new_tokens
-            )
-        t_ret = time.perf_counter() - t0
+        rp = rag.prompt(question, k, chunks, params.max_new_tokens)
+        prefix, recs, suffix, t_ret = rp.prefix, rp.chunks, rp.suffix, rp.seconds
         pairs = [(r.kv_key, list(r.token_ids)) for r in recs]
         for item in self.stream_prompt(prefix, pairs, suffix, mode, ratio, params):
             if isinstance(item, Completion):

@@ -2,7 +2,7 @@
 
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.rag.index import ChunkIndex, ChunkRecord
-from ragkv.rag.pipeline import RAG, Document, IngestReport, RagAnswer
+from ragkv.rag.pipeline import RAG, Document, IngestReport, RagAnswer, RagPrompt
 from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
 from ragkv.rag.splitter import TextChunk, split_tokens
 
@@ -17,6 +17,7 @@ __all__ = [
     "Embedder",
     "IngestReport",
     "RagAnswer",
+    "RagPrompt",
     "TextChunk",
     "prompt_parts",
     "split_tokens",

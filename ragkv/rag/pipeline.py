@@ -57,6 +57,16 @@ class IngestReport:
 
 
 @dataclass
+class RagPrompt:
+    """A question's prompt before prefill: token-id head, chunks (in prompt order), token-id tail."""
+
+    prefix: list[int]
+    chunks: list[ChunkRecord]
+    suffix: list[int]
+    seconds: float  # retrieval (and fitting) time
+
+
+@dataclass
 class RagAnswer:
     """An answer with its sources, timings (seconds) and prefill statistics."""
 
@@ -217,15 +227,32 @@ class RAG:
         **sampling,
     ) -> RagAnswer:
         """Retrieve (unless ``chunks`` are given) and answer; timings: retrieval, kv_fetch, ttft, total."""
-        parts = []
         ans = None
-        for item in self.answer_stream(question, k, mode, ratio, params, chunks, **sampling):
-            if isinstance(item, RagAnswer):
-                ans = item
-            else:
-                parts.append(item.text)
-        assert ans is not None
+        for ans in self.answer_stream(question, k, mode, ratio, params, chunks, **sampling):  # noqa: B007
+            pass
+        assert isinstance(ans, RagAnswer)
         return ans
+
+    def prompt(
+        self,
+        question: str,
+        k: int | None = None,
+        chunks: list[ChunkRecord] | None = None,
+        max_new_tokens: int = 0,
+    ) -> RagPrompt:
+        """The prompt of ``question``: its token-id head and tail, and the chunks between them.
+
+        Retrieves unless ``chunks`` are given; retrieved chunks are fitted to the context next to the
+        head, the tail and ``max_new_tokens`` (lowest scores dropped). Shared by every generation
+        backend (in process here, a vLLM server in ``integrations.vllm``) so they ask the same thing.
+        """
+        t0 = time.perf_counter()
+        prefix, suffix = prompt_parts(self.model, question, self.instruction, self.question_template)
+        if chunks is not None:
+            recs = list(chunks)
+        else:
+            recs = self.fit_chunks(self.retrieve(question, k), len(prefix) + len(suffix) + max_new_tokens)
+        return RagPrompt(prefix, recs, suffix, time.perf_counter() - t0)
 
     def answer_stream(
         self,
@@ -243,14 +270,8 @@ class RAG:
             raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
         params = params or SamplingParams(**{"max_new_tokens": 32, **sampling})
         t0 = time.perf_counter()
-        prefix, suffix = prompt_parts(self.model, question, self.instruction, self.question_template)
-        if chunks is not None:
-            recs = list(chunks)
-        else:
-            recs = self.fit_chunks(
-                self.retrieve(question, k), len(prefix) + len(suffix) + params.max_new_tokens
-            )
-        t_retrieval = time.perf_counter() - t0
+        rp = self.prompt(question, k, chunks, params.max_new_tokens)
+        prefix, recs, suffix, t_retrieval = rp.prefix, rp.chunks, rp.suffix, rp.seconds
         t1 = time.perf_counter()
         items = self._chunk_items(recs, mode)
         n_cached = sum(
