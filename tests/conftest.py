@@ -1,4 +1,4 @@
-"""Shared test fixtures: real ``redis-server`` processes on free loopback ports."""
+"""Shared test fixtures: real ``redis-server`` processes on free loopback ports; one torch thread."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 REDIS_BIN = shutil.which("redis-server")
 NO_REDIS_REASON = "redis-server binary not found on PATH (install it, e.g. `apt-get install redis-server`)"
@@ -127,3 +128,12 @@ def make_redis_server() -> Iterator:
     finally:
         for s in servers:
             s.cleanup()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny model runs fastest (and fairest to other jobs) on one intra-op thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

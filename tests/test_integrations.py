@@ -5,7 +5,6 @@ import asyncio
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("langchain_core")
 pytest.importorskip("llama_index.core")
@@ -23,15 +22,6 @@ from ragkv.rag import RAG, Embedder  # noqa: E402
 from tests.helpers import shared_dir, stories_model  # noqa: E402
 
 NEW = 8  # tokens per answer: enough to see streaming, cheap on 2 cores
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """The tiny model runs fastest (and fairest to other jobs) on one intra-op thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

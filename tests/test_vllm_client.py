@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from integrations.common import format_docs
 from integrations.vllm.client import (
@@ -86,14 +85,6 @@ class Server:
         self._log.close()
         log = self.log_path.read_text()
         assert "Traceback" not in log, log[-3000:]
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
