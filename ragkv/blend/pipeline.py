@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from ragkv.blend.source import LayerSource
+from ragkv.kv.chunk import ChunkKV
 
 
 class ChunkLoadError(RuntimeError):
@@ -152,3 +154,34 @@ def pipelined_factory(model, depth: int = 1):
         return PipelinedSource(pieces, model.device, model.dtype, depth, model.config.num_layers)
 
     return make
+
+
+def prefill_with_recovery(
+    model,
+    prefix,
+    items: list,
+    suffix,
+    mode: str,
+    ratio: float,
+    recompute: Callable[[list[int]], ChunkKV],
+    on_load_error: Callable[[ChunkLoadError], None] | None = None,
+    **prefill_kw,
+):
+    """:func:`ragkv.blend.prefill` that never uses KV it could not read: a chunk whose stored KV fails
+    to load mid-way (corrupt segment, store down) is replaced in ``items`` by ``recompute(its tokens)``
+    and the prefill is retried; each chunk fails at most once, so this ends."""
+    from ragkv.blend.prefill import prefill
+
+    for _ in range(len(items) + 1):
+        try:
+            return prefill(model, prefix, items, suffix, mode, ratio, **prefill_kw)
+        except ChunkLoadError as e:
+            if on_load_error is not None:
+                on_load_error(e)
+            i = (
+                e.index
+                if e.index is not None
+                else next(j for j, it in enumerate(items) if getattr(it, "key", None) == e.key)
+            )
+            items[i] = recompute(list(items[i].token_ids))
+    raise RuntimeError("could not load or recompute the chunks' KV")

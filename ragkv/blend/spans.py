@@ -545,7 +545,7 @@ def prefill_stored_spans(
     """
     from dataclasses import replace
 
-    from ragkv.blend.pipeline import ChunkLoadError, StoredChunk
+    from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, prefill_with_recovery
     from ragkv.blend.prefill import prefill
     from ragkv.kv.chunk import chunk_key
     from ragkv.kv.compute import compute_chunk_kv
@@ -584,29 +584,27 @@ def prefill_stored_spans(
     if params.mode == "blend":
         schedule = replace(params.schedule(), fresh_check_kv=params.fresh_check_kv)
     prefix, suffix = ids[: spans[0].start], ids[spans[-1].stop :]
-    for _ in range(len(items) + 1):
-        try:
-            out.result = prefill(
-                model,
-                prefix,
-                items,
-                suffix,
-                params.mode,
-                float(params.ratio),
-                schedule=schedule,
-                prefix_cache=prefix_cache,
-                source_factory=source_factory,
-            )
-            out.result.stats["num_chunks"] = len(chunk_slots)  # text between chunks is not a chunk
-            return out
-        except ChunkLoadError as e:
-            i = (
-                e.index
-                if e.index is not None
-                else next(j for j, it in enumerate(items) if getattr(it, "key", None) == e.key)
-            )
-            out.kv_hits -= 1
-            out.kv_recomputed_bad += 1
-            out.computed.append(compute_chunk_kv(model, list(items[i].token_ids)))
-            items[i] = out.computed[-1]
-    raise RuntimeError("could not load or recompute the chunks' KV")
+
+    def recompute(toks: list[int]) -> ChunkKV:
+        out.computed.append(compute_chunk_kv(model, toks))
+        return out.computed[-1]
+
+    def bad(_e: ChunkLoadError) -> None:
+        out.kv_hits -= 1
+        out.kv_recomputed_bad += 1
+
+    out.result = prefill_with_recovery(
+        model,
+        prefix,
+        items,
+        suffix,
+        params.mode,
+        float(params.ratio),
+        recompute=recompute,
+        on_load_error=bad,
+        schedule=schedule,
+        prefix_cache=prefix_cache,
+        source_factory=source_factory,
+    )
+    out.result.stats["num_chunks"] = len(chunk_slots)  # text between chunks is not a chunk
+    return out

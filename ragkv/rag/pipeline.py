@@ -16,8 +16,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ragkv.blend.controller import LoadingController
-from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory
-from ragkv.blend.prefill import MODES, UnknownModeError, prefill
+from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory, prefill_with_recovery
+from ragkv.blend.prefill import MODES, UnknownModeError
 from ragkv.generate import SamplingParams, stream
 from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.kv.compute import compute_chunk_kv
@@ -358,31 +358,25 @@ class RAG:
 
     def _prefill_with_recovery(self, prefix, items, suffix, mode, ratio):
         """Prefill; a chunk whose stored KV fails to load mid-way is recomputed and the prefill retried."""
-        factory = pipelined_factory(self.model) if self.pipelined else None
-        for _ in range(len(items) + 1):
-            try:
-                return prefill(
-                    self.model,
-                    prefix,
-                    items,
-                    suffix,
-                    mode,
-                    ratio,
-                    source_factory=factory,
-                    prefix_cache=self.llm.prefix_cache,
-                )
-            except ChunkLoadError as e:
-                log.warning(
-                    "stored KV of chunk %s failed to load (layer %d): recomputing it", e.key[:16], e.layer
-                )
-                self.counters["kv_recomputed_bad"] += 1
-                i = (
-                    e.index
-                    if e.index is not None
-                    else next(j for j, it in enumerate(items) if getattr(it, "key", None) == e.key)
-                )
-                items[i] = self._recompute(list(items[i].token_ids))
-        raise RuntimeError("could not load or recompute the chunks' KV")
+
+        def bad(e: ChunkLoadError) -> None:
+            log.warning(
+                "stored KV of chunk %s failed to load (layer %d): recomputing it", e.key[:16], e.layer
+            )
+            self.counters["kv_recomputed_bad"] += 1
+
+        return prefill_with_recovery(
+            self.model,
+            prefix,
+            items,
+            suffix,
+            mode,
+            ratio,
+            recompute=self._recompute,
+            on_load_error=bad,
+            source_factory=pipelined_factory(self.model) if self.pipelined else None,
+            prefix_cache=self.llm.prefix_cache,
+        )
 
     def flush(self) -> None:
         """Wait for background KV write-backs."""
