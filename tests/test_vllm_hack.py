@@ -314,3 +314,27 @@ def test_impl_forward_equals_hack_reference_for_prefill_then_decode():
         o, ref_cache("B", start + 1).attend(0, q, torch.tensor([start])).float(), atol=1e-5, rtol=1e-5
     )
     assert impl.tails.in_use == 3  # one open block per request
+
+
+def test_impl_refuses_features_it_does_not_implement():
+    """Sliding windows, ALiBi, soft caps, encoder attention, KV sharing, fused output quantization:
+    refused at construction / forward with the feature named, never computed wrongly."""
+    from vllm.v1.attention.backend import AttentionType
+
+    from integrations.vllm.hack_backend import HackAttentionBackend
+
+    impl_cls = HackAttentionBackend.get_impl_cls()
+    cases = [
+        ({"sliding_window": 128}, "sliding_window"),
+        ({"alibi_slopes": [0.5, 0.25]}, "alibi_slopes"),
+        ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
+        ({"attn_type": AttentionType.ENCODER}, "attn_type"),
+        ({"kv_sharing_target_layer_name": "model.layers.0.self_attn.attn"}, "kv_sharing"),
+    ]
+    for kw, name in cases:
+        with pytest.raises(NotImplementedError, match=name):
+            impl_cls(2, 8, 8**-0.5, 2, **kw)
+    impl = impl_cls(2, 8, 8**-0.5, 2)
+    q = torch.zeros(1, 2, 8)
+    with pytest.raises(NotImplementedError, match="output quantization"):
+        impl.forward(None, q, q, q, torch.empty(0), None, torch.zeros_like(q), output_scale=torch.ones(1))
