@@ -15,10 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-DEFAULT_SHARED = Path(
-    os.environ.get("RAGKV_SHARED_DIR", Path(__file__).resolve().parents[1] / ".." / "shared")
-)
-DEFAULT_MODEL = str((DEFAULT_SHARED / "models" / "stories260k").resolve())
+from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
 
 
 class ConfigError(ValueError):
@@ -31,7 +28,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RAGKV_", extra="forbid", protected_namespaces=())
 
     # model
-    model: str = Field(DEFAULT_MODEL, description="local folder or hub id of a Llama / Mistral / Qwen2 model")
+    model: str = Field(
+        DEFAULT_MODEL,
+        description="model name (default: the real default model, fetched on first use), GGUF file, local folder or hub id of a Llama / Mistral / Qwen2 model",
+    )
     served_model_name: str | None = Field(None, description="model name reported by the OpenAI API")
     dtype: str = "float32"
     device: str = "cpu"

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import httpx
 
+from eval.prompts import DATA_DIR, TINY_MODEL
+
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("RAGKV_SHARED_DIR", REPO.parent / "shared"))
 MODES = ("blend", "full")
 
 
@@ -195,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--url", help="benchmark a running server (documents already ingested) instead of starting one"
     )
-    ap.add_argument("--model", default=str(SHARED / "models" / "stories260k"))
-    ap.add_argument("--data", default=str(SHARED / "data" / "musique_s.json"))
+    ap.add_argument("--model", default=str(TINY_MODEL))
+    ap.add_argument("--data", default=str(DATA_DIR / "musique_s.json"))
     ap.add_argument("--samples", type=int, default=6, help="questions; their passages are ingested")
     ap.add_argument("--passages", type=int, default=4, help="passages ingested per question")
     ap.add_argument("--clients", type=int, default=8)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import zstandard
 
+from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.store.codecs import get_codec
 from ragkv.store.codecs.video import VideoCodec, nvdec
 from ragkv.store.codecs.video.adaptive import (
@@ -60,12 +61,8 @@ REPO = Path(__file__).resolve().parents[1]
 KL_BAR, AGREE_BAR = 0.01, 0.99
 
 
-def shared_dir() -> Path:
-    return Path(os.environ.get("RAGKV_SHARED_DIR", REPO.parent / "shared")).resolve()
-
-
 def musique() -> list[dict]:
-    return json.loads((shared_dir() / "data" / "musique_s.json").read_text())
+    return json.loads((DATA_DIR / "musique_s.json").read_text())
 
 
 def zstd19(b: bytes) -> int:
@@ -100,7 +97,7 @@ def load_stories(n_chunks: int, chunk_tokens: int):
     from ragkv.kv.compute import compute_chunk_kv
     from ragkv.model import load_model
 
-    model = load_model(shared_dir() / "models" / "stories260k")
+    model = load_model(TINY_MODEL)
     ids_list = []
     for q in musique():
         for c in q["ctxs"]:

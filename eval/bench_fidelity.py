@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-from pathlib import Path
 
+from eval.prompts import TINY_MODEL
 from ragkv.blend import BlendSchedule, prefill
 from ragkv.generate import SamplingParams, generate
 from ragkv.kv import compute_chunk_kv
 from ragkv.metrics import attention_deviation, first_token_agreement, first_token_kl
 from ragkv.model import load_model
-
-SHARED = Path(os.environ.get("RAGKV_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
 
 
 def sample_chunks(model, n: int, length: int, seed: int) -> list[list[int]]:
@@ -37,7 +34,7 @@ def sample_chunks(model, n: int, length: int, seed: int) -> list[list[int]]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(SHARED / "models" / "stories260k"))
+    ap.add_argument("--model", default=str(TINY_MODEL))
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-tokens", type=int, default=80)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.attention.hack_cache import HackConfig, HackKVCache
 from ragkv.attention.hack_ref import (
     dequant_attention_parts,
@@ -40,10 +41,6 @@ from ragkv.attention.hack_ref import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def shared_dir() -> Path:
-    return Path(os.environ.get("RAGKV_SHARED_DIR", REPO.parent / "shared")).resolve()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -142,7 +139,7 @@ def capture_minilm_qkv(n_passages: int, max_tokens: int = 256) -> list[list[tupl
     bert, tok = st[0].auto_model.eval(), st.tokenizer
     cfg = bert.config
     heads, hd = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
-    data = json.loads((shared_dir() / "data" / "musique_s.json").read_text())
+    data = json.loads((DATA_DIR / "musique_s.json").read_text())
     texts = [c["text"] for s in data for c in s["ctxs"]][: 3 * n_passages : 3]  # spread over samples
     store: dict = {}
     hooks = []
@@ -392,7 +389,7 @@ def main(argv=None) -> dict:
     print("== 3. stories260k: first-token agreement / KL vs fp16 decoding ==")
     from ragkv.model import load_model
 
-    model = load_model(shared_dir() / "models" / "stories260k")
+    model = load_model(TINY_MODEL)
     prompts = story_prompts(model, args.prompts, args.prompt_tokens, seed=5)
     cfgs = {f"{p}@{b}": HackConfig.preset(p, bits=b) for b in (2, 3, 4, 8) for p in ("paper", "accurate")}
     for name, cfg in ablations.items():

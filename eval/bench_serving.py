@@ -30,10 +30,10 @@ import math
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.blend import PrefixCache, prefill
 from ragkv.engine import Engine, EngineBusyError, EngineConfig, SchedulerConfig, percentile
 from ragkv.engine.paged_cache import batched_decode_step
@@ -45,7 +45,6 @@ from ragkv.metrics import first_token_kl
 from ragkv.model import load_model, random_model
 from ragkv.store import MemoryStore
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 THRESHOLDS = (0.999, 0.995, 0.99, 0.98, 0.95, 0.9)
 QUESTIONS = ("What did Lily do?", "Where did Tom go?", "Why was the dog sad?", "Who found the ball?")
 
@@ -69,12 +68,6 @@ def tune_malloc() -> None:
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         return
-
-
-def shared_dir() -> Path:
-    import os
-
-    return Path(os.environ.get("RAGKV_SHARED_DIR", SHARED)).resolve()
 
 
 # ---- part 1: BFF on the trained model ----------------------------------------------------------------
@@ -160,7 +153,7 @@ def fidelity(base: dict, fused: dict) -> dict:
 
 
 def part1(args) -> dict:
-    model = load_model(shared_dir() / "models" / "stories260k")
+    model = load_model(TINY_MODEL)
     t0 = time.perf_counter()
     pool = story_chunks(model, args.bff_pool, 48, seed=7)
     provider = ChunkProvider(model)
@@ -263,7 +256,7 @@ def part1(args) -> dict:
 def musique_workload(
     tok_model, n_items: int, n_requests: int, chunk_tokens: int, seed: int
 ) -> tuple[list, list]:
-    data = json.loads((shared_dir() / "data" / "musique_s.json").read_text())[:n_items]
+    data = json.loads((DATA_DIR / "musique_s.json").read_text())[:n_items]
     items = []
     for d in data:
         ctx = [tok_model.encode(c["title"] + ". " + c["text"])[:chunk_tokens] for c in d["ctxs"]]
@@ -335,7 +328,7 @@ def part2(args, threshold: float, multi_match: str) -> dict:
         max_position_embeddings=4096,
     )
     model = random_model("llama", seed=0, **over)
-    tok_model = load_model(shared_dir() / "models" / "stories260k")  # its tokenizer (vocab 512) only
+    tok_model = load_model(TINY_MODEL)  # its tokenizer (vocab 512) only
     reqs, pool = musique_workload(tok_model, args.items, args.requests, args.chunk_tokens, seed=3)
     t0 = time.perf_counter()
     store = MemoryStore()

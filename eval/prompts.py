@@ -83,15 +83,16 @@ def get_spec(name: str) -> DatasetSpec:
         raise UnknownDatasetError(f"unknown dataset {name!r}; use one of {sorted(DATASETS)}") from None
 
 
-def shared_dir() -> Path:
-    """``../shared`` next to the repository (override with ``RAGKV_SHARED_DIR``)."""
-    return Path(os.environ.get("RAGKV_SHARED_DIR", REPO.parent / "shared")).resolve()
+#: the evaluation sets the repository carries (data/README.md: provenance and licences)
+DATA_DIR = REPO / "data"
+#: the tiny trained test model the repository carries (fast runs; it cannot answer questions)
+TINY_MODEL = REPO / "models" / "stories260k"
 
 
 def dataset_path(spec: DatasetSpec, data: str | os.PathLike | None = None) -> Path:
-    """The data file: ``data`` if a file, ``data/<filename>`` if a folder, else the shared data folder."""
+    """The data file: ``data`` if a file, ``data/<filename>`` if a folder, else the repository's copy."""
     if data is None:
-        return shared_dir() / "data" / spec.filename
+        return DATA_DIR / spec.filename
     p = Path(data).expanduser()
     return p / spec.filename if p.is_dir() else p
 

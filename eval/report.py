@@ -18,6 +18,7 @@ PREFILL_MODES = ("full", "prefix", "reuse", "blend")
 METRICS = (
     "f1",
     "em",
+    "recall",
     "kl",
     "first_token_agreement",
     "output_f1_vs_full",
@@ -106,10 +107,10 @@ def _fmt(x, digits: int = 3) -> str:
 def markdown_table(results: list[dict]) -> str:
     """One row per (dataset, mode): quality, fidelity vs full, TTFT median/p90 and speedup."""
     head = (
-        "| dataset | mode | n | F1 | EM | first-token agree | KL(full‖mode) | output F1 vs full "
+        "| dataset | mode | n | F1 | EM | recall | first-token agree | KL(full‖mode) | output F1 vs full "
         "| Δattn | recompute | TTFT median (s) | TTFT p90 (s) | speedup vs full |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for res in results:
         for a in res["aggregates"].values():
             lines.append(
@@ -121,6 +122,7 @@ def markdown_table(results: list[dict]) -> str:
                         str(a["n"]),
                         _fmt(a["f1"]),
                         _fmt(a["em"]),
+                        _fmt(a.get("recall")),
                         _fmt(a["first_token_agreement"]),
                         _fmt(a["kl"], 4),
                         _fmt(a["output_f1_vs_full"]),

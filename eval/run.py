@@ -34,6 +34,7 @@ from eval.baselines import BASELINES, Baselines, warm_prefix_cache
 from eval.fit import FitError, PassageFitter, fit_prompt
 from eval.prompts import (
     DATASETS,
+    TINY_MODEL,
     ChatFrame,
     DatasetFormatError,
     PromptBuilder,
@@ -43,15 +44,15 @@ from eval.prompts import (
     dataset_path,
     get_spec,
     load_samples,
-    shared_dir,
 )
 from eval.report import PREFILL_MODES, aggregate, label_of, summary, write_outputs
-from eval.scoring import score_answer
+from eval.scoring import score_answer, score_recall
 from ragkv.blend import PrefixCache, UnknownModeError, prefill
 from ragkv.generate import SamplingParams, generate
+from ragkv.kv import compute_chunk_kv
 from ragkv.llm import LLM
 from ragkv.metrics import attention_deviation, first_token_agreement, first_token_kl, token_f1
-from ragkv.model import PromptTooLongError
+from ragkv.model import DEFAULT_MODEL, PromptTooLongError
 
 log = logging.getLogger("eval.run")
 
@@ -84,7 +85,7 @@ class EvalConfig:
     chat_template: bool = True
     retrieval: bool = False
     top_k: int | None = None
-    attn_dev: bool = True
+    attn_dev: bool = False
     shuffle_seed: int | None = None
     threads: int | None = None
     kv_cache_gb: float = 8.0
@@ -157,8 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m eval.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--dataset", required=True, help=f"one of {sorted(DATASETS)}")
-    ap.add_argument("--model", default=None, help="model folder or hub id (default: the shared stories260k)")
-    ap.add_argument("--data", default=None, help="data file or folder (default: ../shared/data)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"model name, GGUF file, folder or hub id (default: {DEFAULT_MODEL}; "
+        "'tiny' for the repository's stories260k test model)",
+    )
+    ap.add_argument("--data", default=None, help="data file or folder (default: the repository's data/)")
     ap.add_argument("--modes", default=",".join(PREFILL_MODES), help=f"comma list of {', '.join(ALL_MODES)}")
     ap.add_argument("--ratios", default=str(DEFAULT_RATIO), help="blend recompute ratios, comma list")
     ap.add_argument(
@@ -183,7 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--top-k", type=int, default=None, help="passages retrieved (default: --num-chunks or 10)"
     )
-    ap.add_argument("--no-attn-dev", action="store_true", help="skip the attention-deviation probe prefills")
+    ap.add_argument(
+        "--attn-dev",
+        action="store_true",
+        help="also measure the query rows' attention deviation (one more untimed prefill per mode)",
+    )
     ap.add_argument("--shuffle", type=int, default=None, metavar="SEED", help="seeded random passage order")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads for this process")
     ap.add_argument("--kv-cache-gb", type=float, default=8.0, help="memory for precomputed passage KV (LRU)")
@@ -195,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    model = args.model or str(shared_dir() / "models" / "stories260k")
+    model = {None: DEFAULT_MODEL, "tiny": str(TINY_MODEL)}.get(args.model, args.model)
     cfg = EvalConfig(
         dataset=args.dataset,
         model=model,
@@ -214,7 +224,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         chat_template=not args.no_chat_template,
         retrieval=args.retrieval,
         top_k=args.top_k,
-        attn_dev=not args.no_attn_dev,
+        attn_dev=args.attn_dev,
         shuffle_seed=args.shuffle,
         threads=args.threads,
         kv_cache_gb=args.kv_cache_gb,
@@ -359,14 +369,15 @@ class Evaluator:
         return self._prefill(prompt, mode, ratio, kvs, probe_suffix=True).attn_probs
 
     def warmup(self, prompt: PromptIds) -> None:
-        """One untimed pass of each prefill mode (lazy initialisations stay out of the first TTFT)."""
-        kvs = self.chunk_kvs(prompt)
-        self.kv_computed, self.kv_reused = 0, 0
-        self._seen_kv.clear()  # the first sample still counts its passages as computed
-        self.warm_prefix(prompt)
+        """One short untimed prefill per prefill mode (the instruction and the first 32 tokens of
+        the first passage), so lazy initialisations stay out of the first TTFT at a tiny cost."""
+        if not prompt.chunks:
+            return
+        head = PromptIds(prompt.prefix, [prompt.chunks[0][:32]], prompt.suffix, {})
+        kvs = [compute_chunk_kv(self.model, head.chunks[0])]
         for mode, ratio, _ in self.cfg.units:
             if mode in PREFILL_MODES:
-                self.timed_prefill(prompt, mode, ratio, kvs)
+                self._prefill(head, mode, ratio, kvs)
 
     def run_sample(
         self, sample, prompt: PromptIds, todo: list, done_full: dict | None, log_: RecordLog, config_id: str
@@ -406,7 +417,7 @@ class Evaluator:
                 res, ttft, text = None, br.ttft_s, br.output
                 rec.update(num_calls=br.num_calls, prompt_tokens=br.prompt_tokens, baseline=br.details)
             f1, em = score_answer(text, sample.answers)
-            rec.update(output=text, f1=f1, em=em, ttft_s=ttft)
+            rec.update(output=text, f1=f1, em=em, recall=score_recall(text, sample.answers), ttft_s=ttft)
             rec["output_f1_vs_full"] = token_f1(text, full_text)
             if res is not None:
                 rec.update(
@@ -517,20 +528,30 @@ def _run(cfg: EvalConfig, spec, samples: list, data_sha: str) -> dict:
     try:
         from tqdm.auto import tqdm
 
+        tty = sys.stderr.isatty()
         bar = tqdm(
             total=len(samples),
             initial=len(samples) - len(pending),
             desc=cfg.dataset,
-            disable=not cfg.progress,
+            disable=not (cfg.progress and tty),
             file=sys.stderr,
         )
         if pending:
             ev.warmup(prompts[pending[0].index])
-        for s in pending:
+        t_loop = time.perf_counter()
+        for i, s in enumerate(pending, 1):
             todo = [u for u in units if not rlog.done(s.index, u[2])]
             done_full = rlog.records.get((s.index, "full"))
             written += ev.run_sample(s, prompts[s.index], todo, done_full, rlog, config_id)
             bar.update(1)
+            if cfg.progress and not tty:  # a log file gets one line per sample with the time left
+                per = (time.perf_counter() - t_loop) / i
+                print(
+                    f"{cfg.dataset}: {len(samples) - len(pending) + i}/{len(samples)} samples, "
+                    f"{per:.1f} s/sample, about {per * (len(pending) - i) / 60:.1f} min left",
+                    file=sys.stderr,
+                    flush=True,
+                )
         bar.close()
     except KeyboardInterrupt:
         partial = True

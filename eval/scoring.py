@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import string
 
-from ragkv.metrics import exact_match, max_over_golds, token_f1
+from ragkv.metrics import answer_recall, exact_match, max_over_golds, token_f1
 
 
 def parse_generation(text: str) -> str:
@@ -28,3 +28,8 @@ def score_answer(output: str, golds) -> tuple[float, float]:
     """(F1, exact match) of a raw model output against every gold (list or list of lists)."""
     pred = parse_generation(output)
     return max_over_golds(token_f1, pred, golds), max_over_golds(exact_match, pred, golds)
+
+
+def score_recall(output: str, golds) -> float:
+    """Answer recall: a gold contained (whole words, normalised) in the whole output, max over golds."""
+    return max_over_golds(answer_recall, output, golds)

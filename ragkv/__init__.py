@@ -4,11 +4,12 @@ from ragkv.blend import BlendSchedule, PrefixCache, prefill
 from ragkv.generate import SamplingParams
 from ragkv.kv import ChunkKV, KVMismatchError, compute_chunk_kv
 from ragkv.llm import LLM, Answer
-from ragkv.model import Model, PromptTooLongError, load_model, random_model
+from ragkv.model import DEFAULT_MODEL, Model, PromptTooLongError, load_model, random_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_MODEL",
     "LLM",
     "Answer",
     "BlendSchedule",

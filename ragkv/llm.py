@@ -18,8 +18,10 @@ from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.generate import SamplingParams, TokenEvent, generate, stream
 from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.kv.compute import compute_chunk_kv
+from ragkv.model.chat import chat_parts, has_chat_template
 from ragkv.model.llama import Model
 from ragkv.model.loader import load_model
+from ragkv.model.registry import DEFAULT_MODEL
 
 log = logging.getLogger("ragkv")
 
@@ -46,7 +48,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Model,
+        model: str | Model = DEFAULT_MODEL,
         dtype: str | torch.dtype = "float32",
         device: str = "cpu",
         store=None,
@@ -72,11 +74,29 @@ class LLM:
         prefix: str | Sequence[int],
         chunks: Sequence[str | Sequence[int]],
         question: str | Sequence[int],
-    ) -> tuple[list[int], list[list[int]], list[int]]:
-        """Token ids of the three parts; BOS (if any) starts the prefix, pieces are tokenized apart."""
+        chat: bool | None = None,
+        system: str | None = None,
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Token ids of the three parts, each tokenized apart (chunks keep their own, reusable KV).
+
+        With a chat template (``chat=None``: when the model has one; strings only) the prompt is one
+        user turn ``prefix + chunks + question`` rendered by the template, ending with the assistant
+        turn's header, and ``system`` replaces the template's default system prompt. Without one,
+        the prefix starts with BOS if the tokenizer would add it. Token-id parts are used as given.
+        """
         m = self.model
-        pre = m.encode(prefix, add_bos=True) if isinstance(prefix, str) else list(prefix)
         chs = [m.encode(c) if isinstance(c, str) else list(c) for c in chunks]
+        texts = isinstance(prefix, str) and isinstance(question, str)
+        if chat is None:
+            chat = texts and has_chat_template(m)
+        if chat:
+            if not texts:
+                raise ValueError("chat=True needs the prefix and question as strings")
+            head = f"{prefix}\n\n" if prefix else ""
+            tail = f"\n\n{question}" if chs else question
+            pre, q = chat_parts(m, head, tail, system=system)
+            return pre, chs, q
+        pre = m.encode(prefix, add_bos=True) if isinstance(prefix, str) else list(prefix)
         q = m.encode(question) if isinstance(question, str) else list(question)
         return pre, chs, q
 
@@ -109,9 +129,19 @@ class LLM:
 
     # ---- answering -------------------------------------------------------------------------
     def prefill(
-        self, prefix, chunks, question, mode: str = "blend", ratio: float = 0.15, probe_suffix: bool = False
+        self,
+        prefix,
+        chunks,
+        question,
+        mode: str = "blend",
+        ratio: float = 0.15,
+        probe_suffix: bool = False,
+        chat: bool | None = None,
+        system: str | None = None,
     ) -> PrefillResult:
-        pre, chs, q = self.tokenize_prompt(prefix, chunks, question)
+        """Prefill ``prefix + chunks + question`` in ``mode``; the prefix's KV is cached and reused by
+        every mode but ``full`` (the baseline that computes everything)."""
+        pre, chs, q = self.tokenize_prompt(prefix, chunks, question, chat, system)
         items = [self.chunk_kv(c) for c in chs] if mode in ("reuse", "blend") else chs
         sched = self.schedule if (self.schedule and mode == "blend") else None
         return prefill(
@@ -134,12 +164,18 @@ class LLM:
         mode: str = "blend",
         ratio: float = 0.15,
         params: SamplingParams | None = None,
+        chat: bool | None = None,
+        system: str | None = None,
         **sampling,
     ) -> Answer:
-        """Answer ``question`` over ``chunks``; TTFT covers chunk-KV lookup, prefill and the first token."""
+        """Answer ``question`` over ``chunks``; TTFT covers chunk-KV lookup, prefill and the first token.
+
+        ``chat``/``system``: see :meth:`tokenize_prompt` (the chat template is used when the model
+        has one); ``sampling``: :class:`SamplingParams` fields (``max_new_tokens``, ``temperature``...).
+        """
         params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
-        res = self.prefill(prefix, chunks, question, mode, ratio)
+        res = self.prefill(prefix, chunks, question, mode, ratio, chat=chat, system=system)
         ttft = time.perf_counter() - t0
         gen = generate(self.model, res, params, attention=self.attention)
         return Answer(
@@ -160,9 +196,11 @@ class LLM:
         mode: str = "blend",
         ratio: float = 0.15,
         params: SamplingParams | None = None,
+        chat: bool | None = None,
+        system: str | None = None,
         **sampling,
     ) -> Iterator[TokenEvent]:
         """Like :meth:`generate` but yields tokens as they are produced."""
         params = params or SamplingParams(**sampling)
-        res = self.prefill(prefix, chunks, question, mode, ratio)
+        res = self.prefill(prefix, chunks, question, mode, ratio, chat=chat, system=system)
         yield from stream(self.model, res, params, attention=self.attention)

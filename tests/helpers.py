@@ -1,9 +1,8 @@
-"""Shared test utilities: where the shared data/models live, and story prompts from the trained model."""
+"""Test utilities: where the repository's data and tiny model live, and story prompts from the trained model."""
 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -21,12 +20,20 @@ LLAMA3_ROPE = {
 }
 
 
-def shared_dir() -> Path:
-    return Path(os.environ.get("RAGKV_SHARED_DIR", REPO.parent / "shared")).resolve()
+#: the evaluation sets the repository carries
+DATA_DIR = REPO / "data"
 
 
 def stories_path() -> Path:
-    return shared_dir() / "models" / "stories260k"
+    """The tiny trained test model the repository carries."""
+    return REPO / "models" / "stories260k"
+
+
+def musique_samples(n: int) -> list[dict]:
+    """The first ``n`` MuSiQue samples of the repository's copy."""
+    import json
+
+    return json.loads((DATA_DIR / "musique_s.json").read_text())[:n]
 
 
 @functools.lru_cache(maxsize=1)

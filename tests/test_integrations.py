@@ -2,7 +2,6 @@
 chunks whose stored KV is reused; foreign documents are ingested on first use; streaming and async."""
 
 import asyncio
-import json
 
 import pytest
 
@@ -19,7 +18,7 @@ from integrations.langchain import ChatRagkv, RagkvEmbeddings, RagkvLLM, RagkvRe
 from integrations.llama_index import RagkvLlamaLLM, RagkvLlamaRetriever, RagkvQueryEngine  # noqa: E402
 from ragkv import LLM  # noqa: E402
 from ragkv.rag import RAG, Embedder  # noqa: E402
-from tests.helpers import shared_dir, stories_model  # noqa: E402
+from tests.helpers import musique_samples, stories_model  # noqa: E402
 
 NEW = 8  # tokens per answer: enough to see streaming, cheap on 2 cores
 
@@ -31,7 +30,7 @@ def embedder():
 
 @pytest.fixture(scope="module")
 def samples():
-    return json.loads((shared_dir() / "data" / "musique_s.json").read_text())[:2]
+    return musique_samples(2)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Retriever-aware KV layer end to end: ingest -> retrieve -> blended answer, with real stores."""
 
-import json
 import logging
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from ragkv.kv import compute_chunk_kv
 from ragkv.model import PromptTooLongError
 from ragkv.rag import RAG, Document, Embedder, split_tokens
 from ragkv.store import store_from_url
-from tests.helpers import REPO, shared_dir, stories_model
+from tests.helpers import REPO, musique_samples, stories_model
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def embedder():
 
 @pytest.fixture(scope="module")
 def musique():
-    return json.loads((shared_dir() / "data" / "musique_s.json").read_text())[:3]
+    return musique_samples(3)
 
 
 def _docs(samples, per_sample=3):

@@ -16,10 +16,11 @@ import httpx
 import pytest
 
 from apps.config import ConfigError, load_settings
-from tests.helpers import REPO, shared_dir
+from tests.helpers import REPO, musique_samples, stories_path
 
 NEW = 8
 LIMITS = {  # small limits keep every request (and the schemathesis run) cheap on 2 cores
+    "RAGKV_MODEL": str(stories_path()),  # the tiny test model (the default is the real one)
     "RAGKV_TORCH_THREADS": "1",
     "RAGKV_MAX_NEW_TOKENS": str(NEW),
     "RAGKV_MAX_NEW_TOKENS_LIMIT": "48",
@@ -98,7 +99,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def samples():
-    return json.loads((shared_dir() / "data" / "musique_s.json").read_text())[:2]
+    return musique_samples(2)
 
 
 def _docs(samples) -> list[dict]:

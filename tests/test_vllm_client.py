@@ -29,7 +29,7 @@ from integrations.vllm.client import (
 from ragkv import LLM, compute_chunk_kv
 from ragkv.generate import TokenEvent
 from ragkv.rag import RAG, Embedder, RagAnswer
-from tests.helpers import REPO, shared_dir, stories_model
+from tests.helpers import REPO, musique_samples, stories_model
 from tests.test_server import LIMITS, _free_port
 
 NEW = 8
@@ -89,7 +89,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def samples():
-    return json.loads((shared_dir() / "data" / "musique_s.json").read_text())[:2]
+    return musique_samples(2)
 
 
 def _docs(samples) -> list[dict]:

@@ -96,9 +96,13 @@ def selective_prefill(
     source=None,
     schedule: BlendSchedule | None = None,
     probe_rows: torch.Tensor | None = None,
-    keep_pre_rope: bool = False,
+    keep_pre_rope: int = 0,
 ) -> PrefillResult:
-    """Run the layer loop. ``source.layer(l)`` gives pre-RoPE K/V of the EXACT/REUSED rows in order."""
+    """Run the layer loop. ``source.layer(l)`` gives pre-RoPE K/V of the EXACT/REUSED rows in order.
+
+    ``keep_pre_rope=m`` also returns the pre-RoPE K of the first ``m`` rows (``kv.k_pre [L, m, ...]``)
+    for prefix-cache inserts; only exactly computed rows may be inserted, which the caller ensures.
+    """
     t_start = time.perf_counter()
     dev = model.device
     cfg = model.config
@@ -129,7 +133,9 @@ def selective_prefill(
     L = cfg.num_layers
     out_k = torch.empty(L, n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=dev)
     out_v = torch.empty_like(out_k)
-    out_kpre = torch.empty_like(out_k) if keep_pre_rope else None
+    n_kpre = min(int(keep_pre_rope), n)
+    out_kpre = out_k.new_empty(L, n_kpre, cfg.num_kv_heads, cfg.head_dim) if n_kpre else None
+    cached_head = cached[cached < n_kpre]
     probes: list[torch.Tensor] | None = [] if probe_rows is not None else None
     if probe_rows is not None and bool((row_class[probe_rows] != COMPUTED).any()):
         raise ValueError("probe rows must be computed (suffix) rows")
@@ -163,9 +169,10 @@ def selective_prefill(
                 cs, cs_rows = (cs_all[0][S], cs_all[1][S]), S
             q = model.rotary.apply(q, pos[S], cs)
             if out_kpre is not None:
-                if Kc is not None:
-                    out_kpre[layer, cached] = Kc
-                out_kpre[layer, S] = k
+                if Kc is not None and cached_head.numel():
+                    out_kpre[layer, cached_head] = Kc[: cached_head.numel()]
+                j = int(torch.searchsorted(S, n_kpre))
+                out_kpre[layer, S[:j]] = k[:j]
             k = model.rotary.apply(k, pos[S], cs)
             full_rows = S.numel() == n
             if full_rows:

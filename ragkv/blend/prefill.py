@@ -121,17 +121,21 @@ def prefill(
     probe = None
     if probe_suffix and suffix_ids:
         probe = torch.arange(len(all_ids) - len(suffix_ids), len(all_ids))
+    # What to cache for next time: in `prefix` mode the whole computed head (prefix + chunks, exact);
+    # in `reuse`/`blend` the instruction prefix alone (its rows come first, so they are computed
+    # exactly whatever the chunks' KV is), so no mode recomputes an exact prefix twice.
+    insert_segments: list[list[int]] = []
+    if prefix_cache is not None and prefix_cache_insert:
+        if mode == "prefix":
+            insert_segments = segments
+        elif mode in ("reuse", "blend") and prefix_ids and n_head_cached == 0:
+            insert_segments = [prefix_ids]
+    n_insert = sum(len(s) for s in insert_segments)
     res = selective_prefill(
-        model,
-        ids,
-        torch.tensor(classes),
-        source,
-        schedule,
-        probe_rows=probe,
-        keep_pre_rope=(mode == "prefix" and prefix_cache is not None and prefix_cache_insert),
+        model, ids, torch.tensor(classes), source, schedule, probe_rows=probe, keep_pre_rope=n_insert
     )
-    if mode == "prefix" and prefix_cache is not None and prefix_cache_insert:
-        prefix_cache.insert(model.fingerprint, segments, res.kv.k_pre, res.kv.v)
+    if insert_segments:
+        prefix_cache.insert(model.fingerprint, insert_segments, res.kv.k_pre, res.kv.v)
         res.kv.k_pre = None
     res.stats.update(
         mode=mode,

@@ -82,6 +82,12 @@ class PrefixCache:
                 _, old = self._entries.popitem(last=False)
                 self._bytes -= old.nbytes()
 
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
     def __len__(self) -> int:
         return len(self._entries)
 

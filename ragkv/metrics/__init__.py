@@ -1,9 +1,10 @@
 """Fidelity of reused KV vs full prefill, and answer quality (SQuAD-style F1 / EM)."""
 
 from ragkv.metrics.fidelity import attention_deviation, first_token_agreement, first_token_kl
-from ragkv.metrics.text import exact_match, max_over_golds, normalize_answer, token_f1
+from ragkv.metrics.text import answer_recall, exact_match, max_over_golds, normalize_answer, token_f1
 
 __all__ = [
+    "answer_recall",
     "attention_deviation",
     "exact_match",
     "first_token_agreement",

@@ -37,6 +37,16 @@ def exact_match(prediction: str, gold: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(gold))
 
 
+def answer_recall(prediction: str, gold: str) -> float:
+    """1 if the normalised gold appears in the normalised answer as whole words, else 0.
+
+    Small instruct models answer in sentences ("The capital of France is Paris."), which F1 on the
+    first line scores as mostly wrong; recall says whether the answer was given at all.
+    """
+    p, g = f" {normalize_answer(prediction)} ", normalize_answer(gold)
+    return float(bool(g) and f" {g} " in p)
+
+
 def _flatten(golds) -> list[str]:
     out: list[str] = []
     for g in golds if isinstance(golds, (list, tuple)) else [golds]:

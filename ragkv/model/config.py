@@ -39,8 +39,9 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf(cls, hf: Any) -> ModelConfig:
-        """Build from a ``transformers.PretrainedConfig`` (Llama, Mistral or Qwen2)."""
+    def from_hf(cls, hf: Any, extra_eos_ids: tuple[int, ...] = ()) -> ModelConfig:
+        """Build from a ``transformers.PretrainedConfig`` (Llama, Mistral or Qwen2); ``extra_eos_ids``
+        adds stop tokens from ``generation_config.json``."""
         mt = getattr(hf, "model_type", None)
         if mt not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -62,6 +63,7 @@ class ModelConfig:
             raise UnsupportedModelError("mlp_bias=True is not supported")
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        eos_ids = tuple(dict.fromkeys(eos_ids + tuple(extra_eos_ids)))
         return cls(
             model_type=mt,
             num_layers=hf.num_hidden_layers,

@@ -6,10 +6,13 @@ tokens: the primitive that selective (HKVD) recompute needs. Weights use Hugging
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ragkv.attention.dense import attention
+from ragkv.model.chat import tokenizer_adds_bos
 from ragkv.model.config import ModelConfig
 from ragkv.model.rope import Rotary, rope_frequencies
 
@@ -156,13 +159,18 @@ class Model:
         return logits, None, None
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Tokenize without special tokens (BOS added explicitly when asked)."""
+        """Tokenize without special tokens; ``add_bos`` starts with BOS if the tokenizer would."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids")
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if add_bos and self.config.bos_token_id is not None:
+        if add_bos and self.adds_bos:
             ids = [self.config.bos_token_id] + ids
         return ids
+
+    @functools.cached_property
+    def adds_bos(self) -> bool:
+        """Whether a prompt starts with BOS: as the tokenizer itself does (ChatML tokenizers do not)."""
+        return tokenizer_adds_bos(self.tokenizer, self.config.bos_token_id)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ragkv.model.config import ModelConfig
+from ragkv.model.gguf import file_digest
 from ragkv.model.llama import Model
 
 log = logging.getLogger("ragkv.model")
@@ -39,12 +40,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a hub id downloaded (config, tokenizer, safetensors only)."""
+    """The checkpoint folder of a model name, GGUF file, local folder or hub id.
+
+    A known name (``ragkv.model.registry``) is fetched and converted on first use; a ``.gguf``
+    file (or a folder holding one and no safetensors) is converted once into ragkv's cache; a
+    folder is used as is; anything else is a hub id downloaded (config, tokenizer, safetensors).
+    """
+    from ragkv.model import registry
+    from ragkv.model.gguf import convert_gguf, find_gguf
+
+    if registry.is_named(str(path_or_id)):
+        return registry.pull(str(path_or_id))
     p = Path(path_or_id).expanduser()
+    gguf_file = find_gguf(p)
+    if gguf_file is not None:
+        return convert_gguf(gguf_file)
     if p.is_dir():
         return p
     if p.exists():
-        raise ValueError(f"{p} is a file; pass the model's folder")
+        raise ValueError(f"{p} is a file but not a .gguf checkpoint; pass the model's folder or a GGUF file")
     from huggingface_hub import snapshot_download
 
     try:
@@ -60,31 +74,16 @@ def resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
         ) from e
 
 
-def _file_digest(path: Path) -> str:
-    """sha256 of a weight file, cached by (path, size, mtime) so large checkpoints hash once."""
-    st = path.stat()
-    cache_file = Path(os.environ.get("RAGKV_CACHE_DIR", Path.home() / ".cache" / "ragkv")) / "digests.json"
-    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+def generation_eos_ids(folder: Path) -> tuple[int, ...]:
+    """Stop tokens of ``generation_config.json`` (instruct models often end turns with a token that
+    ``config.json`` does not name, e.g. ``<|im_end|>`` or ``<|eot_id|>``)."""
     try:
-        cache = json.loads(cache_file.read_text())
+        eos = json.loads((Path(folder) / "generation_config.json").read_text()).get("eos_token_id")
     except (OSError, ValueError):
-        cache = {}
-    if ident in cache:
-        return cache[ident]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    digest = h.hexdigest()
-    cache[ident] = digest
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, cache_file)
-    except OSError:
-        pass
-    return digest
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else ()
 
 
 def weights_digest(folder: Path) -> str:
@@ -92,7 +91,7 @@ def weights_digest(folder: Path) -> str:
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
-    return hashlib.sha256("|".join(_file_digest(f) for f in files).encode()).hexdigest()
+    return hashlib.sha256("|".join(file_digest(f) for f in files).encode()).hexdigest()
 
 
 def checkpoint_fingerprint(
@@ -106,7 +105,7 @@ def checkpoint_fingerprint(
     from transformers import AutoConfig, AutoTokenizer
 
     folder = resolve_model_dir(path_or_id)
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(folder), generation_eos_ids(folder))
     tok_dir = resolve_model_dir(tokenizer_path) if tokenizer_path is not None else folder
     tok = AutoTokenizer.from_pretrained(tok_dir)
     return model_fingerprint(cfg, weights_digest(folder), parse_dtype(dtype), tokenizer_digest(tok))
@@ -166,14 +165,14 @@ def load_model(
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
 ) -> Model:
-    """Load a Llama/Mistral/Qwen2 checkpoint from a folder or hub id."""
+    """Load a Llama/Mistral/Qwen2 checkpoint: a model name, GGUF file, folder or hub id."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
     dtype = parse_dtype(dtype)
     folder = resolve_model_dir(path_or_id)
     hf = AutoConfig.from_pretrained(folder)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(hf, generation_eos_ids(folder))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ragkv.model.chat import chat_parts, has_chat_template
+
 DEFAULT_INSTRUCTION = (
     "You will be asked a question after reading several passages. Please directly answer the question "
     "based on the given passages. Do NOT repeat the question. The answer should be within 5 words."
@@ -9,7 +11,6 @@ DEFAULT_INSTRUCTION = (
 DEFAULT_QUESTION = (
     "\n\nAnswer the question directly based on the given passages. Question: {question}\nAnswer:"
 )
-_MARK = "\u2063RAGKV_CHUNKS\u2063"
 
 
 def prompt_parts(
@@ -27,21 +28,9 @@ def prompt_parts(
     """
     if not question or not question.strip():
         raise ValueError("empty question")
-    tok = model.tokenizer
     q = question_template.format(question=question.strip())
-    has_template = bool(tok is not None and getattr(tok, "chat_template", None))
     if use_chat_template is None:
-        use_chat_template = has_template
-    if use_chat_template and has_template:
-        rendered = tok.apply_chat_template(
-            [{"role": "user", "content": f"{instruction}\n\n{_MARK}{q}"}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        head, tail = rendered.split(_MARK)
-        prefix = tok.encode(head, add_special_tokens=False)
-        bos = model.config.bos_token_id
-        if bos is not None and (not prefix or prefix[0] != bos):
-            prefix = [bos] + prefix
-        return prefix, tok.encode(tail, add_special_tokens=False)
+        use_chat_template = has_chat_template(model)
+    if use_chat_template and has_chat_template(model):
+        return chat_parts(model, f"{instruction}\n\n", q)
     return model.encode(instruction + "\n\n", add_bos=True), model.encode(q)
