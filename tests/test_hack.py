@@ -15,6 +15,7 @@ from ragkv.attention.dense import attention
 from ragkv.attention.hack_cache import HackCacheError, HackConfig, HackKVCache
 from ragkv.attention.hack_quant import (
     HackConfigError,
+    HackError,
     HackQuantError,
     code_sums,
     k_partition_size,
@@ -355,13 +356,27 @@ def test_triton_decode_matches_reference(cfg):
     assert rel(out, torch.cat(refs)) < 2e-3
 
 
-def test_triton_module_imports_without_triton():
+def test_triton_entry_points_refuse_what_they_cannot_run_with_or_without_triton():
+    """Without triton: a clear error naming it. With triton: CPU tensors are refused (outside the
+    interpreter) with an error naming CUDA, and unsupported geometry / Q-P widths are refused by name."""
     from ragkv.attention import hack_triton
 
+    c, _, _ = filled_cache(HackConfig(), 100, 2, 64)
+    view, q = c.layer_view(0), torch.randn(1, 4, 64)
     if not hack_triton.HAS_TRITON:
-        c, _, _ = filled_cache(HackConfig(), 10, 2, 64)
-        with pytest.raises(Exception, match="triton"):
-            hack_triton.hack_decode_view(torch.randn(1, 4, 64), c.layer_view(0), 0.125)
+        assert not hack_triton.triton_runnable("cuda") and not hack_triton.triton_supported(view)
+        with pytest.raises(HackError, match="triton"):
+            hack_triton.hack_decode_view(q, view, 0.125)
+        return
+    assert hack_triton.triton_runnable("cuda") and hack_triton.triton_supported(view)
+    assert hack_triton.triton_runnable("cpu") == hack_triton.interpreter_mode()
+    if not hack_triton.interpreter_mode():
+        with pytest.raises(HackError, match="CUDA"):
+            hack_triton.hack_decode_view(q, view, 0.125)
+    with pytest.raises(HackError, match="8 bits"):
+        hack_triton.hack_decode_view(q, view, 0.125, qp_bits=4)
+    odd, _, _ = filled_cache(HackConfig(bits=3), 100, 2, 64)  # 3-bit codes: the reference only
+    assert not hack_triton.triton_supported(odd.layer_view(0))
 
 
 # ---- end to end on the shared trained model ---------------------------------------------------------------

@@ -13,7 +13,7 @@ av = pytest.importorskip("av")
 
 from ragkv.store.codecs import get_codec  # noqa: E402
 from ragkv.store.codecs.base import CodecError  # noqa: E402
-from ragkv.store.codecs.video import VideoCodec, container, nvdec  # noqa: E402
+from ragkv.store.codecs.video import VideoCodec, backends, container, nvdec  # noqa: E402
 from ragkv.store.codecs.video.adaptive import (  # noqa: E402
     DecodeProfile,
     TokenBucket,
@@ -168,10 +168,50 @@ def test_allocation_equalizes_contributions_and_coarsens_insensitive_layers():
 def test_nvenc_request_without_a_gpu_is_a_clear_error_and_auto_falls_back():
     k, v = kv_like(3, 12, 4, 8, seed=29)
     if not torch.cuda.is_available():
-        with pytest.raises(CodecError, match="NVENC"):
+        with pytest.raises(CodecError, match="NVENC requested but unavailable: no CUDA device"):
             VideoCodec(encoder="nvenc").encode(k, v)
     c = VideoCodec(encoder="auto")
     roundtrip(c, k, v)
+
+
+def test_nvenc_refusal_is_probed_once_and_auto_encodes_with_libx265_saying_why(caplog):
+    """The H100/H200 case: FFmpeg's hevc_nvenc genuinely fails to open (probed for real, without the
+    CUDA precondition); ``auto`` then encodes every stream with libx265 after one clear warning."""
+    from ragkv.store.codecs.video import codec as codec_mod
+
+    ok, reason = nvdec.nvenc_status(refresh=True, require_cuda=False)
+    try:
+        if ok:
+            pytest.skip("this machine has a working NVENC")
+        assert "hevc_nvenc" in reason and "H100" in reason, reason
+        assert nvdec.nvenc_status() == (ok, reason)  # cached: one probe per process
+        assert not nvdec.nvenc_possible("yuv420", 8)
+        codec_mod._NVENC_NOTED.clear()
+        c = VideoCodec(encoder="auto")
+        k, v = kv_like(3, 12, 4, 8, seed=30)
+        with caplog.at_level("WARNING", logger="ragkv.store.video"):
+            roundtrip(c, k, v)
+            roundtrip(c, k[:2], v[:2])
+        notes = [r for r in caplog.records if "NVENC unavailable" in r.getMessage()]
+        assert len(notes) == 1 and "libx265" in notes[0].getMessage() and "H100" in notes[0].getMessage()
+        assert dict(c.encoded_by) == {"libx265": 2}
+        with pytest.raises(CodecError, match="NVENC requested but unavailable: hevc_nvenc does not open"):
+            VideoCodec(encoder="nvenc").encode(k, v)
+    finally:
+        nvdec.nvenc_status(refresh=True)
+
+
+def test_gpu_extra_and_nvdec_require_the_pynvvideocodec_release_with_the_16_bit_stride_fix():
+    import tomllib
+
+    from .helpers import REPO
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert "PyNvVideoCodec>=2.2.4" in extra
+    assert nvdec.parse_version("2.2.4") == (2, 2, 4) and nvdec.parse_version("2.10.0rc1") == (2, 10, 0)
+    assert nvdec.depth_ok_for_version("1.0.2", 8)
+    assert not nvdec.depth_ok_for_version("2.2.3", 10) and not nvdec.depth_ok_for_version("2.1", 12)
+    assert nvdec.depth_ok_for_version("2.2.4", 10) and nvdec.depth_ok_for_version("2.3.0", 12)
 
 
 # -- store integration ---------------------------------------------------------------------------
@@ -463,6 +503,115 @@ def test_profile_decode_measures_this_machine():
     assert DecodeProfile.from_json(prof.to_json()).versions[4].decode_s == prof.versions[4].decode_s
 
 
+# -- hardware decoders: NVDEC's frame-size rule and the auto fallback ------------------------------
+
+
+class _PyAvAsHardware(backends.HardwareDecoder):
+    """A registered decoder for CPU outputs with NVDEC's HEVC minimum size: the real PyAV decoder behind
+    the hardware-decoder interface, so the size rule and the selection run without a GPU. ``corrupt_at``
+    flips one pixel of that frame (a decoder returning a wrong surface) to exercise the fallback."""
+
+    device_types = ("cpu",)
+
+    def __init__(self, name: str, corrupt_at: int | None = None, refuse: bool = False):
+        self.name, self.corrupt_at, self.refuse, self.calls = name, corrupt_at, refuse, 0
+
+    def min_size(self, planes, depth):
+        return nvdec.HEVC_MIN_SIZE
+
+    def supports_format(self, planes, depth):
+        return planes in nvdec.NVDEC_PLANES
+
+    def decode_frames(self, data, planes, num_planes, depth, height, width, device):
+        from ragkv.store.codecs.video import hevc_cpu
+
+        self.calls += 1
+        if self.refuse:
+            raise backends.DecoderRefused("no decoder session for this stream")
+        for f, arr in enumerate(hevc_cpu.decode_frames(data, num_planes, depth, height, width)):
+            t = torch.from_numpy(arr.astype(np.int32))
+            if f == self.corrupt_at:
+                t[0, 0, 0] += 1
+            yield t
+
+
+@pytest.fixture
+def hw_decoder():
+    made = []
+
+    def make(name, **kw):
+        dec = _PyAvAsHardware(name, **kw)
+        backends.register_decoder(dec)
+        made.append(name)
+        return dec
+
+    yield make
+    for name in made:
+        backends.unregister_decoder(name)
+
+
+def test_frames_below_the_nvdec_minimum_are_routed_to_the_cpu_decoder(hw_decoder):
+    hw = hw_decoder("fake-nvdec")
+    k, v = kv_like(3, 40, 4, 8, seed=50)
+    c = VideoCodec(planes="yuv420", slots=4)
+    data = c.encode(k, v)
+    hdr = c.header(data)
+    assert (hdr.frame_h, hdr.frame_w) < nvdec.HEVC_MIN_SIZE  # the 64x48-style frames NVDEC refuses
+    got, why = backends.select_decoder("auto", "yuv420", 8, hdr.frame_h, hdr.frame_w, torch.device("cpu"))
+    assert got is None and "below fake-nvdec's minimum of 144x144" in why
+    gk, gv = c.decode(data)
+    rk, rv = c.quantized_reference(k, v)
+    assert torch.equal(gk, rk) and torch.equal(gv, rv)
+    assert hw.calls == 0 and dict(c.decoded_by) == {"cpu": 1}
+    with pytest.raises(CodecError, match="small_frames='pad'"):
+        VideoCodec(decoder="fake-nvdec").decode(data)
+
+
+def test_padded_frames_reach_the_nvdec_minimum_and_decode_there_bit_exactly(hw_decoder):
+    hw = hw_decoder("fake-nvdec")
+    k, v = kv_like(3, 40, 4, 8, seed=51)
+    for planes in ("yuv420", "yuv444"):
+        c = VideoCodec(planes=planes, slots=4, small_frames="pad")
+        data = c.encode(k, v)
+        hdr = c.header(data)
+        assert (hdr.frame_h, hdr.frame_w) == nvdec.HEVC_MIN_SIZE
+        rk, rv = c.quantized_reference(k, v)
+        for dec in ("auto", "fake-nvdec", "cpu"):
+            d = VideoCodec(decoder=dec)
+            gk, gv = d.decode(data)
+            assert torch.equal(gk, rk) and torch.equal(gv, rv), (planes, dec)
+            assert dict(d.decoded_by) == {"cpu" if dec == "cpu" else "fake-nvdec": 1}
+    assert hw.calls == 4
+    assert VideoCodec(small_frames="pad", planes="gray").min_frame() == (16, 16)  # gray never goes to NVDEC
+    with pytest.raises(ValueError, match="small_frames"):
+        VideoCodec(small_frames="tile")
+
+
+def test_auto_falls_back_to_the_cpu_decoder_when_a_hardware_decoder_refuses(hw_decoder, caplog):
+    k, v = kv_like(3, 40, 4, 8, seed=52)
+    c = VideoCodec(slots=4, small_frames="pad")
+    data = c.encode(k, v)
+    hdr = c.header(data)
+    rk, rv = c.quantized_reference(k, v)
+    for kw, resumed in ((dict(refuse=True), 0), (dict(corrupt_at=3), 3)):
+        hw = hw_decoder("flaky", **kw)
+        d = VideoCodec(decoder="auto")
+        out_k, out_v = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        with caplog.at_level("WARNING", logger="ragkv.store.video"):
+            frames = list(d.restore_frames(data, out_k, out_v))
+        assert frames == list(range(hdr.frames))  # every frame restored once, in order
+        assert torch.equal(out_k, rk) and torch.equal(out_v, rv)
+        assert dict(d.decoded_by) == {"cpu-fallback": 1}
+        assert f"after {resumed} of {hdr.frames} frames" in caplog.text and "on the CPU" in caplog.text
+        calls = hw.calls
+        d.decode(data)  # the refusal is remembered: auto goes straight to the CPU decoder
+        assert hw.calls == calls and d.decoded_by["cpu"] == 1
+        with pytest.raises(CodecError, match="flaky decode failed"):
+            VideoCodec(decoder="flaky").decode(data)  # asked for by name: no silent fallback
+        backends.unregister_decoder("flaky")
+        caplog.clear()
+
+
 # -- GPU (NVDEC) ---------------------------------------------------------------------------------
 
 
@@ -471,8 +620,39 @@ def test_profile_decode_measures_this_machine():
 def test_nvdec_decode_matches_cpu_decode():
     k, v = kv_like(3, 40, 4, 8, seed=50)
     for planes in ("yuv444", "yuv420"):
-        c = VideoCodec(planes=planes, decoder="nvdec")
-        data = c.encode(k, v)
-        gk, gv = c.decode(data, device="cuda")
-        ck, cv = VideoCodec(decoder="cpu").decode(data)
-        assert gk.is_cuda and torch.equal(gk.cpu(), ck) and torch.equal(gv.cpu(), cv)
+        for bits in (8, 10):
+            c = VideoCodec(planes=planes, bits=bits, decoder="nvdec", small_frames="pad")
+            data = c.encode(k, v)
+            gk, gv = c.decode(data, device="cuda")
+            ck, cv = VideoCodec(decoder="cpu").decode(data)
+            assert gk.is_cuda and torch.equal(gk.cpu(), ck) and torch.equal(gv.cpu(), cv), (planes, bits)
+            assert dict(c.decoded_by) == {"nvdec": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_small_streams_to_cuda_route_to_the_cpu_decoder_and_nvdec_by_name_says_why():
+    k, v = kv_like(3, 40, 4, 8, seed=53)
+    c = VideoCodec(planes="yuv420", slots=4)
+    data = c.encode(k, v)
+    gk, gv = c.decode(data, device="cuda")
+    ck, cv = VideoCodec(decoder="cpu").decode(data)
+    assert gk.is_cuda and torch.equal(gk.cpu(), ck) and torch.equal(gv.cpu(), cv)
+    assert dict(c.decoded_by) == {"cpu": 1}
+    if nvdec.available():
+        assert nvdec.min_size("yuv420", 8) > (c.header(data).frame_h, 0)
+        with pytest.raises(CodecError, match="minimum"):
+            VideoCodec(decoder="nvdec").decode(data, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nvenc_or_a_clear_libx265_fallback_on_this_gpu():
+    ok, reason = nvdec.nvenc_status(refresh=True)
+    k, v = kv_like(3, 200, 8, 16, seed=54)  # frames large enough for NVENC's own minimum
+    c = VideoCodec(encoder="auto", planes="yuv420", small_frames="pad")
+    roundtrip(c, k, v)
+    assert set(c.encoded_by) == ({"nvenc"} | {"libx265"} if ok else {"libx265"}), (ok, reason, c.encoded_by)
+    if not ok:
+        with pytest.raises(CodecError, match="NVENC requested but unavailable"):
+            VideoCodec(encoder="nvenc").encode(k, v)

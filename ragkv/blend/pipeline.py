@@ -9,6 +9,7 @@ blender recomputes layer ``l``; the blender blocks only on the layer it needs.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -74,8 +75,65 @@ class StoredChunk:
             return g[2][layer - g[0]], g[3][layer - g[0]]
 
 
+class PinnedStaging:
+    """A ring of reusable host staging buffers for the layer-by-layer host-to-device copies.
+
+    ``torch.cat`` of pinned tensors returns an *unpinned* tensor, so concatenating the pieces and then
+    copying made every "non_blocking" copy synchronous (and pinning each piece per layer costs a
+    page-locking allocation per piece per layer). Instead each layer's pieces are written straight into
+    one of ``slots`` buffers allocated once (page-locked when CUDA is present) and grown only when a
+    layer needs more rows; a buffer is refilled only after the copy that last read it has finished
+    (its CUDA event), so ``slots = depth + 1`` lets the loader run ``depth`` layers ahead.
+    """
+
+    def __init__(self, slots: int = 2, pin: bool | None = None):
+        self.slots = max(1, int(slots))
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self._bufs: list[torch.Tensor | None] = [None] * self.slots
+        self._events: list = [None] * self.slots
+        self._next = 0
+        self.allocations = 0  # buffer (re)allocations, for tests and benchmarks
+
+    def stage(self, parts: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
+        """Copy ``parts`` (concatenated on dim 0) into the next free buffer: ``(slot, host view)``."""
+        slot = self._next
+        self._next = (slot + 1) % self.slots
+        ev = self._events[slot]
+        if ev is not None:  # the copy that last read this buffer must be done before it is overwritten
+            ev.synchronize()
+            self._events[slot] = None
+        rows = sum(int(p.shape[0]) for p in parts)
+        tail, dtype = tuple(parts[0].shape[1:]), parts[0].dtype
+        buf = self._bufs[slot]
+        if buf is None or buf.shape[0] < rows or tuple(buf.shape[1:]) != tail or buf.dtype != dtype:
+            cap = max(rows, buf.shape[0] if buf is not None and tuple(buf.shape[1:]) == tail else 0)
+            buf = torch.empty((cap, *tail), dtype=dtype, pin_memory=self.pin)
+            self._bufs[slot] = buf
+            self.allocations += 1
+        pos = 0
+        for p in parts:
+            n = int(p.shape[0])
+            buf[pos : pos + n].copy_(p)
+            pos += n
+        return slot, buf[:rows]
+
+    def release(self, slot: int, event) -> None:
+        """Mark ``slot``'s buffer as read by the copy ``event`` completes (None: read synchronously)."""
+        self._events[slot] = event
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The allocated staging buffers (for tests: pinned when CUDA is present)."""
+        return [b for b in self._bufs if b is not None]
+
+
 class PipelinedSource(LayerSource):
-    """Prefetches the next ``depth`` layers on a background thread while the blender computes."""
+    """Prefetches the next ``depth`` layers on a background thread while the blender computes.
+
+    On CUDA (or with ``staged=True``) each layer's pieces go through :class:`PinnedStaging` buffers
+    reused across layers and reach the device by an asynchronous copy on a side stream; the compute
+    stream waits for that copy's event and calls ``record_stream`` on the loaded tensors, so the caching
+    allocator does not hand their memory to the loader's next layer while a kernel still reads them.
+    """
 
     def __init__(
         self,
@@ -84,6 +142,7 @@ class PipelinedSource(LayerSource):
         dtype: torch.dtype,
         depth: int = 1,
         num_layers: int | None = None,
+        staged: bool | None = None,
     ):
         super().__init__(pieces, device, dtype)
         self.depth = max(1, depth)
@@ -99,25 +158,54 @@ class PipelinedSource(LayerSource):
         self._futures: dict[int, Future] = {}
         dev = torch.device(device)
         self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self.staged = (dev.type == "cuda") if staged is None else bool(staged)
+        # K and V of a layer each take a slot; depth layers ahead plus the one being copied
+        self.staging = (
+            PinnedStaging(slots=2 * (self.depth + 1), pin=dev.type == "cuda") if self.staged else None
+        )
         self.load_s = 0.0
         self._submit(0)
 
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A fresh device tensor holding ``host`` (asynchronous from pinned memory), in the source dtype."""
+        out = torch.empty(host.shape, dtype=self.dtype, device=self.device)
+        if host.dtype == self.dtype:
+            out.copy_(host, non_blocking=True)
+            return out
+        # copy in the stored dtype, convert on the device: a cross-device copy_ that also converts
+        # would first convert on the host, into unpinned memory
+        raw = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        raw.copy_(host, non_blocking=True)
+        out.copy_(raw)
+        return out
+
     def _load(self, layer: int):
         t0 = time.perf_counter()
-        if self._stream is None:
+        ks, vs = zip(*(p.layer_kv(layer) for p in self.pieces), strict=True) if self.staged else ((), ())
+        if not self.staged:
             out = self._read(layer)
+        elif any(x.device.type != "cpu" for x in (*ks, *vs)):  # pieces already on the device: no staging
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                out = tuple(torch.cat(x).to(self.device, self.dtype) for x in (ks, vs))
+                if self._stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    out = (*out, event)
         else:
-            ks, vs = zip(*(p.layer_kv(layer) for p in self.pieces), strict=True)
-            with torch.cuda.stream(self._stream):
-                k = torch.cat([x.pin_memory() if x.device.type == "cpu" else x for x in ks])
-                v = torch.cat([x.pin_memory() if x.device.type == "cpu" else x for x in vs])
-                out = (
-                    k.to(self.device, self.dtype, non_blocking=True),
-                    v.to(self.device, self.dtype, non_blocking=True),
-                )
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            out = (*out, event)
+            sk, hk = self.staging.stage(ks)
+            sv, hv = self.staging.stage(vs)
+            if self._stream is None:  # staged on the CPU (tests): synchronous copies
+                out = (self._to_device(hk), self._to_device(hv))
+                self.staging.release(sk, None)
+                self.staging.release(sv, None)
+            else:
+                with torch.cuda.stream(self._stream):
+                    out = (self._to_device(hk), self._to_device(hv))
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                self.staging.release(sk, event)
+                self.staging.release(sv, event)
+                out = (*out, event)
         self.load_s += time.perf_counter() - t0
         return out
 
@@ -135,9 +223,14 @@ class PipelinedSource(LayerSource):
             out = self._futures.pop(layer).result()
         finally:
             self.wait_s += time.perf_counter() - t0
-        if len(out) == 3:  # CUDA: make the compute stream wait for the copy
-            torch.cuda.current_stream().wait_event(out[2])
+        if len(out) == 3:  # CUDA: the compute stream waits for the copy, then owns the tensors
+            compute = torch.cuda.current_stream(out[0].device)
+            compute.wait_event(out[2])
             out = out[:2]
+            for t in out:
+                # allocated on the loader's stream: without this the allocator may give their memory to
+                # the next layer's load while this layer's kernels are still reading it
+                t.record_stream(compute)
         return out
 
     def close(self) -> None:

@@ -3,9 +3,12 @@
 ``encode(k, v)`` turns one layer group ``[G, T, Hkv, D]`` into a self-describing segment
 (:mod:`.container`); ``decode`` / :meth:`VideoCodec.decode_into` / :meth:`VideoCodec.restore_frames`
 restore it frame by frame into preallocated tensors, on the CPU (PyAV) or, when the output lives on
-a CUDA device and PyNvVideoCodec is present, on NVDEC. Every frame's integers are checked against the
-header's checksum *before* they are written, so a corrupt video raises :class:`CodecError` instead
-of ever yielding wrong KV (rows already written by then belong to verified frames).
+a CUDA device and PyNvVideoCodec is present, on NVDEC (any hardware decoder registered in
+:mod:`.backends`). Every frame's integers are checked against the header's checksum *before* they
+are written, so a corrupt video raises :class:`CodecError` instead of ever yielding wrong KV (rows
+already written by then belong to verified frames). With ``decoder="auto"`` a hardware decoder that
+refuses a stream, or returns a frame failing its checksum, hands the stream to the CPU decoder (with
+a warning), which resumes after the frames already restored.
 
 "Lossless" here means bit-exact to the quantized integers: ``decode(encode(x))`` equals
 :meth:`VideoCodec.quantized_reference` ``(x)`` exactly, for every resolution version.
@@ -14,6 +17,8 @@ of ever yielding wrong KV (rows already written by then belong to verified frame
 from __future__ import annotations
 
 import logging
+import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -21,7 +26,7 @@ import torch
 import zstandard
 
 from ragkv.store.codecs.base import CodecError, KVCodec
-from ragkv.store.codecs.video import container, hevc_cpu, nvdec
+from ragkv.store.codecs.video import backends, container, hevc_cpu, nvdec
 from ragkv.store.codecs.video.container import VideoHeader, frame_checksum
 from ragkv.store.codecs.video.hevc_cpu import DEFAULT_PRESET, DEFAULT_X265, HevcError
 from ragkv.store.codecs.video.layout import (
@@ -43,8 +48,11 @@ from ragkv.store.codecs.video.quantize import (
 
 log = logging.getLogger("ragkv.store.video")
 
-DECODERS = ("auto", "cpu", "nvdec")
+DECODERS = ("auto", "cpu", "nvdec")  # plus any other name registered in .backends
 ENCODERS = ("libx265", "nvenc", "auto")  # auto: NVENC when it works here, else libx265
+#: ``small_frames``: frames below NVDEC's minimum size are decoded on the CPU ("route") or encoded
+#: padded up to it ("pad": flat padding; costs bytes and CPU decode time, measured in docs/GPU.md)
+SMALL_FRAMES = ("route", "pad")
 #: safer encoder settings tried when a stream fails the encode-time lossless check
 _FALLBACKS = (
     ("ultrafast", DEFAULT_X265),
@@ -86,6 +94,7 @@ class VideoCodec(KVCodec):
         encoder: str = "libx265",
         k_layer_steps: Sequence[float] | None = None,
         v_layer_steps: Sequence[float] | None = None,
+        small_frames: str = "route",
     ) -> None:
         self.k_quant = QuantConfig(bits=int(k_bits or bits), mode=mode, axis=k_axis, step=float(k_step))
         self.v_quant = QuantConfig(bits=int(v_bits or bits), mode=mode, axis=v_axis, step=float(v_step))
@@ -95,8 +104,12 @@ class VideoCodec(KVCodec):
             raise ValueError(f"order must be 'auto' or one of {ORDER_MODES}, got {order!r}")
         if encoder not in ENCODERS:
             raise ValueError(f"encoder must be one of {ENCODERS}, got {encoder!r}")
-        if decoder not in DECODERS:
-            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
+        if decoder not in ("auto", "cpu") and decoder not in (*DECODERS, *backends.registered()):
+            raise ValueError(
+                f"decoder must be 'auto', 'cpu' or a registered hardware decoder, got {decoder!r}"
+            )
+        if small_frames not in SMALL_FRAMES:
+            raise ValueError(f"small_frames must be one of {SMALL_FRAMES}, got {small_frames!r}")
         if group_layers < 1 or (planes == "yuv444" and group_layers > 3):
             raise ValueError(f"group_layers must be 1..3 for yuv444 (>= 1 otherwise), got {group_layers}")
         if slots < 1:
@@ -117,6 +130,12 @@ class VideoCodec(KVCodec):
         self.fingerprint = fingerprint
         self.verify = bool(verify)
         self.encoder = encoder
+        self.small_frames = small_frames
+        #: which decoder restored each segment ("cpu", "nvdec", "cpu-fallback") and which encoder wrote
+        #: each stream: what actually ran, for benchmarks and tests
+        self.decoded_by: Counter = Counter()
+        self.encoded_by: Counter = Counter()
+        self._count_lock = threading.Lock()
         #: how frames are restored into CPU outputs: "numpy" (default, fast) or "torch" (the GPU code
         #: path, selectable on the CPU so that its bit-exactness can be tested without a GPU)
         self.restore_backend = "numpy"
@@ -146,6 +165,7 @@ class VideoCodec(KVCodec):
             "preset": self.preset,
             "x265_params": self.x265_params,
             "encoder": self.encoder,
+            "small_frames": self.small_frames,
             "k_layer_steps": list(self.layer_steps[0]) if self.layer_steps[0] else None,
             "v_layer_steps": list(self.layer_steps[1]) if self.layer_steps[1] else None,
         }
@@ -229,7 +249,21 @@ class VideoCodec(KVCodec):
 
     def layout_for(self, g: int, t: int, h: int, d: int, slots: int | None = None) -> FrameLayout:
         tiling = Tiling(*self.tiling) if self.tiling else default_tiling(h, d)
-        return FrameLayout(g, t, h, d, tiling, slots or self.slots, self.planes)
+        return FrameLayout(g, t, h, d, tiling, slots or self.slots, self.planes, self.min_frame())
+
+    def min_frame(self) -> tuple[int, int]:
+        """Smallest frame this codec writes: NVDEC's documented HEVC minimum with ``small_frames="pad"``.
+
+        The documented constant, not this machine's caps, so that a blob encoded on any machine
+        decodes on every NVDEC (a GPU reporting a smaller minimum also takes the larger frames).
+        """
+        if self.small_frames == "pad" and self.planes in nvdec.NVDEC_PLANES:
+            return nvdec.HEVC_MIN_SIZE
+        return (16, 16)
+
+    def _count(self, counter: Counter, name: str) -> None:
+        with self._count_lock:
+            counter[name] += 1
 
     def encode(
         self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None, token_start: int = 0
@@ -304,15 +338,27 @@ class VideoCodec(KVCodec):
         sub-pixel motion to find anyway), and this check makes sure no such stream is ever stored.
         """
         attempts: list[tuple[str, str, str]] = []
-        if self.encoder in ("nvenc", "auto") and nvdec.nvenc_possible(self.planes, self.depth):
-            attempts.append(("nvenc", self.preset, self.x265_params))
+        if self.encoder in ("nvenc", "auto"):
+            if self.depth == 8 and self.planes in nvdec.NVDEC_PLANES:
+                ok, reason = nvdec.nvenc_status()
+            else:
+                ok, reason = (
+                    False,
+                    f"the NVENC path encodes 8-bit yuv444/yuv420 only, not {self.planes}/{self.depth}-bit",
+                )
+            if ok:
+                attempts.append(("nvenc", self.preset, self.x265_params))
+            elif self.encoder == "nvenc":
+                raise CodecError(
+                    f"NVENC requested but unavailable: {reason}; use encoder='libx265' or 'auto'"
+                )
+            else:
+                _note_nvenc_fallback(reason)
         if self.encoder in ("libx265", "auto"):
             attempts.append(("libx265", self.preset, self.x265_params))
             attempts += [
                 ("libx265", p, x) for p, x in _FALLBACKS if (p, x) != (self.preset, self.x265_params)
             ]
-        if not attempts:
-            raise CodecError(f"NVENC requested but unavailable for {self.planes}/{self.depth}-bit")
         n_f, n_p, fh, fw = frames.shape
         for encoder, preset, params in attempts:
             try:
@@ -325,12 +371,14 @@ class VideoCodec(KVCodec):
                     continue
                 raise CodecError(str(e)) from e
             if not self.verify:
+                self._count(self.encoded_by, encoder)
                 return video
             try:
                 got = list(hevc_cpu.decode_frames(video, n_p, self.depth, fh, fw))
             except HevcError:
                 got = []
             if len(got) == n_f and all(np.array_equal(a, b) for a, b in zip(got, frames, strict=True)):
+                self._count(self.encoded_by, encoder)
                 return video
             log.warning(
                 "%s output did not decode losslessly (preset=%s %s); retrying", encoder, preset, params
@@ -397,8 +445,9 @@ class VideoCodec(KVCodec):
             raise CodecError(f"output tensors must both be {shape} on one device")
         try:
             layout = FrameLayout(
-                hdr.layers, hdr.tokens, hdr.heads, hdr.head_dim, Tiling(*hdr.tiling), hdr.slots, hdr.planes
-            )
+                hdr.layers, hdr.tokens, hdr.heads, hdr.head_dim, Tiling(*hdr.tiling), hdr.slots, hdr.planes,
+                min_frame=(hdr.frame_h, hdr.frame_w),  # frames may be padded (small_frames="pad")
+            )  # fmt: skip
         except LayoutError as e:
             raise CodecError(f"video segment header describes an invalid layout: {e}") from e
         if layout.num_frames != hdr.frames or layout.frame_shape != (hdr.frame_h, hdr.frame_w):
@@ -427,10 +476,6 @@ class VideoCodec(KVCodec):
             writers = [_torch_writer(out_k), _torch_writer(out_v)]
         count = 0
         for f, frame in enumerate(self._frames(hdr, data, dev, as_numpy=use_numpy)):
-            if f >= hdr.frames:
-                raise CodecError("video has more frames than its header")
-            if frame_checksum(frame, f) != hdr.frame_sums[f]:
-                raise CodecError(f"frame {f} fails its checksum (corrupt video)")
             valid = layout.valid_slots(f)
             pos = layout.chain_positions(f)[valid]
             if not use_numpy:
@@ -451,29 +496,63 @@ class VideoCodec(KVCodec):
     def _frames(
         self, hdr: VideoHeader, data: bytes | memoryview, dev: torch.device, as_numpy: bool
     ) -> Iterator:
-        """Decoded frames: numpy arrays for CPU outputs, integer tensors on ``dev`` otherwise (NVDEC when possible)."""
+        """Decoded frames, each verified against its checksum: numpy arrays for numpy restores, integer
+        tensors on ``dev`` otherwise. A hardware decoder (NVDEC) is used when one serves ``dev`` and
+        accepts the stream; under ``auto`` its refusal or a frame failing its checksum hands the rest
+        of the stream to the CPU decoder, which skips the frames already yielded."""
         video = memoryview(data)[hdr.video_offset :]
         n_p = 3 if hdr.planes == "yuv444" else 1
-        use_gpu = dev.type == "cuda" and self.decoder != "cpu" and nvdec.supports(hdr.planes, hdr.depth)
-        if self.decoder == "nvdec" and not use_gpu:
-            raise CodecError(f"NVDEC requested but unavailable for {hdr.planes}/{hdr.depth}-bit on {dev}")
+        geometry = (hdr.planes, hdr.depth, hdr.frame_h, hdr.frame_w)
+        hw, why = backends.select_decoder(self.decoder, *geometry, dev)
+        if hw is None and self.decoder not in ("auto", "cpu"):
+            raise CodecError(f"{self.decoder} requested but cannot decode this stream on {dev}: {why}")
+        done = 0
+        if hw is not None:
+            try:
+                for t in hw.decode_frames(video, hdr.planes, n_p, hdr.depth, hdr.frame_h, hdr.frame_w, dev):
+                    if done >= hdr.frames:
+                        raise CodecError("video has more frames than its header")
+                    if tuple(t.shape) != (n_p, hdr.frame_h, hdr.frame_w):
+                        raise backends.DecoderRefused(f"{hw.name} returned a frame of shape {tuple(t.shape)}")
+                    if frame_checksum(t, done) != hdr.frame_sums[done]:
+                        raise backends.DecoderRefused(f"{hw.name} frame {done} fails its checksum")
+                    yield _as_numpy(t, hdr.depth) if as_numpy else t
+                    done += 1
+                if done == hdr.frames:
+                    self._count(self.decoded_by, hw.name)
+                    return
+                raise backends.DecoderRefused(f"{hw.name} stopped after {done} of {hdr.frames} frames")
+            except CodecError:
+                raise
+            except RuntimeError as e:  # DecoderRefused, and NVDEC's own errors (RuntimeError subclasses)
+                if self.decoder != "auto":
+                    raise CodecError(f"{hw.name} decode failed: {e}") from e
+                backends.note_refusal(hw.name, *geometry)
+                log.warning(
+                    "%s refused a %dx%d %s/%d-bit stream after %d of %d frames (%s); decoding it on the CPU",
+                    hw.name, hdr.frame_w, hdr.frame_h, hdr.planes, hdr.depth, done, hdr.frames, e,
+                )  # fmt: skip
         try:
-            if use_gpu:
-                gpu = dev.index if dev.index is not None else torch.cuda.current_device()
-                yield from nvdec.decode_frames_cuda(
-                    video, hdr.planes, n_p, hdr.depth, hdr.frame_h, hdr.frame_w, gpu
-                )
-                return
             threads = max(1, self.threads)
-            for arr in hevc_cpu.decode_frames(video, n_p, hdr.depth, hdr.frame_h, hdr.frame_w, threads):
+            f = -1
+            for f, arr in enumerate(
+                hevc_cpu.decode_frames(video, n_p, hdr.depth, hdr.frame_h, hdr.frame_w, threads)
+            ):
+                if f >= hdr.frames:
+                    raise CodecError("video has more frames than its header")
+                if f < done:  # restored already from the hardware decoder's verified frames
+                    continue
+                if frame_checksum(arr, f) != hdr.frame_sums[f]:
+                    raise CodecError(f"frame {f} fails its checksum (corrupt video)")
                 if as_numpy:
                     yield arr
                 else:  # CPU decode, restore with torch on the device
                     yield torch.from_numpy(arr.astype(np.int32)).to(dev)
         except HevcError as e:
             raise CodecError(f"video does not decode: {e}") from e
-        except RuntimeError as e:  # NVDEC errors surface as RuntimeError subclasses
-            raise CodecError(f"NVDEC decode failed: {e}") from e
+        if f + 1 < done:
+            raise CodecError("the CPU decoder found fewer frames than the hardware decoder")
+        self._count(self.decoded_by, "cpu-fallback" if hw is not None else "cpu")
 
     def _side(self, hdr: VideoHeader) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
         """Scale codes and offsets per tensor, and the expanded token orders ``[2, G, T]``, from the side section."""
@@ -514,6 +593,23 @@ def iter_decode_groups(
         hdr = codec.header(data)
         k, v = codec.decode(data, device=device, dtype=dtype)
         yield hdr.layer_start, k, v
+
+
+_NVENC_NOTED: set[str] = set()
+
+
+def _note_nvenc_fallback(reason: str) -> None:
+    """Say once per process why ``encoder="auto"`` encodes with libx265 (a warning when a GPU is present)."""
+    if reason in _NVENC_NOTED:
+        return
+    _NVENC_NOTED.add(reason)
+    level = logging.INFO if reason == "no CUDA device" else logging.WARNING
+    log.log(level, "NVENC unavailable (%s): encoding with libx265", reason)
+
+
+def _as_numpy(frame: torch.Tensor, depth: int) -> np.ndarray:
+    """A hardware decoder's integer frame as the CPU decoder's array type (uint8 / uint16)."""
+    return frame.cpu().numpy().astype(np.uint8 if depth == 8 else np.uint16)
 
 
 def _numpy_writer(out: torch.Tensor):

@@ -36,6 +36,7 @@ import torch
 PLANE_MODES = ("yuv444", "gray", "yuv420")
 ORDER_MODES = ("none", "group", "tensor", "layer")
 MIN_FRAME = 16  # libx265 refuses frames smaller than 16x16 (measured)
+MAX_FRAME = 8192  # HEVC level 6.2 / NVDEC's largest coded size: bounds what a header may ask for
 
 
 class LayoutError(ValueError):
@@ -116,6 +117,9 @@ class FrameLayout:
     tiling: Tiling
     slots: int
     planes: str = "yuv444"
+    #: smallest frame ``(height, width)``: libx265's 16x16 by default; NVDEC's minimum when frames are
+    #: padded for it (``VideoCodec(small_frames="pad")``). The padding is flat and never restored.
+    min_frame: tuple[int, int] = (16, 16)
 
     def __post_init__(self) -> None:
         if self.planes not in PLANE_MODES:
@@ -126,6 +130,8 @@ class FrameLayout:
             raise LayoutError(f"yuv444 carries at most 3 layers per frame, got {self.layers}")
         self.tiling.check(self.heads, self.head_dim)
         slot_grid(self.slots)
+        if len(self.min_frame) != 2 or not all(16 <= int(x) <= MAX_FRAME for x in self.min_frame):
+            raise LayoutError(f"min_frame must be two sizes in [16, {MAX_FRAME}], got {self.min_frame!r}")
 
     # -- derived geometry ---------------------------------------------------------------------------
     @property
@@ -152,10 +158,10 @@ class FrameLayout:
 
     @property
     def frame_shape(self) -> tuple[int, int]:
-        """Frame height x width: at least 16 each, even (chroma-subsampled formats need it)."""
+        """Frame height x width: at least ``min_frame`` (16 each by default), even (chroma subsampling needs it)."""
         bh, bw = self.band_shape
         h = bh if self.planes == "yuv444" else bh * self.layers
-        return _even(max(h, MIN_FRAME)), _even(max(bw, MIN_FRAME))
+        return _even(max(h, MIN_FRAME, self.min_frame[0])), _even(max(bw, MIN_FRAME, self.min_frame[1]))
 
     def place(self, tensor: int, layer: int) -> tuple[int, int, int]:
         """(plane, row offset, column offset) of a tensor's (0=K, 1=V) band of ``layer``."""
