@@ -81,6 +81,8 @@ def child(data: Path, model: str, n_docs: int, seed: int) -> None:
     rag = make_rag(data, model)
     print("READY", flush=True)
     for d in make_docs(n_docs, seed):
+        if not rag.index.has_document(d["id"]):
+            print(f"START {d['id']}", flush=True)  # a new document: the parent aims its kills at these
         rag.ingest([d], show_progress=False)
         print(f"ACK {d['id']}", flush=True)
     rag.close()
@@ -96,23 +98,27 @@ def _spawn(data: Path, model: str, n_docs: int, seed: int) -> subprocess.Popen:
     )
 
 
-def kill_round(data: Path, model: str, n_docs: int, seed: int, rng: random.Random, acked: set[str]) -> dict:
-    """One child, SIGKILLed after a random number of new acknowledgements plus a random delay."""
+def kill_round(
+    data: Path, model: str, n_docs: int, seed: int, rng: random.Random, acked: set[str], spread: int
+) -> dict:
+    """One child, SIGKILLed a random delay (0-120 ms: anywhere in that ingest, its commit, or just
+    after it) after it starts the ingest of a random one of the next new documents."""
     remaining = n_docs - len(acked)
-    target = rng.randint(0, max(0, remaining - 1))
-    delay = rng.uniform(0.0, 0.08)
+    target = rng.randint(0, max(0, min(remaining - 1, spread)))  # new documents ingested before the kill
+    delay = rng.uniform(0.0, 0.12)
     proc = _spawn(data, model, n_docs, seed)
-    new = 0
+    started = 0
     killed = False
     try:
         for line in proc.stdout:
             word, _, rest = line.strip().partition(" ")
             if word == "ACK":
-                new += rest not in acked
                 acked.add(rest)
             elif word == "DONE":
                 break
-            if word in ("READY", "ACK") and new >= target:
+            elif word == "START":
+                started += 1
+            if word == "START" and started > target:
                 time.sleep(delay)
                 proc.send_signal(signal.SIGKILL)
                 killed = True
@@ -127,7 +133,12 @@ def kill_round(data: Path, model: str, n_docs: int, seed: int, rng: random.Rando
             if word == "ACK":
                 acked.add(rest)
         proc.stdout.close()
-    return {"target_acks": target, "delay_s": round(delay, 3), "killed": killed, "acked_total": len(acked)}
+    return {
+        "new_docs_before_kill": target,
+        "delay_s": round(delay, 3),
+        "killed": killed,
+        "acked_total": len(acked),
+    }
 
 
 # ---- checks --------------------------------------------------------------------------------------
@@ -208,13 +219,13 @@ def run(
     }
     t0 = time.perf_counter()
     for i in range(rounds):
-        r = kill_round(data, model, n_docs, seed, rng, acked)
+        r = kill_round(data, model, n_docs, seed, rng, acked, spread=max(1, 2 * n_docs // rounds - 1))
         v = verify(data, lambda d: make_rag(d, model, emb), docs, acked)
         for k in totals:
             totals[k] += len(v[k]) if isinstance(v[k], list) else v[k]
         per_round.append({**r, **{k: v[k] for k in ("listed", "orphan_kv", "intents_left")}})
         print(
-            f"round {i + 1:2d}: killed={r['killed']} after {r['target_acks']} new acks + {r['delay_s']:.3f} s; "
+            f"round {i + 1:2d}: killed={r['killed']} {r['delay_s']:.3f} s into new document {r['new_docs_before_kill'] + 1}; "
             f"acked {len(acked)}, listed {v['listed']}, lost {len(v['lost'])}, half-written {len(v['half_written'])}, "
             f"unretrievable {len(v['unretrievable'])}, orphan kv {v['orphan_kv']}, tmp {len(v['orphan_tmp'])}",
             flush=True,
