@@ -10,12 +10,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+MIN_API_KEY_CHARS = 16
+#: a list setting from a config file (a list) or an env var (JSON list, or comma-separated)
+StrList = Annotated[list[str], NoDecode]
+KeyList = Annotated[list[SecretStr], NoDecode]
 
 
 class ConfigError(ValueError):
@@ -96,10 +102,78 @@ class Settings(BaseSettings):
     max_top_k: int = Field(32, ge=1)
     max_chunk_ids: int = Field(64, ge=1)
     max_messages: int = Field(64, ge=1)
+    max_prompt_chars: int = Field(
+        262_144, ge=1, description="longest text prompt of /v1/completions (checked before tokenizing)"
+    )
+    max_prompt_tokens: int = Field(131_072, ge=1, description="longest token-id prompt of /v1/completions")
+    ingest_batch_chunks: int = Field(
+        32, ge=1, description="chunks per ingest step (KV, embedding, cancellation check)"
+    )
+    # authentication and origin checks
+    api_keys: KeyList = Field(
+        default_factory=list,
+        description="keys with read and write scope (ingest, delete); when any key is set, writes need "
+        "one (Authorization: Bearer KEY or X-API-Key: KEY). Env: JSON list or comma-separated",
+    )
+    read_api_keys: KeyList = Field(
+        default_factory=list, description="read-only keys (queries, listings): refused writes get 403"
+    )
+    require_key_for_reads: bool = Field(
+        False, description="reads (queries, listings, metrics) need a read or write key too"
+    )
+    allowed_hosts: StrList | None = Field(
+        None,
+        description="Host header allow-list (DNS-rebinding defence); None: the loopback names when host "
+        "is loopback, else any ('*')",
+    )
+    # connection limits (uvicorn)
+    max_connections: int = Field(256, ge=1, description="open connections + requests before 503 (uvicorn)")
+    header_timeout_s: float = Field(10.0, gt=0, description="longest wait for a request's headers")
+    body_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next piece of a body")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="idle keep-alive connections close after")
+    max_header_bytes: int = Field(64 << 10, ge=1024, description="largest request head (h11)")
+    shutdown_timeout_s: float = Field(
+        10.0, gt=0, description="longest wait for running work (and open streams) on shutdown"
+    )
     # server
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("api_keys", "read_api_keys", "allowed_hosts", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        """Env vars: a JSON list, or comma-separated values."""
+        if isinstance(v, str):
+            v = v.strip()
+            if v.startswith("["):
+                return json.loads(v)
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @field_validator("api_keys", "read_api_keys")
+    @classmethod
+    def _long_keys(cls, v: list[SecretStr]) -> list[SecretStr]:
+        if any(len(k.get_secret_value()) < MIN_API_KEY_CHARS for k in v):
+            raise ValueError(f"API keys must have at least {MIN_API_KEY_CHARS} characters")
+        return v
+
+    def host_allow_list(self) -> list[str]:
+        """The Host names accepted (see ``allowed_hosts``)."""
+        if self.allowed_hosts is not None:
+            return list(self.allowed_hosts)
+        return list(LOOPBACK_HOSTS) if self.is_loopback() else ["*"]
+
+    def is_loopback(self) -> bool:
+        """Whether the service binds to a loopback address only."""
+        import ipaddress
+
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
     @model_validator(mode="after")
     def _coherent(self) -> Settings:

@@ -54,18 +54,28 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
     """The request model of ``/v1/completions`` with ``s``'s limits (vLLM's fields that ragkv serves)."""
 
     class StreamOptions(BaseModel):
+        model_config = ConfigDict(strict=True)
         include_usage: bool = False
 
     Stop = Annotated[str, Field(min_length=1, max_length=64)]
+    Text = Annotated[str, Field(max_length=s.max_prompt_chars)]
+    Ids = Annotated[list[int], Field(max_length=s.max_prompt_tokens)]
 
     class CompletionRequest(BaseModel):
         """vLLM's completion request: one prompt (token ids or text); unsupported options only at their
         defaults; ``kv_transfer_params`` in the ragkv connector's format."""
 
-        model_config = ConfigDict(extra="ignore")
+        # strict: "stream": 0, "temperature": false, "prompt": [false] are refused, not coerced
+        model_config = ConfigDict(extra="ignore", strict=True)
         model: str | None = Field(None, max_length=256)
-        prompt: list[int] | str | list[list[int]] | list[str] = Field(
-            description="token ids or text; a list of one prompt is accepted (one prompt per request)"
+        prompt: (
+            Ids
+            | Text
+            | Annotated[list[Ids], Field(max_length=1)]
+            | Annotated[list[Text], Field(max_length=1)]
+        ) = Field(
+            description="token ids or text (bounded: tokenized after admission); a list of one prompt "
+            "is accepted (one prompt per request)"
         )
         max_tokens: int | None = Field(
             DEFAULT_MAX_TOKENS, ge=1, le=s.max_new_tokens_limit, description="tokens to generate at most"

@@ -153,10 +153,12 @@ class ChatCompletion(BaseModel):
 
 # ---- requests (limits from the settings) -------------------------------------------------------
 def build_schemas(s: Settings) -> SimpleNamespace:
-    """Request models with ``s``'s limits (one set per app)."""
+    """Request models with ``s``'s limits (one set per app). Strict types: ``"stream": 0``,
+    ``"temperature": false`` or ``"top_k": "3"`` are refused (422), not coerced; an integer is still
+    accepted where a float is expected."""
 
     class DocumentIn(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
         id: Annotated[str, Field(pattern=DOC_ID_PATTERN)] | None = Field(
             None, description="stable id (letters, digits, . _ : -); default: a hash of the text"
         )
@@ -171,11 +173,11 @@ def build_schemas(s: Settings) -> SimpleNamespace:
             return _not_blank(v)
 
     class IngestRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
         documents: list[DocumentIn] = Field(min_length=1, max_length=s.max_documents)
 
     class QueryRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
         question: str = Field(min_length=1, max_length=s.max_question_chars)
         top_k: int | None = Field(None, ge=1, le=s.max_top_k, description="chunks to retrieve")
         chunk_ids: list[Annotated[int, Field(ge=0, le=MAX_ID)]] | None = Field(
@@ -203,11 +205,12 @@ def build_schemas(s: Settings) -> SimpleNamespace:
             return _not_blank(v)
 
     class ContentPart(BaseModel):
+        model_config = ConfigDict(strict=True)
         type: Literal["text"]
         text: str = Field(max_length=s.max_question_chars)
 
     class ChatMessageIn(BaseModel):
-        model_config = ConfigDict(extra="ignore")
+        model_config = ConfigDict(extra="ignore", strict=True)
         role: Literal["system", "developer", "user", "assistant", "tool"]
         content: str | list[ContentPart] | None = Field(None)
         name: str | None = Field(None, max_length=256)
@@ -226,7 +229,7 @@ def build_schemas(s: Settings) -> SimpleNamespace:
             return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     class RagkvOptions(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
         chunk_ids: list[Annotated[int, Field(ge=0, le=MAX_ID)]] | None = Field(
             None, max_length=s.max_chunk_ids, description="answer over these chunks (no retrieval)"
         )
@@ -236,13 +239,14 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         ratio: float | None = Field(None, ge=0.0, le=1.0)
 
     class StreamOptions(BaseModel):
+        model_config = ConfigDict(strict=True)
         include_usage: bool = False
 
     class ChatCompletionRequest(BaseModel):
         """OpenAI chat completion; the last user message is the question, earlier turns are prepended.
         ragkv options go in the extra field ``ragkv`` (``extra_body={"ragkv": {...}}`` in the client)."""
 
-        model_config = ConfigDict(extra="ignore")
+        model_config = ConfigDict(extra="ignore", strict=True)
         model: str | None = Field(None, max_length=256)
         messages: list[ChatMessageIn] = Field(min_length=1, max_length=s.max_messages)
         max_tokens: int | None = Field(None, ge=1, le=s.max_new_tokens_limit)

@@ -1,12 +1,18 @@
 """The ragkv HTTP service (FastAPI): ingest, query, an OpenAI-compatible chat endpoint, health, metrics.
 
 ``python -m apps.server [--config FILE] [--host H] [--port P] ...`` or ``ragkv serve``; API reference
-in docs/API.md. Errors are ``{"error": {"message", "type", "code"}}`` with 404 / 413 / 422 / 429 / 503
-for unknown ids, too-large bodies or prompts, bad input and a busy or stopping server.
+in docs/API.md. Errors are ``{"error": {"message", "type", "code"}}`` with 401 / 403 / 404 / 408 / 413 /
+422 / 429 / 503 for a missing or wrong API key, a key without write scope, unknown ids, a body too slow
+to arrive, too-large bodies or prompts, bad input and a busy or stopping server.
+
+Writes (ingest, delete) need a write-scope API key when ``api_keys`` is set (FastAPI security
+dependencies: ``Authorization: Bearer KEY`` or ``X-API-Key: KEY``); the Host header is checked
+against ``allowed_hosts`` (Starlette's ``TrustedHostMiddleware``, against DNS rebinding).
 """
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -15,12 +21,15 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Security
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.routing import Match
 
 from apps import openai_compat as oc
 from apps import schemas as sc
@@ -44,6 +53,8 @@ log = logging.getLogger("ragkv.server")
 MIN_TEMPERATURE = 1e-3
 NDJSON = ("application/x-ndjson", "application/jsonl", "application/ndjson")
 ERRORS = {
+    401: {"model": sc.ErrorResponse, "description": "API keys are configured: missing or unknown key"},
+    403: {"model": sc.ErrorResponse, "description": "the key has no write scope"},
     404: {"model": sc.ErrorResponse, "description": "unknown document or chunk id"},
     413: {"model": sc.ErrorResponse, "description": "request body, or prompt + max_tokens, too large"},
     422: {"model": sc.ErrorResponse, "description": "invalid input"},
@@ -64,9 +75,33 @@ def error_json(status: int, message: str, type_: str, details=None) -> dict:
     return {"error": body}
 
 
-def error_response(status: int, message: str, type_: str, details=None) -> JSONResponse:
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse(error_json(status, message, type_, details), status_code=status, headers=headers)
+def error_response(
+    status: int, message: str, type_: str, details=None, headers: dict | None = None
+) -> JSONResponse:
+    """The error body with its status (Retry-After on 429/503, WWW-Authenticate on 401)."""
+    headers = dict(headers or {})
+    if status in (429, 503):
+        headers["Retry-After"] = "1"
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(
+        error_json(status, message, type_, details), status_code=status, headers=headers or None
+    )
+
+
+class UnauthorizedError(ServiceError):
+    status = 401
+    type = "authentication_error"
+
+
+class ForbiddenError(ServiceError):
+    status = 403
+    type = "permission_error"
+
+
+class RequestTimeoutError(ServiceError):
+    status = 408
+    type = "request_timeout"
 
 
 def classify(exc: BaseException) -> tuple[int, str, str]:
@@ -119,7 +154,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         kind = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
             exc.status_code, "http_error"
         )
-        return error_response(exc.status_code, str(exc.detail), kind)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method the path allows, not just its first route's
+            methods = {
+                m
+                for r in request.app.routes
+                if r.matches(request.scope)[0] != Match.NONE
+                for m in getattr(r, "methods", None) or ()
+            }
+            if methods:
+                headers["Allow"] = ", ".join(sorted(methods))
+        return error_response(exc.status_code, str(exc.detail), kind, headers=headers)
 
     async def _known(request: Request, exc: Exception):
         status, kind, message = classify(exc)
@@ -144,12 +189,14 @@ class BodyLimitMiddleware:
     upload bodies pass through with a byte count the endpoint checks as it reads.
     """
 
-    def __init__(self, app, max_body: int, max_upload: int):
+    def __init__(self, app, max_body: int, max_upload: int, body_timeout_s: float = 30.0):
         self.app, self.max_body, self.max_upload = app, max_body, max_upload
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        receive = self._timed(receive, scope, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         upload = scope["method"] == "POST" and scope["path"] == "/v1/documents" and ctype in NDJSON
@@ -165,7 +212,11 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         body, more, size = [], True, 0
         while more:
-            msg = await receive()
+            try:
+                msg = await receive()
+            except RequestTimeoutError as e:
+                resp = error_response(408, str(e), RequestTimeoutError.type, headers={"Connection": "close"})
+                return await resp(scope, None, send)
             if msg["type"] == "http.disconnect":
                 return
             chunk = msg.get("body", b"")
@@ -187,12 +238,34 @@ class BodyLimitMiddleware:
 
         return await self.app(scope, replay, send)
 
+    def _timed(self, receive, scope, send):
+        """``receive`` that raises :class:`RequestTimeoutError` when the next body piece is late."""
+        limit = self.body_timeout_s
+        done = False
+
+        async def timed():
+            nonlocal done
+            if done:  # the body has been read: later calls wait for a disconnect (no deadline)
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), limit)
+            except TimeoutError:
+                raise RequestTimeoutError(f"request body not received within {limit} s") from None
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                done = True
+            return msg
+
+        return timed
+
     @staticmethod
     async def _drain(receive, cap: int) -> None:
         """Read (and drop) up to ``cap`` bytes so the client can read the 413 instead of a reset."""
         n = 0
         while n <= cap:
-            msg = await receive()
+            try:
+                msg = await receive()
+            except RequestTimeoutError:
+                return
             if msg["type"] != "http.request":
                 return
             n += len(msg.get("body", b""))
@@ -311,6 +384,49 @@ async def _openai_events(
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# ---- authentication ----------------------------------------------------------------------------------
+_bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer KEY`")
+_api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API key: `X-API-Key: KEY`")
+
+
+def scope_of(settings: Settings, key: str) -> str | None:
+    """'write', 'read' or None (unknown) for a presented key; constant-time comparisons, all keys tried."""
+    found = None
+    for scope, keys in (("write", settings.api_keys), ("read", settings.read_api_keys)):
+        for k in keys:
+            if hmac.compare_digest(k.get_secret_value().encode(), key.encode()) and found is None:
+                found = scope
+    return found
+
+
+def auth_dependency(settings: Settings, need: str) -> Callable:
+    """A FastAPI security dependency: ``need`` ('write' or 'read') scope when keys are configured.
+
+    No keys configured: everything is open (the service then warns when bound beyond loopback).
+    Writes need a write key; reads need a key only with ``require_key_for_reads``. Missing or unknown
+    key: 401; a read-only key on a write: 403."""
+    configured = bool(settings.api_keys or settings.read_api_keys)
+    required = configured and (need == "write" or settings.require_key_for_reads)
+
+    async def check(
+        bearer: HTTPAuthorizationCredentials | None = Security(_bearer),
+        header_key: str | None = Security(_api_key_header),
+    ) -> str | None:
+        if not required:
+            return None
+        key = bearer.credentials if bearer is not None else header_key
+        if not key:
+            raise UnauthorizedError("this endpoint needs an API key (Authorization: Bearer KEY or X-API-Key)")
+        scope = scope_of(settings, key)
+        if scope is None:
+            raise UnauthorizedError("unknown API key")
+        if need == "write" and scope != "write":
+            raise ForbiddenError("this API key is read-only; ingest and delete need a write key")
+        return scope
+
+    return check
+
+
 # ---- the app -----------------------------------------------------------------------------------------
 def create_app(settings: Settings | None = None, service: Service | None = None) -> FastAPI:
     """The FastAPI app; the model loads at startup (or pass a ready ``service``)."""
@@ -323,6 +439,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     async def lifespan(app: FastAPI):
         await asyncio.to_thread(svc.start)
         log.info("ragkv service ready: model %s, data %s", settings.model, settings.data_dir)
+        warn_exposure(settings)
         yield
         await asyncio.to_thread(svc.close)
 
@@ -334,6 +451,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     )
     app.state.service = svc
     _install_error_handlers(app)
+    can_write = [Depends(auth_dependency(settings, "write"))]
+    can_read = [Depends(auth_dependency(settings, "read"))]
 
     def sampling(max_tokens, temperature, top_p, seed, stop) -> SamplingParams:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -365,7 +484,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         responses=ERRORS,
         openapi_extra=upload_body,
         tags=["documents"],
-        summary="Ingest documents (idempotent)",
+        summary="Ingest documents (idempotent; all or none)",
+        dependencies=can_write,
     )
     async def ingest(request: Request):
         """JSON ``{"documents": [{id?, text, metadata?}]}``, or NDJSON (one document per line, for large
@@ -386,11 +506,17 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             except ValidationError as e:
                 raise RequestValidationError(e.errors(include_url=False)) from None
             docs = [d.model_dump() for d in req.documents]
-        return await svc.run_ingest(lambda: svc.ingest(docs))
+        return await svc.run_ingest(lambda cancel: svc.ingest(docs, cancel), request.is_disconnected)
 
-    @app.get("/v1/documents", response_model=sc.DocumentList, tags=["documents"], summary="List document ids")
+    @app.get(
+        "/v1/documents",
+        response_model=sc.DocumentList,
+        tags=["documents"],
+        summary="List document ids",
+        dependencies=can_read,
+    )
     async def list_documents():
-        ids = await asyncio.to_thread(svc.rag.index.document_ids)
+        ids = await asyncio.get_running_loop().run_in_executor(svc.read_pool, svc.rag.index.document_ids)
         return {"ids": ids, "total": len(ids)}
 
     @app.delete(
@@ -399,9 +525,10 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         responses=ERRORS,
         tags=["documents"],
         summary="Delete a document, its chunks and their KV",
+        dependencies=can_write,
     )
-    async def delete_document(doc_id: str):
-        await svc.run_ingest(lambda: svc.delete(doc_id))
+    async def delete_document(doc_id: str, request: Request):
+        await svc.run_ingest(lambda cancel: svc.delete(doc_id), request.is_disconnected)
         return {"id": doc_id, "deleted": True}
 
     # -- query
@@ -414,8 +541,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         },
         tags=["query"],
         summary="Answer a question over retrieved (or given) chunks",
+        dependencies=can_read,
     )
-    async def query(req: S.QueryRequest):
+    async def query(req: S.QueryRequest, request: Request):
         """Retrieve ``top_k`` chunks (or use ``chunk_ids``) and answer with their stored KV reused
         (``mode``); ``stream=true`` sends ``token`` events then one ``answer`` event."""
         spec = QuerySpec(
@@ -429,7 +557,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         )
         rid = "q-" + uuid.uuid4().hex[:16]
         if not req.stream:
-            text, final = await svc.answer(spec)
+            text, final = await svc.answer(spec, request.is_disconnected)
             return _query_body(rid, text, final)
         it = svc.stream(spec)
         first, more = await _start_stream(it)
@@ -480,8 +608,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         },
         tags=["openai"],
         summary="OpenAI chat completions with retrieval and reused chunk KV",
+        dependencies=can_read,
     )
-    async def chat_completions(req: S.ChatCompletionRequest):
+    async def chat_completions(req: S.ChatCompletionRequest, request: Request):
         """The last user message is the question (earlier turns are prepended to it). Retrieval is
         automatic unless ``ragkv.chunk_ids`` names the chunks or ``ragkv.retrieve`` is false."""
         pairs = [(m.role, m.text()) for m in req.messages]
@@ -498,7 +627,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         cid = "chatcmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not req.stream:
-            text, f = await svc.answer(spec)
+            text, f = await svc.answer(spec, request.is_disconnected)
             return {
                 "id": cid,
                 "object": "chat.completion",
@@ -568,8 +697,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         },
         tags=["openai"],
         summary="OpenAI / vLLM completions; kv_transfer_params chunks served from the chunk store",
+        dependencies=can_read,
     )
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         """vLLM's ``/v1/completions``: a token-id or text prompt; ``kv_transfer_params["ragkv"]`` names
         stored chunks (key, start, length) whose KV is blended in (docs/API.md)."""
         if settings.backend != "local":
@@ -579,13 +709,17 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         if req.model and req.model != model_name:
             raise NotFoundError(f"The model `{req.model}` does not exist.")
         rag = svc.rag
-        ids = await asyncio.to_thread(oc.prompt_ids, rag.model, req.prompt)
         blend = oc.blend_params(req.kv_transfer_params)
         params = oc.sampling(req, rag.model)
         cid = "cmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
         tids = bool(req.return_token_ids)
-        it = svc.run_stream(lambda wait: oc.completion_events(rag, ids, blend, params))
+        # tokenized in the worker, after admission (its length was bounded by the schema), so big text
+        # prompts queue like any other work instead of running on a shared pool ahead of it
+        it = svc.run_stream(
+            lambda wait: oc.completion_events(rag, oc.prompt_ids(rag.model, req.prompt), blend, params),
+            request.is_disconnected if not req.stream else None,
+        )
         first, more = await _start_stream(it)
         if not req.stream:
             item, has, parts = first, more, []
@@ -619,7 +753,13 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     def _ragkv_info(f: Final) -> dict:
         return {"sources": [_source(r) for r in f.answer.sources], "timings": _timings(f), "stats": _stats(f)}
 
-    @app.get("/v1/models", response_model=sc.ModelList, tags=["openai"], summary="The served model")
+    @app.get(
+        "/v1/models",
+        response_model=sc.ModelList,
+        tags=["openai"],
+        summary="The served model",
+        dependencies=can_read,
+    )
     async def models():
         return {
             "object": "list",
@@ -630,7 +770,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     @app.get("/healthz", response_model=sc.Health, tags=["ops"], summary="Liveness and size")
     async def healthz():
         rag = svc.rag
-        docs, chunks = await asyncio.to_thread(lambda: (len(rag.index.document_ids()), len(rag.index)))
+        docs, chunks = rag.index.num_documents, len(rag.index)  # in-memory counts: no thread, no SQLite
         return {
             "status": "ok",
             "model": model_name,
@@ -641,9 +781,15 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             "queued": svc.queries.queued,
         }
 
-    @app.get("/metrics", response_class=PlainTextResponse, tags=["ops"], summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        tags=["ops"],
+        summary="Prometheus metrics",
+        dependencies=can_read,
+    )
     async def metrics():
-        text = await asyncio.to_thread(svc.registry.render)
+        text = await asyncio.get_running_loop().run_in_executor(svc.ops_pool, svc.registry.render)
         return Response(text, media_type=CONTENT_TYPE)
 
     def openapi() -> dict:
@@ -663,10 +809,28 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
 
     app.openapi = openapi
     app.add_middleware(
-        BodyLimitMiddleware, max_body=settings.max_body_bytes, max_upload=settings.max_upload_bytes
+        BodyLimitMiddleware,
+        max_body=settings.max_body_bytes,
+        max_upload=settings.max_upload_bytes,
+        body_timeout_s=settings.body_timeout_s,
     )
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_allow_list())
     app.add_middleware(MetricsMiddleware, service=svc)
     return app
+
+
+def warn_exposure(settings: Settings) -> None:
+    """Warn when the service is reachable beyond this machine and anyone may write to it."""
+    if not settings.is_loopback() and not settings.api_keys:
+        log.warning(
+            "serving on %s without API keys: anyone who can reach this address can ingest and delete "
+            "documents; set api_keys (RAGKV_API_KEYS) or bind to 127.0.0.1",
+            settings.host,
+        )
+    if "*" in settings.host_allow_list() and settings.allowed_hosts is None:
+        log.info(
+            "Host header not checked (host %s is not loopback); set allowed_hosts to check it", settings.host
+        )
 
 
 async def _read_ndjson(request: Request, model, limit: int) -> list[dict]:
@@ -753,8 +917,25 @@ def main(argv: list[str] | None = None, prog: str = "python -m apps.server") -> 
         print(f"error: {e}")
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(create_app(settings), **uvicorn_options(settings))
     return 0
+
+
+def uvicorn_options(settings: Settings) -> dict:
+    """uvicorn's limits from the settings: connection cap, head/keep-alive deadlines, head size, and a
+    bounded graceful shutdown (streams still open after ``shutdown_timeout_s`` are cut)."""
+    from apps.protocol import header_timeout_protocol
+
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "http": header_timeout_protocol(settings.header_timeout_s),
+        "limit_concurrency": settings.max_connections,
+        "timeout_keep_alive": settings.keep_alive_timeout_s,
+        "h11_max_incomplete_event_size": settings.max_header_bytes,
+        "timeout_graceful_shutdown": settings.shutdown_timeout_s,
+    }
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 Generation is CPU-bound, so it never runs on the event loop: each query runs in a worker thread
 (``max_concurrency`` of them); at most ``max_queue`` more wait (then :class:`BusyError`, HTTP 429), and
-a request that waited longer than ``queue_timeout_s`` is dropped (:class:`UnavailableError`, 503).
-Ingest and delete run one at a time on their own thread, so queries go on while documents arrive.
-Streams hand tokens from the worker to the loop as they are produced; a client that goes away stops
-its generation at the next token.
+a request that waits longer than ``queue_timeout_s`` gets :class:`UnavailableError` (503) at that
+moment, and its work is dropped before it starts. Ingest and delete run one at a time on their own
+thread, so queries go on while documents arrive; an ingest whose client goes away (or a server that
+stops) is cancelled at its next batch, before it commits anything. Streams hand tokens from the worker
+to the loop as they are produced; a client that goes away stops its generation at the next token.
+Health and metrics run on their own small pool, so no amount of query, ingest or tokenization work
+can starve them; :meth:`Service.close` waits at most ``shutdown_timeout_s`` for running work.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +26,7 @@ from apps.config import Settings
 from apps.metrics import Counter, Gauge, Histogram, Registry
 from integrations.common import RagBackend
 from ragkv.generate import SamplingParams, TokenEvent
-from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
+from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer
 from ragkv.rag.index import text_sha
 
 log = logging.getLogger("ragkv.server")
@@ -59,6 +62,45 @@ class InvalidRequestError(ServiceError):
 class TooLargeError(ServiceError):
     status = 413
     type = "context_length_exceeded"
+
+
+class ClientGoneError(ServiceError):
+    """The client disconnected; its work was dropped (nobody reads this answer)."""
+
+    status = 499
+    type = "client_closed_request"
+
+
+#: how often a waiting request checks its queue deadline and whether its client is still there
+POLL_S = 0.25
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+class _Ticket:
+    """One piece of work through a gate: queued -> running, or queued -> dropped (timeout, client gone)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.state = "queued"
+        self.cancel = threading.Event()  # set when the work should stop (checked between its steps)
+
+    def start(self) -> bool:
+        """In the worker: True when the work may run (it was not dropped while queued)."""
+        with self._lock:
+            if self.state != "queued" or self.cancel.is_set():
+                self.state = "dropped"
+                return False
+            self.state = "running"
+            return True
+
+    def drop(self) -> bool:
+        """On the loop: True when the work had not started (and now never will)."""
+        self.cancel.set()
+        with self._lock:
+            if self.state == "queued":
+                self.state = "dropped"
+                return True
+            return False
 
 
 #: prefill statistics the API reports (``stats`` of /v1/query, ``ragkv.stats`` of the OpenAI endpoints)
@@ -152,7 +194,11 @@ class Service:
         self.ingests = _Gate("ingest", 1, settings.max_ingest_queue)
         self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="ragkv-gen")
         self._ingest_pool = ThreadPoolExecutor(1, thread_name_prefix="ragkv-ingest")
+        # health, metrics: never behind queries, ingest or tokenization in a shared pool
+        self.ops_pool = ThreadPoolExecutor(2, thread_name_prefix="ragkv-ops")
+        self.read_pool = ThreadPoolExecutor(2, thread_name_prefix="ragkv-read")  # document listing
         self._closed = False
+        self._stopping = threading.Event()  # running work stops at its next step
         self.started_at = int(time.time())
         self.registry = Registry()
         self._setup_metrics()
@@ -180,18 +226,44 @@ class Service:
             )
             self.engine = AsyncEngine(self.rag.model, cfg, store=self.rag.store)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Stop: queued work is dropped, running work is told to stop (an ingest at its next batch,
+        before committing; a generation at its next token) and waited for at most ``timeout_s``
+        (default ``settings.shutdown_timeout_s``). Returns whether everything finished; if not, the
+        index and store are left open (the index is crash-consistent, so exiting now loses nothing
+        that was acknowledged)."""
+        timeout_s = self.settings.shutdown_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         self._closed = True
+        self._stopping.set()
         if self.engine is not None:
             self.engine.engine.shutdown()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._ingest_pool.shutdown(wait=True, cancel_futures=True)
+        pools = (self._pool, self._ingest_pool, self.ops_pool, self.read_pool)
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        threads = [t for pool in pools for t in list(getattr(pool, "_threads", ()))]
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in threads if t.is_alive()]
+        if busy:
+            log.warning("shutdown: %s still running after %.1f s; exiting without waiting", busy, timeout_s)
+            return False
         if self.rag is not None:
             self.rag.flush()
             self.rag.close()
+        return True
 
     # ---- running work off the loop ----------------------------------------------------------------
-    async def _run(self, gate: _Gate, pool: ThreadPoolExecutor, fn: Callable[[], Any]) -> Any:
+    async def _run(
+        self,
+        gate: _Gate,
+        pool: ThreadPoolExecutor,
+        fn: Callable[[threading.Event], Any],
+        disconnected: Disconnected | None = None,
+    ) -> Any:
+        """``fn(cancel)`` on ``pool`` under ``gate``: 429 when full, 503 as soon as it has waited
+        ``queue_timeout_s`` for a worker (the work is then dropped), and ``cancel`` set when the client
+        goes away (``disconnected``) or the server stops; ``fn`` checks it between its steps."""
         if self._closed:
             raise UnavailableError("server is shutting down")
         try:
@@ -200,32 +272,60 @@ class Service:
             self.rejected.inc(gate.name, "busy")
             raise
         t_in = time.perf_counter()
-        started = False
+        ticket = _Ticket()
 
         def job():
-            nonlocal started
-            wait = time.perf_counter() - t_in
-            if wait > self.settings.queue_timeout_s:
-                raise UnavailableError(
-                    f"waited {wait:.1f} s for a worker (limit {self.settings.queue_timeout_s} s)"
-                )
-            gate.started()
-            started = True
-            self.queue_wait.observe(wait, gate.name)
-            return fn()
+            started = ticket.start()
+            try:
+                if not started:
+                    return None
+                gate.started()
+                self.queue_wait.observe(time.perf_counter() - t_in, gate.name)
+                return fn(ticket.cancel)
+            finally:
+                gate.finished(started)
 
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool, job)
-        except UnavailableError:
-            self.rejected.inc(gate.name, "timeout")
-            raise
-        finally:
-            gate.finished(started)
+            fut = asyncio.wrap_future(pool.submit(job))
+        except RuntimeError as e:  # pool shut down
+            gate.finished(False)
+            raise UnavailableError("server is shutting down") from e
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception not retrieved"
+        deadline = t_in + self.settings.queue_timeout_s
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=POLL_S)
+            if done:
+                if ticket.state == "dropped":  # stopped while queued (shutdown)
+                    raise UnavailableError("server is shutting down")
+                try:
+                    return fut.result()
+                except IngestCancelled:
+                    if self._stopping.is_set():
+                        raise UnavailableError(
+                            "server is shutting down; the ingest was not committed"
+                        ) from None
+                    raise ClientGoneError("client went away; the ingest was not committed") from None
+            if self._stopping.is_set():
+                ticket.cancel.set()
+            if ticket.state == "queued" and time.perf_counter() > deadline and ticket.drop():
+                self.rejected.inc(gate.name, "timeout")
+                raise UnavailableError(
+                    f"waited {time.perf_counter() - t_in:.1f} s for a worker (limit {self.settings.queue_timeout_s} s)"
+                )
+            if disconnected is not None and not ticket.cancel.is_set() and await disconnected():
+                ticket.drop()
+                self.cancelled.inc()
+                raise ClientGoneError("client went away")
 
-    async def run_ingest(self, fn: Callable[[], Any]) -> Any:
-        return await self._run(self.ingests, self._ingest_pool, fn)
+    async def run_ingest(
+        self, fn: Callable[[threading.Event], Any], disconnected: Disconnected | None = None
+    ) -> Any:
+        """Ingest or delete work, one at a time: ``fn(cancel)`` (see :meth:`_run`)."""
+        return await self._run(self.ingests, self._ingest_pool, fn, disconnected)
 
-    async def stream(self, spec: QuerySpec) -> AsyncIterator[TokenEvent | Final]:
+    async def stream(
+        self, spec: QuerySpec, disconnected: Disconnected | None = None
+    ) -> AsyncIterator[TokenEvent | Final]:
         """Token events then a :class:`Final`; generation runs in a worker thread or in the engine."""
         if self._closed:
             raise UnavailableError("server is shutting down")
@@ -233,12 +333,15 @@ class Service:
             async for item in self._engine_stream(spec):
                 yield item
             return
-        async for item in self.run_stream(lambda wait: self._answer_iter(spec, wait)):
+        async for item in self.run_stream(lambda wait: self._answer_iter(spec, wait), disconnected):
             yield item
 
-    async def run_stream(self, make_iter: Callable[[float], Iterator[Any]]) -> AsyncIterator[Any]:
+    async def run_stream(
+        self, make_iter: Callable[[float], Iterator[Any]], disconnected: Disconnected | None = None
+    ) -> AsyncIterator[Any]:
         """The items of ``make_iter(queue seconds)``, produced in a worker thread under the query gate
-        (admission, queue timeout, cancellation when the consumer stops)."""
+        (admission, queue deadline enforced while waiting, cancellation when the consumer stops, the
+        client goes away or the server stops)."""
         if self._closed:
             raise UnavailableError("server is shutting down")
         try:
@@ -248,7 +351,8 @@ class Service:
             raise
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
+        ticket = _Ticket()
+        cancel = ticket.cancel
         t_in = time.perf_counter()
         end = object()
 
@@ -259,24 +363,19 @@ class Service:
                 cancel.set()
 
         def job() -> None:
-            started = False
+            started = ticket.start()
             try:
-                wait = time.perf_counter() - t_in
-                if cancel.is_set():
+                if not started:
                     return
-                if wait > self.settings.queue_timeout_s:
-                    self.rejected.inc("query", "timeout")
-                    raise UnavailableError(
-                        f"waited {wait:.1f} s for a worker (limit {self.settings.queue_timeout_s} s)"
-                    )
+                wait = time.perf_counter() - t_in
                 self.queries.started()
-                started = True
                 self.queue_wait.observe(wait, "query")
                 it = make_iter(wait)
                 for item in it:
-                    if cancel.is_set():
+                    if cancel.is_set() or self._stopping.is_set():
                         it.close()
                         self.cancelled.inc()
+                        post((end, UnavailableError("server is shutting down")))
                         return
                     post((item, None))
             except BaseException as e:  # noqa: BLE001 - delivered to the request
@@ -291,9 +390,24 @@ class Service:
         except RuntimeError as e:  # pool shut down
             self.queries.finished(False)
             raise UnavailableError("server is shutting down") from e
+        deadline = t_in + self.settings.queue_timeout_s
         try:
             while True:
-                item, exc = await queue.get()
+                try:
+                    item, exc = await asyncio.wait_for(queue.get(), POLL_S)
+                except TimeoutError:
+                    if ticket.state == "queued" and time.perf_counter() > deadline and ticket.drop():
+                        self.rejected.inc("query", "timeout")
+                        raise UnavailableError(
+                            f"waited {time.perf_counter() - t_in:.1f} s for a worker "
+                            f"(limit {self.settings.queue_timeout_s} s)"
+                        ) from None
+                    if self._stopping.is_set() and ticket.drop():
+                        raise UnavailableError("server is shutting down") from None
+                    if disconnected is not None and await disconnected():
+                        ticket.drop()
+                        raise ClientGoneError("client went away") from None
+                    continue
                 if item is end:
                     if exc is not None:
                         raise exc
@@ -302,10 +416,11 @@ class Service:
         finally:
             cancel.set()
 
-    async def answer(self, spec: QuerySpec) -> tuple[str, Final]:
+    async def answer(self, spec: QuerySpec, disconnected: Disconnected | None = None) -> tuple[str, Final]:
+        """The whole answer (text, :class:`Final`); work is dropped if ``disconnected()`` turns true."""
         parts = []
         final = None
-        async for item in self.stream(spec):
+        async for item in self.stream(spec, disconnected):
             if isinstance(item, Final):
                 final = item
             else:
@@ -430,8 +545,9 @@ class Service:
         self.prompt_tokens.inc(n=f.prompt_tokens)
         self.answers.inc(f.answer.mode)
 
-    def ingest(self, docs: list[dict]) -> dict:
-        """Ingest ``[{id?, text, metadata}]``; per document: added / unchanged / replaced and its chunk ids."""
+    def ingest(self, docs: list[dict], cancel: threading.Event | None = None) -> dict:
+        """Ingest ``[{id?, text, metadata}]`` (all or none); per document: added / unchanged / replaced
+        and its chunk ids. Stops before committing when ``cancel`` is set or the server stops."""
         rag = self.rag
         documents = [Document(d["text"], d.get("id"), dict(d.get("metadata") or {})) for d in docs]
         seen: dict[str, str] = {}
@@ -445,7 +561,12 @@ class Service:
             seen[d.id] = sha
             unique.append(d)
         before = {d.id: rag.index.document_sha(d.id) for d in unique}
-        rep = rag.ingest(unique, show_progress=False)
+        stop = self._stopping
+
+        def cancelled() -> bool:
+            return stop.is_set() or (cancel is not None and cancel.is_set())
+
+        rep = rag.ingest(unique, show_progress=False, cancel=cancelled)
         out = []
         for d in unique:
             old = before[d.id]
@@ -535,7 +656,7 @@ class Service:
                 ("op",),
             )
         )
-        r.add(Gauge("ragkv_documents", "documents in the index", lambda: len(self.rag.index.document_ids())))
+        r.add(Gauge("ragkv_documents", "documents in the index", lambda: self.rag.index.num_documents))
         r.add(Gauge("ragkv_chunks", "chunks in the index", lambda: len(self.rag.index)))
         r.add(
             Gauge(
@@ -592,4 +713,5 @@ def build_rag(s: Settings) -> RAG:
         top_k=s.top_k,
         mode=s.mode,
         ratio=s.ratio,
+        ingest_batch=s.ingest_batch_chunks,
     )

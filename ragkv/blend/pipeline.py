@@ -46,7 +46,9 @@ class StoredChunk:
         if self.header is None:
             raise ChunkLoadError(key, -1, index)
         if self.header.fingerprint != fingerprint or list(self.header.token_ids) != self.token_ids:
-            # never reuse KV of another model or of other text under the same key
+            # never reuse KV of another model or of other text under the same key; content keys name
+            # tokens and model, so such a blob is corrupt: let the write-back of the recompute replace it
+            getattr(store, "mark_corrupt", lambda k: None)(key)
             raise ChunkLoadError(key, -1, index)
         self._group: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.Lock()

@@ -2,7 +2,15 @@
 
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.rag.index import ChunkIndex, ChunkRecord
-from ragkv.rag.pipeline import RAG, Document, IngestReport, RagAnswer, RagPrompt
+from ragkv.rag.pipeline import (
+    RAG,
+    Document,
+    IngestCancelled,
+    IngestReport,
+    RagAnswer,
+    RagPrompt,
+    WarnThrottle,
+)
 from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
 from ragkv.rag.splitter import TextChunk, split_tokens
 
@@ -15,10 +23,12 @@ __all__ = [
     "ChunkRecord",
     "Document",
     "Embedder",
+    "IngestCancelled",
     "IngestReport",
     "RagAnswer",
     "RagPrompt",
     "TextChunk",
+    "WarnThrottle",
     "prompt_parts",
     "split_tokens",
 ]

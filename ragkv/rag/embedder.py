@@ -24,6 +24,34 @@ def resolve_embedder(name_or_path: str) -> str:
     return name_or_path
 
 
+class _PriorityGate:
+    """One caller at a time; waiting foreground callers (queries) go before background ones (ingest)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._waiting_fg = 0
+
+    def acquire(self, background: bool) -> None:
+        with self._cond:
+            if background:
+                while self._busy or self._waiting_fg:
+                    self._cond.wait()
+            else:
+                self._waiting_fg += 1
+                try:
+                    while self._busy:
+                        self._cond.wait()
+                finally:
+                    self._waiting_fg -= 1
+            self._busy = True
+
+    def release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
 class Embedder:
     """Wraps a SentenceTransformer (hub id or local path); returns L2-normalised float32 rows."""
 
@@ -38,17 +66,30 @@ class Embedder:
         )
         self.dim = int(get_dim())
         self.batch_size = batch_size
-        self._lock = threading.Lock()  # a SentenceTransformer is not safe to call from threads at once
+        # a SentenceTransformer is not safe to call from threads at once; queries go first
+        self._gate = _PriorityGate()
 
-    def embed(self, texts: list[str]) -> np.ndarray:
+    def embed(self, texts: list[str], background: bool = False) -> np.ndarray:
+        """Embed ``texts``; ``background`` (ingest) work takes the model one batch at a time and lets
+        any waiting foreground call (a query's question) in between, so retrieval never waits for a
+        whole document's embedding."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        with self._lock:
-            out = self.model.encode(
-                texts,
-                batch_size=self.batch_size,
-                convert_to_numpy=True,
-                normalize_embeddings=True,
-                show_progress_bar=False,
-            )
+        step = self.batch_size if background else len(texts)
+        parts = []
+        for lo in range(0, len(texts), step):
+            self._gate.acquire(background)
+            try:
+                parts.append(
+                    self.model.encode(
+                        texts[lo : lo + step],
+                        batch_size=self.batch_size,
+                        convert_to_numpy=True,
+                        normalize_embeddings=True,
+                        show_progress_bar=False,
+                    )
+                )
+            finally:
+                self._gate.release()
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return np.ascontiguousarray(out, dtype=np.float32)

@@ -8,11 +8,12 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from ragkv.blend.controller import LoadingController
@@ -23,11 +24,37 @@ from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.kv.compute import compute_chunk_kv
 from ragkv.llm import LLM
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
-from ragkv.rag.index import ChunkIndex, ChunkRecord, text_sha
+from ragkv.rag.index import ChunkIndex, ChunkRecord, PendingDocument, text_sha
 from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
 from ragkv.rag.splitter import split_tokens
 
 log = logging.getLogger("ragkv.rag")
+
+
+class IngestCancelled(RuntimeError):
+    """An ingest stopped before its commit (client gone, deadline, shutdown): nothing of it is indexed."""
+
+
+class WarnThrottle:
+    """Log a warning of one kind at most once per ``every_s`` seconds, counting the ones held back
+    (a store outage must not turn every chunk of every query into a log line)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
+        self.log, self.every_s = logger, every_s
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args) -> None:
+        """Warn now, or count it if a warning of ``kind`` went out less than ``every_s`` ago."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -1e18) < self.every_s:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        self.log.warning(msg + (f" [{held} similar warnings suppressed]" if held else ""), *args)
 
 
 @dataclass
@@ -98,6 +125,7 @@ class RAG:
         controller: LoadingController | None = None,
         metric: str = "cosine",
         seed: int = 0,
+        ingest_batch: int = 32,
     ):
         from ragkv.store import store_from_url
 
@@ -131,51 +159,90 @@ class RAG:
         )
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-kv-writeback")
         self.counters = {"kv_hits": 0, "kv_misses": 0, "kv_recomputed_bad": 0}
-        self._ingest_lock = threading.Lock()  # concurrent ingests of one new document must not race
+        #: chunks per ingest step: KV, embedding and the cancellation check go by this many chunks
+        self.ingest_batch = max(1, int(ingest_batch))
+        self._ingest_lock = threading.RLock()  # ingests and deletes run one at a time
+        # orders "is this key still used?" + store write (write-back) against index change + store delete
+        self._kv_lock = threading.Lock()
+        self._warn = WarnThrottle(log)
+        self._settle()  # KV left unreferenced by a crash (an uncommitted ingest, an unfinished delete)
 
     # ---- ingest --------------------------------------------------------------------------------
-    def ingest(self, docs: Iterable[Document | str | dict], show_progress: bool = True) -> IngestReport:
-        """Split, embed, index and precompute every chunk's KV. Idempotent: unchanged documents are skipped."""
+    def ingest(
+        self,
+        docs: Iterable[Document | str | dict],
+        show_progress: bool = True,
+        cancel: Callable[[], bool] | None = None,
+    ) -> IngestReport:
+        """Split, embed, index and precompute every chunk's KV. Idempotent: unchanged (and whole)
+        documents are skipped. All documents are committed together, or none (:class:`IngestCancelled`
+        when ``cancel()`` turns true: it is checked every ``ingest_batch`` chunks)."""
         docs = [self._as_document(d) for d in docs]
         with self._ingest_lock:
-            return self._ingest(docs, show_progress)
+            try:
+                return self._ingest(docs, show_progress, cancel or (lambda: False))
+            finally:
+                self._settle()  # KV of an ingest that did not commit, KV of replaced chunks
 
-    def _ingest(self, docs: list[Document], show_progress: bool) -> IngestReport:
+    def _ingest(self, docs: list[Document], show_progress: bool, cancel: Callable[[], bool]) -> IngestReport:
         t0 = time.perf_counter()
-        rep = IngestReport(doc_ids=[d.id for d in docs])
+        rep = IngestReport(doc_ids=list(dict.fromkeys(d.id for d in docs)))
         fp = self.model.fingerprint
+        pending: dict[str, PendingDocument] = {}
         for doc in tqdm(docs, desc="ingest", unit="doc", disable=not show_progress):
             sha = text_sha(doc.text)
+            if doc.id in pending and pending[doc.id].sha == sha:
+                continue  # named twice in one call
             old = self.index.document_sha(doc.id)
-            if old == sha:
+            if old == sha and doc.id not in pending and self.index.repair_document(doc.id):
                 rep.documents_unchanged += 1
-                for rec in self.index.chunks_of(doc.id):  # the store may have lost KV since: refill
-                    self._ensure_kv(rec.token_ids, rec.kv_key, rep)
+                for i, rec in enumerate(self.index.chunks_of(doc.id)):  # the store may have lost KV since
+                    if i % self.ingest_batch == 0:
+                        _check(cancel)
+                    self._ensure_kv(rec.token_ids, rec.kv_key, rep)  # referenced: no intent needed
                 continue
-            if old is not None:
-                self.delete_document(doc.id)
             parts = split_tokens(self.model.tokenizer, doc.text, self.chunk_tokens, self.overlap)
-            rows = []
-            for c in parts:
-                key = chunk_key(list(c.token_ids), fp)
-                self._ensure_kv(list(c.token_ids), key, rep)
-                rows.append((c.seq, c.text, list(c.token_ids), key))
-            vectors = self.embedder.embed([c.text for c in parts])
-            self.index.add_document(doc.id, sha, doc.metadata, rows, vectors)
-            rep.documents_added += 1
-            rep.chunks_added += len(rows)
+            rows, vecs = [], []
+            for lo in range(0, len(parts), self.ingest_batch):
+                _check(cancel)
+                batch = parts[lo : lo + self.ingest_batch]
+                keys = [chunk_key(list(c.token_ids), fp) for c in batch]
+                missing = [k for k in dict.fromkeys(keys) if not self.store.contains(k)]
+                self.index.add_intents(missing)  # write-ahead: KV about to be stored, not yet referenced
+                for c, key in zip(batch, keys, strict=True):
+                    self._ensure_kv(list(c.token_ids), key, rep)
+                    rows.append((c.seq, c.text, list(c.token_ids), key))
+                vecs.append(self.embedder.embed([c.text for c in batch], background=True))
+            vectors = np.concatenate(vecs) if vecs else np.zeros((0, self.embedder.dim), np.float32)
+            pending[doc.id] = PendingDocument(doc.id, sha, doc.metadata, rows, vectors)
+        _check(cancel)
+        if pending:
+            with self._kv_lock:
+                self.index.commit(list(pending.values()))
+            rep.documents_added = len(pending)
+            rep.chunks_added = sum(len(p.chunks) for p in pending.values())
         rep.seconds = time.perf_counter() - t0
         log.info("ingest: %s", rep)
         return rep
 
     def _ensure_kv(self, token_ids: list[int], key: str, rep: IngestReport) -> None:
+        """Compute and store a chunk's KV unless stored (the key is referenced or in the intents)."""
         if self.store.contains(key):
             rep.kv_already_stored += 1
             return
         kv = compute_chunk_kv(self.model, token_ids)
         if not self.store.put(kv):
-            log.warning("could not store KV of chunk %s; it will be recomputed when retrieved", key[:16])
+            self._warn.warning(
+                "ingest-put", "could not store KV of chunk %s; it will be recomputed when retrieved", key[:16]
+            )
         rep.kv_computed += 1
+
+    def _settle(self) -> None:
+        """Delete stored KV that the write-ahead record lists and no chunk references."""
+        with self._kv_lock:
+            n = self.index.settle_intents(self.store.delete)
+        if n:
+            log.info("deleted the stored KV of %d unreferenced chunk(s)", n)
 
     @staticmethod
     def _as_document(d) -> Document:
@@ -188,9 +255,12 @@ class RAG:
         raise TypeError(f"cannot ingest {type(d).__name__}; pass Document, str or dict")
 
     def delete_document(self, doc_id: str) -> None:
-        """Remove a document from the index; KV no other chunk shares is deleted from the store."""
-        for key in self.index.delete_document(doc_id):
-            self.store.delete(key)
+        """Remove a document from the index; KV no other chunk shares is deleted from the store, and no
+        background write-back can store it again (it checks, under the same lock, that a chunk uses it)."""
+        with self._ingest_lock:
+            with self._kv_lock:
+                self.index.delete_document(doc_id)
+            self._settle()
 
     # ---- retrieve ------------------------------------------------------------------------------
     def retrieve(self, question: str, k: int | None = None) -> list[ChunkRecord]:
@@ -350,18 +420,27 @@ class RAG:
         return kv
 
     def _write_back(self, kv: ChunkKV) -> None:
+        """Store recomputed KV, only while a chunk still uses it (a deleted document's KV stays deleted)."""
         try:
-            if not self.store.put(kv):
-                log.warning("write-back of chunk %s failed; it will be recomputed next time", kv.key[:16])
+            with self._kv_lock:
+                if not self.index.references(kv.key):
+                    return
+                ok = self.store.put(kv)
+            if not ok:
+                self._warn.warning(
+                    "write-back",
+                    "write-back of chunk %s failed; it will be recomputed next time",
+                    kv.key[:16],
+                )
         except Exception as e:  # never let a background write kill the writer thread
-            log.warning("write-back of chunk %s failed: %s", kv.key[:16], e)
+            self._warn.warning("write-back", "write-back of chunk %s failed: %s", kv.key[:16], e)
 
     def _prefill_with_recovery(self, prefix, items, suffix, mode, ratio):
         """Prefill; a chunk whose stored KV fails to load mid-way is recomputed and the prefill retried."""
 
         def bad(e: ChunkLoadError) -> None:
-            log.warning(
-                "stored KV of chunk %s failed to load (layer %d): recomputing it", e.key[:16], e.layer
+            self._warn.warning(
+                "load", "stored KV of chunk %s failed to load (layer %d): recomputing it", e.key[:16], e.layer
             )
             self.counters["kv_recomputed_bad"] += 1
 
@@ -383,6 +462,12 @@ class RAG:
         self._writer.submit(lambda: None).result()
 
     def close(self) -> None:
+        """Finish write-backs, snapshot the index, close the store."""
         self._writer.shutdown(wait=True)
         self.index.close()
         self.store.close()
+
+
+def _check(cancel: Callable[[], bool]) -> None:
+    if cancel():
+        raise IngestCancelled("ingest cancelled before its commit; nothing of it was indexed")

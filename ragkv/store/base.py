@@ -145,6 +145,14 @@ class ChunkStore(ABC):
     def close(self) -> None:
         """Release connections and files; the store must not be used afterwards."""
 
+    def known_corrupt(self, key: str) -> bool:
+        """Whether a read found the blob under ``key`` unusable (the next ``put`` rewrites it)."""
+        return False
+
+    def mark_corrupt(self, key: str) -> None:
+        """Note that the blob under ``key`` is unusable (e.g. it holds other tokens), so ``put`` rewrites it."""
+        return None  # stores without a corrupt set rewrite nothing (a put of a stored key is a no-op)
+
     def stats(self) -> dict:
         """Counters since creation: hits, misses, errors, corrupt, puts, bytes_read/written, evictions."""
         with self._stats_lock:
@@ -238,6 +246,14 @@ class BlobStore(ChunkStore):
 
     def _close(self) -> None:
         pass
+
+    def known_corrupt(self, key: str) -> bool:
+        return key in self._corrupt
+
+    def mark_corrupt(self, key: str) -> None:
+        self._count("corrupt")
+        self._corrupt.add(key)
+        self._forget(key)
 
     # -- writes ---------------------------------------------------------------------------------
     def put(self, chunk: ChunkKV) -> bool:
@@ -335,7 +351,15 @@ class BlobStore(ChunkStore):
 
     def header(self, key: str) -> BlobHeader | None:
         check_key(key)
-        return self._guard("header", key, lambda: self._header(key, fresh=True)[0], None)
+
+        def run() -> BlobHeader | None:
+            hdr = self._header(key, fresh=True)[0]
+            if hdr is not None and hdr.key != key:  # a valid blob of another chunk: corrupt, rewritten on put
+                self._forget(key)
+                raise BlobError(f"blob stored under {key[:16]} holds chunk {hdr.key[:16]}")
+            return hdr
+
+        return self._guard("header", key, run, None)
 
     def contains(self, key: str) -> bool:
         check_key(key)

@@ -76,6 +76,7 @@ class LocalDirStore(BlobStore):
         self._last_flush = time.monotonic()
         if fresh and any(self.root.glob(f"??/*{SUFFIX}")):
             self.rebuild_index()
+        self._clean_tmp()
 
     def describe(self) -> str:
         return f"LocalDirStore({self.root})"
@@ -112,7 +113,8 @@ class LocalDirStore(BlobStore):
             self._index_row(key, path.stat().st_size)  # adopt a blob whose index row was lost
             return False
         path.parent.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:16]}.", suffix=".tmp")
+        # the writer's pid in the name lets a later start-up remove the leftovers of a killed writer
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:16]}.{os.getpid()}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
@@ -207,6 +209,25 @@ class LocalDirStore(BlobStore):
                 raise
         return len(rows)
 
+    def _clean_tmp(self) -> int:
+        """Remove temp files of writers that died mid-write: their pid is gone (this host), or they are
+        over an hour old (another host's, or named before the pid was in the name)."""
+        n = 0
+        for tmp in self.root.glob("??/.*.tmp"):
+            parts = tmp.name.split(".")  # "", key16, pid, random + "tmp"
+            pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
+            try:
+                if (pid is not None and pid != os.getpid() and not _alive(pid)) or (
+                    time.time() - tmp.stat().st_mtime > 3600
+                ):
+                    tmp.unlink()
+                    n += 1
+            except OSError:
+                pass
+        if n:
+            log.info("%s: removed %d temp file(s) of interrupted writes", self.describe(), n)
+        return n
+
     def _index_row(self, key: str, nbytes: int, replace: bool = False) -> None:
         now = time.time()
         verb = "INSERT OR REPLACE" if replace else "INSERT OR IGNORE"
@@ -251,3 +272,14 @@ class LocalDirStore(BlobStore):
                     self._forget(key)
                     self._count("evictions")
                     total -= n
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -48,7 +48,9 @@ class TieredStore(ChunkStore):
     def put(self, chunk: ChunkKV) -> bool:
         blobfmt.validate_chunk(chunk)
         key = chunk.key
-        if self.backend.contains(key):  # the durable copy decides (memory may hold one the backend missed)
+        if not self.known_corrupt(key) and self.backend.contains(
+            key
+        ):  # the durable copy decides (memory may hold one the backend missed)
             self._count("puts_skipped")
             return True
         return self.put_blob(key, blobfmt.encode_chunk(chunk, self.backend.codec))
@@ -59,6 +61,13 @@ class TieredStore(ChunkStore):
         self._count("puts" if ok_backend else "put_errors")
         # stored somewhere is stored: hot chunks keep being served from memory while the backend is down
         return ok_backend or ok_memory
+
+    def known_corrupt(self, key: str) -> bool:
+        return self.memory.known_corrupt(key) or self.backend.known_corrupt(key)
+
+    def mark_corrupt(self, key: str) -> None:
+        self.memory.mark_corrupt(key)
+        self.backend.mark_corrupt(key)
 
     def delete(self, key: str) -> bool:
         with self._stage_lock:

@@ -19,7 +19,7 @@
 #                        as 2-bit HACK pages, decode by homomorphic attention (Triton). Uses --block-size 64
 #                        (the paper's Pi; the kernel needs >= 32) and, on vLLM 0.33, --kv-cache-dtype hack_${HACK_BITS}bit
 #   HACK_BITS [2]        2, 4 or 8 (on 0.32 passed as RAGKV_HACK_BITS, with --kv-cache-dtype auto)
-#   DATASET [<repo>/../shared/data/musique_s.json]
+#   DATASET [<repo>/data/musique_s.json]
 # Output: per-question answers, a table, and one JSON line (F1 and median server seconds, full vs blend);
 # the connector's per-request log lines ("ragkv: request ... rows blended") are counted from the server log.
 set -euo pipefail
@@ -31,7 +31,7 @@ WORK=${WORK:-/tmp/ragkv-vllm}
 N=${N:-20}
 RATIO=${RATIO:-0.15}
 PORT=${PORT:-8000}
-DATASET=${DATASET:-$REPO/../shared/data/musique_s.json}
+DATASET=${DATASET:-$REPO/data/musique_s.json}
 STORE="file://$WORK/kv"
 LOG="$WORK/vllm-serve.log"
 mkdir -p "$WORK"
