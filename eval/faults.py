@@ -56,10 +56,10 @@ def make_docs(n: int, seed: int = 0) -> list[dict]:
 
 
 def default_model() -> str:
-    """The service's default model (the tiny stories model)."""
-    from apps.config import DEFAULT_MODEL
+    """The repository's tiny stories model: kill -9 rounds test the index and store, not the model."""
+    from eval.prompts import TINY_MODEL
 
-    return DEFAULT_MODEL
+    return str(TINY_MODEL)
 
 
 def make_rag(data: Path, model: str, embedder=None):
