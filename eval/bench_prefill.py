@@ -16,9 +16,11 @@ import time
 
 import torch
 
+from eval.prompts import DATA_DIR
 from ragkv.blend import BlendSchedule, PrefixCache, prefill
 from ragkv.kv import compute_chunk_kv
-from ragkv.model import random_hf_config, random_model
+from ragkv.model import load_model, random_hf_config, random_model
+from ragkv.model.loader import resolve_model_dir
 
 
 def bench_model(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int, seed: int = 0):
@@ -36,6 +38,12 @@ def bench_model(layers: int, hidden: int, heads: int, kv_heads: int, inter: int,
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a real checkpoint (name, GGUF, folder) with MuSiQue passages as chunks; default: a random "
+        "Llama of the --layers/--hidden/... shape with random token chunks",
+    )
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -54,20 +62,28 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)  # on a shared machine, 1 thread avoids OpenMP spin stalls
 
     torch.manual_seed(0)
-    model, hf_cfg = bench_model(
-        args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab
-    )
-    g = torch.Generator().manual_seed(1)
-    chunks = [
-        torch.randint(3, args.vocab, (args.chunk_tokens,), generator=g).tolist() for _ in range(args.chunks)
-    ]
-    question = torch.randint(3, args.vocab, (args.question_tokens,), generator=g).tolist()
-    prefix = [1]
+    if args.model:
+        model = load_model(args.model)
+        sample = json.loads((DATA_DIR / "musique_s.json").read_text())[0]
+        chunks = [model.encode(c["text"])[: args.chunk_tokens] for c in sample["ctxs"][: args.chunks]]
+        question = model.encode(" Question: " + sample["question"] + "\nAnswer:")[: args.question_tokens]
+        prefix = [model.config.bos_token_id]
+    else:
+        model, hf_cfg = bench_model(
+            args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab
+        )
+        g = torch.Generator().manual_seed(1)
+        chunks = [
+            torch.randint(3, args.vocab, (args.chunk_tokens,), generator=g).tolist()
+            for _ in range(args.chunks)
+        ]
+        question = torch.randint(3, args.vocab, (args.question_tokens,), generator=g).tolist()
+        prefix = [1]
     kvs = [compute_chunk_kv(model, c) for c in chunks]
     pc = PrefixCache(max_bytes=1 << 40)
     prefill(model, prefix, chunks[:1], [], "prefix", prefix_cache=pc)  # first chunk's head cached
     schedule = BlendSchedule.single(args.ratio)
-    n_tokens = 1 + args.chunks * args.chunk_tokens + args.question_tokens
+    n_tokens = len(prefix) + sum(map(len, chunks)) + len(question)
 
     hf = None
     if not args.no_hf:
@@ -75,8 +91,13 @@ def main(argv=None) -> dict:
 
         from tests.test_model import _weights_of
 
-        hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").eval()
-        hf.load_state_dict(_weights_of(model), strict=False)
+        if args.model:
+            folder = resolve_model_dir(args.model)
+            hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32)
+        else:
+            hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").eval()
+            hf.load_state_dict(_weights_of(model), strict=False)
+        hf.eval()
     ids_all = torch.tensor(prefix + [t for c in chunks for t in c] + question)
 
     def run_hf():
@@ -106,8 +127,9 @@ def main(argv=None) -> dict:
                 stats = out.stats
     med = {k: statistics.median(v) for k, v in times.items()}
     print(
-        f"model: {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, "
-        f"prompt {n_tokens} tokens ({args.chunks} x {args.chunk_tokens} + {args.question_tokens}), "
+        f"model: {args.model or 'random'}: {model.config.num_layers} layers, hidden {model.config.hidden_size}, "
+        f"heads {model.config.num_heads}/{model.config.num_kv_heads}, "
+        f"prompt {n_tokens} tokens ({len(chunks)} x {args.chunk_tokens} + {len(question)}), "
         f"threads {torch.get_num_threads()}, runs {args.runs}"
     )
     print(f"{'mode':10s} {'median s':>10s} {'min s':>8s} {'speedup vs full':>16s}")
@@ -129,6 +151,7 @@ def main(argv=None) -> dict:
         "full_over_hf_full": round(med["full"] / med["hf_full"], 3) if "hf_full" in med else None,
         "recompute_ratio": args.ratio,
         "recompute_fraction_rows": round(recompute_ratio, 4),
+        "model": args.model or f"random-llama-{args.layers}x{args.hidden}",
         "tokens": n_tokens,
         "runs": args.runs,
     }

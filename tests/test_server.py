@@ -517,7 +517,7 @@ def test_cli_subcommands_have_help(cmd, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     flag = {
-        "demo": "--samples",
+        "demo": "--questions",
         "ingest": "--limit",
         "ask": "--compare",
         "serve": "--port",
