@@ -73,7 +73,7 @@ class BlendParams:
     mode: str = "blend"
     ratio: float = 0.15
     check_layers: tuple[int, ...] = (1,)
-    deviation: str = "v"
+    deviation: str = BlendSchedule.deviation  # the library default (K)
     save: bool = True  # store the KV of chunks that missed (computed alone, chunk convention)
     fresh_check_kv: bool = False  # see BlendSchedule.fresh_check_kv
 
@@ -152,7 +152,7 @@ class BlendParams:
             mode=body.get("mode", "blend"),
             ratio=ratio,
             check_layers=tuple(int(x) for x in layers),
-            deviation=body.get("deviation", "v"),
+            deviation=body.get("deviation", BlendSchedule.deviation),
             save=save,
             fresh_check_kv=fresh,
         )
