@@ -158,3 +158,29 @@ def test_demo_runs_on_the_tiny_model_and_ends_with_json(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["questions"] == 2 and out["passages"] == 3 and out["speedup"] > 0
     assert {"model", "f1_full", "f1_blend", "recall_full", "recall_blend", "ttft_full_median_s"} <= set(out)
+
+
+def test_default_blend_beats_reuse_on_the_real_model(real_llm, one_thread):
+    """Real prompts (CacheBlend's MuSiQue template, 6 passages cut to 96 tokens): the default schedule
+    (K deviation, check layer 1) at 15% is well below reuse's first-token KL (0.38x on these two
+    samples; the <= 0.5x goal is measured by eval.run on whole prompts, docs/BENCHMARKS.md)."""
+    from eval.fit import PassageFitter, fit_prompt
+    from eval.prompts import PromptBuilder, chat_frame, get_spec, load_samples
+    from ragkv.blend import prefill
+    from ragkv.kv import compute_chunk_kv
+    from ragkv.metrics import first_token_kl
+
+    m = real_llm.model
+    spec = get_spec("musique")
+    builder = PromptBuilder(m, chat_frame(m.tokenizer), spec.prefix, spec.query)
+    fitter = PassageFitter(m.encode, 96)
+    kl_reuse, kl_blend = [], []
+    for s in load_samples(spec)[:2]:
+        p = fit_prompt(builder, fitter, s, 6)
+        kvs = [compute_chunk_kv(m, c) for c in p.chunks]
+        full = prefill(m, p.prefix, p.chunks, p.suffix, "full")
+        kl_reuse.append(first_token_kl(full.logits, prefill(m, p.prefix, kvs, p.suffix, "reuse").logits))
+        kl_blend.append(
+            first_token_kl(full.logits, prefill(m, p.prefix, kvs, p.suffix, "blend", 0.15).logits)
+        )
+    assert sum(kl_blend) < 0.6 * sum(kl_reuse), (kl_blend, kl_reuse)
