@@ -184,3 +184,14 @@ def test_default_blend_beats_reuse_on_the_real_model(real_llm, one_thread):
             first_token_kl(full.logits, prefill(m, p.prefix, kvs, p.suffix, "blend", 0.15).logits)
         )
     assert sum(kl_blend) < 0.6 * sum(kl_reuse), (kl_blend, kl_reuse)
+
+
+def test_a_named_model_file_that_is_not_the_pinned_one_is_refused_and_removed(tmp_path, monkeypatch):
+    """Stored bytes that cannot be trusted are never used: a wrong digest is an error, and the file goes."""
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    fake = gguf_path(DEFAULT_MODEL)
+    fake.parent.mkdir(parents=True)
+    fake.write_bytes(b"GGUF but not the pinned file")
+    with pytest.raises(ModelFetchError, match="not the pinned"):
+        pull(DEFAULT_MODEL, quiet=True)
+    assert not fake.exists()
