@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragkv.attention.kvcache import DenseKVCache, KVCache
 from ragkv.blend.core import PrefillResult
-from ragkv.model.kvcache import DenseKVCache, KVCache
 
 #: temperatures below this sample greedily (dividing logits by ~1e-300 overflows to NaN probabilities)
 MIN_TEMPERATURE = 1e-4

@@ -418,7 +418,7 @@ def blend_rows(
             write(layer, out_rows, K[n_exact:], V[n_exact:])
             if layer == L - 1 or S.numel() == 0:
                 continue  # the last layer's output is never read: the engine computes the question
-            o = model.attend(model.rope(q, pos[S]), K, V, pos[S], pos, position_blocks=POSITION_BLOCKS)
+            o = model.attend(layer, model.rope(q, pos[S]), K, V, pos[S], pos, position_blocks=POSITION_BLOCKS)
             h = model.finish_layer(layer, h, o)
     finally:
         if reused_source is not None:
@@ -454,7 +454,7 @@ def chunk_kv_alone(model, token_ids: Sequence[int], fingerprint: str) -> ChunkKV
         vs.append(v[start:])
         if layer == L - 1:
             break
-        o = model.attend(model.rope(q, pos), model.rope(k, pos), v, pos, pos, contiguous=True)
+        o = model.attend(layer, model.rope(q, pos), model.rope(k, pos), v, pos, pos, contiguous=True)
         h = model.finish_layer(layer, h, o)
     return ChunkKV(
         token_ids=ids,

@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import torch
 
+from ragkv.attention.dense import layer_windows
+from ragkv.attention.kvcache import KVCache
 from ragkv.engine.block_manager import BlockManager
 from ragkv.fusion.norm_attention import decode_mask, norm_aware_attention, paged_attention
-from ragkv.model.kvcache import KVCache
 
 
 class PagedCacheError(ValueError):
@@ -38,7 +39,7 @@ class KVPool:
         scale: float,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        sliding_window: int | None = None,
+        sliding_window: int | None | tuple[int | None, ...] = None,
         hack_config=None,
     ):
         if block_size < 1:
@@ -48,7 +49,8 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.sliding_window = sliding_window
+        #: per layer: its sliding window (None: full causal)
+        self.windows = layer_windows(sliding_window, num_layers)
         self.device = torch.device(device)
         self.hack = None
         if hack_config is not None:
@@ -76,7 +78,7 @@ class KVPool:
             model.scale,
             model.dtype,
             model.device,
-            c.sliding_window,
+            c.windows,
             hack_config,
         )
 
@@ -91,16 +93,22 @@ class KVPool:
             self.hack.reset(block)
 
 
-def block_keys(token_ids: list[int], block_size: int, num_blocks: int, salt: str) -> list[str]:
-    """Chained content hashes of the first ``num_blocks`` full blocks (vLLM-style prefix keys)."""
+def block_keys(
+    token_ids: list[int], block_size: int, num_blocks: int, salt: str, num_exact: int | None = None
+) -> list[str]:
+    """Chained content hashes of the first ``num_blocks`` full blocks (vLLM-style prefix keys).
+
+    Each row's provenance is hashed with its token: rows ``>= num_exact`` (default: none) hold
+    approximate KV (reused chunk KV, or rows that attended to it), so a block holding such rows
+    never has the key of a block of exactly computed rows with the same tokens.
+    """
+    n_exact = len(token_ids) if num_exact is None else num_exact
     h = hashlib.sha256(f"ragkv-block|{salt}|".encode())
     out = []
     for j in range(num_blocks):
-        h.update(
-            torch.tensor(token_ids[j * block_size : (j + 1) * block_size], dtype=torch.int64)
-            .numpy()
-            .tobytes()
-        )
+        lo, hi = j * block_size, (j + 1) * block_size
+        h.update(torch.tensor(token_ids[lo:hi], dtype=torch.int64).numpy().tobytes())
+        h.update(bytes(int(r >= n_exact) for r in range(lo, hi)))
         out.append(h.copy().hexdigest())
     return out
 
@@ -184,7 +192,7 @@ class PagedSequence(KVCache):
                 q,
                 q_pos,
                 p.scale,
-                p.sliding_window,
+                p.windows[layer],
             )
         idx = torch.tensor(table, dtype=torch.long, device=p.device)
         k_pos = torch.arange(len(table) * p.block_size, device=p.device)
@@ -198,7 +206,7 @@ class PagedSequence(KVCache):
             q_pos.to(p.device),
             k_pos,
             p.scale,
-            p.sliding_window,
+            p.windows[layer],
         )
 
     @property
@@ -344,7 +352,7 @@ def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) 
                     if p // bs == len(s.tables[layer]):
                         s._new_block(layer)
         nb = max(len(t) for s in seqs for t in s.tables)
-        mask = decode_mask(lengths, nb * bs, pool.sliding_window)
+        masks = {w: decode_mask(lengths, nb * bs, w) for w in set(pool.windows)}
         slots = torch.tensor([p % bs for p in pos_list], dtype=torch.long, device=dev)
     for layer in range(model.config.num_layers):
         q, k, v = model.qkv(layer, h)
@@ -371,7 +379,16 @@ def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) 
                     torch.cat([vn for _, _, _, vn in parts]).to(dev),
                 )
             o = paged_attention(
-                q, pool.k, pool.v, tables, None, None, lengths, pool.scale, mask=mask, fused=fused
+                q,
+                pool.k,
+                pool.v,
+                tables,
+                None,
+                None,
+                lengths,
+                pool.scale,
+                mask=masks[pool.windows[layer]],
+                fused=fused,
             )
         h = model.finish_layer(layer, h, o)
     if pool.hack is None:

@@ -39,6 +39,7 @@ class LayerWeights:
         else:
             self.qkv_b = None
         self.o_w = w[a + "o_proj.weight"]
+        self.o_b = w[a + "o_proj.bias"] if cfg.o_bias else None
         m = f"{prefix}.mlp."
         self.gate_up_w = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]], 0)
         self.down_w = w[m + "down_proj.weight"]
@@ -95,7 +96,7 @@ class Model:
         """o-proj + residual + MLP on rows ``h`` given their attention output ``[n,Hq,D]``."""
         c = self.config
         lw = self.layers[layer]
-        h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw.o_w)
+        h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw.o_w, lw.o_b)
         x = rms_norm(h, lw.post_norm, c.rms_norm_eps)
         gate, up = F.linear(x, lw.gate_up_w).chunk(2, dim=-1)
         return h + F.linear(F.silu(gate) * up, lw.down_w)
@@ -108,8 +109,9 @@ class Model:
         return self.rotary.apply(x, positions.to(self.device))
 
     def attend(
-        self, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
+        self, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
     ) -> torch.Tensor:
+        """Attention of ``layer`` (its own sliding window) of post-RoPE ``q`` over ``k, v``."""
         return attention(
             q,
             k,
@@ -118,7 +120,7 @@ class Model:
             k_pos,
             self.scale,
             causal_contiguous=contiguous,
-            sliding_window=self.config.sliding_window,
+            sliding_window=self.config.window(layer),
             position_blocks=position_blocks,
         )
 
@@ -151,7 +153,7 @@ class Model:
                 ks.append(k)
                 vs.append(v)
             q, k = self.rotary.apply(q, positions, cs), self.rotary.apply(k, positions, cs)
-            o = self.attend(q, k, v, positions, positions, contiguous=True)
+            o = self.attend(layer, q, k, v, positions, positions, contiguous=True)
             h = self.finish_layer(layer, h, o)
         logits = self.logits(h)
         if capture_kv:

@@ -1,6 +1,6 @@
 """Static-shape greedy decode that can be captured as a CUDA graph or compiled with ``torch.compile``.
 
-:func:`ragkv.generate.decode_step` grows a :class:`~ragkv.model.kvcache.DenseKVCache` by doubling
+:func:`ragkv.generate.decode_step` grows a :class:`~ragkv.attention.kvcache.DenseKVCache` by doubling
 and slices it to the current length, so every step has new shapes and a graph cannot be replayed;
 on a GPU, a small model's per-token time is then mostly Python and kernel launches. Here the KV of
 every layer lives in fixed ``[capacity, Hkv, D]`` buffers, the step's inputs (token, position, row)
@@ -92,7 +92,7 @@ class StaticDecoder(nn.Module):
                 pos,
                 self.k_pos,
                 m.scale,
-                sliding_window=m.config.sliding_window,
+                sliding_window=m.config.window(layer),
             )
             h = m.finish_layer(layer, h, o)
         return m.logits(h)[0].float()
