@@ -213,7 +213,10 @@ class VllmLayerModel:
             v.reshape(-1, c.num_kv_heads, c.head_dim),
         )
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rope_tables(self, positions: torch.Tensor) -> None:
+        return None  # vLLM's rotary embedding caches its own cos/sin
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
         """``x [n,H,D]`` rotated at ``positions`` by the model's rotary embedding."""
         n = x.shape[0]
         if n == 0:
