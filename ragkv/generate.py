@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragkv.attention.kvcache import DenseKVCache, KVCache
 from ragkv.blend.core import PrefillResult
-from ragkv.model.kvcache import DenseKVCache, KVCache
+from ragkv.model.forward import run_layers
 
 #: temperatures below this sample greedily (dividing logits by ~1e-300 overflows to NaN probabilities)
 MIN_TEMPERATURE = 1e-4
@@ -79,13 +80,7 @@ def load_prompt(cache: KVCache, result: PrefillResult) -> None:
 def decode_step(model, cache: KVCache, token_id: int, position: int) -> torch.Tensor:
     """One token through every layer, appending its KV; returns fp32 logits ``[vocab]``."""
     pos = torch.tensor([position], device=model.device)
-    h = model.embed(torch.tensor([token_id], device=model.device))
-    cs = model.rotary.cos_sin(pos, model.dtype)
-    for layer in range(model.config.num_layers):
-        q, k, v = model.qkv(layer, h)
-        q, k = model.rotary.apply(q, pos, cs), model.rotary.apply(k, pos, cs)
-        cache.write(layer, pos, k, v)
-        h = model.finish_layer(layer, h, cache.attend(layer, q, pos))
+    h, _ = run_layers(model, model.embed(torch.tensor([token_id], device=model.device)), pos, cache)
     return model.logits(h)[0].float()
 
 

@@ -153,10 +153,14 @@ def test_fetching_request_does_not_delay_local_one(model, chunks, fetch_aware):
         lm = local.request.metrics
         if fetch_aware:
             # the local request was served completely while the other one was still fetching
-            assert fetching.request.metrics.fetch_end is None and lm.ttft_s < delay
-        else:
-            assert lm.ttft_s >= delay  # head-of-line blocking: the baseline this scheduler avoids
+            assert fetching.request.metrics.fetch_end is None
         out = fetching.result(timeout=30)
+        fm = fetching.request.metrics
+        if fetch_aware:
+            assert lm.last_token < fm.fetch_end  # every local token came out before the fetch ended
+        else:
+            assert lm.first_token >= fm.fetch_end  # head-of-line blocking: the baseline this scheduler avoids
+        # the fetch really read three slow chunks (a lower bound: sleeps never end early)
         assert out.finish_reason == "length" and out.metrics.fetch_s >= delay * 0.9
         assert out.metrics.num_chunks_fetched == 3 and out.prefill_stats["mode"] == "blend"
 
@@ -353,6 +357,29 @@ def test_prefix_blocks_are_shared_between_requests(model, chunks):
         eng.pool.manager.check(eng.references())
         outs = [h.result() for h in hs]
     assert [o.token_ids for o in outs] == [_reference(model, dict(r, chunks=[])) for r in reqs]
+
+
+def test_blended_blocks_are_never_shared(model, chunks):
+    """Only the exact head of a blended prompt is shared: never its blended rows, with anyone."""
+    prefix = [1] + chunks[2][:20]  # 21 exact rows: one full block of 16
+    kvs = [compute_chunk_kv(model, c) for c in chunks[:2]]
+    base = dict(prefix=prefix, question=model.encode("Lily"), params=SamplingParams(max_new_tokens=8))
+    blend = dict(base, chunks=kvs, mode="blend")
+    exact = dict(base, chunks=chunks[:2], mode="full")
+    head_blocks = 5 * (len(prefix) // 16)
+    with Engine(model, EngineConfig(num_blocks=600)) as eng:
+        first = eng.submit(**blend)
+        eng.step()  # the blended prompt's blocks are live (and its head registered) from here on
+        assert first.request.seq is not None and first.request.finish_reason is None
+        again = eng.submit(**blend)  # same tokens, same chunks
+        full = eng.submit(**exact)  # same tokens, computed exactly
+        eng.step()
+        assert again.request.metrics.blocks_shared_at_load == head_blocks
+        assert full.request.metrics.blocks_shared_at_load == head_blocks
+        eng.pool.manager.check(eng.references())
+        outs = [h.result() for h in (first, again, full)]
+    assert outs[2].token_ids == _reference(model, exact)
+    assert outs[0].token_ids == outs[1].token_ids == _reference(model, dict(blend, chunks=chunks[:2]))
 
 
 # ---- HACK ------------------------------------------------------------------------------------------------------

@@ -80,3 +80,29 @@ def test_denormal_temperature_is_greedy():
     res = prefill(m, m.encode("Lily", add_bos=True), [], [], "full")
     greedy = generate(m, res, SamplingParams(max_new_tokens=5)).token_ids
     assert generate(m, res, SamplingParams(max_new_tokens=5, temperature=5e-324, seed=1)).token_ids == greedy
+
+
+def test_readme_lower_level_names_exist():
+    """The README's lower-level API, as it names it (``ragkv.generate`` is a module)."""
+    import inspect
+
+    import ragkv
+    import ragkv.generate
+
+    assert inspect.ismodule(ragkv.generate)
+    for fn in (
+        ragkv.load_model,
+        ragkv.compute_chunk_kv,
+        ragkv.prefill,
+        ragkv.generate.generate,
+        ragkv.generate.stream,
+    ):
+        assert callable(fn)
+    m = ragkv.random_model("llama", seed=0)
+    res = ragkv.prefill(m, [1], [ragkv.compute_chunk_kv(m, [5, 6, 7])], [8, 9], "blend", 0.15)
+    out = ragkv.generate.generate(m, res, ragkv.SamplingParams(max_new_tokens=3, stop_token_ids=()))
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    assert [
+        e.token_id
+        for e in ragkv.generate.stream(m, res, ragkv.SamplingParams(max_new_tokens=3, stop_token_ids=()))
+    ] == out.token_ids

@@ -34,6 +34,8 @@ def _weights_of(model):
                 vb,
             )
         w[p + "self_attn.o_proj.weight"] = lw.o_w
+        if lw.o_b is not None:
+            w[p + "self_attn.o_proj.bias"] = lw.o_b
         g, u = lw.gate_up_w.chunk(2)
         w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"] = (
             g,

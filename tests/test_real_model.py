@@ -66,6 +66,18 @@ def test_real_model_config_and_stop_tokens(real_llm):
     assert real_llm.gate.ok, real_llm.gate
 
 
+def test_bf16_gate_passes_and_keeps_blending_on(real_dir):
+    """In bfloat16 (what GPU users run) the gate's dtype-derived tolerance passes the real model, and
+    blend@1 equals full bit for bit; a fixed 0.03 failed it on bf16 rounding and disabled blending."""
+    from ragkv.blend.gate import self_check, tolerance
+
+    m = load_model(real_dir, dtype="bfloat16")
+    report = self_check(m)
+    assert report.ok and m.blend_ok, report
+    assert report.tolerance == tolerance(torch.bfloat16) and report.checks["rope_reposition"] > 1e-3
+    assert report.checks["blend1_logits"] == 0.0 and report.checks["blend1_kv"] == 0.0
+
+
 def test_readme_example_answers_in_full_and_blend(real_llm):
     """The README's Python example, as written, answers correctly on the default model."""
     chunks = ["Lily had a red ball.", "Tom liked to run in the park."]

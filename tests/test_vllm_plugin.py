@@ -524,7 +524,7 @@ def test_vllm_layer_model_matches_ragkv_runtime(vllm_env):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(lm.rope(a[1], pos), ours.rope(b[1], pos), atol=1e-5, rtol=1e-4)
-        o = ours.attend(ours.rope(b[0], pos), ours.rope(b[1], pos), b[2], pos, pos, contiguous=True)
+        o = ours.attend(layer, ours.rope(b[0], pos), ours.rope(b[1], pos), b[2], pos, pos, contiguous=True)
         h1, h2 = lm.finish_layer(layer, h1, o), ours.finish_layer(layer, h2, o)
         torch.testing.assert_close(h1, h2, atol=1e-4, rtol=1e-4)
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ragkv.attention.dense import layer_windows
+
 log = logging.getLogger("vllm.ragkv")  # under vLLM's logger: shown in its log at INFO
 
 SUPPORTED_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -64,7 +66,9 @@ def clear_registered_model() -> None:
         _registered.clear()
 
 
-def layer_model(bos_token_id: int | None, sliding_window: int | None = None) -> VllmLayerModel:
+def layer_model(
+    bos_token_id: int | None, sliding_window: int | None | tuple[int | None, ...] = None
+) -> VllmLayerModel:
     """The :class:`VllmLayerModel` over the recorded model (built once per registration)."""
     with _lock:
         cached = _registered.get("layer_model")
@@ -141,7 +145,11 @@ class LayerModelConfig:
     num_kv_heads: int
     head_dim: int
     bos_token_id: int | None
-    sliding_window: int | None
+    #: per layer: its sliding window (None: full causal)
+    layer_windows: tuple[int | None, ...]
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer]
 
 
 class VllmLayerModel:
@@ -152,7 +160,12 @@ class VllmLayerModel:
     device), so stored pre-RoPE K is rotated exactly as vLLM rotates fresh K.
     """
 
-    def __init__(self, vllm_model, bos_token_id: int | None, sliding_window: int | None = None):
+    def __init__(
+        self,
+        vllm_model,
+        bos_token_id: int | None,
+        sliding_window: int | None | tuple[int | None, ...] = None,
+    ):
         name = type(vllm_model).__name__
         if name not in SUPPORTED_MODELS:
             raise UnsupportedVllmModelError(f"ragkv blending supports {SUPPORTED_MODELS}, not {name}")
@@ -176,7 +189,7 @@ class VllmLayerModel:
             num_kv_heads=a0.num_kv_heads,
             head_dim=a0.head_dim,
             bos_token_id=bos_token_id,
-            sliding_window=sliding_window,
+            layer_windows=layer_windows(sliding_window, len(layers)),
         )
         self.scale = float(a0.scaling)
         w = inner.embed_tokens.weight
@@ -200,7 +213,10 @@ class VllmLayerModel:
             v.reshape(-1, c.num_kv_heads, c.head_dim),
         )
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rope_tables(self, positions: torch.Tensor) -> None:
+        return None  # vLLM's rotary embedding caches its own cos/sin
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
         """``x [n,H,D]`` rotated at ``positions`` by the model's rotary embedding."""
         n = x.shape[0]
         if n == 0:
@@ -210,7 +226,7 @@ class VllmLayerModel:
         return out.reshape(x.shape)
 
     def attend(
-        self, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
+        self, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
     ) -> torch.Tensor:
         from ragkv.attention.dense import attention
 
@@ -222,7 +238,7 @@ class VllmLayerModel:
             k_pos,
             self.scale,
             causal_contiguous=contiguous,
-            sliding_window=self.config.sliding_window,
+            sliding_window=self.config.window(layer),
             position_blocks=position_blocks,
         )
 
@@ -244,9 +260,9 @@ def checkpoint_fingerprint(
     return fingerprint(model_path, dtype, tokenizer_path)
 
 
-def served_bos_and_window(hf_config) -> tuple[int | None, int | None]:
-    """BOS id and sliding window of the served model, as ragkv's runtime reads them."""
+def served_bos_and_window(hf_config) -> tuple[int | None, tuple[int | None, ...]]:
+    """BOS id and per-layer sliding windows of the served model, as ragkv's runtime reads them."""
     from ragkv.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(hf_config)
-    return cfg.bos_token_id, cfg.sliding_window
+    return cfg.bos_token_id, cfg.windows

@@ -6,6 +6,16 @@ import torch
 import torch.nn.functional as F
 
 
+def layer_windows(sliding_window, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows from one window for every layer (int or None) or a per-layer sequence."""
+    if sliding_window is None or isinstance(sliding_window, int):
+        return (sliding_window,) * num_layers
+    out = tuple(None if w is None else int(w) for w in sliding_window)
+    if len(out) != num_layers:
+        raise ValueError(f"{len(out)} sliding windows for {num_layers} layers")
+    return out
+
+
 def position_mask(
     q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None = None
 ) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 from torch import Tensor
 
+from ragkv.attention.dense import layer_windows
 from ragkv.attention.hack_quant import (
     DEFAULT_CLIP_RATIOS,
     FP16_MAX,
@@ -42,7 +43,7 @@ from ragkv.attention.hack_quant import (
     sum_dtype,
 )
 from ragkv.attention.hack_ref import BACKENDS, HackLayerView, hack_attention
-from ragkv.model.kvcache import KVCache
+from ragkv.attention.kvcache import KVCache
 
 K_SMOOTH_MODES = ("none", "mean", "mean_scale")
 
@@ -227,7 +228,7 @@ class HackKVCache(KVCache):
         scale: float,
         config: HackConfig | None = None,
         device: str | torch.device = "cpu",
-        sliding_window: int | None = None,
+        sliding_window: int | None | tuple[int | None, ...] = None,
     ):
         self.config = config or HackConfig()
         self.config.k_part(head_dim)  # validates head_dim against the K partition
@@ -235,7 +236,8 @@ class HackKVCache(KVCache):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.sliding_window = sliding_window
+        #: per layer: its sliding window (None: full causal)
+        self.windows = layer_windows(sliding_window, num_layers)
         self.device = torch.device(device)
         self._layers = [
             _LayerStore(num_kv_heads, head_dim, self.config, self.device) for _ in range(num_layers)
@@ -247,7 +249,7 @@ class HackKVCache(KVCache):
         """A cache matching ``model``'s geometry; ``options`` are HackConfig fields (``hack_`` prefix ok)."""
         cfg = HackConfig.from_options(config, **options)
         c = model.config
-        return cls(c.num_layers, c.num_kv_heads, c.head_dim, model.scale, cfg, model.device, c.sliding_window)
+        return cls(c.num_layers, c.num_kv_heads, c.head_dim, model.scale, cfg, model.device, c.windows)
 
     # ---- writing ----------------------------------------------------------------------------------
     def _check_write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
@@ -372,7 +374,7 @@ class HackKVCache(KVCache):
         if not view.num_quant_k and not view.dense_pos.numel():
             raise HackCacheError(f"attend on layer {layer} before any row was written")
         cfg = self.config
-        if self._triton_ok(q, q_pos, view):
+        if self._triton_ok(q, q_pos, view, self.windows[layer]):
             from ragkv.attention.hack_triton import hack_decode_view
 
             out = hack_decode_view(q, view, self.scale, qp_bits=cfg.qp_bits)
@@ -382,15 +384,15 @@ class HackKVCache(KVCache):
                 q,
                 q_pos.to(self.device),
                 self.scale,
-                sliding_window=self.sliding_window,
+                sliding_window=self.windows[layer],
                 qp_bits=cfg.qp_bits,
                 backend=cfg.backend,
             )
         return out.to(q.dtype)
 
-    def _triton_ok(self, q: Tensor, q_pos: Tensor, view: HackLayerView) -> bool:
+    def _triton_ok(self, q: Tensor, q_pos: Tensor, view: HackLayerView, window: int | None) -> bool:
         """Single-token CUDA decode that sees every row: the fused kernel's case."""
-        if not (self.config.use_triton and q.is_cuda and q.shape[0] == 1 and self.sliding_window is None):
+        if not (self.config.use_triton and q.is_cuda and q.shape[0] == 1 and window is None):
             return False
         from ragkv.attention.hack_triton import triton_supported
 

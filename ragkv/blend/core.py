@@ -189,6 +189,7 @@ def selective_prefill(
                 out_k[layer, S], out_v[layer, S] = k, v
             # sorted query rows over keys at positions 0..n-1: attend in position blocks (see attention())
             o = model.attend(
+                layer,
                 q,
                 out_k[layer],
                 out_v[layer],
@@ -201,7 +202,7 @@ def selective_prefill(
                 local = torch.searchsorted(S, probe_rows.to(pos.device))
                 probes.append(
                     attention_probs(
-                        q[local], out_k[layer], pos[probe_rows], pos, model.scale, cfg.sliding_window
+                        q[local], out_k[layer], pos[probe_rows], pos, model.scale, cfg.window(layer)
                     )
                 )
             h = model.finish_layer(layer, h, o)

@@ -34,6 +34,7 @@ import torch
 
 from ragkv.blend.core import COMPUTED, EXACT, POSITION_BLOCKS, REUSED, BlendSchedule, select_hkvd
 from ragkv.kv.chunk import ChunkKV
+from ragkv.model.forward import chunk_kv_tensors
 
 PARAMS_KEY = "ragkv"
 MODES = ("blend", "reuse")
@@ -418,7 +419,7 @@ def blend_rows(
             write(layer, out_rows, K[n_exact:], V[n_exact:])
             if layer == L - 1 or S.numel() == 0:
                 continue  # the last layer's output is never read: the engine computes the question
-            o = model.attend(model.rope(q, pos[S]), K, V, pos[S], pos, position_blocks=POSITION_BLOCKS)
+            o = model.attend(layer, model.rope(q, pos[S]), K, V, pos[S], pos, position_blocks=POSITION_BLOCKS)
             h = model.finish_layer(layer, h, o)
     finally:
         if reused_source is not None:
@@ -434,35 +435,10 @@ def blend_rows(
     }
 
 
-@torch.inference_mode()
 def chunk_kv_alone(model, token_ids: Sequence[int], fingerprint: str) -> ChunkKV:
     """A chunk's KV in the chunk convention (alone after BOS, K pre-RoPE) through a layer model."""
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-    if ids.numel() == 0:
-        raise ValueError("cannot compute KV of an empty chunk")
-    bos = model.config.bos_token_id
-    start = 1 if bos is not None else 0
-    full = torch.cat([torch.tensor([bos]), ids]) if start else ids
-    n = int(full.numel())
-    pos = torch.arange(n, device=model.device)
-    h = model.embed(full.to(model.device))
-    ks, vs = [], []
-    L = model.config.num_layers
-    for layer in range(L):
-        q, k, v = model.qkv(layer, h)
-        ks.append(k[start:])
-        vs.append(v[start:])
-        if layer == L - 1:
-            break
-        o = model.attend(model.rope(q, pos), model.rope(k, pos), v, pos, pos, contiguous=True)
-        h = model.finish_layer(layer, h, o)
-    return ChunkKV(
-        token_ids=ids,
-        k=torch.stack(ks).contiguous(),
-        v=torch.stack(vs).contiguous(),
-        start_pos=start,
-        fingerprint=fingerprint,
-    )
+    ids, k, v, start = chunk_kv_tensors(model, token_ids)
+    return ChunkKV(token_ids=ids, k=k, v=v, start_pos=start, fingerprint=fingerprint)
 
 
 class PieceSlice:

@@ -336,9 +336,10 @@ class Engine:
             keys = None
             if cfg.share_prefix_blocks:
                 # rows whose KV depends on the prompt head only: all of them unless chunk KV was reused
+                # (blended rows also depend on later tokens through HKVD selection: never shared)
                 exact = n if res.stats.get("num_reused_rows", 0) == 0 else len(r.prefix)
                 ids = res.kv.token_ids.tolist()
-                keys = block_keys(ids, cfg.block_size, exact // cfg.block_size, self._salt)
+                keys = block_keys(ids, cfg.block_size, exact // cfg.block_size, self._salt, exact)
             r.seq = seq
             r.metrics.blocks_shared_at_load = seq.load_prompt(res.kv.k, res.kv.v, keys)
             r.metrics.prefill_end = time.perf_counter()

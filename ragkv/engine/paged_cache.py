@@ -16,9 +16,11 @@ from collections.abc import Callable
 
 import torch
 
+from ragkv.attention.dense import layer_windows
+from ragkv.attention.kvcache import KVCache
 from ragkv.engine.block_manager import BlockManager
 from ragkv.fusion.norm_attention import decode_mask, norm_aware_attention, paged_attention
-from ragkv.model.kvcache import KVCache
+from ragkv.model.forward import run_layers
 
 
 class PagedCacheError(ValueError):
@@ -38,7 +40,7 @@ class KVPool:
         scale: float,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        sliding_window: int | None = None,
+        sliding_window: int | None | tuple[int | None, ...] = None,
         hack_config=None,
     ):
         if block_size < 1:
@@ -48,7 +50,8 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.sliding_window = sliding_window
+        #: per layer: its sliding window (None: full causal)
+        self.windows = layer_windows(sliding_window, num_layers)
         self.device = torch.device(device)
         self.hack = None
         if hack_config is not None:
@@ -76,7 +79,7 @@ class KVPool:
             model.scale,
             model.dtype,
             model.device,
-            c.sliding_window,
+            c.windows,
             hack_config,
         )
 
@@ -91,16 +94,22 @@ class KVPool:
             self.hack.reset(block)
 
 
-def block_keys(token_ids: list[int], block_size: int, num_blocks: int, salt: str) -> list[str]:
-    """Chained content hashes of the first ``num_blocks`` full blocks (vLLM-style prefix keys)."""
+def block_keys(
+    token_ids: list[int], block_size: int, num_blocks: int, salt: str, num_exact: int | None = None
+) -> list[str]:
+    """Chained content hashes of the first ``num_blocks`` full blocks (vLLM-style prefix keys).
+
+    Each row's provenance is hashed with its token: rows ``>= num_exact`` (default: none) hold
+    approximate KV (reused chunk KV, or rows that attended to it), so a block holding such rows
+    never has the key of a block of exactly computed rows with the same tokens.
+    """
+    n_exact = len(token_ids) if num_exact is None else num_exact
     h = hashlib.sha256(f"ragkv-block|{salt}|".encode())
     out = []
     for j in range(num_blocks):
-        h.update(
-            torch.tensor(token_ids[j * block_size : (j + 1) * block_size], dtype=torch.int64)
-            .numpy()
-            .tobytes()
-        )
+        lo, hi = j * block_size, (j + 1) * block_size
+        h.update(torch.tensor(token_ids[lo:hi], dtype=torch.int64).numpy().tobytes())
+        h.update(bytes(int(r >= n_exact) for r in range(lo, hi)))
         out.append(h.copy().hexdigest())
     return out
 
@@ -184,7 +193,7 @@ class PagedSequence(KVCache):
                 q,
                 q_pos,
                 p.scale,
-                p.sliding_window,
+                p.windows[layer],
             )
         idx = torch.tensor(table, dtype=torch.long, device=p.device)
         k_pos = torch.arange(len(table) * p.block_size, device=p.device)
@@ -198,7 +207,7 @@ class PagedSequence(KVCache):
             q_pos.to(p.device),
             k_pos,
             p.scale,
-            p.sliding_window,
+            p.windows[layer],
         )
 
     @property
@@ -319,62 +328,97 @@ def block_bytes(pool: KVPool, block: int, rows: int) -> int:
     return pool.hack.block_bytes(block, max(0, rows), pool.row_bytes)
 
 
-@torch.inference_mode()
-def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) -> torch.Tensor:
-    """One token per sequence through every layer, appending its KV; returns fp32 logits ``[B, vocab]``.
+class PagedBatchKV:
+    """The K/V of one decode step of a batch of paged sequences (a ``LayerKV`` for ``run_layers``).
 
-    Rows run stacked through the projections and MLP; RoPE is applied at each sequence's own
-    position; attention is one padded batch over the block tables (norm-aware), or per sequence
-    for HACK. Greedy tokens match :func:`ragkv.generate.decode_step` on each sequence alone.
+    Dense pools: each new row is written into its sequence's current block and attention is one
+    padded, norm-aware batch over the block tables (masks per distinct window, built once per step).
+    HACK pools: rows go through each sequence's own ``write`` / ``attend`` (its quantized pages).
     """
-    if not seqs:
-        raise ValueError("batched_decode_step needs at least one sequence")
-    pool = seqs[0].pool
-    dev = model.device
-    pos_list = [s.length for s in seqs]
-    pos = torch.tensor(pos_list, dtype=torch.long, device=dev)
-    h = model.embed(torch.tensor(token_ids, dtype=torch.long, device=dev))
-    cs = model.rotary.cos_sin(pos, model.dtype)
-    bs = pool.block_size
-    lengths = pos + 1
-    if pool.hack is None:
-        for s, p in zip(seqs, pos_list, strict=True):  # a fresh block wherever a sequence crosses into one
+
+    def __init__(self, seqs: list[PagedSequence], positions: list[int], device):
+        self.seqs, self.pool = seqs, seqs[0].pool
+        pool, bs = self.pool, self.pool.block_size
+        self.pos_list = positions
+        self.lengths = torch.tensor(positions, dtype=torch.long, device=device) + 1
+        if pool.hack is not None:
+            return
+        for s, p in zip(seqs, positions, strict=True):  # a fresh block wherever a sequence crosses into one
             if p % bs == 0:
                 for layer in range(s.num_layers):
                     if p // bs == len(s.tables[layer]):
                         s._new_block(layer)
         nb = max(len(t) for s in seqs for t in s.tables)
-        mask = decode_mask(lengths, nb * bs, pool.sliding_window)
-        slots = torch.tensor([p % bs for p in pos_list], dtype=torch.long, device=dev)
-    for layer in range(model.config.num_layers):
-        q, k, v = model.qkv(layer, h)
-        q, k = model.rotary.apply(q, pos, cs), model.rotary.apply(k, pos, cs)
+        self.nb = nb
+        self.masks = {w: decode_mask(self.lengths, nb * bs, w) for w in set(pool.windows)}
+        self.slots = torch.tensor([p % bs for p in positions], dtype=torch.long, device=device)
+        self.blocks = (self.lengths - 1) // bs
+        self.device = device
+        self._tables: torch.Tensor | None = None
+
+    def write(self, layer, positions, k, v) -> None:
+        pool = self.pool
         if pool.hack is not None:
-            outs = []
-            for i, s in enumerate(seqs):
-                s.write(layer, pos[i : i + 1], k[i : i + 1], v[i : i + 1])
-                outs.append(s.attend(layer, q[i : i + 1], pos[i : i + 1]))
-            o = torch.cat(outs)
-        else:
-            rows = [s.tables[layer] + [0] * (nb - len(s.tables[layer])) for s in seqs]
-            tables = torch.tensor(rows, dtype=torch.long, device=dev)
-            cur = tables.gather(1, (pos // bs)[:, None]).squeeze(1)
-            pool.k[cur, slots] = k.to(pool.dtype)
-            pool.v[cur, slots] = v.to(pool.dtype)
-            fused = None
-            if any(s.fused[layer] for s in seqs):
-                parts = [(i, *s.fused_norms(layer)) for i, s in enumerate(seqs) if s.fused[layer]]
-                fused = (
-                    torch.cat([torch.full_like(j, i) for i, j, _, _ in parts]).to(dev),
-                    torch.cat([j for _, j, _, _ in parts]).to(dev),
-                    torch.cat([kn for _, _, kn, _ in parts]).to(dev),
-                    torch.cat([vn for _, _, _, vn in parts]).to(dev),
-                )
-            o = paged_attention(
-                q, pool.k, pool.v, tables, None, None, lengths, pool.scale, mask=mask, fused=fused
+            for i, s in enumerate(self.seqs):
+                s.write(layer, positions[i : i + 1], k[i : i + 1], v[i : i + 1])
+            return
+        rows = [s.tables[layer] + [0] * (self.nb - len(s.tables[layer])) for s in self.seqs]
+        self._tables = torch.tensor(rows, dtype=torch.long, device=self.device)
+        cur = self._tables.gather(1, self.blocks[:, None]).squeeze(1)
+        pool.k[cur, self.slots] = k.to(pool.dtype)
+        pool.v[cur, self.slots] = v.to(pool.dtype)
+
+    def attend(self, layer, q, q_pos) -> torch.Tensor:
+        pool = self.pool
+        if pool.hack is not None:
+            return torch.cat(
+                [s.attend(layer, q[i : i + 1], q_pos[i : i + 1]) for i, s in enumerate(self.seqs)]
             )
-        h = model.finish_layer(layer, h, o)
-    if pool.hack is None:
-        for s, p in zip(seqs, pos_list, strict=True):
-            s._len = [p + 1] * s.num_layers
+        fused = None
+        if any(s.fused[layer] for s in self.seqs):
+            parts = [(i, *s.fused_norms(layer)) for i, s in enumerate(self.seqs) if s.fused[layer]]
+            dev = self.device
+            fused = (
+                torch.cat([torch.full_like(j, i) for i, j, _, _ in parts]).to(dev),
+                torch.cat([j for _, j, _, _ in parts]).to(dev),
+                torch.cat([kn for _, _, kn, _ in parts]).to(dev),
+                torch.cat([vn for _, _, _, vn in parts]).to(dev),
+            )
+        return paged_attention(
+            q,
+            pool.k,
+            pool.v,
+            self._tables,
+            None,
+            None,
+            self.lengths,
+            pool.scale,
+            mask=self.masks[pool.windows[layer]],
+            fused=fused,
+        )
+
+    def finish(self) -> None:
+        """Dense pools: every layer of every sequence now holds its new row."""
+        if self.pool.hack is None:
+            for s, p in zip(self.seqs, self.pos_list, strict=True):
+                s._len = [p + 1] * s.num_layers
+
+
+@torch.inference_mode()
+def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) -> torch.Tensor:
+    """One token per sequence through every layer, appending its KV; returns fp32 logits ``[B, vocab]``.
+
+    Rows run stacked through the projections and MLP (:func:`ragkv.model.forward.run_layers`); RoPE
+    is applied at each sequence's own position; attention is one padded batch over the block tables
+    (norm-aware), or per sequence for HACK (:class:`PagedBatchKV`). Greedy tokens match
+    :func:`ragkv.generate.decode_step` on each sequence alone.
+    """
+    if not seqs:
+        raise ValueError("batched_decode_step needs at least one sequence")
+    dev = model.device
+    pos_list = [s.length for s in seqs]
+    kv = PagedBatchKV(seqs, pos_list, dev)
+    pos = torch.tensor(pos_list, dtype=torch.long, device=dev)
+    h, _ = run_layers(model, model.embed(torch.tensor(token_ids, dtype=torch.long, device=dev)), pos, kv)
+    kv.finish()
     return model.logits(h).float()

@@ -28,15 +28,28 @@ class ModelConfig:
     rms_norm_eps: float
     qkv_bias: bool
     tie_word_embeddings: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers that slide (None: no layer slides)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     hidden_act: str = "silu"
+    #: o_proj has a bias (Llama ``attention_bias=True``: q/k/v *and* o)
+    o_bias: bool = False
+    #: per layer, its sliding window or None (empty: every layer uses ``sliding_window``)
+    layer_windows: tuple[int | None, ...] = ()
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_query_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: full causal attention)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Every layer's sliding window (None where a layer attends to everything before it)."""
+        return self.layer_windows or (self.sliding_window,) * self.num_layers
 
     @classmethod
     def from_hf(cls, hf: Any, extra_eos_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -53,20 +66,45 @@ class ModelConfig:
         heads = hf.num_attention_heads
         kv_heads = getattr(hf, "num_key_value_heads", None) or heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        n_layers = hf.num_hidden_layers
         if mt == "qwen2":
-            qkv_bias = True
+            # q/k/v have biases, o_proj none; the window applies only to the layers that
+            # ``layer_types`` marks "sliding_attention" (transformers: layers >= max_window_layers)
+            qkv_bias, o_bias = True, False
             sw = hf.sliding_window if getattr(hf, "use_sliding_window", False) else None
-        else:
-            qkv_bias = bool(getattr(hf, "attention_bias", False))
+            types = getattr(hf, "layer_types", None)
+            if types is None:
+                mwl = getattr(hf, "max_window_layers", 0)
+                types = [
+                    "sliding_attention" if sw is not None and i >= mwl else "full_attention"
+                    for i in range(n_layers)
+                ]
+            if len(types) != n_layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+                raise UnsupportedModelError(f"layer_types {types!r} is not supported")
+            layer_windows = tuple(sw if t == "sliding_attention" else None for t in types)
+        elif mt == "mistral":
+            # transformers' Mistral slides every layer (it ignores layer_types)
+            qkv_bias = o_bias = False
             sw = getattr(hf, "sliding_window", None)
+            layer_windows = (sw,) * n_layers
+        else:
+            # transformers' Llama has no sliding window; attention_bias puts a bias on q, k, v and o
+            qkv_bias = o_bias = bool(getattr(hf, "attention_bias", False))
+            sw = None
+            layer_windows = (None,) * n_layers
+        if not any(w is not None for w in layer_windows):
+            sw = None
         if getattr(hf, "mlp_bias", False):
             raise UnsupportedModelError("mlp_bias=True is not supported")
+        from ragkv.model.rope import rope_frequencies
+
+        rope_frequencies(hf, head_dim)  # refuses length-dependent RoPE (longrope, dynamic) by name
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         eos_ids = tuple(dict.fromkeys(eos_ids + tuple(extra_eos_ids)))
         return cls(
             model_type=mt,
-            num_layers=hf.num_hidden_layers,
+            num_layers=n_layers,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,
             num_heads=heads,
@@ -81,5 +119,7 @@ class ModelConfig:
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
             hidden_act=act,
+            o_bias=o_bias,
+            layer_windows=layer_windows,
             hf_config=hf,
         )

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ragkv.attention.dense import attention
 from ragkv.model.chat import tokenizer_adds_bos
 from ragkv.model.config import ModelConfig
+from ragkv.model.forward import CapturePreRope, CausalKV, run_layers
 from ragkv.model.rope import Rotary, rope_frequencies
 
 
@@ -39,6 +40,7 @@ class LayerWeights:
         else:
             self.qkv_b = None
         self.o_w = w[a + "o_proj.weight"]
+        self.o_b = w[a + "o_proj.bias"] if cfg.o_bias else None
         m = f"{prefix}.mlp."
         self.gate_up_w = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]], 0)
         self.down_w = w[m + "down_proj.weight"]
@@ -95,7 +97,7 @@ class Model:
         """o-proj + residual + MLP on rows ``h`` given their attention output ``[n,Hq,D]``."""
         c = self.config
         lw = self.layers[layer]
-        h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw.o_w)
+        h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw.o_w, lw.o_b)
         x = rms_norm(h, lw.post_norm, c.rms_norm_eps)
         gate, up = F.linear(x, lw.gate_up_w).chunk(2, dim=-1)
         return h + F.linear(F.silu(gate) * up, lw.down_w)
@@ -104,12 +106,17 @@ class Model:
         """Final norm + LM head of rows ``h`` -> ``[n, vocab]``."""
         return F.linear(rms_norm(h, self.final_norm, self.config.rms_norm_eps), self.lm_head_w)
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.rotary.apply(x, positions.to(self.device))
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of ``positions`` in the model's dtype, shared by every layer of a forward."""
+        return self.rotary.cos_sin(positions.to(self.device), self.dtype)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
+        return self.rotary.apply(x, positions.to(self.device), tables)
 
     def attend(
-        self, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
+        self, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
     ) -> torch.Tensor:
+        """Attention of ``layer`` (its own sliding window) of post-RoPE ``q`` over ``k, v``."""
         return attention(
             q,
             k,
@@ -118,7 +125,7 @@ class Model:
             k_pos,
             self.scale,
             causal_contiguous=contiguous,
-            sliding_window=self.config.sliding_window,
+            sliding_window=self.config.window(layer),
             position_blocks=position_blocks,
         )
 
@@ -134,28 +141,20 @@ class Model:
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor | None = None, capture_kv: bool = False
     ):
-        """Ordinary causal prefill of a contiguous sequence.
+        """Ordinary causal prefill of a contiguous sequence (:func:`ragkv.model.forward.run_layers`).
 
         Returns ``(logits [n, vocab], k_pre [L,n,Hkv,D] or None, v [L,n,Hkv,D] or None)``.
         """
         n = int(token_ids.numel())
         if positions is None:
             positions = torch.arange(n, device=self.device)
+        positions = positions.to(self.device)
         self.check_length(int(positions.max()) + 1 if n else 0)
-        h = self.embed(token_ids)
-        ks, vs = [], []
-        cs = self.rotary.cos_sin(positions, self.dtype)
-        for layer in range(self.config.num_layers):
-            q, k, v = self.qkv(layer, h)
-            if capture_kv:
-                ks.append(k)
-                vs.append(v)
-            q, k = self.rotary.apply(q, positions, cs), self.rotary.apply(k, positions, cs)
-            o = self.attend(q, k, v, positions, positions, contiguous=True)
-            h = self.finish_layer(layer, h, o)
+        cap = CapturePreRope() if capture_kv else None
+        h, _ = run_layers(self, self.embed(token_ids), positions, CausalKV(self), on_pre_rope=cap)
         logits = self.logits(h)
-        if capture_kv:
-            return logits, torch.stack(ks), torch.stack(vs)
+        if cap is not None:
+            return (logits, *cap.stacked())
         return logits, None, None
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:

@@ -130,6 +130,17 @@ def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256(blob + type(tokenizer).__name__.encode()).hexdigest()
 
 
+def _jsonable(x):
+    """``x`` with every value made JSON-serializable (tuples as lists, tensors and others by repr)."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return repr(x)
+
+
 def model_fingerprint(cfg: ModelConfig, weights_digest: str, dtype: torch.dtype, tok_digest: str) -> str:
     """Identity of (architecture, weights, dtype, tokenizer): KV from any other model is never reused."""
     arch = {
@@ -145,14 +156,17 @@ def model_fingerprint(cfg: ModelConfig, weights_digest: str, dtype: torch.dtype,
             "vocab_size",
             "rms_norm_eps",
             "qkv_bias",
+            "o_bias",
             "sliding_window",
+            "bos_token_id",  # the row every chunk is computed after
+            "tie_word_embeddings",
         )
     }
+    arch["windows"] = list(cfg.windows)
     from ragkv.model.rope import rope_parameters
 
-    arch["rope"] = {
-        k: v for k, v in rope_parameters(cfg.hf_config).items() if isinstance(v, (int, float, str))
-    }
+    # every RoPE parameter, lists (longrope factors) and nested values included
+    arch["rope"] = _jsonable(rope_parameters(cfg.hf_config))
     payload = json.dumps(
         {"arch": arch, "weights": weights_digest, "dtype": str(dtype), "tok": tok_digest}, sort_keys=True
     )
@@ -258,6 +272,8 @@ def random_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             s[p + "self_attn.k_proj.bias"] = (cfg.num_kv_heads * hd,)
             s[p + "self_attn.v_proj.bias"] = (cfg.num_kv_heads * hd,)
         s[p + "self_attn.o_proj.weight"] = (d, cfg.num_heads * hd)
+        if cfg.o_bias:
+            s[p + "self_attn.o_proj.bias"] = (d,)
         s[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, d)
         s[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, d)
         s[p + "mlp.down_proj.weight"] = (d, cfg.intermediate_size)

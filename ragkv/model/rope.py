@@ -1,7 +1,7 @@
 """Rotary position embedding at explicit positions (any token may sit at any position).
 
 Frequencies come from transformers' own RoPE initialisers so that every scaling variant
-(linear, llama3, yarn, longrope) matches the reference model; the rotation itself is the
+(linear, llama3, yarn) matches the reference model; the rotation itself is the
 half-split ("NeoX") form that Hugging Face checkpoints of Llama/Mistral/Qwen2 use.
 """
 
@@ -37,6 +37,15 @@ def rope_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
         # Dynamic NTK changes frequencies with the sequence length, so a chunk's K computed at one
         # length is not a rotation of the same K at another: stored KV could never be re-positioned.
         raise UnsupportedRopeError("dynamic NTK RoPE scaling depends on sequence length; not supported")
+    if rope_type == "longrope":
+        # LongRoPE rotates with ``short_factor`` up to original_max_position_embeddings tokens and with
+        # ``long_factor`` beyond (transformers picks per forward, by sequence length): a chunk's KV
+        # computed alone (short) is not a rotation of the same chunk deep in a long prompt (long), and
+        # one decode cache would need both. See docs/DEVIATIONS.md.
+        raise UnsupportedRopeError(
+            "longrope switches frequencies with the sequence length (short_factor / long_factor), so "
+            "stored chunk KV cannot be re-positioned exactly; not supported"
+        )
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:

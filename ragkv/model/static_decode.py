@@ -1,14 +1,14 @@
 """Static-shape greedy decode that can be captured as a CUDA graph or compiled with ``torch.compile``.
 
-:func:`ragkv.generate.decode_step` grows a :class:`~ragkv.model.kvcache.DenseKVCache` by doubling
+:func:`ragkv.generate.decode_step` grows a :class:`~ragkv.attention.kvcache.DenseKVCache` by doubling
 and slices it to the current length, so every step has new shapes and a graph cannot be replayed;
 on a GPU, a small model's per-token time is then mostly Python and kernel launches. Here the KV of
 every layer lives in fixed ``[capacity, Hkv, D]`` buffers, the step's inputs (token, position, row)
 are device tensors written in place, and attention runs over all ``capacity`` rows with unwritten
 rows masked out by a position that no query reaches. One step is :class:`StaticDecoder`'s
-``forward`` (an ``nn.Module``), built from the same model primitives as ``decode_step`` (``qkv``,
-RoPE, ``attention``, ``finish_layer``, ``logits``), so on the CPU it returns the same logits and
-tokens as the growing cache (tested).
+``forward`` (an ``nn.Module``): the same layer loop as ``decode_step``
+(:func:`ragkv.model.forward.run_layers`) with the static buffers as its K/V, so on the CPU it returns
+the same logits and tokens as the growing cache (tested).
 
 Deviation from a fused decode kernel: attention reads the whole static buffer every step (masked),
 so its cost is that of ``capacity`` rows, not of the rows written so far; choose ``capacity`` close
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ragkv.attention.dense import attention
+from ragkv.model.forward import run_layers
 
 #: position of unwritten rows: larger than any query position, so ``k_pos <= q_pos`` masks them
 _NEVER = 2**62
@@ -76,26 +77,20 @@ class StaticDecoder(nn.Module):
         No host synchronisation and fixed shapes throughout, so it can be captured and replayed.
         """
         m = self.model
-        pos = self.position
-        h = m.embed(self.token)
-        cs = m.rotary.cos_sin(pos, m.dtype)
-        self.k_pos.index_copy_(0, self.row, pos)
-        for layer in range(m.config.num_layers):
-            q, k, v = m.qkv(layer, h)
-            q, k = m.rotary.apply(q, pos, cs), m.rotary.apply(k, pos, cs)
-            self.k[layer].index_copy_(0, self.row, k)
-            self.v[layer].index_copy_(0, self.row, v)
-            o = attention(
-                q,
-                self.k[layer],
-                self.v[layer],
-                pos,
-                self.k_pos,
-                m.scale,
-                sliding_window=m.config.sliding_window,
-            )
-            h = m.finish_layer(layer, h, o)
+        self.k_pos.index_copy_(0, self.row, self.position)
+        h, _ = run_layers(m, m.embed(self.token), self.position, self)
         return m.logits(h)[0].float()
+
+    # ---- the step's LayerKV (ragkv.model.forward): in-place writes, attention over every row ----
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, self.row, k)
+        self.v[layer].index_copy_(0, self.row, v)
+
+    def attend(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        return attention(
+            q, self.k[layer], self.v[layer], q_pos, self.k_pos, m.scale, sliding_window=m.config.window(layer)
+        )
 
     def _set_inputs(self, token_id: int, position: int) -> None:
         if self.length >= self.capacity:

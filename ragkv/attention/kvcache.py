@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ragkv.attention.dense import attention
+from ragkv.attention.dense import attention, layer_windows
 
 
 class KVCache(ABC):
@@ -49,11 +49,12 @@ class DenseKVCache(KVCache):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         capacity: int = 256,
-        sliding_window: int | None = None,
+        sliding_window: int | None | tuple[int | None, ...] = None,
     ):
         self.num_layers = num_layers
         self.scale = scale
-        self.sliding_window = sliding_window
+        #: per layer: its sliding window (None: full causal)
+        self.windows = layer_windows(sliding_window, num_layers)
         self._k = torch.empty(num_layers, capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
         self._v = torch.empty_like(self._k)
         self._pos = torch.empty(num_layers, capacity, dtype=torch.long, device=device)
@@ -70,7 +71,7 @@ class DenseKVCache(KVCache):
             model.dtype,
             model.device,
             capacity,
-            c.sliding_window,
+            c.windows,
         )
 
     def _grow(self, need: int) -> None:
@@ -102,7 +103,7 @@ class DenseKVCache(KVCache):
             q_pos,
             self._pos[layer, :n],
             self.scale,
-            sliding_window=self.sliding_window,
+            sliding_window=self.windows[layer],
         )
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,190 @@
+"""The forward pass: one layer loop over rows at explicit positions.
+
+:func:`run_layers` is the only place where a token's hidden state goes through the decoder layers.
+Its callers differ only in *where K/V go and where attention reads them* (a :class:`LayerKV`), and
+in *which rows go on* (an optional row selector, CacheBlend's HKVD):
+
+* full prefill and chunk-KV computation (:meth:`ragkv.model.llama.Model.forward`): :class:`CausalKV`,
+  the rows' own K/V, causal;
+* generate's decode (:func:`ragkv.generate.decode_step`): a dense or HACK
+  :class:`~ragkv.attention.kvcache.KVCache`;
+* the static (CUDA-graph) decoder (:class:`ragkv.model.static_decode.StaticDecoder`): fixed buffers;
+* the engine's batched decode (:func:`ragkv.engine.paged_cache.batched_decode_step`): paged blocks.
+
+Not yet moved onto it (issue 14): the selective-prefill loop of the prefill modes
+(:func:`ragkv.blend.core.selective_prefill`) and its vLLM-side twin
+(:func:`ragkv.blend.spans.blend_rows`); ``select`` and ``on_pre_rope`` are the hooks they need.
+
+The model side is a :class:`LayerModel`: ragkv's own :class:`~ragkv.model.llama.Model`, or the vLLM
+adapter in ``integrations/vllm/model_hook.py`` (same primitives over vLLM's modules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+class LayerModelConfig(Protocol):
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bos_token_id: int | None
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: full causal)."""
+
+
+@runtime_checkable
+class LayerModel(Protocol):
+    """A causal LM driven layer by layer on any rows (what :func:`run_layers` needs)."""
+
+    config: Any  # a LayerModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    scale: float
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of ``token_ids [n]``."""
+
+    def qkv(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-RoPE ``q [n,Hq,D]``, ``k [n,Hkv,D]``, ``v [n,Hkv,D]`` of rows ``h``."""
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, tables: Any = None) -> torch.Tensor:
+        """``x [n,H,D]`` rotated at ``positions [n]`` (``tables``: from :meth:`rope_tables`)."""
+
+    def rope_tables(self, positions: torch.Tensor) -> Any:
+        """Precomputed rotation of ``positions`` reused by every layer (None if the model has none)."""
+
+    def attend(
+        self, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
+    ) -> torch.Tensor:
+        """Attention of ``layer`` (its sliding window) of post-RoPE ``q`` over post-RoPE ``k``, ``v``."""
+
+    def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """o-proj + residual + MLP of rows ``h`` given their attention output ``[n,Hq,D]``."""
+
+
+class LayerKV(Protocol):
+    """Where a forward's K/V are written and where its attention reads them, per layer."""
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows ``k`` (post-RoPE), ``v [n, Hkv, D]`` at ``positions [n]`` of ``layer``."""
+
+    def attend(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """Attention of post-RoPE ``q [n, Hq, D]`` at ``q_pos`` over what ``layer`` holds."""
+
+
+#: ``select(layer, positions, k_pre, v) -> kept local row indices (sorted) or None (keep all)``
+RowSelector = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+#: ``on_pre_rope(layer, positions, k_pre, v)``: sees each layer's fresh pre-RoPE K and V
+PreRopeHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def run_layers(
+    model: LayerModel,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    kv: LayerKV,
+    *,
+    select: RowSelector | None = None,
+    on_pre_rope: PreRopeHook | None = None,
+    last_layer_attention: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``h [n, hidden]`` at ``positions [n]`` through every layer; returns ``(h, positions)``.
+
+    Per layer: Q/K/V of the rows; ``select`` may drop rows (HKVD), after which only the kept rows go
+    on; ``on_pre_rope`` sees the kept rows' pre-RoPE K/V; Q and K are rotated at the rows' positions;
+    ``kv.write`` stores K/V and ``kv.attend`` gives the attention output; the layer's o-proj and MLP
+    finish the rows. ``last_layer_attention=False`` stops after the last layer's K/V are written
+    (callers that need the KV, not the hidden states).
+    """
+    L = model.config.num_layers
+    tables, tables_of = model.rope_tables(positions), positions
+    for layer in range(L):
+        q, k, v = model.qkv(layer, h)
+        if select is not None:
+            keep = select(layer, positions, k, v)
+            if keep is not None:
+                h, q, k, v, positions = h[keep], q[keep], k[keep], v[keep], positions[keep]
+        if on_pre_rope is not None:
+            on_pre_rope(layer, positions, k, v)
+        if tables_of is not positions:  # rows only change where a selector dropped some
+            tables, tables_of = model.rope_tables(positions), positions
+        q, k = model.rope(q, positions, tables), model.rope(k, positions, tables)
+        kv.write(layer, positions, k, v)
+        if layer == L - 1 and not last_layer_attention:
+            break
+        h = model.finish_layer(layer, h, kv.attend(layer, q, positions))
+    return h, positions
+
+
+class CausalKV:
+    """The rows' own K/V, attended causally: full prefill of a contiguous run of positions."""
+
+    def __init__(self, model: LayerModel):
+        self.model = model
+        self._kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def write(self, layer, positions, k, v) -> None:
+        self._kv = (positions, k, v)
+
+    def attend(self, layer, q, q_pos) -> torch.Tensor:
+        pos, k, v = self._kv
+        return self.model.attend(layer, q, k, v, q_pos, pos, contiguous=True)
+
+
+class CapturePreRope:
+    """``on_pre_rope`` hook keeping rows ``[start:]`` of each layer's pre-RoPE K and V."""
+
+    def __init__(self, start: int = 0):
+        self.start = start
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def __call__(self, layer, positions, k, v) -> None:
+        self.k.append(k[self.start :])
+        self.v.append(v[self.start :])
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_pre, v) [L, n, Hkv, D]``."""
+        return torch.stack(self.k), torch.stack(self.v)
+
+
+def chunk_token_ids(model: LayerModel, token_ids) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(chunk ids, ids to prefill, start)``: the chunk convention prefills a chunk after BOS."""
+    ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids, dtype=torch.long)
+    ids = ids.flatten().cpu()
+    if ids.numel() == 0:
+        raise ValueError("cannot compute KV of an empty chunk")
+    bos = model.config.bos_token_id
+    start = 1 if bos is not None else 0
+    full = torch.cat([torch.tensor([bos]), ids]) if start else ids
+    return ids, full, start
+
+
+@torch.inference_mode()
+def chunk_kv_tensors(model: LayerModel, token_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A chunk's KV in the chunk convention: ``(ids, k_pre, v, start)`` with ``k_pre, v [L, n, Hkv, D]``.
+
+    Prefills ``[BOS] + ids`` through any layer model (ragkv's or the vLLM adapter) and keeps the
+    chunk rows' pre-RoPE K and V; the last layer's attention and MLP are not run (nothing reads them).
+    """
+    ids, full, start = chunk_token_ids(model, token_ids)
+    if hasattr(model, "check_length"):
+        model.check_length(int(full.numel()))
+    pos = torch.arange(full.numel(), device=model.device)
+    cap = CapturePreRope(start)
+    run_layers(
+        model,
+        model.embed(full.to(model.device)),
+        pos,
+        CausalKV(model),
+        on_pre_rope=cap,
+        last_layer_attention=False,
+    )
+    k, v = cap.stacked()
+    return ids, k.contiguous(), v.contiguous(), start
