@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ragkv.model.chat import tokenizer_adds_bos
+
 log = logging.getLogger("eval.prompts")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,7 +152,8 @@ class ChatFrame:
 def chat_frame(tokenizer, use_template: bool = True) -> ChatFrame:
     """Split the tokenizer's chat template (user turn + generation prompt) around the message content.
 
-    BOS is dropped from the head (``Model.encode(add_bos=True)`` adds it as a token). No template,
+    BOS is dropped from the head only when the tokenizer adds it itself (``Model.encode(add_bos=True)``
+    then adds it as a token); a ChatML head keeps its ``<|im_start|>``, which is that BOS. No template,
     or a template that cannot render a lone user turn, gives an empty frame (plain text prompt).
     """
     if not use_template or tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -167,7 +170,7 @@ def chat_frame(tokenizer, use_template: bool = True) -> ChatFrame:
         return ChatFrame()
     head, tail = text.split(_SENTINEL)
     bos = getattr(tokenizer, "bos_token", None)
-    if bos and head.startswith(bos):
+    if bos and head.startswith(bos) and tokenizer_adds_bos(tokenizer, tokenizer.bos_token_id):
         head = head[len(bos) :]
     return ChatFrame(head, tail)
 

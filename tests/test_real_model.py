@@ -207,3 +207,14 @@ def test_a_named_model_file_that_is_not_the_pinned_one_is_refused_and_removed(tm
     with pytest.raises(ModelFetchError, match="not the pinned"):
         pull(DEFAULT_MODEL, quiet=True)
     assert not fake.exists()
+
+
+def test_eval_prompts_start_with_the_chat_templates_bos(real_llm):
+    """CacheBlend-style eval prompts in a ChatML template keep their opening <|im_start|> (the BOS)."""
+    from eval.prompts import PromptBuilder, chat_frame, get_spec
+
+    m = real_llm.model
+    spec = get_spec("musique")
+    b = PromptBuilder(m, chat_frame(m.tokenizer), spec.prefix, spec.query)
+    assert b.prefix_ids[0] == m.config.bos_token_id != b.prefix_ids[1]
+    assert m.decode(b.prefix_ids[1:]).startswith("system")
