@@ -10,6 +10,14 @@ medians over the runs. Ends with one JSON line.
 
     python -m eval.bench_api                 # 8 clients, 3 x 15 s
     python -m eval.bench_api --quick         # 1 x 6 s, fewer documents
+
+``--model`` is the server's ``RAGKV_MODEL`` (default the tiny stories260k, whose 512 positions make
+the server cut chunks to ~62 tokens). On the real default model (``--model smollm2-135m-instruct``,
+8192 positions) the server's automatic chunk size is 512 tokens, i.e. ~2K-token prompts of top 4
+chunks: on a CPU, set ``--chunk-tokens`` (e.g. 128) and few clients:
+
+    python -m eval.bench_api --model smollm2-135m-instruct --chunk-tokens 128 --clients 1 \
+        --server-workers 1 --samples 3 --passages 3 --duration 60 --runs 2
 """
 
 from __future__ import annotations
@@ -63,6 +71,8 @@ def start_server(args, data_dir: Path) -> tuple[subprocess.Popen, str, Path]:
     }
     if args.torch_threads:
         env["RAGKV_TORCH_THREADS"] = str(args.torch_threads)
+    if args.chunk_tokens:
+        env["RAGKV_CHUNK_TOKENS"] = str(args.chunk_tokens)
     env.pop("RAGKV_CONFIG", None)
     log_path = data_dir.parent / "server.log"
     with open(log_path, "w") as log:  # the child has its own copy of the descriptor
@@ -196,7 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--url", help="benchmark a running server (documents already ingested) instead of starting one"
     )
-    ap.add_argument("--model", default=str(TINY_MODEL))
+    ap.add_argument(
+        "--model",
+        default=str(TINY_MODEL),
+        help="the server's model (name, GGUF, folder; default: the tiny stories260k)",
+    )
+    ap.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="the server's chunk size (default: its own, top_k chunks fitting the context, <= 512)",
+    )
     ap.add_argument("--data", default=str(DATA_DIR / "musique_s.json"))
     ap.add_argument("--samples", type=int, default=6, help="questions; their passages are ingested")
     ap.add_argument("--passages", type=int, default=4, help="passages ingested per question")
@@ -276,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         json.dumps(
             {
+                "model": args.model,
+                "chunk_tokens": args.chunk_tokens,
                 "clients": args.clients,
                 "duration_s": args.duration,
                 "runs": args.runs,

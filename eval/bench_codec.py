@@ -2,14 +2,16 @@
 
 All on real KV of trained transformers over MuSiQue passages, measured side by side in one run:
 
-* ``stories``: the shared stories260k model (5 layers, 4 KV heads x 8 = 32 channels per layer), chunks
-  of ``--chunk-tokens`` tokens prefilled alone after BOS (``ragkv.kv.compute_chunk_kv``, pre-RoPE K).
+* ``model``: the ``--model`` checkpoint's own KV (default: the tiny stories260k model, 5 layers, 4 KV
+  heads x 8 = 32 channels per layer, named ``stories`` in the output; the real default model
+  ``smollm2-135m-instruct``: 30 layers, 3 KV heads x 64 = 192 channels), chunks of ``--chunk-tokens``
+  tokens of MuSiQue passages prefilled alone after BOS (``ragkv.kv.compute_chunk_kv``, pre-RoPE K).
 * ``minilm``: all-MiniLM-L6-v2's K/V projections (6 layers, 12 heads x 32 = 384 channels), captured
   with forward hooks on each layer's key/value Linear over passages of up to 256 tokens.
 
 Sections (sizes include every header, scale and order byte; ratios are vs fp16 K+V):
 
-0. Per-layer sensitivity of the shared model (blend KL with one tensor-layer quantized) on held-out
+0. Per-layer sensitivity of the ``--model`` checkpoint (blend KL with one tensor-layer quantized) on held-out
    calibration questions, and per-layer step allocations derived from it.
 1. Baselines: fp16 + zstd-19, the store's int8 / int4 codecs + zstd-19.
 2. Video per quantization setting and resolution version (token slots per frame), next to zstd-19 on
@@ -22,11 +24,18 @@ Sections (sizes include every header, scale and order byte; ratios are vs fp16 K
    and restore time of a chunk vs recomputing the chunk's KV on the same device (one thread).
 5. Adaptive resolution: decode profile measured here, one store per version, a token-bucket link
    whose bandwidth drops; Algorithm 1 vs every fixed version.
-6. Fidelity on the shared model: CacheBlend ``blend`` over 3 chunks + question with decoded KV vs
-   with the original KV, first-token KL and agreement, on evaluation questions disjoint from the
-   calibration ones. Decoded KV = the codec's quantized reference (section 2 checks the identity).
+6. Fidelity on the ``--model`` checkpoint: CacheBlend ``blend`` over 3 chunks + question with decoded
+   KV vs with the original KV, first-token KL and agreement, on evaluation questions disjoint from
+   the calibration ones. Decoded KV = the codec's quantized reference (section 2 checks the
+   identity). A model with a chat template gets the MuSiQue instruction and question inside it
+   (``ragkv.model.chat.chat_parts``); the tiny model the plain " question: ... answer:" suffix.
 
-    python -m eval.bench_codec [--quick] [--sources stories,minilm] [--questions 80]
+Sections 0 and 6 need a trained model (``--model``); the rest run on every source. On a real
+checkpoint a full run is slow on a CPU (section 0 is 2 x layers x ``--calib`` blend prefills): size
+it with ``--chunks``, ``--questions``, ``--calib`` (0 skips section 0 and its per-layer settings).
+
+    python -m eval.bench_codec [--quick] [--sources model,minilm] [--questions 80]
+    python -m eval.bench_codec --model smollm2-135m-instruct --sources model --quick --calib 2
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -93,11 +103,18 @@ class Source:
         return tuple(self.chunks[0][0].shape)
 
 
-def load_stories(n_chunks: int, chunk_tokens: int):
+def source_name(model_name) -> str:
+    """``stories`` for the tiny model (the name earlier results use), else the checkpoint's short name."""
+    if Path(str(model_name)).resolve() == Path(TINY_MODEL).resolve():
+        return "stories"
+    return re.sub(r"[^a-z0-9]+", "-", Path(str(model_name)).name.lower()).strip("-") or "model"
+
+
+def load_trained(model_name, n_chunks: int, chunk_tokens: int):
     from ragkv.kv.compute import compute_chunk_kv
     from ragkv.model import load_model
 
-    model = load_model(TINY_MODEL)
+    model = load_model(model_name)
     ids_list = []
     for q in musique():
         for c in q["ctxs"]:
@@ -109,7 +126,8 @@ def load_stories(n_chunks: int, chunk_tokens: int):
         if len(ids_list) == n_chunks:
             break
     chunks = [(ch.k, ch.v) for ch in (compute_chunk_kv(model, ids) for ids in ids_list)]
-    return model, Source("stories", chunks, lambda: compute_chunk_kv(model, ids_list[0]), model.fingerprint)
+    recompute = lambda: compute_chunk_kv(model, ids_list[0])  # noqa: E731
+    return model, Source(source_name(model_name), chunks, recompute, model.fingerprint)
 
 
 def load_minilm(n_chunks: int, max_tokens: int = 256) -> Source:
@@ -336,13 +354,24 @@ def fidelity_cases(model, questions: range, chunk_tokens: int):
 
     data = musique()
     cases = []
-    bos = [model.config.bos_token_id]
     for i in questions:
         q = data[i % len(data)]
         chunks = [compute_chunk_kv(model, model.encode(c["text"])[:chunk_tokens]) for c in q["ctxs"][:3]]
-        suffix = model.encode(" question: " + q["question"] + " answer:")[-40:]
-        cases.append((chunks, suffix, prefill(model, bos, chunks, suffix, mode="blend").logits))
+        prefix, suffix = prompt_parts(model, q["question"])
+        cases.append((prefix, chunks, suffix, prefill(model, prefix, chunks, suffix, mode="blend").logits))
     return cases
+
+
+def prompt_parts(model, question: str) -> tuple[list[int], list[int]]:
+    """(prefix, suffix) around the chunks: the chat template with MuSiQue's instruction and query when
+    the model has one (as ``ragkv.LLM`` builds it), else BOS and a plain " question: ... answer:"."""
+    from eval.prompts import get_spec, query_text
+    from ragkv.model.chat import chat_parts, has_chat_template
+
+    if has_chat_template(model):
+        spec = get_spec("musique")
+        return chat_parts(model, spec.prefix, query_text(spec.query, question))
+    return [model.config.bos_token_id], model.encode(" question: " + question + " answer:")[-40:]
 
 
 def blend_vs_original(model, cases, transform) -> dict:
@@ -352,15 +381,14 @@ def blend_vs_original(model, cases, transform) -> dict:
     from ragkv.metrics import first_token_agreement, first_token_kl
 
     kls, agree = [], []
-    bos = [model.config.bos_token_id]
-    for chunks, suffix, ref in cases:
+    for prefix, chunks, suffix, ref in cases:
         alt = []
         for ch in chunks:
             k, v = transform(ch)
             alt.append(
                 ChunkKV(ch.token_ids, k, v, ch.start_pos, ch.fingerprint, ch.convention, dict(ch.meta))
             )
-        out = prefill(model, bos, alt, suffix, mode="blend").logits
+        out = prefill(model, prefix, alt, suffix, mode="blend").logits
         kls.append(first_token_kl(ref, out))
         agree.append(first_token_agreement(ref, out))
     return {
@@ -431,40 +459,75 @@ def fmt_row(cols, widths) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer chunks, questions and settings")
-    ap.add_argument("--sources", default="stories,minilm")
-    ap.add_argument("--chunks", type=int, default=None, help="stories chunks for sizes (default 8, quick 4)")
     ap.add_argument(
-        "--chunk-tokens", type=int, default=150, help="stories chunk length (3 chunks + question fit 512)"
+        "--model",
+        default=str(TINY_MODEL),
+        help="checkpoint whose KV is the 'model' source and whose blend measures fidelity (name, GGUF, "
+        "folder; default: the tiny stories260k model)",
+    )
+    ap.add_argument(
+        "--sources",
+        default="model,minilm",
+        help="model (the --model checkpoint; 'stories' is an alias) and/or minilm",
+    )
+    ap.add_argument("--chunks", type=int, default=None, help="model chunks for sizes (default 8, quick 4)")
+    ap.add_argument(
+        "--chunk-tokens", type=int, default=150, help="model chunk length (3 chunks + question fit 512)"
     )
     ap.add_argument("--questions", type=int, default=None, help="fidelity questions (default 100, quick 30)")
     ap.add_argument(
-        "--calib", type=int, default=None, help="held-out calibration questions (default 40, quick 20)"
+        "--calib",
+        type=int,
+        default=None,
+        help="held-out calibration questions (default 40, quick 20; 0: no per-layer sensitivity/allocation)",
+    )
+    ap.add_argument(
+        "--settings",
+        default=None,
+        help="comma-separated uniform settings to compare, by name (default: all; --quick: 3 of them): "
+        + ", ".join(settings(False)),
+    )
+    ap.add_argument(
+        "--layer-budgets",
+        default=None,
+        help="KL budgets of the per-layer allocations (default 0.0005,0.001,0.002,0.004; quick 0.001,0.002)",
     )
     ap.add_argument("--versions", default="4,16,64", help="resolution versions: token slots per frame")
     ap.add_argument("--runs", type=int, default=3, help="timing repetitions (median)")
     ap.add_argument("--json", default=None, help="also write the full results here")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     n_chunks = args.chunks or (4 if args.quick else 8)
     n_q = args.questions or (30 if args.quick else 100)
-    n_cal = args.calib or (20 if args.quick else 40)
+    n_cal = args.calib if args.calib is not None else (20 if args.quick else 40)
     versions = [int(x) for x in args.versions.split(",")]
+    budgets = (0.001, 0.002) if args.quick else (0.0005, 0.001, 0.002, 0.004)
+    if args.layer_budgets:
+        budgets = tuple(float(x) for x in args.layer_budgets.split(","))
     default_slots = 16 if 16 in versions else versions[len(versions) // 2]
     wanted = [s.strip() for s in args.sources.split(",") if s.strip()]
     t_start = time.perf_counter()
 
     model = None
     sources: list[Source] = []
-    if "stories" in wanted:
-        model, src = load_stories(n_chunks, args.chunk_tokens)
+    trained = source_name(args.model)  # the trained source's name in the results
+    if "model" in wanted or "stories" in wanted:
+        model, src = load_trained(args.model, n_chunks, args.chunk_tokens)
         sources.append(src)
     if "minilm" in wanted:
         sources.append(load_minilm(max(1, n_chunks // 4)))
     results: dict = {"sources": {}}
 
     # -- per-layer allocation, calibrated on held-out questions (after the evaluation questions)
-    per_source: dict[str, dict[str, dict]] = {src.name: settings(args.quick) for src in sources}
+    chosen = settings(args.quick)
+    if args.settings:
+        every = settings(False)
+        chosen = {n.strip(): every[n.strip()] for n in args.settings.split(",") if n.strip()}
+    per_source: dict[str, dict[str, dict]] = {src.name: dict(chosen) for src in sources}
     eval_cases = None
-    if model is not None:
+    if model is not None and n_cal > 0:
         print(
             f"== per-layer sensitivity (blend, one tensor-layer at step 1.0, {n_cal} held-out questions) =="
         )
@@ -472,10 +535,10 @@ def main(argv: list[str] | None = None) -> dict:
         k_kl, v_kl = layer_sensitivity(model, cal_cases, probe=1.0)
         print("   K:", " ".join(f"{x:.5f}" for x in k_kl), "\n   V:", " ".join(f"{x:.5f}" for x in v_kl))
         results["sensitivity"] = {"k": k_kl, "v": v_kl, "probe": 1.0}
-        for target in (0.001, 0.002) if args.quick else (0.0005, 0.001, 0.002, 0.004):
+        for target in budgets:
             ks, vs = allocate_layer_steps(k_kl, v_kl, probe=1.0, target_kl=target)
             name = f"8b per-layer D={target}"
-            per_source["stories"][name] = dict(k_step=1.0, v_step=1.0, k_layer_steps=ks, v_layer_steps=vs)
+            per_source[trained][name] = dict(k_step=1.0, v_step=1.0, k_layer_steps=ks, v_layer_steps=vs)
             print(f"   {name}: K steps {[round(x, 2) for x in ks]}  V steps {[round(x, 2) for x in vs]}")
         # uniform steps, except layers with no measured effect get the coarsest step (under CacheBlend
         # that is layer 0, which blend recomputes; pre-RoPE layer-0 K/V are a function of the token id)
@@ -483,7 +546,7 @@ def main(argv: list[str] | None = None) -> dict:
         idle_v = [3.0 if x <= 0 else 1.0 for x in v_kl]
         for ks_, vs_ in ((0.25, 0.25), (0.35, 0.5)):
             name = f"8b s{ks_}/{vs_} idle layers coarse"
-            per_source["stories"][name] = dict(
+            per_source[trained][name] = dict(
                 k_step=ks_, v_step=vs_, k_layer_steps=[x / ks_ if x > 1 else 1.0 for x in idle_k],
                 v_layer_steps=[x / vs_ if x > 1 else 1.0 for x in idle_v],
             )  # fmt: skip
@@ -605,7 +668,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
         results["sources"][src.name] = r
 
-    # -- fidelity on the shared model
+    # -- fidelity on the trained model
     fid: dict = {}
     if model is not None:
         print(
@@ -616,8 +679,8 @@ def main(argv: list[str] | None = None) -> dict:
         f16 = blend_vs_original(model, eval_cases, lambda ch: (ch.k.half().float(), ch.v.half().float()))
         fid["fp16 cast"] = f16
         print(f"   {'fp16 cast':<28} KL {f16['kl']:.6f}  agreement {f16['agreement']:.3f}")
-        st = results["sources"]["stories"]
-        for name, opts in per_source["stories"].items():
+        st = results["sources"][trained]
+        for name, opts in per_source[trained].items():
             f = blend_vs_original(model, eval_cases, decoded_kv(VideoCodec(**opts)))
             vers = st["video"][name]["versions"]
             best_s = max(vers, key=lambda x: vers[x]["ratio"])
@@ -637,16 +700,16 @@ def main(argv: list[str] | None = None) -> dict:
     # -- summary line
     ok = {n: f for n, f in fid.items() if n != "fp16 cast" and f["meets_bar"]}
     pick = max(ok, key=lambda n: ok[n]["ratio"]) if ok else None
-    summary: dict = {"setting": pick, "bit_exact": bit_exact}
+    summary: dict = {"model": str(args.model), "source": trained, "setting": pick, "bit_exact": bit_exact}
     if pick is not None:
         f = ok[pick]
         summary.update(ratio_vs_fp16=f["ratio"], kl_vs_fp16=f["kl"], agreement=f["agreement"])
         summary["video_over_zstd"] = f["video_over_zstd"]
-        # the realistic-width source at the same uniform steps (per-layer steps are calibrated on stories)
-        opts = per_source["stories"][pick]
+        # the other source at the same uniform steps (per-layer steps are calibrated on the trained model)
+        opts = per_source[trained][pick]
         base = {k: v for k, v in opts.items() if not k.endswith("layer_steps")}
         for name, r in results["sources"].items():
-            if name == "stories":
+            if name == trained:
                 continue
             same = [n for n, x in r["video"].items() if x["opts"] == base]
             if same:

@@ -10,14 +10,22 @@ Four parts, all measured in one run (medians of ``--runs`` timings):
 2. Real Q/K/V: all-MiniLM-L6-v2's projections over MuSiQue passages (12 heads, head_dim 32), attention
    output relative error vs fp32 attention, mean over layers, for the paper scheme, each error-reduction
    option alone at 2 bits, and the ``accurate`` preset, at 2/3/4/8 bits.
-3. The shared trained model (stories260k): first-token agreement and KL vs fp16 decoding. Prompts are
-   stories the model samples itself (in-distribution); the prompt minus its last token is prefilled
-   exactly into the cache, the last token is decoded through the cache, and its next-token logits are
-   compared with the dense cache's.
+3. A trained model (``--model``; default the tiny stories260k, head_dim 8): first-token agreement and
+   KL vs fp16 decoding. The prompt minus its last token is prefilled exactly into the cache, the last
+   token is decoded through the cache, and its next-token logits are compared with the dense cache's.
+   Prompts: for the tiny model, stories it samples itself (in-distribution); for a model with a chat
+   template (the real default ``smollm2-135m-instruct``, head_dim 64), MuSiQue RAG prompts of
+   ``--prompt-tokens`` tokens as ``ragkv.LLM`` builds them (chat template around the instruction,
+   passages and question), so the decoded token is the end of the assistant header and the compared
+   distribution is the answer's first token.
 4. On CUDA with triton: the Triton kernel vs fp16 SDPA and vs dequantize-then-SDPA at 8K/32K/128K
    context and batch 1/16/64 (skipped here when there is no GPU: ``gpu_speedup_vs_fp16`` is null).
 
+Parts 1 and 4 run on random shapes and part 2 on MiniLM whatever ``--model`` is; ``--parts`` picks
+the parts to run (a real model's part 3 alone: ``--parts 3``).
+
     python -m eval.bench_hack [--quick] [--contexts 1024,4096,16384] [--runs 5]
+    python -m eval.bench_hack --model smollm2-135m-instruct --parts 3 --prompts 12 --prompt-tokens 512
 """
 
 from __future__ import annotations
@@ -215,6 +223,31 @@ def story_prompts(model, n: int, length: int, seed: int) -> list[list[int]]:
     return out
 
 
+def rag_prompts(model, n: int, length: int) -> list[list[int]]:
+    """MuSiQue prompts of about ``length`` tokens: the chat template around the MuSiQue instruction,
+    the question's passages (cut to fit) and the query, as ``ragkv.LLM`` builds them."""
+    from eval.prompts import get_spec, passage_text, query_text
+    from ragkv.model.chat import chat_parts, has_chat_template
+
+    spec = get_spec("musique")
+    data = json.loads((DATA_DIR / "musique_s.json").read_text())
+    out = []
+    for s in data[:n]:
+        if has_chat_template(model):
+            prefix, suffix = chat_parts(model, spec.prefix, query_text(spec.query, s["question"]))
+        else:
+            prefix = model.encode(spec.prefix, add_bos=True)
+            suffix = model.encode(query_text(spec.query, s["question"]))
+        budget = max(0, length - len(prefix) - len(suffix))
+        body: list[int] = []
+        for c in s["ctxs"]:
+            body += model.encode(passage_text(c.get("title", ""), c["text"]))[: budget - len(body)]
+            if len(body) >= budget:
+                break
+        out.append(prefix + body + suffix)
+    return out
+
+
 @torch.inference_mode()
 def first_token(
     model, prompts: list[list[int]], cfgs: dict[str, HackConfig]
@@ -349,101 +382,162 @@ def gpu_bench(contexts: list[int], batches: list[int], runs: int) -> list[dict] 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--contexts", default="1024,4096,8192", help="part 1 context lengths (random K/V)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--passages", type=int, default=4, help="MiniLM passages (256 tokens each)")
-    ap.add_argument("--prompts", type=int, default=12, help="shared-model prompts")
-    ap.add_argument("--prompt-tokens", type=int, default=160)
+    ap.add_argument(
+        "--model",
+        default=str(TINY_MODEL),
+        help="part 3's trained model (name, GGUF, folder; default: the tiny stories260k model)",
+    )
+    ap.add_argument("--prompts", type=int, default=12, help="part 3 prompts")
+    ap.add_argument("--prompt-tokens", type=int, default=160, help="part 3 prompt length")
     ap.add_argument("--gpu-contexts", default="8192,32768,131072")
     ap.add_argument("--gpu-batches", default="1,16,64")
+    ap.add_argument(
+        "--parts",
+        default="1,2,3,4",
+        help="parts to run: 1 (random 7B-shaped K/V), 2 (MiniLM), 3 (--model), 4 (GPU, random codes)",
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.contexts, args.runs, args.passages, args.prompts = "1024,4096", 3, 2, 6
     contexts = [int(x) for x in args.contexts.split(",")]
+    parts = {int(x) for x in args.parts.split(",") if x.strip()}
 
-    print("== 1. 7B geometry (Hq 32, Hkv 8, D 128), synthetic K/V, CPU reference ==")
-    geo = geometry_sweep(contexts, args.runs)
+    geo: list[dict] = []
+    if 1 in parts:
+        print("== 1. 7B geometry (Hq 32, Hkv 8, D 128), synthetic K/V, CPU reference ==")
+        geo = geometry_sweep(contexts, args.runs)
 
-    print("== 2. all-MiniLM-L6-v2 real Q/K/V over MuSiQue passages: attention output rel. error ==")
-    caps = capture_minilm_qkv(args.passages)
     minilm: dict[str, dict] = {}
     ablations = {name: HackConfig(**opts) for name, opts in MINILM_OPTIONS.items()}
     ablations["accurate_no_window"] = HackConfig.preset("accurate", recent_window=0)
-    for name, cfg in ablations.items():
-        m, layers = minilm_error(caps, cfg)
-        minilm[f"{name}@2"] = {"mean": m, "layers": layers}
-        print(f"  2-bit {name:22s} mean {m:.3f}  layers {' '.join(f'{x:.3f}' for x in layers)}", flush=True)
-    for bits in (2, 3, 4, 8):
-        for preset in ("paper", "accurate"):
-            key = f"{preset}@{bits}"
-            if key not in minilm:
-                m, layers = minilm_error(caps, HackConfig.preset(preset, bits=bits))
-                minilm[key] = {"mean": m, "layers": layers}
-            m, layers = minilm[key]["mean"], minilm[key]["layers"]
+    if 2 in parts:
+        print("== 2. all-MiniLM-L6-v2 real Q/K/V over MuSiQue passages: attention output rel. error ==")
+        caps = capture_minilm_qkv(args.passages)
+        for name, cfg in ablations.items():
+            m, layers = minilm_error(caps, cfg)
+            minilm[f"{name}@2"] = {"mean": m, "layers": layers}
             print(
-                f"  {bits}-bit {preset:21s} mean {m:.3f}  layers {' '.join(f'{x:.3f}' for x in layers)}",
-                flush=True,
+                f"  2-bit {name:22s} mean {m:.3f}  layers {' '.join(f'{x:.3f}' for x in layers)}", flush=True
             )
+        for bits in (2, 3, 4, 8):
+            for preset in ("paper", "accurate"):
+                key = f"{preset}@{bits}"
+                if key not in minilm:
+                    m, layers = minilm_error(caps, HackConfig.preset(preset, bits=bits))
+                    minilm[key] = {"mean": m, "layers": layers}
+                m, layers = minilm[key]["mean"], minilm[key]["layers"]
+                print(
+                    f"  {bits}-bit {preset:21s} mean {m:.3f}  layers {' '.join(f'{x:.3f}' for x in layers)}",
+                    flush=True,
+                )
 
-    print("== 3. stories260k: first-token agreement / KL vs fp16 decoding ==")
-    from ragkv.model import load_model
+    ft: dict[str, tuple[float, float]] = {}
+    model_info = None
+    if 3 in parts:
+        from ragkv.model import load_model
 
-    model = load_model(TINY_MODEL)
-    prompts = story_prompts(model, args.prompts, args.prompt_tokens, seed=5)
-    cfgs = {f"{p}@{b}": HackConfig.preset(p, bits=b) for b in (2, 3, 4, 8) for p in ("paper", "accurate")}
-    for name, cfg in ablations.items():
-        if name != "paper":
-            cfgs[f"{name}@2"] = cfg
-    ft = first_token(model, prompts, cfgs)
-    for name, (a, kl) in ft.items():
-        print(f"  {name:26s} agreement {a:.3f}  KL {kl:.4f}")
+        model = load_model(args.model)
+        c = model.config
+        model_info = {
+            "model": str(args.model),
+            "layers": c.num_layers,
+            "heads": c.num_heads,
+            "kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+        }
+        tiny = Path(str(args.model)).resolve() == Path(TINY_MODEL).resolve()
+        if tiny:
+            prompts = story_prompts(model, args.prompts, args.prompt_tokens, seed=5)
+            kind = "self-sampled stories"
+        else:
+            prompts = rag_prompts(model, args.prompts, args.prompt_tokens)
+            kind = "MuSiQue RAG prompts (chat template)"
+        model_info.update(prompts=len(prompts), prompt_tokens=statistics.mean(map(len, prompts)), kind=kind)
+        print(
+            f"== 3. {args.model} ({c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} heads, head_dim "
+            f"{c.head_dim}): first-token agreement / KL vs fp16 decoding, {len(prompts)} {kind} of "
+            f"~{model_info['prompt_tokens']:.0f} tokens =="
+        )
+        cfgs = {f"{p}@{b}": HackConfig.preset(p, bits=b) for b in (2, 3, 4, 8) for p in ("paper", "accurate")}
+        for name, cfg in ablations.items():
+            if name != "paper":
+                cfgs[f"{name}@2"] = cfg
+        ft = first_token(model, prompts, cfgs)
+        for name, (a, kl) in ft.items():
+            print(f"  {name:26s} agreement {a:.3f}  KL {kl:.4f}")
 
-    print("== 4. GPU: Triton kernel vs fp16 SDPA vs dequantize-then-SDPA ==")
-    gpu = gpu_bench(
-        [int(x) for x in args.gpu_contexts.split(",")],
-        [int(x) for x in args.gpu_batches.split(",")],
-        args.runs,
-    )
+    gpu = None
     speedup = None
-    if gpu is None:
-        print("  skipped: no CUDA device with triton in this environment")
-    else:
-        long = [r for r in gpu if r["context"] >= 32768]
-        if long:
-            speedup = statistics.median(r["t_sdpa_fp16_ms"] / r["t_triton_ms"] for r in long)
+    if 4 in parts:
+        print("== 4. GPU: Triton kernel vs fp16 SDPA vs dequantize-then-SDPA ==")
+        gpu = gpu_bench(
+            [int(x) for x in args.gpu_contexts.split(",")],
+            [int(x) for x in args.gpu_batches.split(",")],
+            args.runs,
+        )
+        if gpu is None:
+            print("  skipped: no CUDA device with triton in this environment")
+        else:
+            long = [r for r in gpu if r["context"] >= 32768]
+            if long:
+                speedup = statistics.median(r["t_sdpa_fp16_ms"] / r["t_triton_ms"] for r in long)
 
-    last = geo[-1]
+    def r4(x):
+        return None if x is None else round(x, 4)
+
+    def mini(key: str):
+        return r4(minilm[key]["mean"]) if key in minilm else None
+
+    def agree(key: str):
+        return r4(ft[key][0]) if key in ft else None
+
+    def kl(key: str):
+        return r4(ft[key][1]) if key in ft else None
+
+    last = geo[-1] if geo else None
     result = {
         "bench": "hack",
-        "contexts": contexts,
-        "kv_bytes_ratio": round(last["bytes_ratio_paper"], 4),
-        "kv_bytes_ratio_accurate": round(last["bytes_ratio_accurate"], 4),
+        "contexts": contexts if geo else None,
+        "kv_bytes_ratio": r4(last["bytes_ratio_paper"]) if last else None,
+        "kv_bytes_ratio_accurate": r4(last["bytes_ratio_accurate"]) if last else None,
         "homomorphic_vs_dequant_max_rel": max(
-            max(r["hom_vs_deq_paper"], r["hom_vs_deq_accurate"]) for r in geo
+            (max(r["hom_vs_deq_paper"], r["hom_vs_deq_accurate"]) for r in geo), default=None
         ),
         "homomorphic_vs_dequant_scores_max_rel": max(
-            max(r["hom_vs_deq_scores_paper"], r["hom_vs_deq_scores_accurate"]) for r in geo
+            (max(r["hom_vs_deq_scores_paper"], r["hom_vs_deq_scores_accurate"]) for r in geo), default=None
         ),
-        "rel_err_2bit": round(minilm["accurate@2"]["mean"], 4),
-        "rel_err_3bit": round(minilm["accurate@3"]["mean"], 4),
-        "rel_err_4bit": round(minilm["accurate@4"]["mean"], 4),
-        "rel_err_2bit_no_window": round(minilm["accurate_no_window@2"]["mean"], 4),
-        "rel_err_2bit_paper": round(minilm["paper@2"]["mean"], 4),
-        "rel_err_4bit_paper": round(minilm["paper@4"]["mean"], 4),
-        "agreement_2bit": round(ft["accurate@2"][0], 4),
-        "agreement_3bit": round(ft["accurate@3"][0], 4),
-        "agreement_4bit": round(ft["accurate@4"][0], 4),
-        "agreement_8bit": round(ft["paper@8"][0], 4),
-        "kl_2bit": round(ft["accurate@2"][1], 4),
-        "kl_4bit": round(ft["accurate@4"][1], 4),
-        "agreement_2bit_no_window": round(ft["accurate_no_window@2"][0], 4),
-        "kl_2bit_no_window": round(ft["accurate_no_window@2"][1], 4),
-        "agreement_2bit_paper": round(ft["paper@2"][0], 4),
-        "agreement_4bit_paper": round(ft["paper@4"][0], 4),
-        "kl_4bit_paper": round(ft["paper@4"][1], 4),
-        "cpu_ref_vs_sdpa_fp16_time_ratio": round(last["t_ref_ms"] / last["t_sdpa_fp16_ms"], 3),
-        "cpu_ref_vs_sdpa_fp32_time_ratio": round(last["t_ref_ms"] / last["t_sdpa_fp32_ms"], 3),
+        "rel_err_2bit": mini("accurate@2"),
+        "rel_err_3bit": mini("accurate@3"),
+        "rel_err_4bit": mini("accurate@4"),
+        "rel_err_2bit_no_window": mini("accurate_no_window@2"),
+        "rel_err_2bit_paper": mini("paper@2"),
+        "rel_err_4bit_paper": mini("paper@4"),
+        "model": model_info,
+        "agreement_2bit": agree("accurate@2"),
+        "agreement_3bit": agree("accurate@3"),
+        "agreement_4bit": agree("accurate@4"),
+        "agreement_8bit": agree("paper@8"),
+        "kl_2bit": kl("accurate@2"),
+        "kl_4bit": kl("accurate@4"),
+        "agreement_2bit_no_window": agree("accurate_no_window@2"),
+        "kl_2bit_no_window": kl("accurate_no_window@2"),
+        "agreement_2bit_paper": agree("paper@2"),
+        "kl_2bit_paper": kl("paper@2"),
+        "agreement_4bit_paper": agree("paper@4"),
+        "kl_4bit_paper": kl("paper@4"),
+        "cpu_ref_vs_sdpa_fp16_time_ratio": round(last["t_ref_ms"] / last["t_sdpa_fp16_ms"], 3)
+        if last
+        else None,
+        "cpu_ref_vs_sdpa_fp32_time_ratio": round(last["t_ref_ms"] / last["t_sdpa_fp32_ms"], 3)
+        if last
+        else None,
         "gpu_speedup_vs_fp16": speedup,
         "gpu": gpu,
     }

@@ -1,18 +1,22 @@
 """Serving benchmark: engine modes side by side on a Poisson RAG workload, and BFF fidelity.
 
-Part 1 - BFF compression and fidelity on the shared *trained* model (stories260k, 5 layers: fuse
-layers 1-3; random weights give unrealistic block similarity). A RAG batch of ``--bff-requests``
-requests (BOS + 5 chunks drawn from a pool of model-written story chunks + a question, ~250
-tokens, blend prefill) is prefilled; BFF fuses the batch at the prefill->decode transition and the
+Part 1 - BFF compression and fidelity on a *trained* model (``--model``; random weights give
+unrealistic block similarity). Default: the tiny stories260k (5 layers: fuse layers 1-3), requests of
+BOS + 5 chunks drawn from a pool of model-written story chunks + a question (~250 tokens). A real
+checkpoint (``--model smollm2-135m-instruct``; fuse all but 2 layers at each end) gets MuSiQue
+requests as ``ragkv.LLM`` builds them: the chat template around MuSiQue's instruction, 5 chunks
+drawn from a pool of ``--bff-chunk-tokens``-token MuSiQue passage heads, and a MuSiQue question.
+A RAG batch of ``--bff-requests`` requests (blend prefill) is prefilled; BFF fuses the batch at the prefill->decode transition and the
 blocks really freed are counted in the same run. Fidelity is the KL of the first decode step's
 next-token distribution (the first one that reads fused KV) against the same engine unfused.
 The threshold (and multi-match mode, ``--multi-match``) is calibrated on one batch: the highest
 compression whose mean KL stays within ``--kl-budget * --calib-margin``; it is reported on a fresh
 batch. Every mode's first-token agreement/KL with full prefill is measured here too.
 
-Part 2 - serving on a random-weight benchmark model sized for CPU: Poisson arrivals of RAG
-requests over a shared MuSiQue chunk pool (6 chunks per request out of its question's 10, so chunks
-recur across requests), chunk KV ingested in a store beforehand, a KV budget of ``--kv-requests``
+Part 2 - serving on a random-weight benchmark model sized for CPU (``--layers``/``--hidden``/...), or
+with ``--model`` on that checkpoint (the random-model options are then ignored; prompts in its chat
+template as in part 1): Poisson arrivals of RAG requests over a shared MuSiQue chunk pool
+(``--chunks-per-request`` chunks per request out of its question's 10, so chunks recur across requests), chunk KV ingested in a store beforehand, a KV budget of ``--kv-requests``
 dense requests. Modes: full prefill, prefix caching, blend, blend+BFF (Part 1's threshold),
 blend+BFF+HACK (same byte budget, 2-bit blocks). Saturation (all requests at t=0, ``--runs`` runs,
 modes interleaved) gives each mode's capacity; finite rates are multiples of full prefill's
@@ -20,6 +24,8 @@ capacity. Goodput = the best tested rate whose median TTFT meets the SLO (``--sl
 prefill's median per-request prefill time): throughput at equal TTFT.
 
     python -m eval.bench_serving [--quick] [--requests 16 --rates 0.5,1,2,3 --runs 2 --bff-requests 64]
+    python -m eval.bench_serving --model smollm2-135m-instruct --threads 1 --bff-requests 8 \
+        --requests 8 --chunk-tokens 96 --rates 0.5,2 --runs 1      # the real model, CPU-sized
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ import math
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from eval.prompts import DATA_DIR, TINY_MODEL
+from eval.prompts import DATA_DIR, TINY_MODEL, get_spec, passage_text, query_text
 from ragkv.blend import PrefixCache, prefill
 from ragkv.engine import Engine, EngineBusyError, EngineConfig, SchedulerConfig, percentile
 from ragkv.engine.paged_cache import batched_decode_step
@@ -43,6 +50,7 @@ from ragkv.generate import SamplingParams
 from ragkv.kv import compute_chunk_kv
 from ragkv.metrics import first_token_kl
 from ragkv.model import load_model, random_model
+from ragkv.model.chat import chat_parts, has_chat_template
 from ragkv.store import MemoryStore
 
 THRESHOLDS = (0.999, 0.995, 0.99, 0.98, 0.95, 0.9)
@@ -70,6 +78,26 @@ def tune_malloc() -> None:
         return
 
 
+def is_tiny(model_name) -> bool:
+    return Path(str(model_name)).resolve() == Path(TINY_MODEL).resolve()
+
+
+def musique_frame(model):
+    """(prefix ids, question -> suffix ids) of a MuSiQue RAG prompt as ``ragkv.LLM`` builds it: the chat
+    template around the instruction, the passages and the query when the model has one, else BOS +
+    the instruction and the plain query."""
+    spec = get_spec("musique")
+    if has_chat_template(model):
+        prefix, _ = chat_parts(model, spec.prefix, "")
+        return prefix, lambda q: chat_parts(model, spec.prefix, query_text(spec.query, q))[1]
+    return model.encode(spec.prefix, add_bos=True), lambda q: model.encode(query_text(spec.query, q))
+
+
+def fusion_skip(num_layers: int) -> int:
+    """Layers left unfused at each end: 1 on a shallow model (stories260k: layers 1-3), else 2."""
+    return 2 if num_layers >= 6 else 1
+
+
 # ---- part 1: BFF on the trained model ----------------------------------------------------------------
 def story_chunks(model, n: int, length: int, seed: int) -> list[list[int]]:
     """In-distribution chunks: text the trained model writes itself after BOS (temperature 1), batched."""
@@ -86,28 +114,59 @@ def story_chunks(model, n: int, length: int, seed: int) -> list[list[int]]:
         return [o.token_ids for o in eng.generate(reqs)]
 
 
-def rag_batch(model, pool: list[list[int]], n: int, k: int, seed: int) -> list[dict]:
+def passage_chunks(model, n: int, length: int) -> list[list[int]]:
+    """The first ``length`` tokens of ``n`` MuSiQue passages (title + text), spread over the samples."""
+    data = json.loads((DATA_DIR / "musique_s.json").read_text())
+    out = []
+    for c in (c for d in data for c in d["ctxs"][:2]):
+        ids = model.encode(passage_text(c.get("title", ""), c["text"]))[:length]
+        if len(ids) == length:
+            out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
+def rag_batch(model, pool: list[list[int]], n: int, k: int, seed: int, frame=None) -> list[dict]:
+    """``n`` blend requests of ``k`` chunks from ``pool``: BOS + story questions (tiny model), or the
+    MuSiQue frame ``(prefix, question -> suffix)`` with MuSiQue questions."""
     rng = random.Random(seed)
-    qs = [model.encode(q) for q in QUESTIONS]
+    if frame is None:
+        prefix, qs = [model.config.bos_token_id], [model.encode(q) for q in QUESTIONS]
+    else:
+        data = json.loads((DATA_DIR / "musique_s.json").read_text())
+        prefix, qs = frame[0], [frame[1](d["question"]) for d in data[:16]]
     return [
         dict(
-            prefix=[model.config.bos_token_id],
+            prefix=prefix,
             chunks=rng.sample(pool, k),
             question=rng.choice(qs),
             mode="blend",
-            params=SamplingParams(max_new_tokens=4),
+            params=SamplingParams(max_new_tokens=4, stop_token_ids=()),
         )
         for _ in range(n)
     ]
 
 
-def bff_run(model, provider, reqs, fusion: FusionConfig | None, attention: str = "fp16") -> dict:
-    """Prefill the batch, let the engine fuse it, then one decode step; logits + block counts."""
+def bff_run(
+    model,
+    provider,
+    reqs,
+    fusion: FusionConfig | None,
+    attention: str = "fp16",
+    layers: list[int] | None = None,
+) -> dict:
+    """Prefill the batch, let the engine fuse it, then one decode step; logits + block counts
+    (distinct physical blocks of ``layers``: by default the layers ``fusion`` fuses)."""
     n = len(reqs)
+    longest = max(len(r["prefix"]) + sum(map(len, r["chunks"])) + len(r["question"]) for r in reqs)
+    per_seq = max(
+        20, math.ceil((longest + 8) / 16) + 2
+    )  # blocks per layer (20: the tiny model's ~250 tokens)
     cfg = EngineConfig(
         mode="blend",
         attention=attention,
-        num_blocks=n * model.config.num_layers * 20,
+        num_blocks=n * model.config.num_layers * per_seq,
         bff=fusion,
         scheduler=SchedulerConfig(max_num_seqs=n, max_queue=n, max_prefill_tokens=1 << 30),
     )
@@ -117,7 +176,8 @@ def bff_run(model, provider, reqs, fusion: FusionConfig | None, attention: str =
         while len(eng.scheduler.running) < n or (fusion is not None and eng.bff_stats.runs == 0):
             if not eng.step():
                 time.sleep(0.001)
-        layers = fusion.fused_layers(model.config.num_layers) if fusion else [1, 2, 3]
+        if layers is None:
+            layers = fusion.fused_layers(model.config.num_layers) if fusion else [1, 2, 3]
         run = sorted(eng.scheduler.running, key=lambda r: r.request_id)
         phys = {layer: len({b for r in run for b in r.seq.tables[layer]}) for layer in layers}
         used = eng.pool.manager.num_used
@@ -153,24 +213,38 @@ def fidelity(base: dict, fused: dict) -> dict:
 
 
 def part1(args) -> dict:
-    model = load_model(TINY_MODEL)
+    tiny = is_tiny(args.model)
+    model = load_model(args.model)
     t0 = time.perf_counter()
-    pool = story_chunks(model, args.bff_pool, 48, seed=7)
+    if tiny:
+        pool, frame, name = (
+            story_chunks(model, args.bff_pool, args.bff_chunk_tokens, seed=7),
+            None,
+            "stories260k",
+        )
+    else:
+        pool = passage_chunks(model, args.bff_pool, args.bff_chunk_tokens)
+        frame, name = musique_frame(model), str(args.model)
     provider = ChunkProvider(model)
     for c in pool:
         provider.remember(compute_chunk_kv(model, c))
-    calib = rag_batch(model, pool, args.bff_requests, 5, seed=1)
-    evalb = rag_batch(model, pool, args.bff_requests, 5, seed=2)
-    ntok = statistics.mean(1 + sum(len(c) for c in r["chunks"]) + len(r["question"]) for r in evalb)
-    print(
-        f"\n== Part 1: BFF on stories260k: {args.bff_requests} requests of ~{ntok:.0f} tokens, layers 1-3 "
-        f"(pool of {len(pool)} chunks; setup {time.perf_counter() - t0:.1f}s)"
+    calib = rag_batch(model, pool, args.bff_requests, 5, seed=1, frame=frame)
+    evalb = rag_batch(model, pool, args.bff_requests, 5, seed=2, frame=frame)
+    ntok = statistics.mean(
+        len(r["prefix"]) + sum(len(c) for c in r["chunks"]) + len(r["question"]) for r in evalb
     )
+    skip = fusion_skip(model.config.num_layers)
 
     def fcfg(thr, **kw):
-        return FusionConfig(threshold=thr, every=args.bff_requests, skip_first=1, skip_last=1, **kw)
+        return FusionConfig(threshold=thr, every=args.bff_requests, skip_first=skip, skip_last=skip, **kw)
 
-    base_c = bff_run(model, provider, calib, None)
+    layers = fcfg(1.0).fused_layers(model.config.num_layers)
+    print(
+        f"\n== Part 1: BFF on {name}: {args.bff_requests} requests of ~{ntok:.0f} tokens, layers "
+        f"{layers[0]}-{layers[-1]} (pool of {len(pool)} chunks; setup {time.perf_counter() - t0:.1f}s)"
+    )
+
+    base_c = bff_run(model, provider, calib, None, layers=layers)
     print(
         f"{'thr':>6} {'multi-match':>11} {'CR':>6} {'KL mean':>9} {'KL max':>8} {'agree':>6} {'freed':>6}  (calibration)"
     )
@@ -187,12 +261,12 @@ def part1(args) -> dict:
     ok = [(f["cr"], thr, mm) for thr, mm, f in sweep if f["kl"] <= budget]
     _, thr, mm = max(ok) if ok else (0.0, max(args.thresholds), args.multi_match[0])
     other = "paper" if mm == "argmax" else "argmax"
-    base_e = bff_run(model, provider, evalb, None)
+    base_e = bff_run(model, provider, evalb, None, layers=layers)
     res = fidelity(base_e, bff_run(model, provider, evalb, fcfg(thr, multi_match=mm)))
     arg = fidelity(base_e, bff_run(model, provider, evalb, fcfg(thr, multi_match=other)))
     rep = fidelity(base_e, bff_run(model, provider, evalb, fcfg(thr, multi_match=mm, attention="replicate")))
     hack = fidelity(base_e, bff_run(model, provider, evalb, fcfg(thr, multi_match=mm), attention="hack"))
-    hack0 = fidelity(base_e, bff_run(model, provider, evalb, None, attention="hack"))
+    hack0 = fidelity(base_e, bff_run(model, provider, evalb, None, attention="hack", layers=layers))
     print(
         f"chosen: threshold {thr}, multi-match {mm} (highest CR with calibration KL <= {budget}); evaluation batch:"
     )
@@ -240,6 +314,9 @@ def part1(args) -> dict:
             f"{f.get('decode_agreement', 1.0):6.2f}"
         )
     return dict(
+        model=name,
+        layers=layers,
+        tokens=ntok,
         multi_match=mm,
         hack_alone=hack0,
         threshold=thr,
@@ -254,21 +331,28 @@ def part1(args) -> dict:
 
 # ---- part 2: serving throughput on the benchmark model ---------------------------------------------------
 def musique_workload(
-    tok_model, n_items: int, n_requests: int, chunk_tokens: int, seed: int
+    tok_model, n_items: int, n_requests: int, chunk_tokens: int, seed: int, per_request: int = 6, frame=None
 ) -> tuple[list, list]:
+    """Requests of ``per_request`` of a MuSiQue question's passages; with ``frame`` (see
+    :func:`musique_frame`) the prefix and question are the chat-template ones, else BOS + a short
+    instruction and the bare question (the random model's workload)."""
     data = json.loads((DATA_DIR / "musique_s.json").read_text())[:n_items]
     items = []
     for d in data:
         ctx = [tok_model.encode(c["title"] + ". " + c["text"])[:chunk_tokens] for c in d["ctxs"]]
-        items.append((tok_model.encode(d["question"])[:32], [c for c in ctx if len(c) >= 8]))
+        q = frame[1](d["question"]) if frame else tok_model.encode(d["question"])[:32]
+        items.append((q, [c for c in ctx if len(c) >= 8]))
     rng = random.Random(seed)
-    prefix = [tok_model.config.bos_token_id] + tok_model.encode(
-        "Answer the question using the passages below."
-    )
+    if frame:
+        prefix = frame[0]
+    else:
+        prefix = [tok_model.config.bos_token_id] + tok_model.encode(
+            "Answer the question using the passages below."
+        )
     reqs = []
     for _ in range(n_requests):
         q, ctx = items[rng.randrange(len(items))]
-        reqs.append(dict(prefix=prefix, chunks=rng.sample(ctx, 6), question=q))
+        reqs.append(dict(prefix=prefix, chunks=rng.sample(ctx, per_request), question=q))
     pool = {tuple(c) for _, ctx in items for c in ctx}
     return reqs, [list(c) for c in pool]
 
@@ -327,9 +411,20 @@ def part2(args, threshold: float, multi_match: str) -> dict:
         vocab_size=512,
         max_position_embeddings=4096,
     )
-    model = random_model("llama", seed=0, **over)
-    tok_model = load_model(TINY_MODEL)  # its tokenizer (vocab 512) only
-    reqs, pool = musique_workload(tok_model, args.items, args.requests, args.chunk_tokens, seed=3)
+    if is_tiny(args.model):
+        model = random_model("llama", seed=0, **over)
+        tok_model, frame = load_model(TINY_MODEL), None  # its tokenizer (vocab 512) only
+        model_name = (
+            f"random model ({args.layers} layers, hidden {args.hidden}, GQA {args.heads}/{args.kv_heads})"
+        )
+    else:
+        model = tok_model = load_model(args.model)
+        frame = musique_frame(model)
+        c = model.config
+        model_name = f"{args.model} ({c.num_layers} layers, hidden {c.hidden_size}, GQA {c.num_heads}/{c.num_kv_heads})"
+    reqs, pool = musique_workload(
+        tok_model, args.items, args.requests, args.chunk_tokens, 3, args.chunks_per_request, frame
+    )
     t0 = time.perf_counter()
     store = MemoryStore()
     for c in pool:
@@ -340,13 +435,12 @@ def part2(args, threshold: float, multi_match: str) -> dict:
     per_req = c.num_layers * math.ceil((ntok + args.max_new) / 16)
     budget = args.kv_requests * per_req * dense_block
     print(
-        f"\n== Part 2: serving, random model ({args.layers} layers, hidden {args.hidden}, GQA "
-        f"{args.heads}/{args.kv_heads}), {args.requests} requests of ~{ntok:.0f} tokens + {args.max_new} new, "
+        f"\n== Part 2: serving, {model_name}, {args.requests} requests of ~{ntok:.0f} tokens + {args.max_new} new, "
         f"{len(pool)} distinct chunks (ingest {time.perf_counter() - t0:.1f}s), KV budget "
         f"{budget / 2**20:.1f} MiB = {args.kv_requests} dense requests"
     )
     sched = SchedulerConfig(max_num_seqs=64, max_queue=4 * args.requests, max_prefill_tokens=4096)
-    skip = 2 if args.layers >= 6 else 1
+    skip = fusion_skip(c.num_layers)
     # Part 1's configuration as is: on random weights it fuses mostly the blocks of chunks reused at
     # the same position (near-identical KV), so its compression here is not the trained model's.
     bff = FusionConfig(threshold=threshold, every=8, skip_first=skip, skip_last=skip, multi_match=multi_match)
@@ -419,21 +513,28 @@ def part2(args, threshold: float, multi_match: str) -> dict:
         print(
             f"goodput SLO: median TTFT <= {slo:.3f}s ({args.slo_factor:g} x full prefill's median prefill time)"
         )
-    return dict(summary=summary, slo_s=slo, cap_full=cap_full)
+    return dict(summary=summary, slo_s=slo, cap_full=cap_full, model=model_name, tokens=ntok)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run (~1 min)")
     ap.add_argument("--bff-requests", type=int, default=64)
-    ap.add_argument("--bff-pool", type=int, default=24, help="story chunks in the part-1 pool")
+    ap.add_argument(
+        "--model",
+        default=str(TINY_MODEL),
+        help="trained checkpoint for part 1, and with anything but the tiny default also part 2's model "
+        "(name, GGUF, folder; default: stories260k for part 1, a random model for part 2)",
+    )
+    ap.add_argument("--bff-pool", type=int, default=24, help="chunks in the part-1 pool")
+    ap.add_argument("--bff-chunk-tokens", type=int, default=48, help="tokens per part-1 chunk")
     ap.add_argument("--thresholds", type=lambda s: [float(x) for x in s.split(",")], default=list(THRESHOLDS))
     ap.add_argument(
         "--multi-match", type=lambda s: s.split(","), default=["paper"], help="modes swept in calibration"
     )
     ap.add_argument("--kl-budget", type=float, default=0.01)
     ap.add_argument("--calib-margin", type=float, default=0.5)
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=12, help="random model (part 2 without --model)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -441,6 +542,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--items", type=int, default=6, help="MuSiQue questions whose chunks form the pool")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--chunks-per-request", type=int, default=6)
     ap.add_argument("--max-new", type=int, default=8)
     ap.add_argument("--kv-requests", type=int, default=8, help="KV budget in dense requests")
     ap.add_argument(
@@ -484,6 +586,10 @@ def main(argv=None) -> dict:
     s = p2["summary"]
     full, blend = s.get("full"), s.get("blend")
     out = dict(
+        model=str(args.model),
+        part1_model=p1["model"],
+        part2_model=p2["model"],
+        part2_tokens=p2["tokens"],
         throughput_blend_over_full=(blend["rps"] / full["rps"]) if full and blend else None,
         prefill_speedup_blend_over_full=(full["prefill_p50"] / blend["prefill_p50"])
         if full and blend
@@ -495,6 +601,7 @@ def main(argv=None) -> dict:
         bff_kl=p1["eval"]["kl"],
         bff_agreement=p1["eval"]["agreement"],
         bff_threshold=p1["threshold"],
+        bff_layers=[p1["layers"][0], p1["layers"][-1]],
         bff_cr_per_layer=p1["eval"]["cr_per_layer"],
         bff_blocks_used_before_after=[p1["eval"]["used_before"], p1["eval"]["used_after"]],
         bff_multi_match=p1["multi_match"],
