@@ -482,8 +482,6 @@ class Service:
 
     def _prepare(self, spec: QuerySpec):
         """Prompt parts, chunks (by id, none, or retrieved and fitted to the context) and options."""
-        from ragkv.rag import prompt_parts
-
         rag = self.rag
         params = spec.params or SamplingParams(max_new_tokens=self.settings.max_new_tokens)
         mode = spec.mode or rag.mode
@@ -492,7 +490,7 @@ class Service:
             raise InvalidRequestError(
                 "ratio 'auto' (the loading controller) is not available with the engine"
             )
-        prefix, suffix = prompt_parts(rag.model, spec.question, rag.instruction, rag.question_template)
+        prefix, suffix = rag.prompt_parts(spec.question)
         if spec.chunk_ids is not None:
             try:
                 recs = rag.chunks_by_id(list(spec.chunk_ids))

@@ -62,7 +62,7 @@ def _demo(args) -> int:
         chunk_tokens=args.chunk_tokens,
         top_k=args.top_k,
         ratio=args.ratio,
-        **{k: corpus[k] for k in ("instruction", "question_template") if k in corpus},
+        **{k: corpus[k] for k in ("instruction", "question_template", "system", "examples") if k in corpus},
     )
     # 1) ingest: split, embed, index and precompute every chunk's KV once (persisted under data_dir)
     rep = rag.ingest(docs, show_progress=not args.quiet)

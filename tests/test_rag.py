@@ -113,6 +113,23 @@ def test_errors_and_fit(tmp_path, embedder, musique):
     rag.close()
 
 
+def test_system_and_few_shot_turns_reach_every_prompt(tmp_path, embedder, musique):
+    from ragkv.rag import prompt_parts
+
+    ex = [("Q: who? A:", "Lily")]
+    rag = _rag(tmp_path, embedder, system="Be brief.", examples=ex, instruction="Read.")
+    rag.ingest(_docs(musique[:1]), show_progress=False)
+    want = prompt_parts(
+        rag.model, "who ran?", "Read.", rag.question_template, system="Be brief.", examples=ex
+    )
+    assert rag.prompt_parts("who ran?") == want and rag.prompt("who ran?").prefix == want[0]
+    assert want[0] != prompt_parts(rag.model, "who ran?", "Read.", rag.question_template)[0]
+    # the answer's prompt is that one: head + retrieved chunks + tail
+    ans = rag.answer("who ran?", mode="full", max_new_tokens=2)
+    assert ans.stats["num_tokens"] == len(want[0]) + sum(len(r.token_ids) for r in ans.sources) + len(want[1])
+    rag.close()
+
+
 def test_flipped_byte_is_detected_and_recomputed_with_the_same_answer(tmp_path, embedder, musique, caplog):
     rag = _rag(tmp_path, embedder)
     rag.ingest(_docs(musique[:1]), show_progress=False)

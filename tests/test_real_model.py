@@ -110,6 +110,38 @@ def test_chat_prompt_has_one_bos_and_reuses_the_cached_head(real_llm):
     assert (first.logits - again.logits).abs().max().item() < 1e-4
 
 
+def test_system_prompt_and_few_shot_turns_sit_in_the_cached_head(real_llm):
+    from ragkv.rag.prompt import prompt_parts
+
+    m = real_llm.model
+    examples = [("Passage: Paris is in France.\n\nQuestion: Where is Paris?", "France")]
+    pre, q = prompt_parts(
+        m, "Who ran?", "Passages:", "\n\nQuestion: {question}", system="Be brief.", examples=examples
+    )
+    head, tail = m.tokenizer.decode(pre), m.tokenizer.decode(q)
+    assert head.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    # the example is a finished user/assistant exchange before the question's own user turn
+    assert "<|im_start|>user\nPassage: Paris is in France." in head
+    assert "<|im_start|>assistant\nFrance<|im_end|>" in head
+    assert head.endswith("<|im_start|>user\nPassages:\n\n") and pre.count(m.config.bos_token_id) == 4
+    assert tail == "\n\nQuestion: Who ran?<|im_end|>\n<|im_start|>assistant\n"
+    # without examples or system the head is the one-turn prompt with the template's default system
+    pre0, q0 = prompt_parts(m, "Who ran?", "Passages:", "\n\nQuestion: {question}")
+    assert q0 == q and "You are a helpful AI assistant" in m.tokenizer.decode(pre0)
+
+
+def test_few_shot_turns_without_a_chat_template_are_plain_text():
+    from ragkv.rag.prompt import prompt_parts
+
+    m = stories_model()
+    pre, q = prompt_parts(
+        m, "Who ran?", "Read.", " Q: {question} A:", system="Sys.", examples=[("Q: x? A:", "y")]
+    )
+    assert pre[0] == m.config.bos_token_id
+    assert m.decode(pre[1:]) == m.decode(m.encode("Sys.\n\nRead.\n\nQ: x? A:\ny\n\n"))
+    assert q == m.encode(" Q: Who ran? A:")
+
+
 def test_generation_config_stop_tokens_are_read(tmp_path):
     d = tmp_path / "m"
     shutil.copytree(stories_path(), d)

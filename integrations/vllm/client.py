@@ -409,6 +409,9 @@ class VllmRAG:
     def retrieve(self, question: str, k: int | None = None) -> list:
         return self.rag.retrieve(question, k)
 
+    def prompt_parts(self, question: str) -> tuple[list[int], list[int]]:
+        return self.rag.prompt_parts(question)
+
     def chunks_by_id(self, chunk_ids: list[int]) -> list:
         return self.rag.chunks_by_id(chunk_ids)
 

@@ -8,6 +8,8 @@ reused.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 _MARK = "\u2063RAGKV_CHUNKS\u2063"
 
 
@@ -24,11 +26,19 @@ def has_chat_template(model) -> bool:
     return bool(tok is not None and getattr(tok, "chat_template", None))
 
 
-def chat_parts(model, head: str, tail: str, system: str | None = None) -> tuple[list[int], list[int]]:
-    """Token ids before and after the chunks of a one-turn chat whose user message is
+def chat_parts(
+    model,
+    head: str,
+    tail: str,
+    system: str | None = None,
+    examples: Sequence[tuple[str, str]] = (),
+) -> tuple[list[int], list[int]]:
+    """Token ids before and after the chunks of a chat whose last user message is
     ``head + <chunks> + tail``, with the generation prompt (assistant turn) at the end of the tail.
 
     The model's default system prompt (if its template has one) is kept unless ``system`` is given.
+    ``examples`` are few-shot ``(user, assistant)`` turns rendered before that message: they belong
+    to the prompt head, so their KV is cached with it and costs nothing per query.
     A head that does not start with BOS gets it when the model has one, so chunk KV (computed after
     BOS, docs/CHUNK_CONVENTION.md) always follows a BOS row.
     """
@@ -36,6 +46,8 @@ def chat_parts(model, head: str, tail: str, system: str | None = None) -> tuple[
     if not has_chat_template(model):
         raise ValueError(f"model {model.name!r} has no chat template")
     messages = [{"role": "system", "content": system}] if system is not None else []
+    for user, assistant in examples:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
     messages.append({"role": "user", "content": f"{head}{_MARK}{tail}"})
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     before, after = rendered.split(_MARK)

@@ -8,7 +8,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +126,8 @@ class RAG:
         metric: str = "cosine",
         seed: int = 0,
         ingest_batch: int = 32,
+        system: str | None = None,
+        examples: Sequence[tuple[str, str]] = (),
     ):
         from ragkv.store import store_from_url
 
@@ -150,6 +152,8 @@ class RAG:
         self.chunk_tokens, self.overlap, self.top_k, self.order = chunk_tokens, overlap, top_k, order
         self.mode, self.ratio, self.pipelined, self.seed = mode, ratio, pipelined, seed
         self.instruction, self.question_template = instruction, question_template
+        self.system = system
+        self.examples = [(str(u), str(a)) for u, a in examples]
         self.controller = controller
         self.index = ChunkIndex(
             self.data_dir / "index",
@@ -303,6 +307,17 @@ class RAG:
         assert isinstance(ans, RagAnswer)
         return ans
 
+    def prompt_parts(self, question: str) -> tuple[list[int], list[int]]:
+        """Token ids of the head (system, instruction, few-shot turns) and tail (question) of a prompt."""
+        return prompt_parts(
+            self.model,
+            question,
+            self.instruction,
+            self.question_template,
+            system=self.system,
+            examples=self.examples,
+        )
+
     def prompt(
         self,
         question: str,
@@ -317,7 +332,7 @@ class RAG:
         backend (in process here, a vLLM server in ``integrations.vllm``) so they ask the same thing.
         """
         t0 = time.perf_counter()
-        prefix, suffix = prompt_parts(self.model, question, self.instruction, self.question_template)
+        prefix, suffix = self.prompt_parts(question)
         if chunks is not None:
             recs = list(chunks)
         else:
