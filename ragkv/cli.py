@@ -330,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo",
         help="ingest the demo corpus, answer its questions with full vs blend, compare TTFT",
-        description="The main job: ingest the demo corpus (11 MuSiQue passages; chunk KV precomputed and "
-        "stored once), then answer its questions (single-hop ones written for it, plus MuSiQue multi-hop "
+        description="The main job: ingest the demo corpus (8 short facts and 11 MuSiQue passages; chunk KV "
+        "precomputed and stored once), then answer its questions (single-hop ones written for it, plus MuSiQue multi-hop "
         "ones) with full prefill and with blended stored KV, showing answers, F1 and TTFT.",
     )
     d.add_argument(
