@@ -107,7 +107,16 @@ class Settings(BaseSettings):
     )
     max_prompt_tokens: int = Field(131_072, ge=1, description="longest token-id prompt of /v1/completions")
     ingest_batch_chunks: int = Field(
-        32, ge=1, description="chunks per ingest step (KV, embedding, cancellation check)"
+        32, ge=1, description="chunks per ingest batch (write-ahead record, KV, embedding)"
+    )
+    ingest_yield_s: float = Field(
+        0.5,
+        ge=0,
+        description="between its steps (a chunk's KV, 8 embeddings), an ingest waits up to this long "
+        "for queries in flight to finish: queries go first, a constant query stream slows ingest down",
+    )
+    ingest_nice: int = Field(
+        10, ge=0, le=19, description="CPU niceness added to the ingest thread (Linux; 0: same as queries)"
     )
     # authentication and origin checks
     api_keys: KeyList = Field(
