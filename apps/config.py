@@ -137,6 +137,12 @@ class Settings(BaseSettings):
     )
     # connection limits (uvicorn)
     max_connections: int = Field(256, ge=1, description="open connections + requests before 503 (uvicorn)")
+    max_pending_connections: int = Field(
+        64,
+        ge=1,
+        description="connections still waiting to send a request head (half-open, slowloris); one more "
+        "closes the oldest. Below max_connections, so they never make real requests get 503",
+    )
     header_timeout_s: float = Field(10.0, gt=0, description="longest wait for a request's headers")
     body_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next piece of a body")
     keep_alive_timeout_s: float = Field(5.0, gt=0, description="idle keep-alive connections close after")
@@ -190,6 +196,8 @@ class Settings(BaseSettings):
             raise ValueError("max_new_tokens must not exceed max_new_tokens_limit")
         if self.top_k > self.max_top_k:
             raise ValueError("top_k must not exceed max_top_k")
+        if self.max_pending_connections >= self.max_connections:
+            raise ValueError("max_pending_connections must be below max_connections")
         if self.backend == "vllm":
             if not self.vllm_url:
                 raise ValueError("backend 'vllm' needs vllm_url (e.g. http://127.0.0.1:8000)")

@@ -28,8 +28,11 @@ from apps.service import ServiceError
 from ragkv.blend.pipeline import pipelined_factory
 from ragkv.blend.spans import BlendParams, KVParamsError, SpanError, prefill_stored_spans
 from ragkv.generate import MIN_TEMPERATURE, SamplingParams, TokenEvent, stream
+from ragkv.rag import WarnThrottle
 
 log = logging.getLogger("ragkv.server")
+#: one warning per kind and interval, with the count held back (a store outage fails every chunk)
+WARN = WarnThrottle(log)
 
 #: OpenAI's and vLLM's default ``max_tokens`` of a completion
 DEFAULT_MAX_TOKENS = 16
@@ -199,7 +202,7 @@ def completion_events(
             try:
                 saved += bool(rag.store.put(kv))
             except Exception as e:  # noqa: BLE001 - a store that fails costs a recompute next time, not this answer
-                log.warning("could not save the KV of chunk %s: %s", kv.key[:16], e)
+                WARN.warning("save", "could not save the KV of chunk %s: %s", kv.key[:16], e)
     if sp.computed:
         log.info("completion: %d chunk(s) computed (missing or unreadable stored KV)", len(sp.computed))
     out: list[int] = []

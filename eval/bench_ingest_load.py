@@ -137,6 +137,13 @@ class HealthPoller(threading.Thread):
         self.samples: dict[str, list[float]] = {}
         self.errors = 0
         self.stop = threading.Event()
+        self.slow: dict[str, list[tuple[float, float]]] = {}  # (seconds into the phase, ms) over 50 ms
+        self.t_phase = time.perf_counter()
+
+    def begin(self, phase: str) -> None:
+        """Samples from now on belong to ``phase``."""
+        self.t_phase = time.perf_counter()
+        self.phase = phase
 
     def run(self) -> None:
         with httpx.Client(base_url=self.base, timeout=60) as c:
@@ -150,12 +157,17 @@ class HealthPoller(threading.Thread):
                 dt = time.perf_counter() - t0
                 if ok:
                     self.samples.setdefault(phase, []).append(dt)
+                    if dt > 0.05:
+                        self.slow.setdefault(phase, []).append(
+                            (round(t0 - self.t_phase, 2), round(dt * 1000, 1))
+                        )
                 else:
                     self.errors += 1
                 self.stop.wait(max(0.0, self.interval - dt))
 
-    def take(self, phase: str) -> list[float]:
-        return self.samples.pop(phase, [])
+    def take(self, phase: str) -> tuple[list[float], list[tuple[float, float]]]:
+        """The latencies of ``phase`` and its slow polls (seconds into the phase, ms), cleared."""
+        return self.samples.pop(phase, []), self.slow.pop(phase, [])
 
 
 def run_queries(
@@ -230,25 +242,25 @@ def one_round(k: int, base: str, c: httpx.Client, health: HealthPoller, question
     """Idle queries, then the same queries during the upload's ingest; the ingest is then cut
     (or, with ``--complete``, awaited)."""
     health.take("idle")
-    health.phase = "idle"
+    health.begin("idle")
     s_idle: dict[str, list[float]] = {}
     idle, idle_err = run_queries(c, questions, args.queries, args.max_tokens, s_idle)
-    health.phase = "between"
-    h_idle = health.take("idle")
+    health.begin("between")
+    h_idle, _ = health.take("idle")
     docs_before = c.get("/healthz").json()["documents"]
     body, n_docs = upload_body(args.mb, args.doc_chars, seed=100 + k)
     puts0 = kv_puts(c)
     up = Upload(base, body)
     health.take("load")
-    health.phase = "load"
+    health.begin("load")
     up.start()
     t0 = time.perf_counter()
     s_load: dict[str, list[float]] = {}
     load, load_err = run_queries(c, questions, args.queries, args.max_tokens, s_load, args.load_s)
     load_s = time.perf_counter() - t0
     running_at_end = up.status is None
-    health.phase = "between"
-    h_load = health.take("load")
+    health.begin("between")
+    h_load, h_slow = health.take("load")
     puts1 = kv_puts(c)
     alone = None
     if up.status is None and args.alone_s > 0:  # the ingest's own pace, no queries
@@ -273,6 +285,7 @@ def one_round(k: int, base: str, c: httpx.Client, health: HealthPoller, question
         },
         "healthz_idle": stats(h_idle),
         "healthz_load": stats(h_load),
+        "healthz_slow_load": h_slow[:20],
         "errors": idle_err + load_err,
         "load_s": round(load_s, 1),
         "upload_bytes": len(body),
@@ -360,7 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
                         f"during ingest {r['healthz_load']['max_ms']:.1f} ms ({r['healthz_load']['n']} polls); "
                         f"{r['kv_chunks_during_load']} chunks ingested in {r['load_s']} s "
                         f"(alone: {r['ingest_chunks_per_s_alone']}/s), still running at the end: "
-                        f"{r['ingest_running_at_end']}; errors {r['errors']}\n  server p99 ms {r['server_p99_ms']}",
+                        f"{r['ingest_running_at_end']}; errors {r['errors']}\n  server p99 ms {r['server_p99_ms']}"
+                        f"\n  /healthz over 50 ms during ingest (s into it, ms): {r['healthz_slow_load']}; "
+                        f"upload sent after {r['upload_sent_s']} s",
                         flush=True,
                     )
             finally:

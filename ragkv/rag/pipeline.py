@@ -224,7 +224,9 @@ class RAG:
                 for c, key in zip(batch, keys, strict=True):
                     step()
                     self._ensure_kv(list(c.token_ids), key, rep)
-                    rows.append((c.seq, c.text, list(c.token_ids), key))
+                    # tuples of atomic values only: the garbage collector stops tracking them, so a
+                    # large pending ingest does not lengthen every full collection (GIL pauses)
+                    rows.append((c.seq, c.text, c.token_ids, key))
                 texts = [c.text for c in batch]
                 for e in range(0, len(texts), self.embed_step):
                     step()
