@@ -608,3 +608,19 @@ def test_store_header_read_checks_the_key(tmp_path, one_thread):
     assert tiered.header(a.key) is None
     assert tiered.put(a) and backend.header(a.key).key == a.key
     tiered.close()
+
+
+# ---- the ingest-load benchmark at smoke size ---------------------------------------------------------
+def test_bench_ingest_load_runs_and_reports_sane_fields():
+    """eval.bench_ingest_load at a small size (the 50 MB goal is measured by hand: docs/BENCHMARKS.md)."""
+    from eval import bench_ingest_load
+
+    res = bench_ingest_load.main(
+        ["--mb", "0.2", "--doc-chars", "100000", "--runs", "1", "--queries", "6", "--load-s", "3"]
+        + ["--alone-s", "1", "--base-docs", "10"]
+    )
+    assert res["errors"] == 0 and res["healthz_errors"] == 0
+    assert res["upload_bytes"] >= 200_000 and res["upload_documents"] == 2
+    assert 0 < res["idle_p50_ms"] <= res["idle_p99_ms"] and 0 < res["load_p50_ms"] <= res["load_p99_ms"]
+    assert res["p99_ratio"] > 0 and res["healthz_polls_during_load"] >= 20 and res["healthz_max_ms"] > 0
+    assert res["ingest_running_at_end"] and res["documents_unchanged_after_cut"]  # cut: nothing committed
