@@ -107,7 +107,16 @@ class Settings(BaseSettings):
     )
     max_prompt_tokens: int = Field(131_072, ge=1, description="longest token-id prompt of /v1/completions")
     ingest_batch_chunks: int = Field(
-        32, ge=1, description="chunks per ingest step (KV, embedding, cancellation check)"
+        32, ge=1, description="chunks per ingest batch (write-ahead record, KV, embedding)"
+    )
+    ingest_yield_s: float = Field(
+        0.5,
+        ge=0,
+        description="between its steps (a chunk's KV, 8 embeddings), an ingest waits up to this long "
+        "for queries in flight to finish: queries go first, a constant query stream slows ingest down",
+    )
+    ingest_nice: int = Field(
+        10, ge=0, le=19, description="CPU niceness added to the ingest thread (Linux; 0: same as queries)"
     )
     # authentication and origin checks
     api_keys: KeyList = Field(
@@ -128,6 +137,12 @@ class Settings(BaseSettings):
     )
     # connection limits (uvicorn)
     max_connections: int = Field(256, ge=1, description="open connections + requests before 503 (uvicorn)")
+    max_pending_connections: int = Field(
+        64,
+        ge=1,
+        description="connections still waiting to send a request head (half-open, slowloris); one more "
+        "closes the oldest. Below max_connections, so they never make real requests get 503",
+    )
     header_timeout_s: float = Field(10.0, gt=0, description="longest wait for a request's headers")
     body_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next piece of a body")
     keep_alive_timeout_s: float = Field(5.0, gt=0, description="idle keep-alive connections close after")
@@ -181,6 +196,8 @@ class Settings(BaseSettings):
             raise ValueError("max_new_tokens must not exceed max_new_tokens_limit")
         if self.top_k > self.max_top_k:
             raise ValueError("top_k must not exceed max_top_k")
+        if self.max_pending_connections >= self.max_connections:
+            raise ValueError("max_pending_connections must be below max_connections")
         if self.backend == "vllm":
             if not self.vllm_url:
                 raise ValueError("backend 'vllm' needs vllm_url (e.g. http://127.0.0.1:8000)")

@@ -20,16 +20,20 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi.encoders import jsonable_encoder
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from apps.config import Settings
+from apps.schemas import MAX_INT
 from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
 from apps.service import ServiceError
 from ragkv.blend.pipeline import pipelined_factory
 from ragkv.blend.spans import BlendParams, KVParamsError, SpanError, prefill_stored_spans
 from ragkv.generate import MIN_TEMPERATURE, SamplingParams, TokenEvent, stream
+from ragkv.rag import WarnThrottle
 
 log = logging.getLogger("ragkv.server")
+#: one warning per kind and interval, with the count held back (a store outage fails every chunk)
+WARN = WarnThrottle(log)
 
 #: OpenAI's and vLLM's default ``max_tokens`` of a completion
 DEFAULT_MAX_TOKENS = 16
@@ -50,6 +54,17 @@ class NotServedHereError(ServiceError):
     type = "not_implemented"
 
 
+def _only(value: bool | int) -> Any:
+    """A field that takes exactly ``value``: ``Literal`` alone also takes 0 for False, True for 1."""
+
+    def check(v: Any) -> Any:
+        if v is not None and (type(v) is not type(value) or v != value):
+            raise ValueError(f"only {value!r} is supported")
+        return v
+
+    return Annotated[Literal[value], BeforeValidator(check)]
+
+
 def build_completion_request(s: Settings) -> type[BaseModel]:
     """The request model of ``/v1/completions`` with ``s``'s limits (vLLM's fields that ragkv serves)."""
 
@@ -58,8 +73,8 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
         include_usage: bool = False
 
     Stop = Annotated[str, Field(min_length=1, max_length=64)]
-    Text = Annotated[str, Field(max_length=s.max_prompt_chars)]
-    Ids = Annotated[list[int], Field(max_length=s.max_prompt_tokens)]
+    Text = Annotated[str, Field(min_length=1, max_length=s.max_prompt_chars)]
+    Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=s.max_prompt_tokens)]
 
     class CompletionRequest(BaseModel):
         """vLLM's completion request: one prompt (token ids or text); unsupported options only at their
@@ -71,8 +86,8 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
         prompt: (
             Ids
             | Text
-            | Annotated[list[Ids], Field(max_length=1)]
-            | Annotated[list[Text], Field(max_length=1)]
+            | Annotated[list[Ids], Field(min_length=1, max_length=1)]
+            | Annotated[list[Text], Field(min_length=1, max_length=1)]
         ) = Field(
             description="token ids or text (bounded: tokenized after admission); a list of one prompt "
             "is accepted (one prompt per request)"
@@ -83,7 +98,7 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
         temperature: float | None = Field(None, ge=0.0, le=2.0, description="default 1 (0: greedy)")
         top_p: float | None = Field(None, gt=0.0, le=1.0)
         top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
-        seed: int | None = Field(None, ge=0, le=2**63 - 1)
+        seed: int | None = Field(None, ge=0, le=MAX_INT)
         stop: Stop | list[Stop] | None = Field(None)
         stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=16)
         stream: bool | None = False
@@ -95,9 +110,9 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
             None, description='{"ragkv": {"chunks": [{"key", "start", "length"}], "mode", "ratio", ...}}'
         )
         user: str | None = Field(None, max_length=256)
-        n: Literal[1] | None = Field(None, description="only 1")
-        best_of: Literal[1] | None = Field(None, description="only 1")
-        echo: Literal[False] | None = Field(None, description="not supported")
+        n: _only(1) | None = Field(None, description="only 1")
+        best_of: _only(1) | None = Field(None, description="only 1")
+        echo: _only(False) | None = Field(None, description="not supported")
         logprobs: None = Field(None, description="not supported")
         suffix: None = Field(None, description="not supported")
         presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
@@ -199,7 +214,7 @@ def completion_events(
             try:
                 saved += bool(rag.store.put(kv))
             except Exception as e:  # noqa: BLE001 - a store that fails costs a recompute next time, not this answer
-                log.warning("could not save the KV of chunk %s: %s", kv.key[:16], e)
+                WARN.warning("save", "could not save the KV of chunk %s: %s", kv.key[:16], e)
     if sp.computed:
         log.info("completion: %d chunk(s) computed (missing or unreadable stored KV)", len(sp.computed))
     out: list[int] = []

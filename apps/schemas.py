@@ -13,7 +13,10 @@ from apps.config import Settings
 Mode = Literal["full", "prefix", "reuse", "blend"]
 DOC_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MetaValue = str | int | float | bool | None
-MAX_ID = 2**63 - 1  # SQLite INTEGER
+NOT_BLANK = r"\S"  # somewhere a non-whitespace character (stated in the schema; see _not_blank)
+#: the largest integer (ids, seeds) every JSON client holds exactly; above it a JSON Schema checker
+#: comparing as floats would call 2**63 + 100 "at most 2**63 - 1"
+MAX_ID = MAX_INT = 2**53 - 1
 
 
 def _not_blank(v: str | None) -> str | None:
@@ -162,7 +165,7 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         id: Annotated[str, Field(pattern=DOC_ID_PATTERN)] | None = Field(
             None, description="stable id (letters, digits, . _ : -); default: a hash of the text"
         )
-        text: str = Field(min_length=1, max_length=s.max_document_chars)
+        text: str = Field(min_length=1, max_length=s.max_document_chars, pattern=NOT_BLANK)
         metadata: dict[Annotated[str, Field(max_length=128)], MetaValue] = Field(
             default_factory=dict, max_length=64, description="flat metadata returned with the chunks"
         )
@@ -178,7 +181,7 @@ def build_schemas(s: Settings) -> SimpleNamespace:
 
     class QueryRequest(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
-        question: str = Field(min_length=1, max_length=s.max_question_chars)
+        question: str = Field(min_length=1, max_length=s.max_question_chars, pattern=NOT_BLANK)
         top_k: int | None = Field(None, ge=1, le=s.max_top_k, description="chunks to retrieve")
         chunk_ids: list[Annotated[int, Field(ge=0, le=MAX_ID)]] | None = Field(
             None, max_length=s.max_chunk_ids, description="answer over these chunks instead of retrieving"
@@ -195,7 +198,7 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         )
         temperature: float = Field(0.0, ge=0.0, le=2.0)
         top_p: float = Field(1.0, gt=0.0, le=1.0)
-        seed: int | None = Field(None, ge=0, le=2**63 - 1)
+        seed: int | None = Field(None, ge=0, le=MAX_INT)
         stop: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=4)
         stream: bool = Field(False, description="server-sent events: `token` events, then one `answer` event")
 
@@ -261,7 +264,7 @@ def build_schemas(s: Settings) -> SimpleNamespace:
             | list[Annotated[str, Field(min_length=1, max_length=64)]]
             | None
         ) = Field(None)
-        seed: int | None = Field(None, ge=0, le=2**63 - 1)
+        seed: int | None = Field(None, ge=0, le=MAX_INT)
         user: str | None = Field(None, max_length=256)
         ragkv: RagkvOptions | None = None
 

@@ -12,6 +12,7 @@ against ``allowed_hosts`` (Starlette's ``TrustedHostMiddleware``, against DNS re
 
 import argparse
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -84,6 +85,8 @@ def error_response(
         headers["Retry-After"] = "1"
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
+    if status == 408:  # the rest of a late body is not waited for: the connection ends with this answer
+        headers["Connection"] = "close"
     return JSONResponse(
         error_json(status, message, type_, details), status_code=status, headers=headers or None
     )
@@ -215,7 +218,7 @@ class BodyLimitMiddleware:
             try:
                 msg = await receive()
             except RequestTimeoutError as e:
-                resp = error_response(408, str(e), RequestTimeoutError.type, headers={"Connection": "close"})
+                resp = error_response(408, str(e), RequestTimeoutError.type)
                 return await resp(scope, None, send)
             if msg["type"] == "http.disconnect":
                 return
@@ -438,6 +441,10 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await asyncio.to_thread(svc.start)
+        # the start-up objects (model, tokenizers, embedder, modules: ~0.5M) leave the collector's
+        # scans: a full collection over them held the GIL ~0.35 s, freezing /healthz during ingest
+        gc.collect()
+        gc.freeze()
         log.info("ragkv service ready: model %s, data %s", settings.model, settings.data_dir)
         warn_exposure(settings)
         yield
@@ -451,8 +458,10 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     )
     app.state.service = svc
     _install_error_handlers(app)
-    can_write = [Depends(auth_dependency(settings, "write"))]
-    can_read = [Depends(auth_dependency(settings, "read"))]
+    # an endpoint that needs no key declares no security scheme (open reads are not "ignored auth")
+    keys = bool(settings.api_keys or settings.read_api_keys)
+    can_write = [Depends(auth_dependency(settings, "write"))] if keys else []
+    can_read = [Depends(auth_dependency(settings, "read"))] if keys and settings.require_key_for_reads else []
 
     def sampling(max_tokens, temperature, top_p, seed, stop) -> SamplingParams:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -930,7 +939,7 @@ def uvicorn_options(settings: Settings) -> dict:
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level,
-        "http": header_timeout_protocol(settings.header_timeout_s),
+        "http": header_timeout_protocol(settings.header_timeout_s, settings.max_pending_connections),
         "limit_concurrency": settings.max_connections,
         "timeout_keep_alive": settings.keep_alive_timeout_s,
         "h11_max_incomplete_event_size": settings.max_header_bytes,

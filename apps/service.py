@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -156,7 +157,7 @@ class _Gate:
         self.name, self.capacity, self.workers = name, running + queue, running
         self.pending = 0
         self.running = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
 
     def admit(self) -> None:
         with self._lock:
@@ -175,6 +176,13 @@ class _Gate:
             self.pending -= 1
             if started:
                 self.running -= 1
+            if not self.pending:
+                self._lock.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until nothing is in flight, at most ``timeout_s``; whether it is idle."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self.pending, timeout_s)
 
     @property
     def queued(self) -> int:
@@ -193,7 +201,12 @@ class Service:
         self.engine = None  # ragkv.engine.AsyncEngine when settings.generation == "engine"
         self.ingests = _Gate("ingest", 1, settings.max_ingest_queue)
         self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="ragkv-gen")
-        self._ingest_pool = ThreadPoolExecutor(1, thread_name_prefix="ragkv-ingest")
+        self._ingest_pool = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="ragkv-ingest",
+            initializer=_lower_priority,
+            initargs=(settings.ingest_nice,),
+        )
         # health, metrics: never behind queries, ingest or tokenization in a shared pool
         self.ops_pool = ThreadPoolExecutor(2, thread_name_prefix="ragkv-ops")
         self.read_pool = ThreadPoolExecutor(2, thread_name_prefix="ragkv-read")  # document listing
@@ -564,7 +577,7 @@ class Service:
         def cancelled() -> bool:
             return stop.is_set() or (cancel is not None and cancel.is_set())
 
-        rep = rag.ingest(unique, show_progress=False, cancel=cancelled)
+        rep = rag.ingest(unique, show_progress=False, cancel=cancelled, pause=self._yield_to_queries)
         out = []
         for d in unique:
             old = before[d.id]
@@ -581,6 +594,15 @@ class Service:
             "kv_computed": rep.kv_computed,
             "seconds": rep.seconds,
         }
+
+    def _yield_to_queries(self) -> None:
+        """Between ingest steps: wait while queries are in flight (at most ``ingest_yield_s``, so a
+        constant stream of queries slows an ingest down but never stops it)."""
+        if self.queries.pending and not self._stopping.is_set():
+            if not self.queries.wait_idle(self.settings.ingest_yield_s):
+                self.ingest_yields.inc("timeout")
+            else:
+                self.ingest_yields.inc("idle")
 
     def delete(self, doc_id: str) -> None:
         try:
@@ -620,6 +642,13 @@ class Service:
         )
         self.cancelled = r.add(Counter("ragkv_cancelled_streams_total", "streams whose client went away"))
         self.ingested = r.add(Counter("ragkv_documents_ingested_total", "documents added or replaced"))
+        self.ingest_yields = r.add(
+            Counter(
+                "ragkv_ingest_yields_total",
+                "ingest steps that waited for queries in flight (until idle, or ingest_yield_s)",
+                ("outcome",),
+            )
+        )
 
         def counters() -> dict:
             return self.rag.counters if self.rag is not None else {}
@@ -672,6 +701,18 @@ class Service:
                 ("pool",),
             )
         )
+
+
+def _lower_priority(nice: int) -> None:
+    """Run the calling thread ``nice`` steps below the process's CPU priority (Linux sets it per
+    thread), so on a busy machine the scheduler prefers queries and the event loop to ingest work."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except (AttributeError, OSError) as e:  # not Linux, or not permitted: priorities stay equal
+        log.info("could not lower the ingest thread's priority: %s", e)
 
 
 def _rate(hits: float, misses: float) -> float:

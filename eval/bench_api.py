@@ -52,8 +52,11 @@ def percentile(xs: list[float], q: float) -> float:
     return s[k]
 
 
-def start_server(args, data_dir: Path) -> tuple[subprocess.Popen, str, Path]:
-    """``python -m apps.server`` on a free loopback port; returns (process, base URL, log path)."""
+def start_server(
+    args, data_dir: Path, env_extra: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str, Path]:
+    """``python -m apps.server`` on a free loopback port (``env_extra``: more ``RAGKV_*`` settings);
+    returns (process, base URL, log path)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -73,6 +76,7 @@ def start_server(args, data_dir: Path) -> tuple[subprocess.Popen, str, Path]:
         env["RAGKV_TORCH_THREADS"] = str(args.torch_threads)
     if args.chunk_tokens:
         env["RAGKV_CHUNK_TOKENS"] = str(args.chunk_tokens)
+    env.update(env_extra or {})
     env.pop("RAGKV_CONFIG", None)
     log_path = data_dir.parent / "server.log"
     with open(log_path, "w") as log:  # the child has its own copy of the descriptor

@@ -165,6 +165,8 @@ class RAG:
         self.counters = {"kv_hits": 0, "kv_misses": 0, "kv_recomputed_bad": 0}
         #: chunks per ingest step: KV, embedding and the cancellation check go by this many chunks
         self.ingest_batch = max(1, int(ingest_batch))
+        #: chunks embedded per ingest step (a waiting query gets the embedder after at most this many)
+        self.embed_step = 8
         self._ingest_lock = threading.RLock()  # ingests and deletes run one at a time
         # orders "is this key still used?" + store write (write-back) against index change + store delete
         self._kv_lock = threading.Lock()
@@ -177,18 +179,28 @@ class RAG:
         docs: Iterable[Document | str | dict],
         show_progress: bool = True,
         cancel: Callable[[], bool] | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> IngestReport:
         """Split, embed, index and precompute every chunk's KV. Idempotent: unchanged (and whole)
         documents are skipped. All documents are committed together, or none (:class:`IngestCancelled`
-        when ``cancel()`` turns true: it is checked every ``ingest_batch`` chunks)."""
+        when ``cancel()`` turns true). Both hooks run between small steps (a chunk's KV, the embedding
+        of ``embed_step`` chunks, a document's split): ``pause()`` may block to let other work (the
+        service's queries) go first."""
         docs = [self._as_document(d) for d in docs]
+        hold = pause or (lambda: None)
+        stop = cancel or (lambda: False)
+
+        def step() -> None:
+            hold()
+            _check(stop)
+
         with self._ingest_lock:
             try:
-                return self._ingest(docs, show_progress, cancel or (lambda: False))
+                return self._ingest(docs, show_progress, step)
             finally:
                 self._settle()  # KV of an ingest that did not commit, KV of replaced chunks
 
-    def _ingest(self, docs: list[Document], show_progress: bool, cancel: Callable[[], bool]) -> IngestReport:
+    def _ingest(self, docs: list[Document], show_progress: bool, step: Callable[[], None]) -> IngestReport:
         t0 = time.perf_counter()
         rep = IngestReport(doc_ids=list(dict.fromkeys(d.id for d in docs)))
         fp = self.model.fingerprint
@@ -200,26 +212,32 @@ class RAG:
             old = self.index.document_sha(doc.id)
             if old == sha and doc.id not in pending and self.index.repair_document(doc.id):
                 rep.documents_unchanged += 1
-                for i, rec in enumerate(self.index.chunks_of(doc.id)):  # the store may have lost KV since
-                    if i % self.ingest_batch == 0:
-                        _check(cancel)
+                for rec in self.index.chunks_of(doc.id):  # the store may have lost KV since
+                    step()
                     self._ensure_kv(rec.token_ids, rec.kv_key, rep)  # referenced: no intent needed
                 continue
+            step()
             parts = split_tokens(self.model.tokenizer, doc.text, self.chunk_tokens, self.overlap)
             rows, vecs = [], []
             for lo in range(0, len(parts), self.ingest_batch):
-                _check(cancel)
+                step()
                 batch = parts[lo : lo + self.ingest_batch]
                 keys = [chunk_key(list(c.token_ids), fp) for c in batch]
                 missing = [k for k in dict.fromkeys(keys) if not self.store.contains(k)]
                 self.index.add_intents(missing)  # write-ahead: KV about to be stored, not yet referenced
                 for c, key in zip(batch, keys, strict=True):
+                    step()
                     self._ensure_kv(list(c.token_ids), key, rep)
-                    rows.append((c.seq, c.text, list(c.token_ids), key))
-                vecs.append(self.embedder.embed([c.text for c in batch], background=True))
+                    # tuples of atomic values only: the garbage collector stops tracking them, so a
+                    # large pending ingest does not lengthen every full collection (GIL pauses)
+                    rows.append((c.seq, c.text, c.token_ids, key))
+                texts = [c.text for c in batch]
+                for e in range(0, len(texts), self.embed_step):
+                    step()
+                    vecs.append(self.embedder.embed(texts[e : e + self.embed_step], background=True))
             vectors = np.concatenate(vecs) if vecs else np.zeros((0, self.embedder.dim), np.float32)
             pending[doc.id] = PendingDocument(doc.id, sha, doc.metadata, rows, vectors)
-        _check(cancel)
+        step()
         if pending:
             with self._kv_lock:
                 self.index.commit(list(pending.values()))

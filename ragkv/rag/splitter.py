@@ -27,8 +27,7 @@ def split_tokens(
         raise ValueError("chunk_tokens must be >= 1")
     if not 0 <= overlap < chunk_tokens:
         raise ValueError("overlap must be in [0, chunk_tokens)")
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    ids, offsets = _encode(tokenizer, text)
     n = len(ids)
     chunks: list[TextChunk] = []
     start = 0
@@ -48,6 +47,43 @@ def split_tokens(
             break
         start = max(end - overlap, start + 1)
     return chunks
+
+
+class _TokenSpans:
+    """``offsets[i]`` of a Rust encoding, read per token (only chunk ends are ever looked at)."""
+
+    def __init__(self, encoding):
+        self.encoding = encoding
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return self.encoding.token_to_chars(i)
+
+
+def _encode(tokenizer, text: str):
+    """(token ids, offsets) of ``text`` without special tokens.
+
+    A fast tokenizer's Rust backend encodes with the GIL released (``encode_batch``) and offsets are
+    read per token on demand: the HF call's full offset list of a 2M-character document holds the
+    GIL for ~200 ms, stalling the service's event loop and its queries. Same ids and offsets as the
+    HF call (tested); other tokenizers, or a backend left with truncation or padding, take that call.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - transformers' fast tokenizers need it
+        Tokenizer = None
+    if (
+        Tokenizer is not None
+        and isinstance(backend, Tokenizer)
+        and backend.truncation is None
+        and backend.padding is None
+        and not backend.encode_special_tokens
+        and not getattr(tokenizer, "split_special_tokens", False)
+    ):
+        enc = backend.encode_batch([text], add_special_tokens=False)[0]
+        return enc.ids, _TokenSpans(enc)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], enc["offset_mapping"]
 
 
 def _starts_word(text: str, offsets, i: int) -> bool:
