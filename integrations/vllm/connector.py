@@ -61,11 +61,11 @@ from ragkv.blend.spans import (
     blend_rows,
     blocks_of_rows,
     check_spans,
-    chunk_kv_alone,
     locate_chunks,
     plan_rows,
     slot_mapping,
 )
+from ragkv.kv import compute_chunk_kv
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, chunk_key
 
 if TYPE_CHECKING:
@@ -648,7 +648,7 @@ class RagkvConnector(KVConnectorBase_V1):
             self._saved_keys.add(key)
             return
         model = self._layer_model()
-        ck = chunk_kv_alone(model, toks, self.fingerprint).to("cpu")
+        ck = compute_chunk_kv(model, toks, self.fingerprint).to("cpu")
         if self.store.put(ck):
             self._saved_keys.add(key)
             self.stats["chunks_saved"] += 1

@@ -9,17 +9,15 @@ The engine-independent half of ``integrations/vllm``: everything here runs and i
   from stored chunk KV (``REUSED``: HKVD candidates) and which must be computed (``COMPUTED``); and
   how many rows the connector reports to the engine as loaded.
 * Paged addressing: rows -> slots and block ids of a request's block table.
-* :func:`blend_rows`: the layer loop that fills rows ``[num_exact, num_rows)`` of a prompt with
-  blended KV (CacheBlend HKVD selective recompute), driven through a "layer model" (ragkv's own
-  :class:`ragkv.model.llama.Model`, or the vLLM model adapter in ``integrations/vllm/model_hook.py``).
-* :func:`chunk_kv_alone`: a chunk's KV in the chunk convention (prefilled alone after BOS, K
-  pre-RoPE), computed through the same layer model, for saving missed chunks to the store.
-
-Deviation from :func:`ragkv.blend.core.selective_prefill` (which this mirrors): the engine's
-prefix-cache rows arrive with *post-RoPE* K (that is what a paged cache holds), so they are used as
-is instead of being re-rotated; the rows after the last chunk (the question) are left to the
-engine, which is exact because causal attention never lets earlier rows see later ones; and the
-last layer's MLP is skipped (no logits are needed from the blend).
+* :func:`blend_rows`: fills rows ``[num_exact, num_rows)`` of a prompt with blended KV (CacheBlend
+  HKVD selective recompute) through a :class:`~ragkv.model.forward.LayerModel` (ragkv's own
+  :class:`ragkv.model.llama.Model`, or the vLLM adapter in ``integrations/vllm/model_hook.py``).
+  It is :func:`ragkv.blend.core.selective_prefill`'s blend (the same :class:`~ragkv.blend.core.BlendKV`
+  on the same layer loop) with three differences: the engine's prefix-cache rows arrive with
+  *post-RoPE* K (what a paged cache holds) and are used as is; the rows after the last chunk (the
+  question) are left to the engine, which is exact because causal attention never lets earlier
+  rows see later ones; and the last layer's attention and MLP are skipped (no logits are needed).
+  Missed chunks are computed for the store by :func:`ragkv.kv.compute_chunk_kv` on the same model.
 """
 
 from __future__ import annotations
@@ -32,9 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.blend.core import COMPUTED, EXACT, POSITION_BLOCKS, REUSED, BlendSchedule, select_hkvd
+from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV, BlendSchedule, blend_layers
 from ragkv.kv.chunk import ChunkKV
-from ragkv.model.forward import chunk_kv_tensors
 
 PARAMS_KEY = "ragkv"
 MODES = ("blend", "reuse")
@@ -348,8 +345,7 @@ def blocks_of_rows(block_ids: Sequence[int], block_size: int, start: int, stop: 
     return {int(block_ids[b]) for b in range(start // block_size, math.ceil(stop / block_size))}
 
 
-# ---- the layer loop -------------------------------------------------------------------------------
-@torch.inference_mode()
+# ---- the vLLM hook's layer replay ----------------------------------------------------------------
 def blend_rows(
     model,
     token_ids: torch.Tensor,
@@ -361,84 +357,42 @@ def blend_rows(
 ) -> dict:
     """Fill rows ``[num_exact, num_rows)`` of every layer with blended KV through ``write``.
 
-    ``model``: a layer model (``config``, ``device``, ``dtype``, ``embed``, ``qkv``, ``rope``,
-    ``attend``, ``finish_layer``). ``reused_source.layer(l)``: pre-RoPE K/V of the REUSED rows in
-    order (a :class:`ragkv.blend.source.LayerSource`; closed here). ``exact_kv(l)``: post-RoPE K and
-    V of rows ``[0, num_exact)`` (read from the engine's cache). ``write(l, rows, k_post, v)``
-    receives rows ``[num_exact, num_rows)``. ``schedule`` None means full reuse (no recompute).
+    The blend of :func:`ragkv.blend.core.selective_prefill` (one layer loop,
+    :func:`ragkv.blend.core.blend_layers`) over a :class:`~ragkv.model.forward.LayerModel`.
+    ``reused_source.layer(l)``: pre-RoPE K/V of the REUSED rows in order (closed here).
+    ``exact_kv(l)``: post-RoPE K and V of rows ``[0, num_exact)`` (read from the engine's cache).
+    ``write(l, rows, k_post, v)`` receives rows ``[num_exact, num_rows)``. ``schedule`` None means
+    full reuse (no recompute).
     """
     t0 = time.perf_counter()
-    dev = model.device
-    n = plan.num_rows
+    n, n_exact = plan.num_rows, plan.num_exact
     if int(token_ids.numel()) < n:
         raise ValueError(f"{token_ids.numel()} token ids for a plan of {n} rows")
-    rc = plan.row_class.to(dev)
-    pos = torch.arange(n, device=dev)
-    reused_mask = rc == REUSED
-    n_reused = int(reused_mask.sum())
-    n_exact = plan.num_exact
-    reuse_index = torch.full((n,), -1, dtype=torch.long, device=dev)
-    reuse_index[reused_mask] = torch.arange(n_reused, device=dev)
-    reused_rows = reused_mask.nonzero().flatten()
-    blending = schedule is not None and n_reused > 0
-    active = (rc != EXACT) if blending else (rc == COMPUTED)
-    S = active.nonzero().flatten()
-    checks = dict(zip(schedule.check_layers, schedule.ratios, strict=True)) if blending else {}
-    cfg = model.config
-    L = cfg.num_layers
-    recomputed: list[int] = []
-    out_rows = torch.arange(n_exact, n, device=dev)
-    try:
-        h = model.embed(token_ids[:n].to(dev)[S])
-        for layer in range(L):
-            Kr = Vr = None
-            if n_reused:
-                Kr, Vr = reused_source.layer(layer)
-            q, k, v = model.qkv(layer, h)
-            fresh = None
-            if layer in checks:
-                if getattr(schedule, "fresh_check_kv", False):  # keep every candidate's fresh K/V here
-                    fresh = (S, model.rope(k, pos[S]), v)
-                keep = select_hkvd(
-                    S, k, v, Kr, Vr, reused_mask, reuse_index, checks[layer], n_reused, schedule.deviation
-                )
-                S, h, q, k, v = S[keep], h[keep], q[keep], k[keep], v[keep]
-            recomputed.append(int(S.numel()))
-            K = torch.empty(n, cfg.num_kv_heads, cfg.head_dim, dtype=k.dtype, device=dev)
-            V = torch.empty_like(K)
-            if n_exact:
-                Ke, Ve = exact_kv(layer)
-                K[:n_exact], V[:n_exact] = Ke.to(K.dtype), Ve.to(V.dtype)
-            if n_reused:
-                K[reused_rows] = model.rope(Kr.to(K.dtype), reused_rows)
-                V[reused_rows] = Vr.to(V.dtype)
-            if fresh is not None:
-                K[fresh[0]], V[fresh[0]] = fresh[1], fresh[2]
-            K[S] = model.rope(k, pos[S])
-            V[S] = v
-            write(layer, out_rows, K[n_exact:], V[n_exact:])
-            if layer == L - 1 or S.numel() == 0:
-                continue  # the last layer's output is never read: the engine computes the question
-            o = model.attend(layer, model.rope(q, pos[S]), K, V, pos[S], pos, position_blocks=POSITION_BLOCKS)
-            h = model.finish_layer(layer, h, o)
-    finally:
-        if reused_source is not None:
-            reused_source.close()
+    out_rows = torch.arange(n_exact, n, device=model.device)
+
+    def emit(layer: int, K: torch.Tensor, V: torch.Tensor) -> None:
+        write(layer, out_rows, K[n_exact:], V[n_exact:])
+
+    kv = BlendKV(
+        model,
+        plan.row_class,
+        schedule,
+        stored=reused_source,
+        stored_rows=plan.reused_rows(),
+        posted=exact_kv,
+        n_posted=n_exact,
+        on_layer=emit,
+    )
+    blend_layers(model, token_ids[:n], plan.row_class, kv, last_layer_attention=False)
     return {
         "num_rows": n,
         "num_exact_rows": n_exact,
-        "num_reused_rows": n_reused,
-        "num_computed_rows": int((rc == COMPUTED).sum()),
-        "recomputed_per_layer": recomputed,
+        "num_reused_rows": kv.n_reused,
+        "num_computed_rows": int((plan.row_class == COMPUTED).sum()),
+        "recomputed_per_layer": kv.recomputed,
         "t_blend_s": time.perf_counter() - t0,
-        "t_load_wait_s": getattr(reused_source, "wait_s", 0.0),
+        "t_load_wait_s": kv.stats()["t_load_wait_s"],
     }
-
-
-def chunk_kv_alone(model, token_ids: Sequence[int], fingerprint: str) -> ChunkKV:
-    """A chunk's KV in the chunk convention (alone after BOS, K pre-RoPE) through a layer model."""
-    ids, k, v, start = chunk_kv_tensors(model, token_ids)
-    return ChunkKV(token_ids=ids, k=k, v=v, start_pos=start, fingerprint=fingerprint)
 
 
 class PieceSlice:

@@ -9,11 +9,11 @@ in *which rows go on* (an optional row selector, CacheBlend's HKVD):
 * generate's decode (:func:`ragkv.generate.decode_step`): a dense or HACK
   :class:`~ragkv.attention.kvcache.KVCache`;
 * the static (CUDA-graph) decoder (:class:`ragkv.model.static_decode.StaticDecoder`): fixed buffers;
-* the engine's batched decode (:func:`ragkv.engine.paged_cache.batched_decode_step`): paged blocks.
-
-Not yet moved onto it (issue 14): the selective-prefill loop of the prefill modes
-(:func:`ragkv.blend.core.selective_prefill`) and its vLLM-side twin
-(:func:`ragkv.blend.spans.blend_rows`); ``select`` and ``on_pre_rope`` are the hooks they need.
+* the engine's batched decode (:func:`ragkv.engine.paged_cache.batched_decode_step`): paged blocks;
+* every prefill mode, CacheBlend included (:func:`ragkv.blend.core.selective_prefill`), and the
+  vLLM hook's layer replay (:func:`ragkv.blend.spans.blend_rows`): a
+  :class:`~ragkv.blend.core.BlendKV` (stored, engine-held and computed rows) whose ``select`` is
+  HKVD, both through :func:`ragkv.blend.core.blend_layers`.
 
 The model side is a :class:`LayerModel`: ragkv's own :class:`~ragkv.model.llama.Model`, or the vLLM
 adapter in ``integrations/vllm/model_hook.py`` (same primitives over vLLM's modules).
@@ -100,7 +100,7 @@ def run_layers(
     on; ``on_pre_rope`` sees the kept rows' pre-RoPE K/V; Q and K are rotated at the rows' positions;
     ``kv.write`` stores K/V and ``kv.attend`` gives the attention output; the layer's o-proj and MLP
     finish the rows. ``last_layer_attention=False`` stops after the last layer's K/V are written
-    (callers that need the KV, not the hidden states).
+    (callers that need the KV, not the hidden states); a layer left with no rows only writes K/V.
     """
     L = model.config.num_layers
     tables, tables_of = model.rope_tables(positions), positions
@@ -116,8 +116,8 @@ def run_layers(
             tables, tables_of = model.rope_tables(positions), positions
         q, k = model.rope(q, positions, tables), model.rope(k, positions, tables)
         kv.write(layer, positions, k, v)
-        if layer == L - 1 and not last_layer_attention:
-            break
+        if (layer == L - 1 and not last_layer_attention) or positions.numel() == 0:
+            continue  # nothing reads the last layer's output, or no row is left to compute
         h = model.finish_layer(layer, h, kv.attend(layer, q, positions))
     return h, positions
 
