@@ -18,13 +18,12 @@ import sys
 import pytest
 import torch
 
+from integrations.vllm.params import BlendParams, KVParamsError
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, selective_prefill
 from ragkv.blend.source import LayerSource
 from ragkv.blend.spans import (
-    BlendParams,
     ChunkRef,
     ChunkSpan,
-    KVParamsError,
     PieceSlice,
     SpanError,
     blend_rows,

@@ -7,7 +7,7 @@ Use (no vLLM patch; the plugin also registers the name ``RagkvConnector`` with v
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": "file:///var/lib/ragkv/kv"}}'
 
-A request names its chunks in ``kv_transfer_params`` (see :mod:`ragkv.blend.spans`). Per request:
+A request names its chunks in ``kv_transfer_params`` (see :mod:`integrations.vllm.params`). Per request:
 
 * **Scheduler** (``get_num_new_matched_tokens``): reads the chunks' store headers (no tensor data),
   finds each chunk's rows in the prompt, plans rows ``[num_local, end)`` (``end`` = the last stored
@@ -50,11 +50,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from integrations.vllm.params import BlendParams, KVParamsError
 from ragkv.blend.pipeline import ChunkLoadError, PipelinedSource, StoredChunk
 from ragkv.blend.spans import (
-    BlendParams,
     ChunkSpan,
-    KVParamsError,
     PieceSlice,
     RowPlan,
     SpanError,
