@@ -9,7 +9,7 @@ model is recorded here for the worker-side connector of the same process.
 
 :class:`VllmLayerModel` exposes a vLLM Llama / Mistral / Qwen2 model through the primitives of
 ragkv's own runtime (``embed``, ``qkv``, ``rope``, ``attend``, ``finish_layer``), so
-:func:`ragkv.blend.spans.blend_rows` and :func:`ragkv.blend.spans.chunk_kv_alone` run unchanged on
+:func:`ragkv.blend.spans.blend_rows` and :func:`ragkv.kv.compute_chunk_kv` run unchanged on
 vLLM's weights and kernels. Attention inside the blend is ragkv's dense attention over the gathered
 rows, not vLLM's paged kernel (the blend's rows are scattered, which vLLM's kernels do not take).
 
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ragkv.attention.dense import layer_windows
+from ragkv.model.forward import window_attention
 
 log = logging.getLogger("vllm.ragkv")  # under vLLM's logger: shown in its log at INFO
 
@@ -138,7 +139,7 @@ def install_load_model_hook() -> list[str]:
 # ---- the layer model ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LayerModelConfig:
-    """The numbers :func:`ragkv.blend.spans.blend_rows` reads from a layer model's ``config``."""
+    """The numbers the layer loop reads from a layer model's ``config`` (a ``LayerModelConfig``)."""
 
     num_layers: int
     num_heads: int
@@ -228,19 +229,8 @@ class VllmLayerModel:
     def attend(
         self, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
     ) -> torch.Tensor:
-        from ragkv.attention.dense import attention
-
-        return attention(
-            q,
-            k,
-            v,
-            q_pos,
-            k_pos,
-            self.scale,
-            causal_contiguous=contiguous,
-            sliding_window=self.config.window(layer),
-            position_blocks=position_blocks,
-        )
+        """Attention of ``layer`` (its sliding window): ragkv's dense attention over the given rows."""
+        return window_attention(self, layer, q, k, v, q_pos, k_pos, contiguous, position_blocks)
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o-proj + residual + MLP of rows ``h`` given their attention output ``[n,Hq,D]``."""

@@ -26,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ragkv.attention.dense import attention
+
 
 class LayerModelConfig(Protocol):
     num_layers: int
@@ -66,6 +68,23 @@ class LayerModel(Protocol):
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o-proj + residual + MLP of rows ``h`` given their attention output ``[n,Hq,D]``."""
+
+
+def window_attention(
+    model: LayerModel, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
+) -> torch.Tensor:
+    """:meth:`LayerModel.attend` of a dense-attention model: ragkv's attention with the layer's window."""
+    return attention(
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+        model.scale,
+        causal_contiguous=contiguous,
+        sliding_window=model.config.window(layer),
+        position_blocks=position_blocks,
+    )
 
 
 class LayerKV(Protocol):
