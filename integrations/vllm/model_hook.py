@@ -21,13 +21,12 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ragkv.attention.dense import layer_windows
-from ragkv.model.forward import window_attention
+from ragkv.model.forward import LayerConfig, window_attention
 
 log = logging.getLogger("vllm.ragkv")  # under vLLM's logger: shown in its log at INFO
 
@@ -137,22 +136,6 @@ def install_load_model_hook() -> list[str]:
 
 
 # ---- the layer model ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayerModelConfig:
-    """The numbers the layer loop reads from a layer model's ``config`` (a ``LayerModelConfig``)."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    bos_token_id: int | None
-    #: per layer: its sliding window (None: full causal)
-    layer_windows: tuple[int | None, ...]
-
-    def window(self, layer: int) -> int | None:
-        return self.layer_windows[layer]
-
-
 class VllmLayerModel:
     """A vLLM Llama/Mistral/Qwen2 model driven layer by layer on arbitrary rows (ragkv's primitives).
 
@@ -184,7 +167,7 @@ class VllmLayerModel:
         a0 = layers[0].self_attn
         self.inner = inner
         self.layers = layers
-        self.config = LayerModelConfig(
+        self.config = LayerConfig(
             num_layers=len(layers),
             num_heads=a0.num_heads,
             num_kv_heads=a0.num_kv_heads,

@@ -22,6 +22,7 @@ adapter in ``integrations/vllm/model_hook.py`` (same primitives over vLLM's modu
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -38,6 +39,22 @@ class LayerModelConfig(Protocol):
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full causal)."""
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """A plain :class:`LayerModelConfig`, for layer models that have no ragkv ``ModelConfig`` (vLLM's)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bos_token_id: int | None
+    #: per layer: its sliding window (None: full causal)
+    layer_windows: tuple[int | None, ...]
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer]
 
 
 @runtime_checkable
