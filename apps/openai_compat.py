@@ -20,14 +20,23 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi.encoders import jsonable_encoder
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from apps.config import Settings
 from apps.schemas import MAX_INT
 from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
 from apps.service import ServiceError
+from ragkv.blend import BlendSchedule
 from ragkv.blend.pipeline import pipelined_factory
-from ragkv.blend.spans import BlendParams, KVParamsError, SpanError, prefill_stored_spans
+from ragkv.blend.spans import ChunkRef, SpanError, prefill_stored_spans
 from ragkv.generate import MIN_TEMPERATURE, SamplingParams, TokenEvent, stream
 from ragkv.rag import WarnThrottle
 
@@ -106,7 +115,7 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
         return_token_ids: bool | None = Field(
             None, description="add token_ids (and prompt_token_ids) to choices"
         )
-        kv_transfer_params: Any = Field(  # checked by BlendParams (400 with the reason), not by the schema
+        kv_transfer_params: Any = Field(  # checked by blend_params (400 with the reason), not by the schema
             None, description='{"ragkv": {"chunks": [{"key", "start", "length"}], "mode", "ratio", ...}}'
         )
         user: str | None = Field(None, max_length=256)
@@ -137,12 +146,77 @@ def prompt_ids(model, prompt) -> list[int]:
     return ids
 
 
-def blend_params(raw: dict | None) -> BlendParams | None:
+#: a chunk's store key as the vLLM connector accepts it
+ChunkKey = Annotated[str, Field(pattern=r"^[0-9A-Za-z_.:-]{1,200}$")]
+
+
+class ChunkParam(BaseModel):
+    """One chunk of ``kv_transfer_params["ragkv"]["chunks"]``: a key, with its span when known."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    key: ChunkKey
+    start: int | None = Field(None, ge=0)
+    length: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _span_whole(self):
+        if (self.start is None) != (self.length is None):
+            raise ValueError("give both 'start' and 'length' or neither")
+        return self
+
+
+class BlendRequest(BaseModel):
+    """``kv_transfer_params["ragkv"]``, the ragkv vLLM connector's format (integrations/vllm/README.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    chunks: list[ChunkParam] = Field(max_length=4096, description="{key, start?, length?} objects or keys")
+    mode: Literal["blend", "reuse"] = "blend"
+    ratio: float = Field(0.15, ge=0.0, le=1.0)
+    check_layers: list[Annotated[int, Field(ge=0)]] = [1]
+    deviation: Literal["k", "v", "kv"] = BlendSchedule.deviation
+    save: bool = True
+    fresh_check_kv: bool = False
+
+    @field_validator("chunks", mode="before")
+    @classmethod
+    def _keys_as_chunks(cls, v):
+        return [{"key": c} if isinstance(c, str) else c for c in v] if isinstance(v, list) else v
+
+    def chunk_refs(self) -> list[ChunkRef]:
+        """The chunks as the library takes them."""
+        return [ChunkRef(c.key, c.start, c.length) for c in self.chunks]
+
+    def schedule(self) -> BlendSchedule:
+        """The HKVD schedule: ``ratio`` at every check layer (used in mode "blend")."""
+        n = len(self.check_layers)
+        return BlendSchedule(tuple(self.check_layers), (self.ratio,) * n, self.deviation, self.fresh_check_kv)
+
+
+def _reason(e: ValidationError) -> str:
+    err = e.errors(include_url=False)[0]
+    where = ".".join(str(x) for x in ("ragkv", *err["loc"]) if "[" not in str(x))  # no validator names
+    if err["type"] == "extra_forbidden":
+        return f"unknown field {where}"
+    return f"{where}: {err['msg']}"
+
+
+def blend_params(raw: Any) -> BlendRequest | None:
     """The ragkv part of ``kv_transfer_params`` (None: no chunks to reuse); 400 with the reason if malformed."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise BadRequestError(f"kv_transfer_params must be a dict, got {type(raw).__name__}")
+    body = raw.get("ragkv")
+    if body is None:
+        return None
     try:
-        return BlendParams.from_kv_transfer_params(raw)
-    except KVParamsError as e:
-        raise BadRequestError(f"kv_transfer_params: {e}") from None
+        req = BlendRequest.model_validate(body)
+        req.schedule()
+    except ValidationError as e:
+        raise BadRequestError(f"kv_transfer_params: {_reason(e)}") from None
+    except ValueError as e:  # BlendSchedule's own checks (e.g. check layers not increasing)
+        raise BadRequestError(f"kv_transfer_params: invalid blend schedule: {e}") from None
+    return req
 
 
 def sampling(req, model) -> SamplingParams:
@@ -186,7 +260,7 @@ class Done:
 
 
 def completion_events(
-    rag, ids: list[int], blend: BlendParams | None, params: SamplingParams
+    rag, ids: list[int], blend: BlendRequest | None, params: SamplingParams
 ) -> Iterator[TokenEvent | Done]:
     """Prefill ``ids`` with ``blend``'s chunks from ``rag``'s store, then stream: token events, then :class:`Done`.
 
@@ -199,7 +273,9 @@ def completion_events(
             model,
             rag.store,
             ids,
-            blend,
+            blend.chunk_refs() if blend is not None else [],
+            blend.schedule() if blend is not None else None,
+            mode=blend.mode if blend is not None else "blend",
             prefix_cache=rag.llm.prefix_cache,
             source_factory=pipelined_factory(model) if rag.pipelined else None,
         )

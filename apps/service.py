@@ -25,9 +25,8 @@ from typing import Any
 
 from apps.config import Settings
 from apps.metrics import Counter, Gauge, Histogram, Registry
-from integrations.common import RagBackend
 from ragkv.generate import SamplingParams, TokenEvent
-from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer
+from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer, RagBackend
 from ragkv.rag.index import text_sha
 
 log = logging.getLogger("ragkv.server")

@@ -20,6 +20,9 @@ Four parts, all measured in one run (medians of ``--runs`` timings):
    distribution is the answer's first token.
 4. On CUDA with triton: the Triton kernel vs fp16 SDPA and vs dequantize-then-SDPA at 8K/32K/128K
    context and batch 1/16/64 (skipped here when there is no GPU: ``gpu_speedup_vs_fp16`` is null).
+5. The three storage layouts of the same codes (the decode cache, the engine's paged blocks, the vLLM
+   pages) at the ``--contexts`` lengths: bytes per token (the engine's accounted and physical) and
+   the CPU reference decode step of one sequence.
 
 Parts 1 and 4 run on random shapes and part 2 on MiniLM whatever ``--model`` is; ``--parts`` picks
 the parts to run (a real model's part 3 alone: ``--parts 3``).
@@ -380,6 +383,75 @@ def gpu_bench(contexts: list[int], batches: list[int], runs: int) -> list[dict] 
     return rows
 
 
+# ---- part 5: the three HACK storage layouts ----------------------------------------------------------
+def _tensor_bytes(obj) -> int:
+    """Bytes of every tensor attribute of ``obj`` (its physical allocation)."""
+    return sum(t.numel() * t.element_size() for t in vars(obj).values() if isinstance(t, torch.Tensor))
+
+
+def layouts(
+    contexts: list[int], runs: int, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 16
+) -> list[dict]:
+    """The same 2-bit codes in each layout: the decode cache (``HackKVCache``), the engine's paged blocks
+    (``KVPool`` + ``HackBlockStore``) and the vLLM pages (``hack_paged``): bytes per token and the CPU
+    reference decode step of one sequence (one layer), with the outputs' largest difference."""
+    out = []
+    for t in contexts:
+        row = layout_row(t, runs, hq, hkv, d, bs)
+        print(
+            f"  {t:6d} tokens  B/token: cache {row['bytes_per_token_decode_cache']:.0f}  engine "
+            f"{row['bytes_per_token_engine_accounted']:.0f} accounted / "
+            f"{row['bytes_per_token_engine_physical']:.0f} physical  vllm {row['bytes_per_token_vllm_pages']:.0f}"
+            f"  (fp16 {row['bytes_per_token_fp16']})  decode ms: cache {row['t_decode_cache_ms']:.2f}  engine "
+            f"{row['t_engine_blocks_ms']:.2f}  vllm {row['t_vllm_pages_ms']:.2f}  max diff "
+            f"{row['max_abs_diff_between_layouts']:.1e}",
+            flush=True,
+        )
+        out.append(row)
+    return out
+
+
+def layout_row(t: int, runs: int, hq: int, hkv: int, d: int, bs: int) -> dict:
+    """One context length of :func:`layouts`."""
+    from ragkv.attention.hack_paged import PagedLayout, TailPool, decode_attention, write_rows
+    from ragkv.engine.paged_cache import KVPool, PagedSequence
+
+    lay = PagedLayout(bs, hkv, d, bits=2)
+    cfg = lay.config(use_triton=False)
+    scale = d**-0.5
+    g = torch.Generator().manual_seed(t)
+    k = (torch.randn(t, hkv, d, generator=g) + torch.randn(1, hkv, d, generator=g)).half()
+    v = torch.randn(t, hkv, d, generator=g).half()
+    q = torch.randn(1, hq, d, generator=g).half()
+    qp = torch.tensor([t - 1])
+    dense = HackKVCache(1, hkv, d, scale, cfg)
+    dense.write(0, torch.arange(t), k, v)
+    nb = -(-t // bs)
+    pool = KVPool(nb, bs, 1, hkv, d, scale, hack_config=cfg)
+    seq = PagedSequence(pool)
+    seq.load_prompt(k[None], v[None])
+    pages, tails = lay.allocate(nb), TailPool(lay, 1)
+    write_rows(pages, tails, torch.arange(t), k, v)
+    table = torch.arange(nb)[None]
+    steps = {
+        "decode_cache": lambda: dense.attend(0, q, qp),
+        "engine_blocks": lambda: seq.attend(0, q, qp),
+        "vllm_pages": lambda: decode_attention(pages, tails, q, table, [t], scale, use_triton=False),
+    }
+    outs = [fn().float() for fn in steps.values()]
+    accounted = sum(pool.hack.block_bytes(b, min(bs, t - b * bs), pool.row_bytes) for b in range(nb))
+    return {
+        "context": t,
+        "bytes_per_token_decode_cache": dense.nbytes() / t,
+        "bytes_per_token_engine_accounted": accounted / t,
+        "bytes_per_token_engine_physical": (pool.k.nbytes + pool.v.nbytes + _tensor_bytes(pool.hack)) / t,
+        "bytes_per_token_vllm_pages": (pages.nbytes + tails.nbytes()) / t,
+        "bytes_per_token_fp16": 2 * hkv * d * 2,
+        **{f"t_{name}_ms": 1e3 * median_time(fn, runs) for name, fn in steps.items()},
+        "max_abs_diff_between_layouts": max(float((a - b).abs().max()) for a in outs for b in outs),
+    }
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="1024,4096,8192", help="part 1 context lengths (random K/V)")
@@ -397,7 +469,8 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--parts",
         default="1,2,3,4",
-        help="parts to run: 1 (random 7B-shaped K/V), 2 (MiniLM), 3 (--model), 4 (GPU, random codes)",
+        help="parts to run: 1 (random 7B-shaped K/V), 2 (MiniLM), 3 (--model), 4 (GPU, random codes), "
+        "5 (the three storage layouts)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
@@ -489,6 +562,11 @@ def main(argv=None) -> dict:
             if long:
                 speedup = statistics.median(r["t_sdpa_fp16_ms"] / r["t_triton_ms"] for r in long)
 
+    lays = None
+    if 5 in parts:
+        print("== 5. storage layouts (Hq 32, Hkv 8, D 128, block 16, 2-bit): bytes and CPU decode step ==")
+        lays = layouts(contexts, args.runs)
+
     def r4(x):
         return None if x is None else round(x, 4)
 
@@ -540,6 +618,7 @@ def main(argv=None) -> dict:
         else None,
         "gpu_speedup_vs_fp16": speedup,
         "gpu": gpu,
+        "layouts": lays,
     }
     print(json.dumps(result))
     return result

@@ -35,43 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ragkv.generate import SamplingParams, TokenEvent, stream
 from ragkv.kv.chunk import chunk_key
-from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
-
-
-@runtime_checkable
-class RagBackend(Protocol):
-    """What the wrappers and the app use of a RAG: ragkv's in-process :class:`ragkv.rag.RAG`, or
-    :class:`integrations.vllm.client.VllmRAG` (retrieval here, generation on a vLLM server)."""
-
-    mode: str
-    ratio: float | str
-    top_k: int
-
-    @property
-    def model(self) -> Any:
-        """The served model's tokenizer and config (``encode``, ``tokenizer``, ``config``, ``fingerprint``)."""
-
-    @property
-    def index(self) -> Any:
-        """The chunk index (``chunk``, ``chunks_of``, ``has_document``, ``document_ids``)."""
-
-    @property
-    def store(self) -> Any:
-        """The chunk KV store."""
-
-    def retrieve(self, question: str, k: int | None = None) -> list[ChunkRecord]: ...
-
-    def chunks_by_id(self, chunk_ids: list[int]) -> list[ChunkRecord]: ...
-
-    def fit_chunks(self, recs: list[ChunkRecord], other_tokens: int) -> list[ChunkRecord]: ...
-
-    def ingest(self, docs: Any, show_progress: bool = True) -> Any: ...
-
-    def answer(self, question: str, k=None, mode=None, ratio=None, params=None, chunks=None, **sampling): ...
-
-    def answer_stream(
-        self, question: str, k=None, mode=None, ratio=None, params=None, chunks=None, **sampling
-    ) -> Iterator[TokenEvent | RagAnswer]: ...
+from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer, RagBackend
 
 
 @runtime_checkable

@@ -50,6 +50,47 @@ class TokenEvent:
     index: int
 
 
+class Detokenizer:
+    """One generation's output, token by token: stop tokens, stop strings, incremental text.
+
+    The one stop/detokenize step of :func:`stream` and of the engine (``Engine._accept``).
+    :meth:`accept` takes a sampled token and returns the event to emit (None for a stop token)
+    and the finish reason ("stop", "length", or None to go on). A token that completes a stop
+    string is kept (as vLLM keeps it), with its text cut before the stop string.
+    """
+
+    def __init__(self, model, params: SamplingParams):
+        self.decode = model.decode
+        self.max_new_tokens = params.max_new_tokens
+        self.stop = tuple(s for s in params.stop if s)
+        ids = params.stop_token_ids if params.stop_token_ids is not None else model.config.eos_token_ids
+        self.stop_ids = frozenset(ids)
+        self.ids: list[int] = []
+        self.text = ""
+
+    @property
+    def done(self) -> bool:
+        """No more tokens may be generated (``max_new_tokens`` reached)."""
+        return len(self.ids) >= self.max_new_tokens
+
+    def accept(self, tok: int) -> tuple[TokenEvent | None, str | None]:
+        """``(event, finish reason)`` after sampling ``tok``."""
+        if tok in self.stop_ids:
+            return None, "stop"
+        i = len(self.ids)
+        self.ids.append(tok)
+        prev = len(self.text)
+        new_text = self.decode(self.ids)
+        hit = next((s for s in self.stop if s in new_text), None)
+        if hit is not None:
+            cut = new_text.index(hit)
+            self.text = new_text[:cut]
+            return TokenEvent(tok, new_text[prev:cut] if cut > prev else "", i), "stop"
+        delta = new_text[prev:] if new_text.startswith(self.text) else new_text
+        self.text = new_text
+        return TokenEvent(tok, delta, i), ("length" if self.done else None)
+
+
 @dataclass
 class Generation:
     text: str
@@ -117,29 +158,17 @@ def stream(
     if cache is None:
         cache = make_cache(model, attention, capacity=n_prompt + params.max_new_tokens + 1, **hack_options)
         load_prompt(cache, result)
-    stops = set(params.stop_token_ids if params.stop_token_ids is not None else model.config.eos_token_ids)
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    out = Detokenizer(model, params)
     logits = result.logits
-    ids: list[int] = []
-    text = ""
-    for i in range(params.max_new_tokens):
+    while not out.done:
         tok = sample(logits, params, gen)
-        if tok in stops:
+        ev, reason = out.accept(tok)
+        if ev is not None:
+            yield ev
+        if reason is not None:
             return
-        ids.append(tok)
-        new_text = model.decode(ids)
-        delta = new_text[len(text) :] if new_text.startswith(text) else new_text
-        text = new_text
-        hit = next((s for s in params.stop if s and s in text), None)
-        if hit is not None:
-            cut = text.index(hit)
-            prev = len(text) - len(delta)
-            if cut > prev:
-                yield TokenEvent(tok, text[prev:cut], i)
-            return
-        yield TokenEvent(tok, delta, i)
-        if i + 1 < params.max_new_tokens:
-            logits = decode_step(model, cache, tok, n_prompt + i)
+        logits = decode_step(model, cache, tok, n_prompt + ev.index)
 
 
 def generate(

@@ -15,7 +15,7 @@ from ragkv.fusion import (
     cff_plan,
     fast_fusion,
     norm_aware_attention,
-    paged_attention,
+    paged_norm_attention,
     relative_errors,
     replicate_rescaled,
 )
@@ -146,7 +146,7 @@ def test_norm_aware_attention_equals_rescaled_replicated_blocks():
     vn2 = torch.stack([vn, vn[tables[1]]])
     lengths = torch.tensor([nb * bs, 11])
     qb = torch.randn(2, hq, d, generator=g)
-    got = paged_attention(qb, pool_k, pool_v, tables, kn2, vn2, lengths, 0.35)
+    got = paged_norm_attention(qb, pool_k, pool_v, tables, kn2, vn2, lengths, 0.35)
     for i in range(2):
         kk = replicate_rescaled(u_k[tables[i]], kn2[i]).reshape(-1, hkv, d)
         vv = replicate_rescaled(u_v[tables[i]], vn2[i]).reshape(-1, hkv, d)

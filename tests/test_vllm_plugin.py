@@ -18,25 +18,23 @@ import sys
 import pytest
 import torch
 
+from integrations.vllm.params import BlendParams, KVParamsError
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, selective_prefill
 from ragkv.blend.source import LayerSource
 from ragkv.blend.spans import (
-    BlendParams,
     ChunkRef,
     ChunkSpan,
-    KVParamsError,
     PieceSlice,
     SpanError,
     blend_rows,
     blocks_of_rows,
     check_spans,
-    chunk_kv_alone,
     find_subsequence,
     locate_chunks,
     plan_rows,
     slot_mapping,
 )
-from ragkv.kv import compute_chunk_kv
+from ragkv.kv import chunk_key, compute_chunk_kv
 from tests.helpers import stories_model, stories_path
 
 TEXTS = [
@@ -263,15 +261,19 @@ def test_blend_rows_reuse_mode_copies_stored_kv():
     torch.testing.assert_close(got_k[:, : plan.num_rows], res.kv.k[:, : plan.num_rows], atol=2e-5, rtol=1e-4)
 
 
-def test_chunk_kv_alone_is_the_chunk_convention():
+def test_saved_chunk_kv_is_the_chunk_convention():
+    """What the connector saves (compute_chunk_kv with the served checkpoint's fingerprint) is the
+    chunk convention: the chunk's rows of a prefill after BOS, K pre-RoPE, under the given key."""
     model = stories_model()
     toks = model.encode(TEXTS[0])
-    a, b = chunk_kv_alone(model, toks, model.fingerprint), compute_chunk_kv(model, toks)
-    assert a.key == b.key and a.start_pos == b.start_pos == 1
-    torch.testing.assert_close(a.k, b.k, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(a.v, b.v, atol=1e-5, rtol=1e-4)
+    a = compute_chunk_kv(model, toks, "served-fp")
+    assert a.fingerprint == "served-fp" and a.start_pos == 1
+    assert a.key == chunk_key(toks, "served-fp") != compute_chunk_kv(model, toks).key
+    _, k_pre, v = model.forward(torch.tensor([model.config.bos_token_id, *toks]), capture_kv=True)
+    torch.testing.assert_close(a.k, k_pre[:, 1:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(a.v, v[:, 1:], atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError):
-        chunk_kv_alone(model, [], model.fingerprint)
+        compute_chunk_kv(model, [], "served-fp")
 
 
 def test_checkpoint_fingerprint_equals_runtime_fingerprint():

@@ -8,7 +8,7 @@ prompts matter: chat-completion text would be re-tokenized by the server and a c
 could merge with its neighbours, which the connector detects and then simply recomputes.
 
 :class:`VllmRAG` has the public surface of :class:`ragkv.rag.RAG` that the LangChain and LlamaIndex
-wrappers and the FastAPI app use (:class:`integrations.common.RagBackend`): ``answer``,
+wrappers and the FastAPI app use (:class:`ragkv.rag.RagBackend`): ``answer``,
 ``answer_stream`` (real token streaming over the OpenAI SSE protocol), ``retrieve``,
 ``chunks_by_id``, ``ingest`` and the index / store / model of the RAG it wraps. Any server that
 speaks vLLM's ``/v1/completions`` with ``kv_transfer_params`` works: vLLM with the ragkv plugin, or
@@ -28,7 +28,8 @@ import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ragkv.blend.spans import BlendParams, ChunkRef
+from integrations.vllm.params import BlendParams
+from ragkv.blend.spans import ChunkRef
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.kv.chunk import chunk_key
 
@@ -379,7 +380,7 @@ def _local(name: str, doc: str) -> property:
 
 class VllmRAG:
     """ragkv retrieval (the wrapped :class:`ragkv.rag.RAG`'s index) + generation by a vLLM server with
-    the ragkv plugin; the same public surface as ``RAG`` (:class:`integrations.common.RagBackend`).
+    the ragkv plugin; the same public surface as ``RAG`` (:class:`ragkv.rag.RagBackend`).
 
     The server must serve the same checkpoint and dtype that ragkv used to store the chunk KV
     (the connector checks the model fingerprint; other KV is never used, only recomputed). The

@@ -7,7 +7,7 @@ Use (no vLLM patch; the plugin also registers the name ``RagkvConnector`` with v
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": "file:///var/lib/ragkv/kv"}}'
 
-A request names its chunks in ``kv_transfer_params`` (see :mod:`ragkv.blend.spans`). Per request:
+A request names its chunks in ``kv_transfer_params`` (see :mod:`integrations.vllm.params`). Per request:
 
 * **Scheduler** (``get_num_new_matched_tokens``): reads the chunks' store headers (no tensor data),
   finds each chunk's rows in the prompt, plans rows ``[num_local, end)`` (``end`` = the last stored
@@ -50,22 +50,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from integrations.vllm.params import BlendParams, KVParamsError
 from ragkv.blend.pipeline import ChunkLoadError, PipelinedSource, StoredChunk
 from ragkv.blend.spans import (
-    BlendParams,
     ChunkSpan,
-    KVParamsError,
     PieceSlice,
     RowPlan,
     SpanError,
     blend_rows,
     blocks_of_rows,
     check_spans,
-    chunk_kv_alone,
     locate_chunks,
     plan_rows,
     slot_mapping,
 )
+from ragkv.kv import compute_chunk_kv
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, chunk_key
 
 if TYPE_CHECKING:
@@ -648,7 +647,7 @@ class RagkvConnector(KVConnectorBase_V1):
             self._saved_keys.add(key)
             return
         model = self._layer_model()
-        ck = chunk_kv_alone(model, toks, self.fingerprint).to("cpu")
+        ck = compute_chunk_kv(model, toks, self.fingerprint).to("cpu")
         if self.store.put(ck):
             self._saved_keys.add(key)
             self.stats["chunks_saved"] += 1

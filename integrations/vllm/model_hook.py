@@ -9,7 +9,7 @@ model is recorded here for the worker-side connector of the same process.
 
 :class:`VllmLayerModel` exposes a vLLM Llama / Mistral / Qwen2 model through the primitives of
 ragkv's own runtime (``embed``, ``qkv``, ``rope``, ``attend``, ``finish_layer``), so
-:func:`ragkv.blend.spans.blend_rows` and :func:`ragkv.blend.spans.chunk_kv_alone` run unchanged on
+:func:`ragkv.blend.spans.blend_rows` and :func:`ragkv.kv.compute_chunk_kv` run unchanged on
 vLLM's weights and kernels. Attention inside the blend is ragkv's dense attention over the gathered
 rows, not vLLM's paged kernel (the blend's rows are scattered, which vLLM's kernels do not take).
 
@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ragkv.attention.dense import layer_windows
+from ragkv.model.forward import LayerConfig, window_attention
 
 log = logging.getLogger("vllm.ragkv")  # under vLLM's logger: shown in its log at INFO
 
@@ -136,22 +136,6 @@ def install_load_model_hook() -> list[str]:
 
 
 # ---- the layer model ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayerModelConfig:
-    """The numbers :func:`ragkv.blend.spans.blend_rows` reads from a layer model's ``config``."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    bos_token_id: int | None
-    #: per layer: its sliding window (None: full causal)
-    layer_windows: tuple[int | None, ...]
-
-    def window(self, layer: int) -> int | None:
-        return self.layer_windows[layer]
-
-
 class VllmLayerModel:
     """A vLLM Llama/Mistral/Qwen2 model driven layer by layer on arbitrary rows (ragkv's primitives).
 
@@ -183,7 +167,7 @@ class VllmLayerModel:
         a0 = layers[0].self_attn
         self.inner = inner
         self.layers = layers
-        self.config = LayerModelConfig(
+        self.config = LayerConfig(
             num_layers=len(layers),
             num_heads=a0.num_heads,
             num_kv_heads=a0.num_kv_heads,
@@ -228,19 +212,8 @@ class VllmLayerModel:
     def attend(
         self, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
     ) -> torch.Tensor:
-        from ragkv.attention.dense import attention
-
-        return attention(
-            q,
-            k,
-            v,
-            q_pos,
-            k_pos,
-            self.scale,
-            causal_contiguous=contiguous,
-            sliding_window=self.config.window(layer),
-            position_blocks=position_blocks,
-        )
+        """Attention of ``layer`` (its sliding window): ragkv's dense attention over the given rows."""
+        return window_attention(self, layer, q, k, v, q_pos, k_pos, contiguous, position_blocks)
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o-proj + residual + MLP of rows ``h`` given their attention output ``[n,Hq,D]``."""

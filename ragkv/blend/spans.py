@@ -2,184 +2,48 @@
 
 The engine-independent half of ``integrations/vllm``: everything here runs and is tested on CPU.
 
-* ``kv_transfer_params`` (de)serialization: a request names its retrieved chunks as
-  ``{"ragkv": {"chunks": [{"key": ..., "start": ..., "length": ...}], "mode": "blend", ...}}``.
+* Chunk references (:class:`ChunkRef`: a store key and, when known, a span); the wire format that
+  carries them (vLLM's ``kv_transfer_params``) is parsed at the edge, in ``integrations/vllm/params.py``.
 * Chunk spans: where each chunk sits in the prompt's token ids (given, or found by content).
 * Row plan: which prompt rows the engine already holds (``EXACT``: its prefix cache), which come
   from stored chunk KV (``REUSED``: HKVD candidates) and which must be computed (``COMPUTED``); and
   how many rows the connector reports to the engine as loaded.
 * Paged addressing: rows -> slots and block ids of a request's block table.
-* :func:`blend_rows`: the layer loop that fills rows ``[num_exact, num_rows)`` of a prompt with
-  blended KV (CacheBlend HKVD selective recompute), driven through a "layer model" (ragkv's own
-  :class:`ragkv.model.llama.Model`, or the vLLM model adapter in ``integrations/vllm/model_hook.py``).
-* :func:`chunk_kv_alone`: a chunk's KV in the chunk convention (prefilled alone after BOS, K
-  pre-RoPE), computed through the same layer model, for saving missed chunks to the store.
-
-Deviation from :func:`ragkv.blend.core.selective_prefill` (which this mirrors): the engine's
-prefix-cache rows arrive with *post-RoPE* K (that is what a paged cache holds), so they are used as
-is instead of being re-rotated; the rows after the last chunk (the question) are left to the
-engine, which is exact because causal attention never lets earlier rows see later ones; and the
-last layer's MLP is skipped (no logits are needed from the blend).
+* :func:`blend_rows`: fills rows ``[num_exact, num_rows)`` of a prompt with blended KV (CacheBlend
+  HKVD selective recompute) through a :class:`~ragkv.model.forward.LayerModel` (ragkv's own
+  :class:`ragkv.model.llama.Model`, or the vLLM adapter in ``integrations/vllm/model_hook.py``).
+  It is :func:`ragkv.blend.core.selective_prefill`'s blend (the same :class:`~ragkv.blend.core.BlendKV`
+  on the same layer loop) with three differences: the engine's prefix-cache rows arrive with
+  *post-RoPE* K (what a paged cache holds) and are used as is; the rows after the last chunk (the
+  question) are left to the engine, which is exact because causal attention never lets earlier
+  rows see later ones; and the last layer's attention and MLP are skipped (no logits are needed).
+  Missed chunks are computed for the store by :func:`ragkv.kv.compute_chunk_kv` on the same model.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.blend.core import COMPUTED, EXACT, POSITION_BLOCKS, REUSED, BlendSchedule, select_hkvd
+from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV, BlendSchedule, blend_layers
 from ragkv.kv.chunk import ChunkKV
-from ragkv.model.forward import chunk_kv_tensors
-
-PARAMS_KEY = "ragkv"
-MODES = ("blend", "reuse")
-_KEY_RE = re.compile(r"^[0-9A-Za-z_.:-]{1,200}$")
-MAX_CHUNKS = 4096
-
-
-class KVParamsError(ValueError):
-    """A request's ``kv_transfer_params["ragkv"]`` is malformed."""
 
 
 class SpanError(ValueError):
     """Chunk spans that do not fit the prompt (overlapping, out of range, wrong length)."""
 
 
-# ---- kv_transfer_params ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ChunkRef:
-    """One retrieved chunk of a request: its store key and, when the client knows it, its span."""
+    """One retrieved chunk of a request: its store key and, when the caller knows it, its span."""
 
     key: str
     start: int | None = None
     length: int | None = None
-
-    def to_dict(self) -> dict:
-        d: dict = {"key": self.key}
-        if self.start is not None:
-            d["start"], d["length"] = self.start, self.length
-        return d
-
-
-@dataclass(frozen=True)
-class BlendParams:
-    """What a request asks of the connector; travels as ``kv_transfer_params["ragkv"]``."""
-
-    chunks: tuple[ChunkRef, ...]
-    mode: str = "blend"
-    ratio: float = 0.15
-    check_layers: tuple[int, ...] = (1,)
-    deviation: str = BlendSchedule.deviation  # the library default (K)
-    save: bool = True  # store the KV of chunks that missed (computed alone, chunk convention)
-    fresh_check_kv: bool = False  # see BlendSchedule.fresh_check_kv
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise KVParamsError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.ratio, (int, float)) or not 0.0 <= float(self.ratio) <= 1.0:
-            raise KVParamsError(f"ratio must be a number in [0, 1], got {self.ratio!r}")
-        if len(self.chunks) > MAX_CHUNKS:
-            raise KVParamsError(f"at most {MAX_CHUNKS} chunks per request, got {len(self.chunks)}")
-        try:
-            self.schedule()
-        except ValueError as e:
-            raise KVParamsError(f"invalid blend schedule: {e}") from None
-
-    def schedule(self) -> BlendSchedule | None:
-        """The HKVD schedule (one ratio at every check layer), or None for full reuse."""
-        if self.mode == "reuse":
-            return None
-        return BlendSchedule(
-            tuple(self.check_layers), (float(self.ratio),) * len(self.check_layers), self.deviation
-        )
-
-    def to_kv_transfer_params(self) -> dict:
-        """``{"ragkv": {...}}``: JSON-safe, for the OpenAI server's ``kv_transfer_params`` field."""
-        return {
-            PARAMS_KEY: {
-                "chunks": [c.to_dict() for c in self.chunks],
-                "mode": self.mode,
-                "ratio": float(self.ratio),
-                "check_layers": list(self.check_layers),
-                "deviation": self.deviation,
-                "save": self.save,
-                "fresh_check_kv": self.fresh_check_kv,
-            }
-        }
-
-    @classmethod
-    def from_kv_transfer_params(cls, params: dict | None) -> BlendParams | None:
-        """Parse a request's ``kv_transfer_params``; None when it carries no ``"ragkv"`` entry."""
-        if params is None:
-            return None
-        if not isinstance(params, dict):
-            raise KVParamsError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
-        body = params.get(PARAMS_KEY)
-        if body is None:
-            return None
-        if not isinstance(body, dict):
-            raise KVParamsError(f"kv_transfer_params[{PARAMS_KEY!r}] must be a dict")
-        unknown = set(body) - {
-            "chunks",
-            "mode",
-            "ratio",
-            "check_layers",
-            "deviation",
-            "save",
-            "fresh_check_kv",
-        }
-        if unknown:
-            raise KVParamsError(f"unknown kv_transfer_params[{PARAMS_KEY!r}] fields: {sorted(unknown)}")
-        raw = body.get("chunks")
-        if not isinstance(raw, list):
-            raise KVParamsError("'chunks' must be a list of {key, start?, length?} objects or key strings")
-        chunks = tuple(_chunk_ref(c) for c in raw)
-        layers = body.get("check_layers", [1])
-        if not isinstance(layers, list) or not all(_is_int(x) and x >= 0 for x in layers):
-            raise KVParamsError("'check_layers' must be a list of non-negative integers")
-        save, fresh = body.get("save", True), body.get("fresh_check_kv", False)
-        if not isinstance(save, bool) or not isinstance(fresh, bool):
-            raise KVParamsError("'save' and 'fresh_check_kv' must be booleans")
-        ratio = body.get("ratio", 0.15)
-        if isinstance(ratio, bool):
-            raise KVParamsError("'ratio' must be a number")
-        return cls(
-            chunks=chunks,
-            mode=body.get("mode", "blend"),
-            ratio=ratio,
-            check_layers=tuple(int(x) for x in layers),
-            deviation=body.get("deviation", BlendSchedule.deviation),
-            save=save,
-            fresh_check_kv=fresh,
-        )
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _chunk_ref(c) -> ChunkRef:
-    if isinstance(c, str):
-        c = {"key": c}
-    if not isinstance(c, dict):
-        raise KVParamsError(f"a chunk must be a key string or a dict, got {type(c).__name__}")
-    key = c.get("key")
-    if not isinstance(key, str) or not _KEY_RE.match(key):
-        raise KVParamsError(f"invalid chunk key {key!r}")
-    start, length = c.get("start"), c.get("length")
-    if (start is None) != (length is None):
-        raise KVParamsError(f"chunk {key[:16]}: give both 'start' and 'length' or neither")
-    if start is not None and not (_is_int(start) and _is_int(length) and start >= 0 and length > 0):
-        raise KVParamsError(f"chunk {key[:16]}: 'start' must be >= 0 and 'length' > 0 integers")
-    extra = set(c) - {"key", "start", "length"}
-    if extra:
-        raise KVParamsError(f"chunk {key[:16]}: unknown fields {sorted(extra)}")
-    return ChunkRef(key, start, length)
 
 
 # ---- spans ----------------------------------------------------------------------------------------
@@ -348,8 +212,7 @@ def blocks_of_rows(block_ids: Sequence[int], block_size: int, start: int, stop: 
     return {int(block_ids[b]) for b in range(start // block_size, math.ceil(stop / block_size))}
 
 
-# ---- the layer loop -------------------------------------------------------------------------------
-@torch.inference_mode()
+# ---- the vLLM hook's layer replay ----------------------------------------------------------------
 def blend_rows(
     model,
     token_ids: torch.Tensor,
@@ -361,84 +224,42 @@ def blend_rows(
 ) -> dict:
     """Fill rows ``[num_exact, num_rows)`` of every layer with blended KV through ``write``.
 
-    ``model``: a layer model (``config``, ``device``, ``dtype``, ``embed``, ``qkv``, ``rope``,
-    ``attend``, ``finish_layer``). ``reused_source.layer(l)``: pre-RoPE K/V of the REUSED rows in
-    order (a :class:`ragkv.blend.source.LayerSource`; closed here). ``exact_kv(l)``: post-RoPE K and
-    V of rows ``[0, num_exact)`` (read from the engine's cache). ``write(l, rows, k_post, v)``
-    receives rows ``[num_exact, num_rows)``. ``schedule`` None means full reuse (no recompute).
+    The blend of :func:`ragkv.blend.core.selective_prefill` (one layer loop,
+    :func:`ragkv.blend.core.blend_layers`) over a :class:`~ragkv.model.forward.LayerModel`.
+    ``reused_source.layer(l)``: pre-RoPE K/V of the REUSED rows in order (closed here).
+    ``exact_kv(l)``: post-RoPE K and V of rows ``[0, num_exact)`` (read from the engine's cache).
+    ``write(l, rows, k_post, v)`` receives rows ``[num_exact, num_rows)``. ``schedule`` None means
+    full reuse (no recompute).
     """
     t0 = time.perf_counter()
-    dev = model.device
-    n = plan.num_rows
+    n, n_exact = plan.num_rows, plan.num_exact
     if int(token_ids.numel()) < n:
         raise ValueError(f"{token_ids.numel()} token ids for a plan of {n} rows")
-    rc = plan.row_class.to(dev)
-    pos = torch.arange(n, device=dev)
-    reused_mask = rc == REUSED
-    n_reused = int(reused_mask.sum())
-    n_exact = plan.num_exact
-    reuse_index = torch.full((n,), -1, dtype=torch.long, device=dev)
-    reuse_index[reused_mask] = torch.arange(n_reused, device=dev)
-    reused_rows = reused_mask.nonzero().flatten()
-    blending = schedule is not None and n_reused > 0
-    active = (rc != EXACT) if blending else (rc == COMPUTED)
-    S = active.nonzero().flatten()
-    checks = dict(zip(schedule.check_layers, schedule.ratios, strict=True)) if blending else {}
-    cfg = model.config
-    L = cfg.num_layers
-    recomputed: list[int] = []
-    out_rows = torch.arange(n_exact, n, device=dev)
-    try:
-        h = model.embed(token_ids[:n].to(dev)[S])
-        for layer in range(L):
-            Kr = Vr = None
-            if n_reused:
-                Kr, Vr = reused_source.layer(layer)
-            q, k, v = model.qkv(layer, h)
-            fresh = None
-            if layer in checks:
-                if getattr(schedule, "fresh_check_kv", False):  # keep every candidate's fresh K/V here
-                    fresh = (S, model.rope(k, pos[S]), v)
-                keep = select_hkvd(
-                    S, k, v, Kr, Vr, reused_mask, reuse_index, checks[layer], n_reused, schedule.deviation
-                )
-                S, h, q, k, v = S[keep], h[keep], q[keep], k[keep], v[keep]
-            recomputed.append(int(S.numel()))
-            K = torch.empty(n, cfg.num_kv_heads, cfg.head_dim, dtype=k.dtype, device=dev)
-            V = torch.empty_like(K)
-            if n_exact:
-                Ke, Ve = exact_kv(layer)
-                K[:n_exact], V[:n_exact] = Ke.to(K.dtype), Ve.to(V.dtype)
-            if n_reused:
-                K[reused_rows] = model.rope(Kr.to(K.dtype), reused_rows)
-                V[reused_rows] = Vr.to(V.dtype)
-            if fresh is not None:
-                K[fresh[0]], V[fresh[0]] = fresh[1], fresh[2]
-            K[S] = model.rope(k, pos[S])
-            V[S] = v
-            write(layer, out_rows, K[n_exact:], V[n_exact:])
-            if layer == L - 1 or S.numel() == 0:
-                continue  # the last layer's output is never read: the engine computes the question
-            o = model.attend(layer, model.rope(q, pos[S]), K, V, pos[S], pos, position_blocks=POSITION_BLOCKS)
-            h = model.finish_layer(layer, h, o)
-    finally:
-        if reused_source is not None:
-            reused_source.close()
+    out_rows = torch.arange(n_exact, n, device=model.device)
+
+    def emit(layer: int, K: torch.Tensor, V: torch.Tensor) -> None:
+        write(layer, out_rows, K[n_exact:], V[n_exact:])
+
+    kv = BlendKV(
+        model,
+        plan.row_class,
+        schedule,
+        stored=reused_source,
+        stored_rows=plan.reused_rows(),
+        posted=exact_kv,
+        n_posted=n_exact,
+        on_layer=emit,
+    )
+    blend_layers(model, token_ids[:n], plan.row_class, kv, last_layer_attention=False)
     return {
         "num_rows": n,
         "num_exact_rows": n_exact,
-        "num_reused_rows": n_reused,
-        "num_computed_rows": int((rc == COMPUTED).sum()),
-        "recomputed_per_layer": recomputed,
+        "num_reused_rows": kv.n_reused,
+        "num_computed_rows": int((plan.row_class == COMPUTED).sum()),
+        "recomputed_per_layer": kv.recomputed,
         "t_blend_s": time.perf_counter() - t0,
-        "t_load_wait_s": getattr(reused_source, "wait_s", 0.0),
+        "t_load_wait_s": kv.stats()["t_load_wait_s"],
     }
-
-
-def chunk_kv_alone(model, token_ids: Sequence[int], fingerprint: str) -> ChunkKV:
-    """A chunk's KV in the chunk convention (alone after BOS, K pre-RoPE) through a layer model."""
-    ids, k, v, start = chunk_kv_tensors(model, token_ids)
-    return ChunkKV(token_ids=ids, k=k, v=v, start_pos=start, fingerprint=fingerprint)
 
 
 class PieceSlice:
@@ -479,17 +300,17 @@ class SpanPrefill:
         }
 
 
-def request_spans(prompt_ids: Sequence[int], params: BlendParams, store, fingerprint: str) -> list[ChunkSpan]:
+def request_spans(
+    prompt_ids: Sequence[int], chunks: Sequence[ChunkRef], store, fingerprint: str
+) -> list[ChunkSpan]:
     """Where a request's chunks sit in its prompt, in prompt order.
 
     Chunks with ``start``/``length`` are taken as given (:class:`SpanError` if they leave the prompt
     or overlap). Key-only chunks are searched by the token ids their store header records (headers of
     another model are ignored); one that is not stored or not found is left out, i.e. computed.
     """
-    given = [
-        ChunkSpan(i, c.key, c.start, c.length) for i, c in enumerate(params.chunks) if c.start is not None
-    ]
-    loose = [(i, c.key) for i, c in enumerate(params.chunks) if c.start is None]
+    given = [ChunkSpan(i, c.key, c.start, c.length) for i, c in enumerate(chunks) if c.start is not None]
+    loose = [(i, c.key) for i, c in enumerate(chunks) if c.start is None]
     found: list[ChunkSpan] = []
     if loose:
         toks = []
@@ -506,21 +327,22 @@ def prefill_stored_spans(
     model,
     store,
     prompt_ids: Sequence[int],
-    params: BlendParams | None,
+    chunks: Sequence[ChunkRef],
+    schedule: BlendSchedule | None = None,
     *,
+    mode: str = "blend",
     prefix_cache=None,
     source_factory=None,
 ) -> SpanPrefill:
-    """Prefill ``prompt_ids`` in process, taking the rows of ``params``' chunks from ``store``.
+    """Prefill ``prompt_ids`` in process, taking the rows of ``chunks`` from ``store``.
 
     The in-process counterpart of the vLLM connector, with ragkv's own recovery: a chunk is reused
     only if its key is ``chunk_key(its prompt tokens, model fingerprint)`` and its stored header has
     that fingerprint and those tokens; otherwise, or when a layer fails to load, its KV is computed
     alone (chunk convention) and used instead (listed in ``computed`` so the caller can save it).
-    Text before, between and after the chunks is computed. No ``params``: a full prefill.
+    Text before, between and after the chunks is computed. ``mode`` is "blend" (HKVD with
+    ``schedule``, default :class:`BlendSchedule`) or "reuse" (stored KV as is). No chunks: a full prefill.
     """
-    from dataclasses import replace
-
     from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, prefill_with_recovery
     from ragkv.blend.prefill import prefill
     from ragkv.kv.chunk import chunk_key
@@ -529,15 +351,17 @@ def prefill_stored_spans(
     ids = [int(t) for t in prompt_ids]
     if not ids:
         raise ValueError("empty prompt")
-    if params is None or not params.chunks:
+    if mode not in ("blend", "reuse"):
+        raise ValueError(f"mode must be 'blend' or 'reuse', got {mode!r}")
+    if not chunks:
         res = prefill(model, ids, [], [], "full", prefix_cache=prefix_cache)
         return SpanPrefill(res, [])
     fp = model.fingerprint
-    spans = request_spans(ids, params, store, fp)
+    spans = request_spans(ids, chunks, store, fp)
     if not spans:  # none of the key-only chunks is in the prompt: nothing to reuse
         res = prefill(model, ids, [], [], "full", prefix_cache=prefix_cache)
-        return SpanPrefill(res, [], kv_misses=len(params.chunks))
-    out = SpanPrefill(None, spans, kv_misses=len(params.chunks) - len(spans))
+        return SpanPrefill(res, [], kv_misses=len(chunks))
+    out = SpanPrefill(None, spans, kv_misses=len(chunks) - len(spans))
     items: list = []
     chunk_slots: list[int] = []  # positions in ``items`` of the chunks (the rest is text between them)
     pos = spans[0].start
@@ -556,9 +380,10 @@ def prefill_stored_spans(
             out.computed.append(compute_chunk_kv(model, toks))
             items.append(out.computed[-1])
         pos = s.stop
-    schedule = None
-    if params.mode == "blend":
-        schedule = replace(params.schedule(), fresh_check_kv=params.fresh_check_kv)
+    if mode == "blend":
+        schedule = schedule or BlendSchedule()
+    else:
+        schedule = None
     prefix, suffix = ids[: spans[0].start], ids[spans[-1].stop :]
 
     def recompute(toks: list[int]) -> ChunkKV:
@@ -574,8 +399,8 @@ def prefill_stored_spans(
         prefix,
         items,
         suffix,
-        params.mode,
-        float(params.ratio),
+        mode,
+        schedule.target_ratio if schedule is not None else 0.0,
         recompute=recompute,
         on_load_error=bad,
         schedule=schedule,

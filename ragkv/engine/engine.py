@@ -34,7 +34,7 @@ from ragkv.engine.provider import ChunkProvider, KVFetcher, as_tokens, normalize
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
 from ragkv.fusion.bff import FusionConfig
-from ragkv.generate import SamplingParams, TokenEvent, sample
+from ragkv.generate import Detokenizer, SamplingParams, TokenEvent, sample
 
 log = logging.getLogger("ragkv.engine")
 
@@ -364,35 +364,19 @@ class Engine:
 
     # ---- tokens -------------------------------------------------------------------------------------
     def _accept(self, r: Request, logits: torch.Tensor) -> None:
-        """Sample the next token from ``logits`` and emit it, or finish (as ``ragkv.generate.stream``)."""
-        p = r.params
-        i = len(r.output_ids)
-        if i >= p.max_new_tokens:
+        """Sample the next token from ``logits`` and emit it, or finish (the step of ``generate.stream``)."""
+        if r.detok is None:
+            r.detok = Detokenizer(self.model, r.params)
+        if r.detok.done:
             self._finish(r, "length")
             return
-        tok = sample(logits, p, r.generator)
-        stops = p.stop_token_ids if p.stop_token_ids is not None else self.model.config.eos_token_ids
-        if tok in set(stops):
-            self._finish(r, "stop")
-            return
-        r.output_ids.append(tok)
-        new_text = self.model.decode(r.output_ids)
-        delta = new_text[len(r.text) :] if new_text.startswith(r.text) else new_text
-        prev_len = len(r.text)
-        r.text = new_text
-        now = time.perf_counter()
-        hit = next((s for s in p.stop if s and s in new_text), None)
-        if hit is not None:
-            cut = new_text.index(hit)
-            r.text = new_text[:cut]
-            self._token(r, TokenEvent(tok, new_text[prev_len:cut] if cut > prev_len else "", i), now)
-            self._finish(r, "stop")
-            return
-        self._token(r, TokenEvent(tok, delta, i), now)
-        if len(r.output_ids) >= p.max_new_tokens:
-            self._finish(r, "length")
+        ev, reason = r.detok.accept(sample(logits, r.params, r.generator))
+        if ev is not None:
+            self._token(r, ev, time.perf_counter())
+        if reason is not None:
+            self._finish(r, reason)
         else:
-            r.next_token = tok
+            r.next_token = ev.token_id
 
     def _token(self, r: Request, ev: TokenEvent, now: float) -> None:
         if r.metrics.first_token is None:

@@ -18,8 +18,9 @@ import torch
 
 from ragkv.attention.dense import layer_windows
 from ragkv.attention.kvcache import KVCache
+from ragkv.attention.paged import decode_mask, paged_attention
 from ragkv.engine.block_manager import BlockManager
-from ragkv.fusion.norm_attention import decode_mask, norm_aware_attention, paged_attention
+from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
 from ragkv.model.forward import run_layers
 
 
@@ -384,17 +385,11 @@ class PagedBatchKV:
                 torch.cat([kn for _, _, kn, _ in parts]).to(dev),
                 torch.cat([vn for _, _, _, vn in parts]).to(dev),
             )
-        return paged_attention(
-            q,
-            pool.k,
-            pool.v,
-            self._tables,
-            None,
-            None,
-            self.lengths,
-            pool.scale,
-            mask=self.masks[pool.windows[layer]],
-            fused=fused,
+        mask = self.masks[pool.windows[layer]]
+        if fused is None:  # plain paged attention; fusion only where a sequence holds fused blocks
+            return paged_attention(q, pool.k, pool.v, self._tables, self.lengths, pool.scale, mask=mask)
+        return paged_norm_attention(
+            q, pool.k, pool.v, self._tables, None, None, self.lengths, pool.scale, mask=mask, fused=fused
         )
 
     def finish(self) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragkv.engine.metrics import RequestMetrics
-from ragkv.generate import SamplingParams, TokenEvent
+from ragkv.generate import Detokenizer, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
     from ragkv.engine.paged_cache import PagedSequence
@@ -72,8 +72,7 @@ class Request:
         self.resolved: list | None = None  # chunk items after fetching (ChunkKV or token ids)
         self.seq: PagedSequence | None = None
         self.reserve = 0  # KV blocks reserved for this request's whole life (prompt + max_new_tokens)
-        self.output_ids: list[int] = []
-        self.text = ""
+        self.detok: Detokenizer | None = None  # the generated tokens and text (set by the engine)
         self.next_token: int | None = None
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
@@ -82,6 +81,14 @@ class Request:
         self.cancel_requested = False
         self.sink = sink
         self.done = threading.Event()
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.detok.ids if self.detok is not None else []
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
 
     @property
     def needs_kv(self) -> bool:

@@ -10,7 +10,7 @@ from ragkv.fusion.bff import (
     relative_errors,
 )
 from ragkv.fusion.cff import ChunkGroup, cff_fuse, cff_plan
-from ragkv.fusion.norm_attention import norm_aware_attention, paged_attention, replicate_rescaled
+from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention, replicate_rescaled
 
 __all__ = [
     "MULTI_MATCH",
@@ -23,7 +23,7 @@ __all__ = [
     "cff_plan",
     "fast_fusion",
     "norm_aware_attention",
-    "paged_attention",
+    "paged_norm_attention",
     "relative_errors",
     "replicate_rescaled",
 ]

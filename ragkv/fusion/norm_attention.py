@@ -13,7 +13,9 @@ PyTorch. Unfused blocks simply have norms 1 and hold their original data.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from ragkv.attention.dense import position_mask
+from ragkv.attention.paged import attend_blocks, decode_mask, gather_blocks
 
 
 def _gqa_q(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -47,16 +49,14 @@ def norm_aware_attention(
     kn = k_norm.float().repeat_interleave(bs)  # [T]
     vn = v_norm.float().repeat_interleave(bs)
     logits = torch.einsum("nhgd,thd->nhgt", qg, k) * (kn * scale)  # logits x n_K per block
-    mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
-    if sliding_window is not None:
-        mask &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+    mask = position_mask(q_pos, k_pos, sliding_window) & (k_pos[None, :] >= 0)
     logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
     p = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
     out = torch.einsum("nhgt,thd->nhgd", p * vn, v)  # PV partial of each block x n_V
     return out.reshape(q.shape).to(q.dtype)
 
 
-def paged_attention(
+def paged_norm_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -69,21 +69,13 @@ def paged_attention(
     mask: torch.Tensor | None = None,
     fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Batched decode: one query row per sequence over its own blocks, norm-aware.
+    """Batched paged decode (:func:`ragkv.attention.paged.paged_attention`) over fused blocks.
 
-    ``q [B, Hq, D]`` (the token at position ``lengths - 1``), pools ``[num_blocks, bs, Hkv, D]``,
-    block tables ``tables [B, nb]`` (padding entries may point anywhere: they are masked by
-    ``lengths [B]``), per-block norms ``k_norm, v_norm [B, nb]`` (``None``: all 1, nothing fused).
-    Keys sit at positions ``0 .. lengths-1`` in table order. ``mask [B, nb * bs]`` (visible keys) may
-    be passed precomputed (it is the same for every layer of a step). ``fused = (seq_idx, block_idx,
-    n_K, n_V)`` lists only the fused entries (the sparse form of the norms; the rest are 1). Returns
-    ``[B, Hq, D]``.
+    Per-block norms ``k_norm, v_norm [B, nb]`` (``None``: all 1) rescale each sequence's gathered
+    copy of its blocks; ``fused = (seq_idx, block_idx, n_K, n_V)`` lists only the fused entries (the
+    sparse form of the norms; the rest are 1). The pool keeps one unit copy. Returns ``[B, Hq, D]``.
     """
-    b, nb = tables.shape
-    bs, hkv, d = k_pool.shape[1:]
-    flat = tables.reshape(-1)
-    k = k_pool.index_select(0, flat).view(b, nb, bs, hkv, d)  # a transient gather per step
-    v = v_pool.index_select(0, flat).view(b, nb, bs, hkv, d)
+    k, v = gather_blocks(k_pool, v_pool, tables)
     # Norm-aware: multiplying the gathered copy of a fused block by its member's n_K (n_V) is the same
     # arithmetic as scaling that block's logits (PV partial sum); the pool keeps one unit copy.
     if k_norm is not None:
@@ -94,30 +86,9 @@ def paged_attention(
         bi, bj, nk, nv = fused
         k[bi, bj] *= nk.to(k.dtype)[:, None, None, None]
         v[bi, bj] *= nv.to(v.dtype)[:, None, None, None]
-    k = k.view(b, nb * bs, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
-    v = v.view(b, nb * bs, hkv, d).transpose(1, 2)
     if mask is None:
-        mask = decode_mask(lengths, nb * bs, sliding_window)
-    hq = q.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.reshape(b, hq, 1, d).to(k.dtype),
-        k,
-        v,
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=hq != hkv,
-    )
-    return out.reshape(q.shape).to(q.dtype)
-
-
-def decode_mask(lengths: torch.Tensor, num_keys: int, sliding_window: int | None = None) -> torch.Tensor:
-    """``[B, num_keys]``: key ``t`` visible to the query at position ``lengths - 1`` (and in its window)."""
-    pos = torch.arange(num_keys, device=lengths.device)
-    qpos = lengths - 1
-    mask = pos[None, :] <= qpos[:, None]
-    if sliding_window is not None:
-        mask &= pos[None, :] > (qpos[:, None] - sliding_window)
-    return mask
+        mask = decode_mask(lengths, tables.shape[1] * k_pool.shape[1], sliding_window)
+    return attend_blocks(q, k, v, mask, scale)
 
 
 def replicate_rescaled(blocks: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,12 @@ def chunk_start_pos(model) -> int:
 
 
 @torch.inference_mode()
-def compute_chunk_kv(model, token_ids: list[int] | torch.Tensor) -> ChunkKV:
-    """Prefill ``[BOS] + token_ids`` and return the chunk rows' pre-RoPE K and V."""
+def compute_chunk_kv(model, token_ids: list[int] | torch.Tensor, fingerprint: str | None = None) -> ChunkKV:
+    """Prefill ``[BOS] + token_ids`` and return the chunk rows' pre-RoPE K and V.
+
+    ``model`` is any layer model (ragkv's, or the vLLM adapter, which has no fingerprint of its own:
+    the caller passes the served checkpoint's ``fingerprint``).
+    """
     ids, k, v, start = chunk_kv_tensors(model, token_ids)
-    return ChunkKV(token_ids=ids, k=k, v=v, start_pos=start, fingerprint=model.fingerprint)
+    fp = model.fingerprint if fingerprint is None else fingerprint
+    return ChunkKV(token_ids=ids, k=k, v=v, start_pos=start, fingerprint=fp)

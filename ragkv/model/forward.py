@@ -9,11 +9,11 @@ in *which rows go on* (an optional row selector, CacheBlend's HKVD):
 * generate's decode (:func:`ragkv.generate.decode_step`): a dense or HACK
   :class:`~ragkv.attention.kvcache.KVCache`;
 * the static (CUDA-graph) decoder (:class:`ragkv.model.static_decode.StaticDecoder`): fixed buffers;
-* the engine's batched decode (:func:`ragkv.engine.paged_cache.batched_decode_step`): paged blocks.
-
-Not yet moved onto it (issue 14): the selective-prefill loop of the prefill modes
-(:func:`ragkv.blend.core.selective_prefill`) and its vLLM-side twin
-(:func:`ragkv.blend.spans.blend_rows`); ``select`` and ``on_pre_rope`` are the hooks they need.
+* the engine's batched decode (:func:`ragkv.engine.paged_cache.batched_decode_step`): paged blocks;
+* every prefill mode, CacheBlend included (:func:`ragkv.blend.core.selective_prefill`), and the
+  vLLM hook's layer replay (:func:`ragkv.blend.spans.blend_rows`): a
+  :class:`~ragkv.blend.core.BlendKV` (stored, engine-held and computed rows) whose ``select`` is
+  HKVD, both through :func:`ragkv.blend.core.blend_layers`.
 
 The model side is a :class:`LayerModel`: ragkv's own :class:`~ragkv.model.llama.Model`, or the vLLM
 adapter in ``integrations/vllm/model_hook.py`` (same primitives over vLLM's modules).
@@ -22,9 +22,12 @@ adapter in ``integrations/vllm/model_hook.py`` (same primitives over vLLM's modu
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from ragkv.attention.dense import attention
 
 
 class LayerModelConfig(Protocol):
@@ -36,6 +39,22 @@ class LayerModelConfig(Protocol):
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full causal)."""
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """A plain :class:`LayerModelConfig`, for layer models that have no ragkv ``ModelConfig`` (vLLM's)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bos_token_id: int | None
+    #: per layer: its sliding window (None: full causal)
+    layer_windows: tuple[int | None, ...]
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer]
 
 
 @runtime_checkable
@@ -66,6 +85,23 @@ class LayerModel(Protocol):
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o-proj + residual + MLP of rows ``h`` given their attention output ``[n,Hq,D]``."""
+
+
+def window_attention(
+    model: LayerModel, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
+) -> torch.Tensor:
+    """:meth:`LayerModel.attend` of a dense-attention model: ragkv's attention with the layer's window."""
+    return attention(
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+        model.scale,
+        causal_contiguous=contiguous,
+        sliding_window=model.config.window(layer),
+        position_blocks=position_blocks,
+    )
 
 
 class LayerKV(Protocol):
@@ -100,7 +136,7 @@ def run_layers(
     on; ``on_pre_rope`` sees the kept rows' pre-RoPE K/V; Q and K are rotated at the rows' positions;
     ``kv.write`` stores K/V and ``kv.attend`` gives the attention output; the layer's o-proj and MLP
     finish the rows. ``last_layer_attention=False`` stops after the last layer's K/V are written
-    (callers that need the KV, not the hidden states).
+    (callers that need the KV, not the hidden states); a layer left with no rows only writes K/V.
     """
     L = model.config.num_layers
     tables, tables_of = model.rope_tables(positions), positions
@@ -116,8 +152,8 @@ def run_layers(
             tables, tables_of = model.rope_tables(positions), positions
         q, k = model.rope(q, positions, tables), model.rope(k, positions, tables)
         kv.write(layer, positions, k, v)
-        if layer == L - 1 and not last_layer_attention:
-            break
+        if (layer == L - 1 and not last_layer_attention) or positions.numel() == 0:
+            continue  # nothing reads the last layer's output, or no row is left to compute
         h = model.finish_layer(layer, h, kv.attend(layer, q, positions))
     return h, positions
 

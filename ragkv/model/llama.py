@@ -11,10 +11,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ragkv.attention.dense import attention
 from ragkv.model.chat import tokenizer_adds_bos
 from ragkv.model.config import ModelConfig
-from ragkv.model.forward import CapturePreRope, CausalKV, run_layers
+from ragkv.model.forward import CapturePreRope, CausalKV, run_layers, window_attention
 from ragkv.model.rope import Rotary, rope_frequencies
 
 
@@ -117,17 +116,7 @@ class Model:
         self, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
     ) -> torch.Tensor:
         """Attention of ``layer`` (its own sliding window) of post-RoPE ``q`` over ``k, v``."""
-        return attention(
-            q,
-            k,
-            v,
-            q_pos,
-            k_pos,
-            self.scale,
-            causal_contiguous=contiguous,
-            sliding_window=self.config.window(layer),
-            position_blocks=position_blocks,
-        )
+        return window_attention(self, layer, q, k, v, q_pos, k_pos, contiguous, position_blocks)
 
     def check_length(self, n_tokens: int, extra: int = 0) -> None:
         if n_tokens + extra > self.config.max_position:

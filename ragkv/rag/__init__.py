@@ -1,5 +1,6 @@
 """Retriever-aware KV layer: ingest (split, embed, index, precompute KV), retrieve, answer."""
 
+from ragkv.rag.backend import RagBackend
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.rag.index import ChunkIndex, ChunkRecord
 from ragkv.rag.pipeline import (
@@ -26,6 +27,7 @@ __all__ = [
     "IngestCancelled",
     "IngestReport",
     "RagAnswer",
+    "RagBackend",
     "RagPrompt",
     "TextChunk",
     "WarnThrottle",
