@@ -165,8 +165,10 @@ class RAG:
         self.counters = {"kv_hits": 0, "kv_misses": 0, "kv_recomputed_bad": 0}
         #: chunks per ingest step: KV, embedding and the cancellation check go by this many chunks
         self.ingest_batch = max(1, int(ingest_batch))
-        #: chunks embedded per ingest step (a waiting query gets the embedder after at most this many)
-        self.embed_step = 8
+        #: chunks embedded per ingest step (a waiting query gets the embedder after at most this many).
+        #: 2, not 8: query p99 during a 50 MB ingest 1.41x idle vs 2.01x, for ~25% slower embedding of an
+        #: ingest running alone (eval.bench_ingest_load, docs/BENCHMARKS.md)
+        self.embed_step = 2
         self._ingest_lock = threading.RLock()  # ingests and deletes run one at a time
         # orders "is this key still used?" + store write (write-back) against index change + store delete
         self._kv_lock = threading.Lock()
