@@ -36,7 +36,7 @@ def _set_threads(threads: str, hidden_size: int | None = None) -> None:
 def _demo(args) -> int:
     """Ingest the demo corpus (chunk KV stored once), then answer its questions with full and blend."""
     from ragkv import LLM
-    from ragkv.metrics import answer_recall, max_over_golds, token_f1
+    from ragkv.metrics import answer_recall, max_over_golds, normalize_answer, token_f1
     from ragkv.rag import RAG, Embedder
 
     t_start = time.perf_counter()
@@ -94,6 +94,10 @@ def _demo(args) -> int:
                 "recall": max_over_golds(answer_recall, a.text, q["answers"]),
                 "stats": a.stats,
             }
+        row["blend"]["same_as_full"] = float(
+            normalize_answer(row["blend"]["text"]) == normalize_answer(row["full"]["text"])
+        )
+        row["blend"]["f1_vs_full"] = token_f1(row["blend"]["text"], row["full"]["text"])
         rows.append(row)
         b = row["blend"]["stats"]
         print(
@@ -120,6 +124,10 @@ def _demo(args) -> int:
         f"\nmedian TTFT over {len(rows)} questions: full {t_full * 1000:.0f} ms, blend {t_blend * 1000:.0f} ms "
         f"({t_full / t_blend:.2f}x)"
     )
+    print(
+        f"blend's answer is full's on {sum(r['blend']['same_as_full'] for r in rows):.0f} of {len(rows)} "
+        f"questions (output F1 vs full {mean('blend', 'f1_vs_full'):.2f})"
+    )
     for kind in dict.fromkeys(r["q"].get("kind", "?") for r in rows):
         print(
             f"{kind:10s} F1 full {mean('full', 'f1', kind):.2f} blend {mean('blend', 'f1', kind):.2f}; "
@@ -143,6 +151,8 @@ def _demo(args) -> int:
                 "f1_single_hop_blend": round(mean("blend", "f1", "single-hop"), 4),
                 "recall_full": round(mean("full", "recall"), 4),
                 "recall_blend": round(mean("blend", "recall"), 4),
+                "same_as_full_blend": round(mean("blend", "same_as_full"), 4),
+                "f1_vs_full_blend": round(mean("blend", "f1_vs_full"), 4),
                 "ingest_s": round(rep.seconds, 2),
                 "total_s": round(time.perf_counter() - t_start, 2),
             }

@@ -125,6 +125,27 @@ def decode_step(model, cache: KVCache, token_id: int, position: int) -> torch.Te
     return model.logits(h)[0].float()
 
 
+@torch.inference_mode()
+def continuation_nll(model, result: PrefillResult, token_ids) -> list[float]:
+    """Per-token NLL of ``token_ids`` continuing a prefilled prompt (teacher forcing, one forward).
+
+    Fidelity metric: how likely a prefill (full, reuse, a blend) makes a given answer, e.g. full
+    prefill's greedy answer or the gold one.
+    """
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        return []
+    n = result.kv.num_tokens
+    cache = make_cache(model, capacity=n + len(ids))
+    load_prompt(cache, result)
+    logps = [torch.log_softmax(result.logits.float(), -1)]
+    if len(ids) > 1:
+        pos = torch.arange(n, n + len(ids) - 1, device=model.device)
+        h, _ = run_layers(model, model.embed(torch.tensor(ids[:-1], device=model.device)), pos, cache)
+        logps += list(torch.log_softmax(model.logits(h).float(), -1))
+    return [float(-lp[t]) for lp, t in zip(logps, ids, strict=True)]
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick the next token: argmax, or temperature / top-k / top-p sampling."""
     if params.temperature < MIN_TEMPERATURE:

@@ -33,9 +33,20 @@ POSITION_BLOCKS = (
 )
 
 
+#: how the recomputed rows are chosen (docs/DEVIATIONS.md, "Beyond CacheBlend")
+SELECTORS = ("kdev", "qattn", "mix", "qpass")
+#: which stored rows get the per-chunk probe offset (AgentKVShift): none, K, V or both
+OFFSETS = ("none", "k", "v", "kv")
+#: the offset's per-row weight: 1, min(d, 1) (the paper) or min(d / median d of the chunk's probes, 1)
+OFFSET_WEIGHTS = ("one", "cap", "norm")
+
+
 @dataclass(frozen=True)
 class BlendSchedule:
-    """Gradual filtering: check layers with non-increasing recompute ratios (of the reused rows)."""
+    """How a blend recomputes: which rows (selector, ratios, check layers) and how it corrects the rest.
+
+    Gradual filtering: check layers with non-increasing recompute ratios (of the reused rows).
+    """
 
     check_layers: tuple[int, ...] = (1,)
     ratios: tuple[float, ...] = (0.15,)
@@ -47,6 +58,20 @@ class BlendSchedule:
     #: keep the *fresh* K/V of every candidate on check layers (the paper computes check layers fully)
     #: instead of the reused K/V of the rows not kept; False makes ratio 0 exactly full KV reuse
     fresh_check_kv: bool = False
+    #: "kdev": CacheBlend's KV deviation at the check layer; "qattn": the question's attention at the
+    #: check layer (A3); "mix": ``mix`` of the budget by question attention, the rest by deviation;
+    #: "qpass": a question-only pass over the reused KV first, rows ranked by the question's attention
+    #: averaged over ``score_layers`` (ProphetKV; InfoFlow with a deep band), recomputed from layer 0
+    selector: str = "kdev"
+    mix: float = 0.5
+    #: qpass: the layers ``[lo, hi)`` whose question attention is averaged (None: every layer)
+    score_layers: tuple[int, int] | None = None
+    #: AgentKVShift: each chunk's mean fresh-minus-stored residual over its recomputed rows, per layer,
+    #: added (weighted) to its rows that are not recomputed; "none", "k", "v" or "kv"
+    offset: str = "none"
+    offset_weight: str = "norm"
+    #: rows at the start of every reused chunk always recomputed (seam rows, EPIC's LegoLink-k), in the budget
+    seam: int = 0
 
     def __post_init__(self):
         if len(self.check_layers) != len(self.ratios) or not self.check_layers:
@@ -59,12 +84,25 @@ class BlendSchedule:
             raise ValueError("recompute ratios must be non-increasing (nested selections)")
         if self.deviation not in ("k", "v", "kv"):
             raise ValueError("deviation must be 'k', 'v' or 'kv'")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {SELECTORS}")
+        if self.offset not in OFFSETS:
+            raise ValueError(f"offset must be one of {OFFSETS}")
+        if self.offset_weight not in OFFSET_WEIGHTS:
+            raise ValueError(f"offset_weight must be one of {OFFSET_WEIGHTS}")
+        if not 0.0 <= self.mix <= 1.0:
+            raise ValueError("mix must be in [0, 1]")
+        if self.seam < 0:
+            raise ValueError("seam must be >= 0")
+        if self.score_layers is not None and not 0 <= self.score_layers[0] < self.score_layers[1]:
+            raise ValueError("score_layers must be (lo, hi) with 0 <= lo < hi")
 
     @classmethod
     def single(
-        cls, ratio: float, check_layer: int = 1, deviation: str = "k", fresh_check_kv: bool = False
+        cls, ratio: float, check_layer: int = 1, deviation: str = "k", fresh_check_kv: bool = False, **options
     ) -> BlendSchedule:
-        return cls((check_layer,), (ratio,), deviation, fresh_check_kv)
+        """One check layer at ``ratio``; ``options``: any other field (selector, offset, seam, ...)."""
+        return cls((check_layer,), (ratio,), deviation, fresh_check_kv, **options)
 
     @property
     def target_ratio(self) -> float:
@@ -99,10 +137,13 @@ class BlendKV:
 
     Rows ``0 .. n-1`` of a prompt sit at positions ``0 .. n-1``. Per layer, every row's K/V is
     assembled from three places: ``stored`` (pre-RoPE K/V of ``stored_rows``, rotated here to their
-    positions; REUSED rows are HKVD candidates), ``posted(layer)`` (post-RoPE K/V of rows
+    positions; REUSED rows are recompute candidates), ``posted(layer)`` (post-RoPE K/V of rows
     ``[0, n_posted)``, used as is: an engine's paged cache) and the rows the layer loop computes.
-    :meth:`select` is the loop's row selector (HKVD at the schedule's check layers); the assembled
-    layer goes to ``out_k/out_v[layer]`` when given (else a per-layer buffer) and to ``on_layer``.
+    :meth:`select` is the loop's row selector (at the schedule's check layers); ``preselected`` rows
+    (a question pass's or an oracle's choice) are instead recomputed on every layer. With an offset
+    option, the stored rows of each chunk that are not recomputed get the chunk's mean residual
+    (fresh minus stored, over its recomputed rows) on each layer. The assembled layer goes to
+    ``out_k/out_v[layer]`` when given (else a per-layer buffer) and to ``on_layer``.
     """
 
     def __init__(
@@ -118,6 +159,9 @@ class BlendKV:
         on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
         keep_pre_rope: int = 0,
         probe_rows: torch.Tensor | None = None,
+        preselected: torch.Tensor | None = None,
+        mass_rows: torch.Tensor | None = None,
+        offset_oracle: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
         dev, cfg = model.device, model.config
         self.model, self.dev, self.n = model, dev, int(row_class.numel())
@@ -128,19 +172,37 @@ class BlendKV:
         )
         self.stored_tables = model.rope_tables(self.stored_rows)
         self.posted, self.n_posted = posted, n_posted
-        self.reused_mask = row_class.to(dev) == REUSED
+        rc = row_class.to(dev)
+        self.reused_mask = rc == REUSED
         self.n_reused = int(self.reused_mask.sum())
         self.stored_index = torch.full((self.n,), -1, dtype=torch.long, device=dev)
         self.stored_index[self.stored_rows] = torch.arange(self.stored_rows.numel(), device=dev)
         blending = schedule is not None and self.n_reused > 0
         self.schedule = schedule if blending else None
-        self.checks = dict(zip(schedule.check_layers, schedule.ratios, strict=True)) if blending else {}
+        self.preselected = preselected.to(dev) if preselected is not None and blending else None
+        self.checks = (
+            dict(zip(schedule.check_layers, schedule.ratios, strict=True))
+            if blending and self.preselected is None
+            else {}
+        )
         self.out, self.on_layer = out, on_layer
         shape = (cfg.num_layers, min(int(keep_pre_rope), self.n), cfg.num_kv_heads, cfg.head_dim)
         self.k_pre = torch.empty(shape, dtype=model.dtype, device=dev) if shape[1] else None
         self.probe_rows = probe_rows.to(dev) if probe_rows is not None else None
         self.probes: list[torch.Tensor] | None = [] if probe_rows is not None else None
+        #: per layer, the attention mass ``[n]`` that ``mass_rows`` (the question) put on each row
+        self.mass_rows = mass_rows.to(dev) if mass_rows is not None else None
+        self.mass: list[torch.Tensor] = []
+        # chunk of every row (-1: not a reused row) and each row's place in its chunk
+        self.segment, self.seg_pos, self.n_segments = _segments(self.n, self.stored_rows, stored, rc, dev)
+        self.stored_seg = self.segment[self.stored_rows]
+        self.offset = self.schedule.offset if self.schedule is not None else "none"
+        self.offset_oracle = offset_oracle if blending else None
+        #: per stored row, the weight of its chunk's offset (set at the check layer; 1 without one)
+        self.stored_w = torch.ones(self.stored_rows.numel(), dtype=torch.float32, device=dev)
+        self._offsets: tuple[int, torch.Tensor | None, torch.Tensor | None] | None = None
         self.recomputed: list[int] = []
+        self.final_rows: torch.Tensor | None = None
         self.t_select = 0.0
         self._layer = -1
         self._stored_kv: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -148,9 +210,16 @@ class BlendKV:
         self._kv: tuple[torch.Tensor, torch.Tensor, bool] | None = None
 
     def first_rows(self, row_class: torch.Tensor) -> torch.Tensor:
-        """Rows the loop starts with: every non-EXACT row when blending, else the COMPUTED rows."""
+        """Rows the loop starts with: every non-EXACT row when blending (the preselected and COMPUTED
+        ones with a preselection), else the COMPUTED rows."""
         rc = row_class.to(self.dev)
-        return ((rc != EXACT) if self.schedule is not None else (rc == COMPUTED)).nonzero().flatten()
+        if self.schedule is None:
+            return (rc == COMPUTED).nonzero().flatten()
+        if self.preselected is not None:
+            keep = rc == COMPUTED
+            keep[self.preselected] = True
+            return keep.nonzero().flatten()
+        return (rc != EXACT).nonzero().flatten()
 
     def stored_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Pre-RoPE K/V of the stored rows on ``layer`` (read once per layer; extra source rows dropped)."""
@@ -163,45 +232,115 @@ class BlendKV:
         return self._stored_kv
 
     # ---- hooks of run_layers -----------------------------------------------------------------------
-    def select(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-        """HKVD at a check layer: the kept local indices of ``rows`` (all non-reused + top deviation)."""
+    def select(
+        self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """At a check layer: the kept local indices of ``rows`` (all non-reused + the selector's top)."""
         stored = self.stored_layer(layer)
         if layer not in self.checks:
             return None
         if self.schedule.fresh_check_kv:  # keep every candidate's fresh K/V on this layer
             self._fresh = (rows, self.model.rope(k, rows), v)
         ts = time.perf_counter()
-        keep = select_hkvd(
-            rows,
-            k,
-            v,
-            stored[0],
-            stored[1],
-            self.reused_mask,
-            self.stored_index,
-            self.checks[layer],
-            self.n_reused,
-            self.schedule.deviation,
-        )
+        keep = self._select(layer, rows, k, v, q, stored, self.checks[layer])
         self.t_select += time.perf_counter() - ts
         return keep
 
+    def _select(self, layer, rows, k, v, q, stored, ratio) -> torch.Tensor:
+        sched = self.schedule
+        is_r = self.reused_mask[rows]
+        cand = is_r.nonzero().flatten()
+        keep_n = min(int(cand.numel()), int(round(ratio * self.n_reused)))
+        ci = self.stored_index[rows[cand]]
+        dk = (k[cand].float() - stored[0][ci].float()).pow(2).sum(dim=(1, 2))
+        chosen = torch.zeros(cand.numel(), dtype=torch.bool, device=rows.device)
+        if sched.seam and keep_n:
+            chosen |= self.seg_pos[rows[cand]] < sched.seam
+            if int(chosen.sum()) > keep_n:  # more seam rows than budget: the first ones
+                chosen &= torch.cumsum(chosen.long(), 0) <= keep_n
+        dev_score = torch.zeros_like(dk)
+        if sched.deviation in ("v", "kv"):
+            dev_score += (v[cand].float() - stored[1][ci].float()).pow(2).sum(dim=(1, 2))
+        if sched.deviation in ("k", "kv"):
+            # pre-RoPE vs pre-RoPE: rotations preserve norms, so this equals the post-RoPE deviation
+            dev_score += dk
+        left = keep_n - int(chosen.sum())
+        if left > 0 and sched.selector in ("qattn", "mix"):
+            q_score = self._question_attention(layer, rows, k, q, stored)[rows[cand]]
+            n_q = left if sched.selector == "qattn" else int(round(sched.mix * left))
+            chosen |= _top(q_score, chosen, n_q)
+            left = keep_n - int(chosen.sum())
+        if left > 0 and self.offset != "none":
+            # AgentKVShift's probes are per chunk (its share of the budget, at least one), so that
+            # every chunk's offset is estimated; a global top-k can leave a chunk without probes
+            chosen |= _top_per_segment(dev_score, chosen, self.segment[rows[cand]], left)
+        elif left > 0:
+            chosen |= _top(dev_score, chosen, left)
+        if self.offset != "none":  # the offset's row weights come from the K deviation here
+            self.stored_w[ci] = _offset_weights(dk.sqrt(), self.stored_seg[ci], chosen, sched.offset_weight)
+        keep = torch.cat([(~is_r).nonzero().flatten(), cand[chosen]])
+        return keep.sort().values
+
+    def _question_attention(self, layer, rows, k, q, stored) -> torch.Tensor:
+        """A3's score at a check layer: the question rows' attention ``[n]`` over every row, smoothed."""
+        if q is None:
+            raise ValueError("the question-attention selector needs the layer's queries")
+        qrows = _question_rows(self.reused_mask, self.stored_index, self.n)
+        K = k.new_zeros(self.n, *k.shape[1:])
+        if stored is not None:
+            K[self.stored_rows] = self.model.rope(stored[0], self.stored_rows, self.stored_tables)
+        if self.n_posted:
+            K[: self.n_posted] = self.posted(layer)[0]
+        K[rows] = self.model.rope(k, rows)
+        local = torch.searchsorted(rows, qrows)
+        qq = self.model.rope(q[local], qrows)
+        probs = attention_probs(qq, K, qrows, self.pos, self.model.scale, self.model.config.window(layer))
+        score = probs.sum(dim=(0, 1))
+        # A3 smooths the score with a width-5 average (neighbours of a relevant token are relevant)
+        return torch.nn.functional.avg_pool1d(score[None, None], 5, 1, 2, count_include_pad=False)[0, 0]
+
     def on_pre_rope(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Counts the rows computed on ``layer``; keeps the pre-RoPE K of rows ``< keep_pre_rope``."""
+        """Counts the rows computed on ``layer``; keeps the pre-RoPE K of rows ``< keep_pre_rope``; the
+        per-chunk offsets of the layer from its recomputed reused rows."""
         self.recomputed.append(int(rows.numel()))
+        self.final_rows = rows
+        stored = self.stored_layer(layer)
+        if (self.offset != "none" or self.offset_oracle is not None) and rows.numel() < self.n:
+            self._offsets = (layer, *self._chunk_offsets(layer, rows, k, v, stored))
         if self.k_pre is None:
             return
         m = self.k_pre.shape[1]
-        stored = self.stored_layer(layer)
         head = self.stored_rows[self.stored_rows < m]
         if stored is not None and head.numel():
             self.k_pre[layer, head] = stored[0][: head.numel()]
         j = int(torch.searchsorted(rows, m))
         self.k_pre[layer, rows[:j]] = k[:j]
 
+    def _chunk_offsets(self, layer, rows, k, v, stored) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per chunk, the mean pre-RoPE residual ``[n_segments, Hkv, D]`` of K and of V (None: not used)."""
+        if self.offset_oracle is not None:  # diagnostics: the true residual of every row of the chunk
+            res_k, res_v = self.offset_oracle(layer)
+            seg = self.stored_seg
+        else:
+            loc = self.reused_mask[rows].nonzero().flatten()
+            si = self.stored_index[rows[loc]]
+            res_k = k[loc].float() - stored[0][si].float()
+            res_v = v[loc].float() - stored[1][si].float()
+            seg = self.stored_seg[si]
+        sel = seg >= 0
+        seg, res_k, res_v = seg[sel], res_k[sel], res_v[sel]
+        count = torch.bincount(seg, minlength=self.n_segments).clamp(min=1).float()[:, None, None]
+
+        def mean(res: torch.Tensor) -> torch.Tensor:
+            z = res.new_zeros(self.n_segments, *res.shape[1:]).float()
+            return z.index_add_(0, seg, res.float()) / count
+
+        mode = "kv" if self.offset_oracle is not None else self.offset
+        return (mean(res_k) if "k" in mode else None), (mean(res_v) if "v" in mode else None)
+
     # ---- LayerKV ---------------------------------------------------------------------------------
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Assembles the layer's K/V of every row: stored (re-rotated), posted, fresh check rows, computed."""
+        """Assembles the layer's K/V of every row: stored (re-rotated, offset), posted, fresh check rows, computed."""
         full = rows.numel() == self.n
         if self.out is not None:
             K, V = self.out[0][layer], self.out[1][layer]
@@ -216,8 +355,9 @@ class BlendKV:
         else:
             stored = self.stored_layer(layer)
             if stored is not None:
-                K[self.stored_rows] = self.model.rope(stored[0], self.stored_rows, self.stored_tables)
-                V[self.stored_rows] = stored[1]
+                sk, sv = self._corrected(layer, *stored)
+                K[self.stored_rows] = self.model.rope(sk, self.stored_rows, self.stored_tables)
+                V[self.stored_rows] = sv
             if self.n_posted:
                 Kp, Vp = self.posted(layer)
                 K[: self.n_posted], V[: self.n_posted] = Kp, Vp
@@ -228,6 +368,20 @@ class BlendKV:
         if self.on_layer is not None:
             self.on_layer(layer, K, V)
 
+    def _corrected(self, layer: int, sk: torch.Tensor, sv: torch.Tensor):
+        """Stored pre-RoPE K/V plus each chunk's weighted offset of this layer (as stored without one)."""
+        if self._offsets is None or self._offsets[0] != layer:
+            return sk, sv
+        _, mu_k, mu_v = self._offsets
+        seg = self.stored_seg
+        w = torch.where(seg >= 0, self.stored_w, torch.zeros_like(self.stored_w))[:, None, None]
+        idx = seg.clamp(min=0)
+        if mu_k is not None:
+            sk = (sk.float() + w * mu_k[idx]).to(sk.dtype)
+        if mu_v is not None:
+            sv = (sv.float() + w * mu_v[idx]).to(sv.dtype)
+        return sk, sv
+
     def attend(self, layer: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Attention of the computed rows over every row of the layer (position blocks when scattered)."""
         K, V, full = self._kv
@@ -235,14 +389,15 @@ class BlendKV:
             local = torch.searchsorted(rows, self.probe_rows)
             self.probes.append(
                 attention_probs(
-                    q[local],
-                    K,
-                    self.probe_rows,
-                    self.pos,
-                    self.model.scale,
-                    self.model.config.window(layer),
+                    q[local], K, self.probe_rows, self.pos, self.model.scale, self.model.config.window(layer)
                 )
             )
+        if self.mass_rows is not None:
+            local = torch.searchsorted(rows, self.mass_rows)
+            probs = attention_probs(
+                q[local], K, self.mass_rows, self.pos, self.model.scale, self.model.config.window(layer)
+            )
+            self.mass.append(probs.sum(dim=(0, 1)))
         return self.model.attend(
             layer,
             q,
@@ -261,6 +416,82 @@ class BlendKV:
             "t_select_s": self.t_select,
             "t_load_wait_s": getattr(self.stored, "wait_s", 0.0) if self.stored is not None else 0.0,
         }
+
+
+def _segments(n: int, stored_rows: torch.Tensor, stored, row_class: torch.Tensor, dev):
+    """``(segment [n], position in segment [n], count)``: the stored piece (chunk) of every REUSED row.
+
+    Pieces come from the source's ``pieces`` (one per stored chunk or cached head); without them, each
+    run of consecutive stored rows is one segment. Rows that are not REUSED get segment -1.
+    """
+    m = int(stored_rows.numel())
+    seg = torch.full((n,), -1, dtype=torch.long, device=dev)
+    pos = torch.zeros(n, dtype=torch.long, device=dev)
+    if m == 0:
+        return seg, pos, 0
+    pieces = getattr(stored, "pieces", None)
+    lengths = [int(p.num_tokens) for p in pieces] if pieces else []
+    if sum(lengths) >= m:
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:m].to(dev)
+    else:
+        ids = torch.cumsum(torch.cat([stored_rows.new_ones(1), (stored_rows.diff() != 1).long()]), 0) - 1
+    starts = torch.zeros(int(ids.max()) + 1, dtype=torch.long, device=dev)
+    starts.scatter_reduce_(0, ids, stored_rows, reduce="amin", include_self=False)
+    seg[stored_rows] = ids
+    pos[stored_rows] = stored_rows - starts[ids]
+    seg[row_class != REUSED] = -1
+    return seg, pos, int(ids.max()) + 1
+
+
+def _question_rows(reused_mask: torch.Tensor, stored_index: torch.Tensor, n: int) -> torch.Tensor:
+    """The question: the computed rows after the last reused row (the prompt's suffix)."""
+    last = int(reused_mask.nonzero().max()) if bool(reused_mask.any()) else -1
+    rows = torch.arange(last + 1, n, device=reused_mask.device)
+    return rows[stored_index[rows] < 0]
+
+
+def _top(score: torch.Tensor, taken: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the ``k`` highest ``score`` entries not already ``taken``."""
+    out = torch.zeros_like(taken)
+    if k <= 0:
+        return out
+    s = score.masked_fill(taken, float("-inf"))
+    k = min(k, int((~taken).sum()))
+    out[s.topk(k).indices] = True
+    return out
+
+
+def _top_per_segment(score: torch.Tensor, taken: torch.Tensor, seg: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the highest ``score`` entries of each segment, ``k`` split by segment size (>= 1 each)."""
+    out = torch.zeros_like(taken)
+    free = ~taken
+    n_free = int(free.sum())
+    if k <= 0 or n_free == 0:
+        return out
+    for s in seg[free].unique().tolist():
+        m = (seg == s) & free
+        share = max(1, int(round(k * int(m.sum()) / n_free)))
+        out |= _top(score, ~m, share)
+    return out
+
+
+def _offset_weights(d: torch.Tensor, seg: torch.Tensor, probe: torch.Tensor, how: str) -> torch.Tensor:
+    """AgentKVShift's per-row weight of the chunk offset from each row's check-layer K deviation ``d``.
+
+    "cap" is the paper's ``min(d, 1)`` (scale-dependent: raw L2); "norm" divides by the median ``d``
+    of the chunk's probes (its recomputed rows) first; "one" weights every row 1.
+    """
+    if how == "one":
+        return torch.ones_like(d)
+    if how == "cap":
+        return d.clamp(max=1.0)
+    out = torch.ones_like(d)
+    for s in seg.unique().tolist():
+        m = seg == s
+        ref = d[m & probe]
+        if ref.numel():
+            out[m] = (d[m] / ref.median().clamp(min=1e-6)).clamp(max=1.0)
+    return out
 
 
 @torch.inference_mode()
@@ -289,6 +520,68 @@ def blend_layers(
     return h
 
 
+class HeldLayers:
+    """A source read once and held, so a second pass over the layers reads memory (the question pass)."""
+
+    def __init__(self, source):
+        self.source = source
+        self.pieces = getattr(source, "pieces", None)
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.wait_s = 0.0
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self.layers:
+            self.layers[layer] = self.source.layer(layer)
+            self.wait_s = getattr(self.source, "wait_s", 0.0)
+        return self.layers[layer]
+
+    def close(self) -> None:
+        """Kept open for the next pass; :meth:`release` closes the underlying source."""
+
+    def release(self) -> None:
+        self.layers.clear()
+        self.source.close()
+
+
+def question_pass_selection(
+    model, token_ids, row_class, source, schedule: BlendSchedule
+) -> tuple[torch.Tensor, list[int]]:
+    """ProphetKV / InfoFlow: the question alone over the reused KV; the reused rows it attends to most.
+
+    Returns ``(rows to recompute on every layer, rows computed per layer by the pass)``. Rows are
+    ranked by the question's attention mass averaged over ``schedule.score_layers``; seam rows first.
+    """
+    stored_rows = (row_class != COMPUTED).nonzero().flatten()
+    reused = (row_class == REUSED).to(model.device)
+    kv = BlendKV(
+        model,
+        row_class,
+        None,
+        stored=source,
+        stored_rows=stored_rows,
+        mass_rows=_question_rows(
+            reused, _index_of(stored_rows, row_class.numel(), model.device), len(row_class)
+        ),
+    )
+    blend_layers(model, token_ids, row_class, kv, last_layer_attention=True)
+    lo, hi = schedule.score_layers or (0, model.config.num_layers)
+    score = torch.stack(kv.mass[lo:hi]).mean(dim=0)
+    cand = reused.nonzero().flatten()
+    keep_n = min(int(cand.numel()), int(round(schedule.target_ratio * cand.numel())))
+    chosen = torch.zeros(cand.numel(), dtype=torch.bool, device=model.device)
+    if schedule.seam and keep_n:
+        chosen |= kv.seg_pos[cand] < schedule.seam
+        chosen &= torch.cumsum(chosen.long(), 0) <= keep_n
+    chosen |= _top(score[cand], chosen, keep_n - int(chosen.sum()))
+    return cand[chosen], kv.recomputed
+
+
+def _index_of(rows: torch.Tensor, n: int, dev) -> torch.Tensor:
+    idx = torch.full((n,), -1, dtype=torch.long, device=dev)
+    idx[rows.to(dev)] = torch.arange(rows.numel(), device=dev)
+    return idx
+
+
 @torch.inference_mode()
 def selective_prefill(
     model,
@@ -298,12 +591,17 @@ def selective_prefill(
     schedule: BlendSchedule | None = None,
     probe_rows: torch.Tensor | None = None,
     keep_pre_rope: int = 0,
+    preselected: torch.Tensor | None = None,
+    offset_oracle: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> PrefillResult:
     """Prefill a prompt whose cached rows come from ``source`` (every prefill mode; see the module doc).
 
     ``source.layer(l)`` gives pre-RoPE K/V of the EXACT/REUSED rows in order. ``keep_pre_rope=m``
     also returns the pre-RoPE K of the first ``m`` rows (``kv.k_pre [L, m, ...]``) for prefix-cache
-    inserts; only exactly computed rows may be inserted, which the caller ensures.
+    inserts; only exactly computed rows may be inserted, which the caller ensures. Diagnostics:
+    ``preselected`` reused rows are recomputed on every layer instead of a selector's choice, and
+    ``offset_oracle(layer)`` gives the true pre-RoPE residuals ``(k, v) [n_stored, Hkv, D]`` of the
+    stored rows whose per-chunk means replace the estimated offsets.
     """
     t_start = time.perf_counter()
     dev, cfg = model.device, model.config
@@ -320,6 +618,12 @@ def selective_prefill(
         raise ValueError("rows marked cached but no KV source given")
     if probe_rows is not None and bool((row_class[probe_rows] != COMPUTED).any()):
         raise ValueError("probe rows must be computed (suffix) rows")
+    pass_rows: list[int] = []
+    held = None
+    blending = schedule is not None and bool((row_class == REUSED).any())
+    if blending and schedule.selector == "qpass" and preselected is None:
+        held = source = HeldLayers(source)
+        preselected, pass_rows = question_pass_selection(model, token_ids, row_class, source, schedule)
     out_k = torch.empty(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=dev)
     out_v = torch.empty_like(out_k)
     kv = BlendKV(
@@ -331,38 +635,29 @@ def selective_prefill(
         out=(out_k, out_v),
         keep_pre_rope=keep_pre_rope,
         probe_rows=probe_rows,
+        preselected=preselected,
+        offset_oracle=offset_oracle,
     )
-    h = blend_layers(model, token_ids, row_class, kv)
+    try:
+        h = blend_layers(model, token_ids, row_class, kv)
+    finally:
+        if held is not None:
+            held.release()
     logits = model.logits(h[-1:])[0].float()
     recomputed = kv.recomputed
+    # charged compute: rows x layers of every pass (the question pass included), over a full prefill's
+    charged = sum(recomputed) + sum(pass_rows)
     stats = {
         "num_tokens": n,
         "num_computed_rows": int((row_class == COMPUTED).sum()),
         "num_exact_rows": int((row_class == EXACT).sum()),
         "num_reused_rows": kv.n_reused,
-        "recompute_fraction": sum(recomputed) / (cfg.num_layers * n),
+        "recompute_fraction": charged / (cfg.num_layers * n),
+        "question_pass_rows": sum(pass_rows),
         **kv.stats(),
         "t_prefill_s": time.perf_counter() - t_start,
     }
+    if kv.final_rows is not None:
+        stats["recomputed_rows_last_layer"] = kv.final_rows
     pos = torch.arange(n, device=dev)
     return PrefillResult(logits, PromptKV(out_k, out_v, pos, token_ids.to(dev), kv.k_pre), stats, kv.probes)
-
-
-def select_hkvd(S, k, v, Kc, Vc, reused_mask, cache_index, ratio, n_reused, deviation) -> torch.Tensor:
-    """Local indices into S of the rows to keep: all non-reused rows + top-deviation reused rows."""
-    is_r = reused_mask[S]
-    cand = is_r.nonzero().flatten()
-    keep_n = min(int(cand.numel()), int(round(ratio * n_reused)))
-    if keep_n > 0:
-        ci = cache_index[S[cand]]
-        score = torch.zeros(cand.numel(), dtype=torch.float32, device=S.device)
-        if deviation in ("v", "kv"):
-            score += (v[cand].float() - Vc[ci].float()).pow(2).sum(dim=(1, 2))
-        if deviation in ("k", "kv"):
-            # pre-RoPE vs pre-RoPE: rotations preserve norms, so this equals the post-RoPE deviation
-            score += (k[cand].float() - Kc[ci].float()).pow(2).sum(dim=(1, 2))
-        top = cand[score.topk(keep_n).indices]
-    else:
-        top = cand[:0]
-    keep = torch.cat([(~is_r).nonzero().flatten(), top])
-    return keep.sort().values

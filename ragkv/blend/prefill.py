@@ -58,6 +58,8 @@ def prefill(
     source_factory: Callable[[list], LayerSource] | None = None,
     probe_suffix: bool = False,
     prefix_cache_insert: bool = True,
+    preselected: Sequence[int] | None = None,
+    offset_oracle: Callable | None = None,
 ) -> PrefillResult:
     """Prefill the assembled prompt in ``mode``; see the module docstring.
 
@@ -65,6 +67,8 @@ def prefill(
     KV: computed), or any object with ``token_ids``, ``num_tokens`` and ``layer_kv(l)`` (a store
     reference whose layers are loaded lazily). ``source_factory(pieces)`` builds the per-layer KV
     source (default: sequential; ``ragkv.blend.pipeline.PipelinedSource`` overlaps loading).
+    ``preselected`` (prompt rows) and ``offset_oracle``: diagnostics of
+    :func:`ragkv.blend.core.selective_prefill` (blend mode only).
     """
     if mode not in MODES:
         raise UnknownModeError(f"unknown prefill mode {mode!r}; use one of {MODES}")
@@ -132,7 +136,15 @@ def prefill(
             insert_segments = [prefix_ids]
     n_insert = sum(len(s) for s in insert_segments)
     res = selective_prefill(
-        model, ids, torch.tensor(classes), source, schedule, probe_rows=probe, keep_pre_rope=n_insert
+        model,
+        ids,
+        torch.tensor(classes),
+        source,
+        schedule,
+        probe_rows=probe,
+        keep_pre_rope=n_insert,
+        preselected=torch.as_tensor(list(preselected), dtype=torch.long) if preselected is not None else None,
+        offset_oracle=offset_oracle,
     )
     if insert_segments:
         prefix_cache.insert(model.fingerprint, insert_segments, res.kv.k_pre, res.kv.v)

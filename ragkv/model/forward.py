@@ -114,8 +114,8 @@ class LayerKV(Protocol):
         """Attention of post-RoPE ``q [n, Hq, D]`` at ``q_pos`` over what ``layer`` holds."""
 
 
-#: ``select(layer, positions, k_pre, v) -> kept local row indices (sorted) or None (keep all)``
-RowSelector = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+#: ``select(layer, positions, k_pre, v, q_pre) -> kept local row indices (sorted) or None (keep all)``
+RowSelector = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 #: ``on_pre_rope(layer, positions, k_pre, v)``: sees each layer's fresh pre-RoPE K and V
 PreRopeHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -143,7 +143,7 @@ def run_layers(
     for layer in range(L):
         q, k, v = model.qkv(layer, h)
         if select is not None:
-            keep = select(layer, positions, k, v)
+            keep = select(layer, positions, k, v, q)
             if keep is not None:
                 h, q, k, v, positions = h[keep], q[keep], k[keep], v[keep], positions[keep]
         if on_pre_rope is not None:
@@ -203,13 +203,21 @@ def chunk_token_ids(model: LayerModel, token_ids) -> tuple[torch.Tensor, torch.T
 
 
 @torch.inference_mode()
-def chunk_kv_tensors(model: LayerModel, token_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def chunk_kv_tensors(
+    model: LayerModel, token_ids, context_ids=()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A chunk's KV in the chunk convention: ``(ids, k_pre, v, start)`` with ``k_pre, v [L, n, Hkv, D]``.
 
     Prefills ``[BOS] + ids`` through any layer model (ragkv's or the vLLM adapter) and keeps the
     chunk rows' pre-RoPE K and V; the last layer's attention and MLP are not run (nothing reads them).
+    ``context_ids`` (neighbour-conditioned chunk KV, FusionRAG) are prefilled between BOS and the
+    chunk; ``start`` is then the chunk's first position after them.
     """
     ids, full, start = chunk_token_ids(model, token_ids)
+    ctx = torch.as_tensor(list(context_ids), dtype=torch.long)
+    if ctx.numel():
+        full = torch.cat([full[:start], ctx, full[start:]])
+        start += int(ctx.numel())
     if hasattr(model, "check_length"):
         model.check_length(int(full.numel()))
     pos = torch.arange(full.numel(), device=model.device)

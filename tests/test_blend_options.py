@@ -1,0 +1,205 @@
+"""The options of the one blend loop beyond CacheBlend: exactness invariants and what each computes.
+
+Probe-offset correction (AgentKVShift), question-attention selection (A3), the question pass
+(ProphetKV), seam rows and the diagnostics' preselection and oracle offsets.
+"""
+
+import pytest
+import torch
+
+from ragkv.blend import BlendSchedule, PrefixCache, prefill
+from ragkv.blend.core import COMPUTED, EXACT, REUSED, _segments
+from ragkv.generate import continuation_nll, decode_step, load_prompt, make_cache
+from ragkv.kv import ChunkKV, compute_chunk_kv
+from ragkv.model import random_model
+
+OPTIONS = [
+    {"offset": "k"},
+    {"offset": "kv", "offset_weight": "cap"},
+    {"offset": "v", "offset_weight": "one"},
+    {"selector": "qattn"},
+    {"selector": "mix", "offset": "k"},
+    {"selector": "qpass"},
+    {"selector": "qpass", "offset": "kv", "score_layers": (1, 3)},
+    {"seam": 2, "offset": "k"},
+]
+IDS = ["off-k", "off-kv-cap", "off-v-one", "qattn", "mix-off", "qpass", "qpass-off-band", "seam-off"]
+
+
+def _prompt(model, seed=0, n_chunks=3, chunk_len=20):
+    g = torch.Generator().manual_seed(seed)
+    v = model.config.vocab_size
+
+    def r(n):
+        return torch.randint(3, v, (n,), generator=g).tolist()
+
+    return [1] + r(5), [r(chunk_len) for _ in range(n_chunks)], r(6)
+
+
+def _close(a, b, tol=1e-4):
+    assert float((a - b).abs().max() / b.abs().max()) < tol
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=IDS)
+def test_every_option_at_ratio_one_equals_full_and_at_zero_equals_reuse(options):
+    m = random_model(seed=11, init_std=0.1, num_hidden_layers=4)
+    pre, chunks, suf = _prompt(m)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    full = prefill(m, pre, kvs, suf, "full")
+    b1 = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(1.0, **options))
+    _close(b1.logits, full.logits)
+    _close(b1.kv.k, full.kv.k)
+    _close(b1.kv.v, full.kv.v)
+    reuse = prefill(m, pre, kvs, suf, "reuse")
+    b0 = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.0, **options))
+    # no row recomputed: no offset can be estimated, nothing is corrected: full KV reuse (to rounding:
+    # layer 0 is computed for every row before the check layer, and its K/V do not depend on context)
+    _close(b0.logits, reuse.logits)
+    _close(b0.kv.k, reuse.kv.k)
+    _close(b0.kv.v, reuse.kv.v)
+
+
+def _in_context_chunk_kvs(m, pre, chunks, suf, shift: float):
+    """Each chunk's KV as full prefill computes it in this prompt, plus a constant per-chunk offset."""
+    full = prefill(m, pre, chunks, suf, "full")
+    out, start = [], len(pre)
+    for i, c in enumerate(chunks):
+        rows = torch.arange(start, start + len(c))
+        k_pre = torch.stack([m.rope(full.kv.k[layer, rows], -rows) for layer in range(m.config.num_layers)])
+        v = full.kv.v[:, rows]
+        off = shift * (i + 1) * torch.linspace(-1, 1, m.config.head_dim)
+        out.append(ChunkKV(torch.tensor(c), k_pre + off, v - off, 1, m.fingerprint))
+        start += len(c)
+    return full, out
+
+
+def test_offset_correction_recovers_a_constant_per_chunk_shift_exactly():
+    # AgentKVShift's model: stored = exact + a per-chunk offset. The recomputed rows see exactly
+    # -offset, so every other row of the chunk is corrected to the exact KV and the blend equals full.
+    m = random_model(seed=3, init_std=0.1, num_hidden_layers=4)
+    pre, chunks, suf = _prompt(m, seed=1)
+    full, kvs = _in_context_chunk_kvs(m, pre, chunks, suf, shift=0.5)
+    plain = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2))
+    fixed = prefill(
+        m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, offset="kv", offset_weight="one")
+    )
+    err_plain = float((plain.kv.k - full.kv.k).abs().max())
+    _close(fixed.kv.k, full.kv.k)
+    _close(fixed.kv.v, full.kv.v)
+    _close(fixed.logits, full.logits)
+    assert err_plain > 0.1  # the shift is large enough that plain CacheBlend does not hide it
+
+
+def test_oracle_offsets_are_used_in_place_of_the_estimated_ones():
+    m = random_model(seed=3, init_std=0.1, num_hidden_layers=4)
+    pre, chunks, suf = _prompt(m, seed=1)
+    full, kvs = _in_context_chunk_kvs(m, pre, chunks, suf, shift=0.5)
+    n_pre, n_ch = len(pre), sum(map(len, chunks))
+    rows = torch.arange(n_pre, n_pre + n_ch)
+
+    def oracle(layer):
+        k_st = torch.cat([kv.k[layer] for kv in kvs])
+        v_st = torch.cat([kv.v[layer] for kv in kvs])
+        return m.rope(full.kv.k[layer, rows], -rows) - k_st, full.kv.v[layer, rows] - v_st
+
+    # ratio 0.05 of 60 rows: 3 recomputed rows; the oracle's true mean fixes all the others exactly
+    res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.05), offset_oracle=oracle)
+    _close(res.kv.k, full.kv.k)
+    _close(res.logits, full.logits)
+
+
+def test_question_pass_recomputes_the_rows_the_question_attends_to_most_and_charges_the_pass():
+    m = random_model(seed=5, init_std=0.1, num_hidden_layers=4)
+    pre, chunks, suf = _prompt(m, seed=2)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    # the reference: the question's attention in plain reuse, averaged over layers
+    reuse = prefill(m, pre, kvs, suf, "reuse", probe_suffix=True)
+    mass = torch.stack([p.sum(dim=(0, 1)) for p in reuse.attn_probs]).mean(0)
+    chunk_rows = torch.arange(len(pre), len(pre) + 60)
+    want = set(chunk_rows[mass[chunk_rows].topk(12).indices].tolist())
+    res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, selector="qpass"))
+    last = set(res.stats["recomputed_rows_last_layer"].tolist())
+    assert set(last) & set(chunk_rows.tolist()) == want
+    n, L = res.stats["num_tokens"], m.config.num_layers
+    n_computed = len(pre) + len(suf)  # no prefix cache here: the prefix is computed too
+    assert res.stats["question_pass_rows"] == n_computed * L
+    assert res.stats["recompute_fraction"] == pytest.approx((2 * n_computed + 12) * L / (L * n))
+
+
+def test_question_attention_selector_ranks_by_the_question_rows_attention():
+    m = random_model(seed=6, init_std=0.1, num_hidden_layers=3)
+    pre, chunks, suf = _prompt(m, seed=3)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    q = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.1, selector="qattn"))
+    d = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.1))
+    q_rows = set(q.stats["recomputed_rows_last_layer"].tolist())
+    d_rows = set(d.stats["recomputed_rows_last_layer"].tolist())
+    assert len(q_rows) == len(d_rows) == len(pre) + len(suf) + 6
+    assert q_rows != d_rows  # a different ranking (attention mass, not KV deviation)
+
+
+def test_seam_rows_are_always_recomputed_within_the_budget():
+    m = random_model(seed=8, init_std=0.1, num_hidden_layers=3)
+    pre, chunks, suf = _prompt(m, seed=4)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, seam=3))
+    rows = set(res.stats["recomputed_rows_last_layer"].tolist())
+    starts = [len(pre) + 20 * i for i in range(3)]
+    assert all(s + j in rows for s in starts for j in range(3))
+    assert len(rows) == len(pre) + len(suf) + 12  # the seam rows are part of the 20% budget
+
+
+def test_segments_follow_the_source_pieces_and_skip_exact_rows():
+    m = random_model(seed=1, num_hidden_layers=2)
+    pre, chunks, suf = _prompt(m, n_chunks=2, chunk_len=4)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    rc = torch.tensor([EXACT] * 6 + [REUSED] * 8 + [COMPUTED] * 6)
+
+    class Src:
+        pieces = [type("P", (), {"num_tokens": 6})(), *kvs]
+
+    seg, pos, count = _segments(20, torch.arange(14), Src(), rc, torch.device("cpu"))
+    assert seg.tolist() == [-1] * 6 + [1] * 4 + [2] * 4 + [-1] * 6
+    assert pos[6:14].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert count == 3
+    # without pieces, each run of consecutive stored rows is one segment
+    seg2, _, _ = _segments(20, torch.tensor([6, 7, 8, 12, 13]), None, rc, torch.device("cpu"))
+    assert seg2[[6, 7, 8, 12, 13]].tolist() == [0, 0, 0, 1, 1]
+
+
+def test_options_work_with_a_cached_exact_head():
+    m = random_model(seed=9, init_std=0.1, num_hidden_layers=3)
+    pre, chunks, suf = _prompt(m, seed=5)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    pc = PrefixCache()
+    prefill(m, pre, [], [1, 2], "prefix", prefix_cache=pc)  # caches the instruction head
+    full = prefill(m, pre, kvs, suf, "full")
+    for opts in ({"selector": "qpass", "offset": "k"}, {"offset": "kv"}, {"selector": "qattn"}):
+        res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(1.0, **opts), prefix_cache=pc)
+        assert res.stats["num_exact_rows"] == len(pre)
+        _close(res.logits, full.logits)
+
+
+def test_continuation_nll_is_the_decode_loop_log_likelihood():
+    m = random_model(seed=2, num_hidden_layers=3)
+    pre, chunks, suf = _prompt(m)
+    res = prefill(m, pre, chunks, suf, "full")
+    answer = [5, 9, 13, 21]
+    nll = continuation_nll(m, res, answer)
+    cache = make_cache(m, capacity=res.kv.num_tokens + 8)
+    load_prompt(cache, res)
+    logits, ref, pos = res.logits, [], res.kv.num_tokens
+    for t in answer:
+        ref.append(float(-torch.log_softmax(logits, -1)[t]))
+        logits = decode_step(m, cache, t, pos)
+        pos += 1
+    assert nll == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    assert continuation_nll(m, res, []) == []
+
+
+def test_bad_options_are_refused_by_name():
+    for bad in ({"selector": "magic"}, {"offset": "q"}, {"offset_weight": "x"}, {"seam": -1}, {"mix": 2.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            BlendSchedule.single(0.15, **bad)
+    with pytest.raises(ValueError, match="score_layers"):
+        BlendSchedule.single(0.15, score_layers=(3, 3))
