@@ -14,12 +14,14 @@ the reuse statistics. The route itself is in :mod:`apps.server`; the logic is he
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -29,6 +31,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from apps.config import Settings
 from apps.schemas import MAX_INT
@@ -72,6 +75,19 @@ def _only(value: bool | int) -> Any:
         return v
 
     return Annotated[Literal[value], BeforeValidator(check)]
+
+
+def _refused(what: str) -> Any:
+    """A field refused whenever given (not null): ``unsupported_parameter``, with the reason."""
+
+    def check(v: Any) -> Any:
+        if v is not None:
+            raise PydanticCustomError(
+                "unsupported_parameter", "{what} not supported by this server", {"what": what}
+            )
+        return v
+
+    return Annotated[Any, BeforeValidator(check)]
 
 
 def build_completion_request(s: Settings) -> type[BaseModel]:
@@ -122,8 +138,8 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
         n: _only(1) | None = Field(None, description="only 1")
         best_of: _only(1) | None = Field(None, description="only 1")
         echo: _only(False) | None = Field(None, description="not supported")
-        logprobs: None = Field(None, description="not supported")
-        suffix: None = Field(None, description="not supported")
+        logprobs: _refused("logprobs are") = Field(None, description="not supported")
+        suffix: _refused("suffix is") = Field(None, description="not supported")
         presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
         frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
 
@@ -251,12 +267,9 @@ class Done:
     @property
     def usage(self) -> dict:
         n, p = len(self.token_ids), len(self.prompt_ids)
-        return {
-            "prompt_tokens": p,
-            "completion_tokens": n,
-            "total_tokens": p + n,
-            "prompt_tokens_details": None,
-        }
+        return usage_with_details(
+            {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}, self.stats
+        )
 
 
 def completion_events(
@@ -358,3 +371,190 @@ def usage_chunk(cid: str, created: int, model: str, done: Done) -> dict:
         "choices": [],
         "usage": done.usage,
     }
+
+
+# ---- OpenAI conformance of the OpenAI routes: errors, unsupported options, usage details ----------------
+#: the routes that speak OpenAI's protocol (ragkv's own routes keep ragkv's error shape)
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+#: pydantic error types -> OpenAI's ``code`` of an invalid parameter
+VALIDATION_CODES = {
+    "missing": "missing_required_parameter",
+    "extra_forbidden": "unknown_parameter",
+    "unsupported_parameter": "unsupported_parameter",
+    "too_short": "invalid_value",
+    "too_long": "invalid_value",
+    "literal_error": "invalid_value",
+    "enum": "invalid_value",
+    "json_invalid": "invalid_json",
+}
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    """An error of the OpenAI routes: ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape)."""
+
+    error: OpenAIError
+
+
+#: the error statuses of the OpenAI routes, for their OpenAPI schema
+OPENAI_ERRORS: dict[int | str, dict] = {
+    status: {"model": OpenAIErrorResponse, "description": text}
+    for status, text in {
+        400: "invalid request (code: invalid_value, invalid_type, unsupported_parameter, ...), bad "
+        "kv_transfer_params or token ids, or prompt + max_tokens over the context (context_length_exceeded)",
+        401: "API keys are configured: missing or unknown key",
+        404: "unknown chunk id, or a model other than the served one (model_not_found)",
+        408: "the request body arrived too slowly",
+        413: "request body too large",
+        429: "busy: the queue is full, retry later",
+        502: "backend 'vllm': the vLLM server answered with an error",
+        503: "waited too long for a worker, shutting down, or vLLM down",
+    }.items()
+}
+
+
+def is_openai_route(path: str) -> bool:
+    """Whether ``path`` is one of :data:`OPENAI_ROUTES` (or below one: ``/v1/models/{id}``)."""
+    return any(path == r or path.startswith(r + "/") for r in OPENAI_ROUTES)
+
+
+def openai_error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``: OpenAI's error object (``code`` a string)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _param(loc: list) -> str | None:
+    """The request parameter a validation error's ``loc`` names (``messages.0.role`` -> ``messages``)."""
+    names = [str(x) for x in loc if x != "body" and isinstance(x, str) and not x.startswith("line ")]
+    return names[0] if names else None
+
+
+def to_openai_error(status: int, error: dict, path: str) -> tuple[int, dict]:
+    """``(status, body)`` of ragkv's error ``{message, type, code, details?}`` as OpenAI answers it: 400 for
+    invalid requests (not 422), 400 ``context_length_exceeded`` for prompts over the context (not 413),
+    the parameter in ``param``, a string ``code``."""
+    message, kind = str(error.get("message", "")), str(error.get("type", "error"))
+    details = error.get("details") or []
+    prompt_param = "prompt" if path.startswith("/v1/completions") else "messages"
+    if kind == "context_length_exceeded":
+        # the code in the message too: the openai client's str(error) is the message alone, and that is
+        # what langchain-openai searches for "context_length_exceeded" (-> ContextOverflowError)
+        if "context_length_exceeded" not in message:
+            message = f"{message} (context_length_exceeded)"
+        return 400, openai_error_body(
+            message, "invalid_request_error", prompt_param, "context_length_exceeded"
+        )
+    if status == 422 or (status == 400 and kind in ("BadRequestError", "invalid_request_error")):
+        first = details[0] if details and isinstance(details[0], dict) else {}
+        param = _param(first.get("loc", []))
+        if param is None and message.startswith("kv_transfer_params"):
+            param = "kv_transfer_params"
+        elif param is None and ("vocabulary" in message or "empty prompt" in message):
+            param = "prompt"
+        elif param is None and "message" in message:
+            param = "messages"
+        etype = str(first.get("type", ""))
+        code = VALIDATION_CODES.get(etype) or ("invalid_type" if etype.endswith("_type") else "invalid_value")
+        return 400, openai_error_body(message, "invalid_request_error", param, code)
+    if status == 404:
+        code = "model_not_found" if "model" in message else "not_found"
+        return 404, openai_error_body(
+            message, "invalid_request_error", "model" if "model" in message else None, code
+        )
+    if status == 401:
+        return 401, openai_error_body(message, "invalid_request_error", None, "invalid_api_key")
+    if status == 429:
+        return 429, openai_error_body(message, "requests", None, "rate_limit_exceeded")
+    if status >= 500:
+        return status, openai_error_body(message, "server_error", None, kind)
+    return status, openai_error_body(message, "invalid_request_error", None, kind)
+
+
+class OpenAIErrorMiddleware:
+    """Rewrites the JSON error responses of :data:`OPENAI_ROUTES` into OpenAI's shape and statuses
+    (:func:`to_openai_error`), whoever produced them (validation, handlers, the body-size limit, auth).
+    Successful responses, streams included, pass through untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not is_openai_route(scope["path"]):
+            return await self.app(scope, receive, send)
+        held: dict = {}
+        parts: list[bytes] = []
+
+        async def rewrite(msg):
+            if msg["type"] == "http.response.start" and msg["status"] >= 400:
+                held["start"] = msg
+                return
+            if "start" not in held or msg["type"] != "http.response.body":
+                return await send(msg)
+            parts.append(msg.get("body", b""))
+            if msg.get("more_body", False):
+                return
+            start, raw = held.pop("start"), b"".join(parts)
+            status, body = start["status"], raw
+            try:
+                err = json.loads(raw)["error"]
+                status, out = to_openai_error(start["status"], err, scope["path"])
+                body = json.dumps(out).encode()
+            except (ValueError, KeyError, TypeError):
+                pass  # not ragkv's JSON error (e.g. plain text): as it was
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send({**start, "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, rewrite)
+
+
+def stream_error(status: int, message: str, kind: str, path: str) -> dict:
+    """The error chunk of an OpenAI stream that fails after its first bytes."""
+    return to_openai_error(status, {"message": message, "type": kind}, path)[1]
+
+
+def unsupported(param: str, message: str) -> RequestValidationError:
+    """A 400 naming ``param`` (OpenAI's ``unsupported_parameter``): what ragkv cannot do is refused, never ignored."""
+    return RequestValidationError(
+        [{"type": "unsupported_parameter", "loc": ("body", param), "msg": message, "input": None}]
+    )
+
+
+def check_chat_options(req) -> None:
+    """Refuse the chat options ragkv does not serve: ``tools`` / ``tool_choice`` (no tool calling),
+    ``response_format`` other than text (no constrained decoding), ``logprobs`` / ``top_logprobs``."""
+    if getattr(req, "tools", None):
+        raise unsupported("tools", "tool calling is not supported by this server; send no tools")
+    choice = getattr(req, "tool_choice", None)
+    if choice not in (None, "none"):
+        raise unsupported("tool_choice", 'tool calling is not supported; tool_choice may only be "none"')
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1):
+        raise unsupported(
+            "response_format",
+            'structured output is not supported; response_format may only be {"type": "text"}',
+        )
+    if getattr(req, "logprobs", None):
+        raise unsupported("logprobs", "logprobs are not supported by this server; send logprobs: false")
+    if getattr(req, "top_logprobs", None):
+        raise unsupported("top_logprobs", "logprobs are not supported by this server; send no top_logprobs")
+
+
+def cached_tokens(stats: dict) -> int | None:
+    """Prompt rows not prefilled from scratch: reused from stored chunk KV or exact from the prefix cache."""
+    if "num_reused_rows" not in stats and "num_exact_rows" not in stats:
+        return None
+    return int(stats.get("num_reused_rows", 0)) + int(stats.get("num_exact_rows", 0))
+
+
+def usage_with_details(usage: dict, stats: dict) -> dict:
+    """``usage`` plus ``prompt_tokens_details.cached_tokens`` (when the prefill statistics tell it)."""
+    n = cached_tokens(stats)
+    return {**usage, "prompt_tokens_details": {"cached_tokens": n} if n is not None else None}

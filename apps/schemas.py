@@ -86,10 +86,15 @@ class Timings(BaseModel):
     total_s: float
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt rows reused from stored chunk KV or the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class QueryResponse(BaseModel):
@@ -267,6 +272,12 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         seed: int | None = Field(None, ge=0, le=MAX_INT)
         user: str | None = Field(None, max_length=256)
         ragkv: RagkvOptions | None = None
+        # OpenAI options ragkv does not serve: declared so that they are refused (400), not ignored
+        tools: list[Any] | None = Field(None, description="not supported: only null or []")
+        tool_choice: Any = Field(None, description='not supported: only null or "none"')
+        response_format: Any = Field(None, description='only {"type": "text"}')
+        logprobs: bool | None = Field(None, description="not supported: only false")
+        top_logprobs: int | None = Field(None, description="not supported: only 0")
 
         @field_validator("stop")
         @classmethod

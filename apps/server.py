@@ -362,6 +362,7 @@ async def _openai_events(
     more: bool,
     render: Callable[[Any], Iterator[str]],
     head: list[str] | None = None,
+    path: str = "/v1/chat/completions",
 ) -> AsyncIterator[str]:
     """An OpenAI SSE stream: ``head``, ``render(item)`` for each item, then ``data: [DONE]``; an error
     after the headers becomes an error chunk. Closes ``it`` (which stops a generation that is cut off)."""
@@ -379,7 +380,7 @@ async def _openai_events(
         yield _sse("[DONE]")
     except Exception as e:  # noqa: BLE001 - after the headers, errors become an error chunk
         status, kind, message = classify(e)
-        yield _sse(error_json(status, message, kind))
+        yield _sse(oc.stream_error(status, message, kind, path))
     finally:
         await it.aclose()
 
@@ -612,7 +613,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         "/v1/chat/completions",
         response_model=sc.ChatCompletion,
         responses={
-            **ERRORS,
+            **oc.OPENAI_ERRORS,
             200: {"content": {"text/event-stream": {}}, "description": "the completion (or SSE chunks)"},
         },
         tags=["openai"],
@@ -622,6 +623,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     async def chat_completions(req: S.ChatCompletionRequest, request: Request):
         """The last user message is the question (earlier turns are prepended to it). Retrieval is
         automatic unless ``ragkv.chunk_ids`` names the chunks or ``ragkv.retrieve`` is false."""
+        oc.check_chat_options(req)  # tools, response_format, logprobs: refused (400), never ignored
         pairs = [(m.role, m.text()) for m in req.messages]
         if not any(r == "user" and t.strip() for r, t in pairs):
             raise InvalidRequestError("messages must contain a user message with text")
@@ -649,7 +651,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                         "finish_reason": f.finish_reason,
                     }
                 ],
-                "usage": _usage(f),
+                "usage": oc.usage_with_details(_usage(f), f.answer.stats),
                 "ragkv": _ragkv_info(f),
             }
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -681,7 +683,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                         "created": created,
                         "model": model_name,
                         "choices": [],
-                        "usage": _usage(item),
+                        "usage": oc.usage_with_details(_usage(item), item.answer.stats),
                     }
                 )
 
@@ -696,10 +698,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     @app.post(
         "/v1/completions",
         responses={
-            **ERRORS,
-            400: {"model": sc.ErrorResponse, "description": "bad kv_transfer_params, spans or token ids"},
+            **oc.OPENAI_ERRORS,
             501: {
-                "model": sc.ErrorResponse,
+                "model": oc.OpenAIErrorResponse,
                 "description": "backend 'vllm': send completions to the vLLM server",
             },
             200: {"content": {"text/event-stream": {}}, "description": "the completion (or SSE chunks)"},
@@ -756,7 +757,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                 yield _sse(oc.usage_chunk(cid, created, model_name, item))
 
         return StreamingResponse(
-            _openai_events(it, first, more, render), media_type="text/event-stream", headers=SSE_HEADERS
+            _openai_events(it, first, more, render, path="/v1/completions"),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
 
     def _ragkv_info(f: Final) -> dict:
@@ -774,6 +777,19 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             "object": "list",
             "data": [{"id": model_name, "object": "model", "created": svc.started_at, "owned_by": "ragkv"}],
         }
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=sc.ModelCard,
+        responses={404: oc.OPENAI_ERRORS[404]},
+        tags=["openai"],
+        summary="One served model (404 for any other id)",
+        dependencies=can_read,
+    )
+    async def model_card(model_id: str):
+        if model_id != model_name:
+            raise NotFoundError(f"The model `{model_id}` does not exist.")
+        return {"id": model_name, "object": "model", "created": svc.started_at, "owned_by": "ragkv"}
 
     # -- operations
     @app.get("/healthz", response_model=sc.Health, tags=["ops"], summary="Liveness and size")
@@ -823,6 +839,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         max_upload=settings.max_upload_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
+    app.add_middleware(oc.OpenAIErrorMiddleware)  # OpenAI routes: OpenAI's error shape and statuses
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_allow_list())
     app.add_middleware(MetricsMiddleware, service=svc)
     return app

@@ -66,6 +66,10 @@ DELIBERATE = [
     ("unknown chunk or document id", "ST202", 404, r"unknown"),
     # the model's context: prompt + max_tokens over its positions
     ("prompt + max_tokens over the context", "ST202", 413, r"context|longer than|too long"),
+    # the OpenAI routes answer the same rejections as OpenAI does: 400 (context: context_length_exceeded)
+    ("integral float for an integer (OpenAI routes)", "ST202", 400, r"Input should be a valid integer"),
+    ("chat without user text (OpenAI routes)", "ST202", 400, r"must contain a user message with text"),
+    ("prompt + max_tokens over the context (OpenAI routes)", "ST202", 400, r"context_length_exceeded"),
     # a body over max_body_bytes is refused (413) before it is parsed, valid or not
     ("body over max_body_bytes", "ST201", 413, r"request body larger than"),
     ("body over max_body_bytes", "ST202", 413, r"request body larger than"),

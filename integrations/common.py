@@ -6,8 +6,10 @@ A framework document reaches ragkv in one of three ways:
 * a document ragkv produced (its metadata carries ``ragkv_chunk_id`` and its text is the chunk's
   text): the indexed chunk, whose KV was stored at ingest, is used as is;
 * a chunk id (``int``, ``"ragkv:<id>"`` or a numeric string): looked up in ragkv's index;
-* any other document (e.g. from a foreign vector store): ingested on first use under the id
-  ``ext-<sha256 of the text>``; ingest is idempotent, so later uses find it and its KV stored.
+* any other document (e.g. from a foreign vector store): if ragkv already holds its text (a chunk
+  with the same content key, or a document with exactly this text) those chunks are used, never a
+  copy; otherwise it is ingested on first use under the id ``ext-<sha256 of the text>``; ingest is
+  idempotent, so later uses find it and its KV stored.
 
 Flattened prompts still work. Text between :data:`CHUNK_SEPARATOR` markers (what
 :func:`format_docs` produces) is split out as chunks whose KV is looked up by content and stored
@@ -27,11 +29,11 @@ import hashlib
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ragkv.generate import SamplingParams, TokenEvent, stream
 from ragkv.kv.chunk import chunk_key
@@ -139,9 +141,11 @@ def parse_chunk_id(value: Any) -> int | None:
 
 
 class RagkvOptions(BaseModel):
-    """Options every ragkv-backed framework model carries (LangChain and LlamaIndex wrappers alike)."""
+    """Options every ragkv-backed framework model carries (LangChain and LlamaIndex wrappers alike).
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    Unknown constructor arguments are an error (``extra="forbid"``), never silently dropped."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", populate_by_name=True)
 
     rag: Any = Field(
         exclude=True,
@@ -150,13 +154,36 @@ class RagkvOptions(BaseModel):
     )
     mode: str | None = Field(None, description="prefill mode for chunked calls (None: the RAG's default)")
     ratio: float | None = Field(None, description="blend recompute ratio (None: the RAG's default)")
-    k: int | None = Field(None, description="chunks to retrieve when retrieve=True (None: the RAG's top_k)")
+    k: int | None = Field(
+        None, ge=1, description="chunks to retrieve when retrieve=True (None: the RAG's top_k)"
+    )
     retrieve: bool = Field(False, description="retrieve chunks from ragkv's index when a call passes none")
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_new_tokens: int = Field(
+        64,
+        ge=1,
+        validation_alias=AliasChoices("max_new_tokens", "max_tokens"),
+        description="tokens to generate at most (``max_tokens`` is accepted too)",
+    )
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
     seed: int | None = None
+    stop: list[str] | None = Field(None, description="stop sequences (a call's own ``stop`` replaces them)")
+    timeout: float | None = Field(
+        None, gt=0, description="seconds a call may take; checked between tokens (TimeoutError)"
+    )
+    max_retries: int = Field(
+        0, ge=0, description="retries of a call whose backend was unreachable before its first token"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_max_tokens(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_tokens" in data and "max_new_tokens" in data:
+            if data["max_tokens"] != data["max_new_tokens"]:
+                raise ValueError("give max_tokens or max_new_tokens, not both")
+            data = {k: v for k, v in data.items() if k != "max_new_tokens"}
+        return data
 
     @field_validator("rag")
     @classmethod
@@ -165,6 +192,68 @@ class RagkvOptions(BaseModel):
             return check_backend(v)
         except TypeError as e:
             raise ValueError(str(e)) from None
+
+    @property
+    def max_tokens(self) -> int:
+        """``max_new_tokens`` under the name LangChain's tracing and OpenAI use."""
+        return self.max_new_tokens
+
+    def model_label(self, override: Any = None) -> str:
+        """The served model's name (a call's ``model`` kwarg wins): for tracing and metadata."""
+        if isinstance(override, str) and override:
+            return override
+        m = self.rag.model
+        return str(getattr(m, "name", "") or m.fingerprint[:16])
+
+    def call_defaults(self) -> dict:
+        """The per-call option defaults this model carries."""
+        return {k: getattr(self, k, None) for k in DEFAULT_KEYS}
+
+    def guarded(self, make: Callable[[], Iterator]) -> Iterator:
+        """``make()``'s items under this model's ``timeout`` and ``max_retries``."""
+        return guarded(make, self.timeout, self.max_retries)
+
+
+#: errors worth a retry: the backend (a vLLM server, the Redis store) could not be reached
+TRANSIENT = (ConnectionError, TimeoutError)
+
+
+def _transient(e: BaseException) -> bool:
+    if isinstance(e, TRANSIENT):
+        return True
+    try:
+        from integrations.vllm.client import VllmUnavailableError
+    except ImportError:  # pragma: no cover - the vLLM client has no extra dependency
+        return False
+    return isinstance(e, VllmUnavailableError)
+
+
+def guarded(make: Callable[[], Iterator], timeout: float | None, max_retries: int = 0) -> Iterator:
+    """Iterate ``make()``: a backend that is unreachable before the first item is retried up to
+    ``max_retries`` times (0.1 s, 0.2 s, ... apart); past ``timeout`` seconds (checked at each item,
+    so a long prefill finishes first) the call stops with :class:`TimeoutError`."""
+    t0 = time.monotonic()
+    attempt = 0
+    while True:
+        started = False
+        it = None
+        try:
+            it = make()
+            for item in it:
+                started = True
+                if timeout is not None and time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"the call took longer than its timeout of {timeout} s")
+                yield item
+            return
+        except Exception as e:
+            if started or attempt >= max_retries or not _transient(e):
+                raise
+            attempt += 1
+            time.sleep(min(0.1 * 2 ** (attempt - 1), 2.0))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
 
 
 @dataclass
@@ -239,6 +328,10 @@ class RagkvRunner:
                 slots.append([rec])
                 continue
             doc_id = "ext-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+            held = self.held(text) if not self.rag.index.has_document(doc_id) else None
+            if held:
+                slots.append(held)
+                continue
             clean = {k: v for k, v in meta.items() if not k.startswith("ragkv_") and _jsonable(v)}
             foreign[i] = Document(text, doc_id, clean)
             slots.append(None)
@@ -252,6 +345,23 @@ class RagkvRunner:
             for i, d in foreign.items():
                 slots[i] = self.rag.index.chunks_of(d.id)
         return [r for s in slots for r in (s or [])], ingested
+
+    def held(self, text: str) -> list[ChunkRecord]:
+        """The indexed chunks that already hold ``text``: a chunk with its content key (the same token
+        ids under this model), else the chunks of a document with exactly this text; [] if none."""
+        index = self.rag.index
+        model = self.rag.model
+        for t in dict.fromkeys((text, text.strip())):
+            key = chunk_key(model.encode(t), model.fingerprint)
+            recs = index.chunks_with_key(key)
+            if recs:
+                return recs[:1]
+        for t in dict.fromkeys((text, text.strip())):
+            for doc_id in index.documents_with_text(t):
+                recs = index.chunks_of(doc_id)
+                if recs:
+                    return recs
+        return []
 
     def _known(self, meta: dict, text: str) -> ChunkRecord | None:
         """The indexed chunk a ragkv-made document names, if it still exists with the same text."""

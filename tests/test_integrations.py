@@ -225,3 +225,106 @@ def test_llama_index_query_engine_answers_with_reused_kv(rag, samples):
     aresp = asyncio.run(engine.aquery(q))
     assert aresp.response == resp.response
     _reused(aresp.metadata["ragkv"], 3)
+
+
+# ---- LangChain conventions: constructor parameters, tracing parameters, per-call k ---------------------
+def test_langchain_max_tokens_and_stop_from_the_constructor_are_honoured(rag, samples):
+    q = samples[0]["question"]
+    free = ChatRagkv(rag=rag, max_tokens=24).invoke(q, retrieve=True)
+    assert free.usage_metadata["output_tokens"] == 24  # the tiny model never stops by itself this early
+    short = ChatRagkv(rag=rag, max_tokens=8).invoke(q, retrieve=True)  # was ignored: 64 tokens came back
+    assert short.usage_metadata["output_tokens"] == 8 and free.content.startswith(short.content)
+    assert short.response_metadata["finish_reason"] == "length"
+    # a stop string that is one whole streamed token (a stop string spanning tokens can leave the
+    # text streamed before it was complete: the generator does not hold text back)
+    deltas = [c.content for c in ChatRagkv(rag=rag, max_tokens=24).stream(q, retrieve=True) if c.content]
+    i = next(i for i in range(4, len(deltas)) if deltas[i].strip() and deltas[i] not in "".join(deltas[:i]))
+    stopped = ChatRagkv(rag=rag, max_tokens=24, stop=[deltas[i]]).invoke(q, retrieve=True)
+    assert stopped.content == "".join(deltas[:i]) and stopped.response_metadata["finish_reason"] == "stop"
+    llm = RagkvLLM(rag=rag, max_tokens=8, stop=[deltas[i]])
+    assert llm.max_tokens == llm.max_new_tokens == 8
+    assert llm.invoke(q, retrieve=True) == short.content[: len("".join(deltas[:i]))]
+    assert llm.invoke(q, retrieve=True, stop=["zzz"]) == short.content  # a call's stop replaces the model's
+
+
+def test_langchain_unknown_or_conflicting_constructor_parameters_are_refused(rag):
+    from pydantic import ValidationError
+
+    for bad in ({"max_token": 8}, {"api_key": "sk-x"}, {"max_tokens": 8, "max_new_tokens": 9}, {"top_p": 0}):
+        with pytest.raises(ValidationError):
+            ChatRagkv(rag=rag, **bad)
+        with pytest.raises(ValidationError):
+            RagkvLLM(rag=rag, **bad)
+    with pytest.raises(ValidationError):
+        RagkvRetriever(rag=rag, kk=1)
+
+
+def test_langchain_tracing_parameters(rag):
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    seen: list[dict] = []
+
+    class Metadata(BaseCallbackHandler):
+        def on_chat_model_start(self, serialized, messages, *, metadata=None, **kwargs):
+            seen.append(dict(metadata or {}))
+
+        def on_llm_start(self, serialized, prompts, *, metadata=None, **kwargs):
+            seen.append(dict(metadata or {}))
+
+    name = rag.model.name
+    ChatRagkv(rag=rag, max_tokens=4, stop=["\n\n"], temperature=0.5, seed=1).invoke(
+        "Once", config={"callbacks": [Metadata()]}
+    )
+    RagkvLLM(rag=rag, max_tokens=3).invoke("Once", config={"callbacks": [Metadata()]})
+    chat, llm = seen
+    assert (
+        chat["ls_provider"] == "ragkv" and chat["ls_model_name"] == name and chat["ls_model_type"] == "chat"
+    )
+    assert chat["ls_max_tokens"] == 4 and chat["ls_stop"] == ["\n\n"] and chat["ls_temperature"] == 0.5
+    assert llm["ls_model_type"] == "llm" and llm["ls_max_tokens"] == 3 and llm["ls_model_name"] == name
+
+
+def test_langchain_retriever_k_per_call(rag, samples):
+    q = samples[0]["question"]
+    retriever = RagkvRetriever(rag=rag, k=3)
+    assert len(retriever.invoke(q)) == 3
+    assert len(retriever.invoke(q, k=1)) == 1  # was 3 (k was dropped)
+    assert len(asyncio.run(retriever.ainvoke(q, k=2))) == 2
+    with pytest.raises(TypeError, match="kk"):
+        retriever.invoke(q, kk=1)
+
+
+def test_langchain_timeout_and_max_retries(rag):
+    import socket
+    import threading
+    import time
+
+    from integrations.vllm.client import VllmClient, VllmRAG, VllmUnavailableError
+
+    with pytest.raises(TimeoutError):
+        ChatRagkv(rag=rag, max_tokens=32, timeout=1e-6).invoke("Once upon a time")
+    # a "server" that accepts and hangs up at once: every attempt is one connection
+    srv = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            accepted.append(time.monotonic())
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    remote = VllmRAG(rag, VllmClient(url, model="m", timeout=5, connect_timeout=5))
+    try:
+        with pytest.raises(VllmUnavailableError):
+            ChatRagkv(rag=remote, max_tokens=4, max_retries=2).invoke("Once upon a time")
+        assert len(accepted) == 3
+        with pytest.raises(VllmUnavailableError):
+            ChatRagkv(rag=remote, max_tokens=4).invoke("Once upon a time")
+        assert len(accepted) == 4
+    finally:
+        srv.close()

@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field
 
 from integrations.common import Completion, aiter_in_thread, fold_messages, render_chat
 from integrations.langchain._base import RagkvParams
@@ -41,6 +43,10 @@ def message_pairs(messages: list[BaseMessage]) -> list[tuple[str, str]]:
 class ChatRagkv(RagkvParams, BaseChatModel):
     """Chat model backed by ragkv (see the module docstring)."""
 
+    model_config = ConfigDict(extra="forbid")
+
+    streaming: bool = Field(False, description="invoke() streams internally (LangChain's switch)")
+
     @property
     def _llm_type(self) -> str:
         return "ragkv-chat"
@@ -48,6 +54,9 @@ class ChatRagkv(RagkvParams, BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return self._params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return self._ls("chat", stop, kwargs)
 
     def _chat_events(self, messages: list[BaseMessage], stop, kwargs):
         pairs = message_pairs(messages)
@@ -58,12 +67,12 @@ class ChatRagkv(RagkvParams, BaseChatModel):
             return self._events(fold_messages(pairs), "", stop, kwargs)
         return self._events(None, render_chat(self.rag.model, pairs), stop, kwargs)
 
-    @staticmethod
-    def _last(c: Completion) -> ChatGenerationChunk:
+    def _last(self, c: Completion) -> ChatGenerationChunk:
         prompt_tokens = int(c.stats.get("num_tokens", 0))
+        meta = {"finish_reason": c.finish_reason, "model_name": self.model_label(), "model_provider": "ragkv"}
         msg = AIMessageChunk(
             content="",
-            response_metadata={"finish_reason": c.finish_reason, "model_name": "ragkv", "ragkv": c.info()},
+            response_metadata={**meta, "ragkv": c.info()},
             usage_metadata={
                 "input_tokens": prompt_tokens,
                 "output_tokens": c.num_tokens,

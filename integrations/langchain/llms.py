@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.llms import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict
 
 from integrations.common import Completion, aiter_in_thread
 from integrations.langchain._base import RagkvParams
@@ -26,6 +28,8 @@ def _final_info(c: Completion) -> dict:
 class RagkvLLM(RagkvParams, LLM):
     """Completion model backed by ragkv (see the module docstring)."""
 
+    model_config = ConfigDict(extra="forbid")
+
     @property
     def _llm_type(self) -> str:
         return "ragkv"
@@ -33,6 +37,9 @@ class RagkvLLM(RagkvParams, LLM):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return self._params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return self._ls("llm", stop, kwargs)
 
     def _stream(
         self,

@@ -8,7 +8,7 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
-from langchain_core.retrievers import BaseRetriever
+from langchain_core.retrievers import BaseRetriever, LangSmithRetrieverParams
 from pydantic import ConfigDict, Field
 
 from integrations.common import CHUNK_ID_PREFIX, chunk_metadata
@@ -23,23 +23,43 @@ def to_document(rec: ChunkRecord) -> Document:
 
 
 class RagkvRetriever(BaseRetriever):
-    """Top-``k`` chunks of ragkv's index; hand them to a ragkv model with ``chunks=docs`` to reuse their KV."""
+    """Top-``k`` chunks of ragkv's index; hand them to a ragkv model with ``chunks=docs`` to reuse their KV.
+    ``invoke(query, k=2)`` overrides ``k`` for one call."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
     rag: Any = Field(exclude=True, description="the ragkv.rag.RAG whose index is searched")
-    k: int | None = Field(None, description="chunks per query (None: the RAG's top_k)")
+    k: int | None = Field(None, ge=1, description="chunks per query (None: the RAG's top_k)")
+
+    def _k(self, k: int | None, kwargs: dict) -> int | None:
+        unknown = set(kwargs) - {"verbose"}  # BaseRetriever passes its own ``verbose`` through
+        if unknown:
+            raise TypeError(f"unknown retriever options {sorted(unknown)}; use k")
+        return self.k if k is None else k
 
     def _get_relevant_documents(
-        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None, **kwargs: Any
     ) -> list[Document]:
-        return [to_document(r) for r in self.rag.retrieve(query, self.k)]
+        return [to_document(r) for r in self.rag.retrieve(query, self._k(k, kwargs))]
 
     async def _aget_relevant_documents(
-        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+        self,
+        query: str,
+        *,
+        run_manager: AsyncCallbackManagerForRetrieverRun,
+        k: int | None = None,
+        **kwargs: Any,
     ) -> list[Document]:
-        recs = await asyncio.to_thread(self.rag.retrieve, query, self.k)
+        recs = await asyncio.to_thread(self.rag.retrieve, query, self._k(k, kwargs))
         return [to_document(r) for r in recs]
+
+    def _get_ls_params(self, **kwargs: Any) -> LangSmithRetrieverParams:
+        params = super()._get_ls_params(**kwargs)
+        params["ls_embedding_provider"] = "ragkv"
+        params["ls_embedding_model"] = str(
+            getattr(getattr(self.rag, "embedder", None), "name", "") or "ragkv"
+        )
+        return params
 
 
 class RagkvEmbeddings(Embeddings):

@@ -8,12 +8,14 @@
 """
 
 from integrations.common import CHUNK_SEPARATOR, format_docs
+from integrations.llama_index.embeddings import RagkvLlamaEmbedding
 from integrations.llama_index.llms import RagkvLlamaLLM
 from integrations.llama_index.query_engine import RagkvQueryEngine
 from integrations.llama_index.retrievers import RagkvLlamaRetriever, to_node
 
 __all__ = [
     "CHUNK_SEPARATOR",
+    "RagkvLlamaEmbedding",
     "RagkvLlamaLLM",
     "RagkvLlamaRetriever",
     "RagkvQueryEngine",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from llama_index.core.base.response.schema import Response
@@ -30,5 +29,5 @@ class RagkvQueryEngine(CustomQueryEngine):
 
     async def acustom_query(self, query_str: str) -> Response:
         nodes = await self.retriever.aretrieve(query_str)
-        out = await asyncio.to_thread(self.llm.complete, query_str, chunks=nodes, **self.llm_kwargs)
+        out = await self.llm.acomplete(query_str, chunks=nodes, **self.llm_kwargs)  # generates in a thread
         return Response(out.text, source_nodes=nodes, metadata=dict(out.raw or {}))

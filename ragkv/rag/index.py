@@ -61,6 +61,7 @@ CREATE TABLE IF NOT EXISTS chunks (
   chunk_id INTEGER PRIMARY KEY AUTOINCREMENT, doc_id TEXT NOT NULL, seq INTEGER NOT NULL, text TEXT NOT NULL,
   token_ids BLOB NOT NULL, kv_key TEXT NOT NULL, vector BLOB, UNIQUE(doc_id, seq));
 CREATE INDEX IF NOT EXISTS chunks_kv ON chunks(kv_key);
+CREATE INDEX IF NOT EXISTS documents_sha ON documents(text_sha);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS kv_intents (kv_key TEXT PRIMARY KEY);
 """
@@ -404,6 +405,16 @@ class ChunkIndex:
     def chunks_of(self, doc_id: str) -> list[ChunkRecord]:
         rows = self._query(self._SELECT + " WHERE c.doc_id=? ORDER BY c.seq", (doc_id,))
         return [self._record(r) for r in rows]
+
+    def chunks_with_key(self, kv_key: str) -> list[ChunkRecord]:
+        """Chunks whose KV key is ``kv_key`` (the same token ids under the same model), oldest first."""
+        rows = self._query(self._SELECT + " WHERE c.kv_key=? ORDER BY c.chunk_id", (kv_key,))
+        return [self._record(r) for r in rows]
+
+    def documents_with_text(self, text: str) -> list[str]:
+        """Ids of the committed documents whose text is exactly ``text``."""
+        rows = self._query("SELECT doc_id FROM documents WHERE text_sha=? ORDER BY doc_id", (text_sha(text),))
+        return [r[0] for r in rows]
 
     def all_chunks(self) -> list[ChunkRecord]:
         return [self._record(r) for r in self._query(self._SELECT + " ORDER BY c.chunk_id")]

@@ -1,0 +1,169 @@
+"""The OpenAI-compatible routes as OpenAI clients expect them, against a live ``python -m apps.server``:
+the official ``openai`` client and ``langchain-openai``'s ``ChatOpenAI``. Errors have OpenAI's shape
+and statuses (400 for invalid requests, 400 ``context_length_exceeded`` on overflow, so ``ChatOpenAI``
+raises ``ContextOverflowError``); options ragkv does not serve are refused, never ignored;
+``GET /v1/models/{id}``; ``usage.prompt_tokens_details.cached_tokens`` counts the reused rows."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.helpers import musique_samples
+from tests.test_server import _docs, running_server
+
+openai = pytest.importorskip("openai")
+
+NEW = 8
+MODEL = "stories260k"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("oai")) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def chunk_ids(server) -> list[int]:
+    docs = _docs(musique_samples(2))
+    ids = []
+    for part in (docs[:4], docs[4:]):
+        r = httpx.post(server + "/v1/documents", json={"documents": part}, timeout=120)
+        assert r.status_code == 200, r.text
+        ids += [c for d in r.json()["documents"] for c in d["chunk_ids"]]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def _openai_error(r: httpx.Response, status: int, param: str | None, code: str) -> str:
+    """OpenAI's error object: exactly message, type, param and a string code."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["message"] and err["type"] and err["param"] == param and err["code"] == code, err
+    return err["message"]
+
+
+def _chat(server: str, **body) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Once upon a time"}], **body}
+    return httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_validation_errors_are_400_with_param_and_string_code(server, client):
+    assert "max_tokens" in _openai_error(_chat(server, max_tokens=-1), 400, "max_tokens", "invalid_value")
+    _openai_error(_chat(server, messages=[]), 400, "messages", "invalid_value")
+    _openai_error(_chat(server, stream=0), 400, "stream", "invalid_type")
+    no_user = _chat(server, messages=[{"role": "system", "content": "hi"}])
+    assert "user message" in _openai_error(no_user, 400, "messages", "invalid_value")
+    bad_json = httpx.post(
+        server + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    _openai_error(bad_json, 400, None, "invalid_json")
+    with pytest.raises(openai.BadRequestError) as e:  # was UnprocessableEntityError (422)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1
+        )
+    assert e.value.code == "invalid_value" and e.value.param == "max_tokens"
+    # /v1/completions too (vLLM also answers 400), and ragkv's own routes keep their shape
+    r = httpx.post(server + "/v1/completions", json={"prompt": [1, 2], "stream": 0})
+    _openai_error(r, 400, "stream", "invalid_type")
+    r = httpx.post(server + "/v1/completions", json={"prompt": [1, 99999], "max_tokens": 2})
+    assert "vocabulary" in _openai_error(r, 400, "prompt", "invalid_value")
+    native = httpx.post(server + "/v1/query", json={"question": ""})
+    assert native.status_code == 422 and native.json()["error"]["code"] == 422
+
+
+def test_context_overflow_is_400_context_length_exceeded(server, client, chunk_ids):
+    too_long = {"ragkv": {"chunk_ids": chunk_ids[:8]}}
+    r = _chat(server, max_tokens=48, **too_long)
+    _openai_error(r, 400, "messages", "context_length_exceeded")  # was 413
+    r = httpx.post(server + "/v1/completions", json={"prompt": [5] * 500, "max_tokens": 48})
+    _openai_error(r, 400, "prompt", "context_length_exceeded")
+    with pytest.raises(openai.BadRequestError, match="context_length_exceeded"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=48, extra_body=too_long
+        )
+
+
+def test_langchain_chat_openai_raises_context_overflow_error(server, chunk_ids):
+    lc_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.exceptions import ContextOverflowError
+
+    chat = lc_openai.ChatOpenAI(
+        base_url=server + "/v1", api_key="unused", model=MODEL, max_retries=0, max_tokens=NEW, temperature=0
+    )
+    msg = chat.invoke("Once upon a time", extra_body={"ragkv": {"chunk_ids": chunk_ids[:3]}})
+    assert msg.content and msg.usage_metadata["output_tokens"] == NEW
+    assert msg.usage_metadata["input_token_details"]["cache_read"] > 0  # the chunks' reused rows
+    with pytest.raises(ContextOverflowError):
+        chat.invoke("q", max_tokens=48, extra_body={"ragkv": {"chunk_ids": chunk_ids[:8]}})
+
+
+def test_unsupported_options_are_refused_not_ignored(server):
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    for body, param in (
+        ({"tools": [tool]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+    ):
+        msg = _openai_error(_chat(server, max_tokens=2, **body), 400, param, "unsupported_parameter")
+        assert "not supported" in msg
+    ok = _chat(
+        server,
+        max_tokens=2,
+        tools=[],
+        tool_choice="none",
+        response_format={"type": "text"},
+        logprobs=False,
+        ragkv={"retrieve": False},
+    )
+    assert ok.status_code == 200, ok.text
+    r = httpx.post(server + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "logprobs": 2})
+    assert "not supported" in _openai_error(r, 400, "logprobs", "unsupported_parameter")
+
+
+def test_model_retrieve(server, client):
+    assert client.models.retrieve(MODEL).id == MODEL  # was 404
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-nope")
+    assert e.value.code == "model_not_found"
+
+
+def test_usage_reports_cached_tokens(server, client, chunk_ids):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Who was it?"}],
+        max_tokens=NEW,
+        extra_body={"ragkv": {"chunk_ids": chunk_ids[:3], "mode": "blend"}},
+    )
+    stats = out.model_extra["ragkv"]["stats"]
+    cached = out.usage.prompt_tokens_details.cached_tokens
+    assert cached == stats["num_reused_rows"] + stats["num_exact_rows"] and cached > 0
+    assert cached < out.usage.prompt_tokens
+    full = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Who was it?"}],
+        max_tokens=NEW,
+        extra_body={"ragkv": {"chunk_ids": chunk_ids[:3], "mode": "full"}},
+    )
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Who was it?"}],
+            max_tokens=NEW,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ragkv": {"chunk_ids": chunk_ids[:3], "mode": "blend"}},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    done = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2, temperature=0)
+    assert done.usage.prompt_tokens_details.cached_tokens is not None
