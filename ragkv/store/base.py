@@ -458,7 +458,9 @@ class BlobStore(ChunkStore):
         """The checks a header must pass before any of its bytes are decoded or tensors allocated: an
         allowed codec, segments big enough for the declared shape, and the model's geometry."""
         if hdr.codec not in self.allowed_codecs:
-            raise BlobError(f"blob codec {hdr.codec!r} is not one this store decodes {sorted(self.allowed_codecs)}")
+            raise BlobError(
+                f"blob codec {hdr.codec!r} is not one this store decodes {sorted(self.allowed_codecs)}"
+            )
         blobfmt.check_sizes(hdr, blobfmt.codec_for(hdr))
         geometry = self._geometry.get(hdr.fingerprint)
         if geometry is not None:
