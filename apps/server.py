@@ -65,6 +65,7 @@ ERRORS = {
     403: {"model": sc.ErrorResponse, "description": "the key has no write scope"},
     404: {"model": sc.ErrorResponse, "description": "unknown document or chunk id"},
     413: {"model": sc.ErrorResponse, "description": "request body, or prompt + max_tokens, too large"},
+    415: {"model": sc.ErrorResponse, "description": "a POST body not declared JSON (or NDJSON for uploads)"},
     422: {"model": sc.ErrorResponse, "description": "invalid input"},
     429: {"model": sc.ErrorResponse, "description": "busy: the queue is full, retry later"},
     502: {"model": sc.ErrorResponse, "description": "backend 'vllm': the vLLM server answered with an error"},
