@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     vllm_model: str | None = Field(
         None, description="model name on the vLLM server (None: its first listed model)"
     )
-    vllm_api_key: str | None = Field(None, description="bearer token for the vLLM server")
+    vllm_api_key: SecretStr | None = Field(None, description="bearer token for the vLLM server")
     vllm_timeout_s: float = Field(
         300.0,
         gt=0,
@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     )
     store: str | None = Field(
         None, description="chunk KV store URL (file://, redis://, memory://); None: data_dir/kv"
+    )
+    store_hmac_key: SecretStr | None = Field(
+        None,
+        description="secret (16+ characters) that authenticates stored chunk KV (HMAC-SHA256): KV written "
+        "without it is never used, only recomputed and rewritten. Give every process sharing the store "
+        "the same key. None: sha256 digests (integrity, not authenticity)",
     )
     embedder: str = "all-MiniLM-L6-v2"
     chunk_tokens: int | None = Field(
@@ -95,6 +101,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(8 << 20, ge=1024, description="largest JSON request body (413 beyond)")
     max_upload_bytes: int = Field(
         256 << 20, ge=1024, description="largest NDJSON document upload (413 beyond)"
+    )
+    max_upload_line_bytes: int = Field(
+        16 << 20, ge=1024, description="longest line (one document) of an NDJSON upload (413 beyond)"
     )
     max_documents: int = Field(1000, ge=1, description="documents per JSON ingest request")
     max_document_chars: int = Field(2_000_000, ge=1)
@@ -128,7 +137,9 @@ class Settings(BaseSettings):
         default_factory=list, description="read-only keys (queries, listings): refused writes get 403"
     )
     require_key_for_reads: bool = Field(
-        False, description="reads (queries, listings, metrics) need a read or write key too"
+        True,
+        description="kept for old config files; ignored: with keys configured every route but /healthz "
+        "needs a key (reads a read or write key, anything that writes a write key)",
     )
     allowed_hosts: StrList | None = Field(
         None,
@@ -171,6 +182,13 @@ class Settings(BaseSettings):
     def _long_keys(cls, v: list[SecretStr]) -> list[SecretStr]:
         if any(len(k.get_secret_value()) < MIN_API_KEY_CHARS for k in v):
             raise ValueError(f"API keys must have at least {MIN_API_KEY_CHARS} characters")
+        return v
+
+    @field_validator("store_hmac_key")
+    @classmethod
+    def _long_hmac_key(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value().encode()) < MIN_API_KEY_CHARS:
+            raise ValueError(f"store_hmac_key must have at least {MIN_API_KEY_CHARS} characters")
         return v
 
     def host_allow_list(self) -> list[str]:

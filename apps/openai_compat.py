@@ -190,7 +190,8 @@ class BlendRequest(BaseModel):
     ratio: float = Field(0.15, ge=0.0, le=1.0)
     check_layers: list[Annotated[int, Field(ge=0)]] = [1]
     deviation: Literal["k", "v", "kv"] = BlendSchedule.deviation
-    save: bool = True
+    # security (issue 24): a read must not write; save=true needs a write key (apps/server.py)
+    save: bool = False
     fresh_check_kv: bool = False
 
     @field_validator("chunks", mode="before")

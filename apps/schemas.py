@@ -12,7 +12,8 @@ from apps.config import Settings
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 DOC_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
-MetaValue = str | int | float | bool | None
+#: a metadata value: a string of at most 4096 characters, a number, a boolean or null
+MetaValue = Annotated[str, Field(max_length=4096)] | int | float | bool | None
 NOT_BLANK = r"\S"  # somewhere a non-whitespace character (stated in the schema; see _not_blank)
 #: the largest integer (ids, seeds) every JSON client holds exactly; above it a JSON Schema checker
 #: comparing as floats would call 2**63 + 100 "at most 2**63 - 1"
@@ -220,7 +221,9 @@ def build_schemas(s: Settings) -> SimpleNamespace:
     class ChatMessageIn(BaseModel):
         model_config = ConfigDict(extra="ignore", strict=True)
         role: Literal["system", "developer", "user", "assistant", "tool"]
-        content: str | list[ContentPart] | None = Field(None)
+        content: str | Annotated[list[ContentPart], Field(max_length=64)] | None = Field(
+            None, description="a string, or at most 64 text parts"
+        )
         name: str | None = Field(None, max_length=256)
 
         @field_validator("content")
@@ -266,9 +269,9 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         stream_options: StreamOptions | None = None
         stop: (
             Annotated[str, Field(min_length=1, max_length=64)]
-            | list[Annotated[str, Field(min_length=1, max_length=64)]]
+            | Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=4)]
             | None
-        ) = Field(None)
+        ) = Field(None, description="at most 4 stop strings")
         seed: int | None = Field(None, ge=0, le=MAX_INT)
         user: str | None = Field(None, max_length=256)
         ragkv: RagkvOptions | None = None

@@ -5,9 +5,13 @@ in docs/API.md. Errors are ``{"error": {"message", "type", "code"}}`` with 401 /
 422 / 429 / 503 for a missing or wrong API key, a key without write scope, unknown ids, a body too slow
 to arrive, too-large bodies or prompts, bad input and a busy or stopping server.
 
-Writes (ingest, delete) need a write-scope API key when ``api_keys`` is set (FastAPI security
-dependencies: ``Authorization: Bearer KEY`` or ``X-API-Key: KEY``); the Host header is checked
-against ``allowed_hosts`` (Starlette's ``TrustedHostMiddleware``, against DNS rebinding).
+With API keys configured every route but ``/healthz`` needs one (FastAPI security dependencies:
+``Authorization: Bearer KEY`` or ``X-API-Key: KEY``): reads a read or write key, anything that writes
+(ingest, delete, completions with ``save``) a write key. POST bodies must declare a JSON (or, for
+uploads, NDJSON) content type, so a web page cannot post a "simple" cross-site request (415); the
+Host header is checked against ``allowed_hosts`` (Starlette's ``TrustedHostMiddleware``, against DNS
+rebinding). Responses are strict JSON (non-finite numbers become null) and error bodies never carry
+the text of an unexpected exception.
 """
 
 import argparse
@@ -16,18 +20,19 @@ import gc
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request, Security
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.routing import Match
@@ -38,12 +43,14 @@ from apps.config import ConfigError, Settings, load_settings
 from apps.metrics import CONTENT_TYPE
 from apps.service import (
     STAT_KEYS,
+    DataDirLocked,
     Final,
     InvalidRequestError,
     NotFoundError,
     QuerySpec,
     Service,
     ServiceError,
+    lock_data_dir,
 )
 from integrations.common import fold_messages
 from integrations.vllm.client import VllmServerError, VllmUnavailableError
@@ -58,6 +65,7 @@ ERRORS = {
     403: {"model": sc.ErrorResponse, "description": "the key has no write scope"},
     404: {"model": sc.ErrorResponse, "description": "unknown document or chunk id"},
     413: {"model": sc.ErrorResponse, "description": "request body, or prompt + max_tokens, too large"},
+    415: {"model": sc.ErrorResponse, "description": "a POST body not declared JSON (or NDJSON for uploads)"},
     422: {"model": sc.ErrorResponse, "description": "invalid input"},
     429: {"model": sc.ErrorResponse, "description": "busy: the queue is full, retry later"},
     502: {"model": sc.ErrorResponse, "description": "backend 'vllm': the vLLM server answered with an error"},
@@ -87,7 +95,7 @@ def error_response(
         headers["WWW-Authenticate"] = "Bearer"
     if status == 408:  # the rest of a late body is not waited for: the connection ends with this answer
         headers["Connection"] = "close"
-    return JSONResponse(
+    return StrictJSONResponse(
         error_json(status, message, type_, details), status_code=status, headers=headers or None
     )
 
@@ -118,10 +126,49 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
     if isinstance(exc, PromptTooLongError):
         return 413, "context_length_exceeded", str(exc)
     if isinstance(exc, ValueError):  # ragkv's typed input errors (unknown mode, empty question ...)
-        return 422, "invalid_request_error", str(exc)
-    if isinstance(exc, ConnectionError):  # e.g. the Redis store is down
-        return 503, "service_unavailable", f"a backend is unreachable: {exc}"
+        if _raised_by_us(exc):
+            return 422, "invalid_request_error", str(exc)
+        return 422, "invalid_request_error", "invalid request; see the server log"
+    if isinstance(exc, ConnectionError):  # e.g. the Redis store is down (its address stays in the log)
+        return 503, "service_unavailable", "a backend is unreachable; see the server log"
     return 500, "internal_error", f"internal error ({type(exc).__name__}); see the server log"
+
+
+def _raised_by_us(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by ragkv's own code (its message is meant for users), not deep inside
+    a library (torch, numpy, the stdlib ...), whose text may describe internals."""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    if last is None:
+        return True
+    module = last.tb_frame.f_globals.get("__name__", "")
+    return module.split(".")[0] in ("ragkv", "apps", "integrations")
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, inf) replaced by None: JSON has no such numbers."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any) -> str:
+    """Strict JSON text of ``obj`` (non-finite floats as null; never ``NaN`` or ``Infinity``)."""
+    return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class StrictJSONResponse(JSONResponse):
+    """Every JSON response of the service: strict JSON (see :func:`strict_json`)."""
+
+    def render(self, content: Any) -> bytes:
+        return strict_json(content).encode()
 
 
 def _validation_message(errors: list) -> str:
@@ -281,6 +328,35 @@ class BodyLimitMiddleware:
         await resp(scope, None, send)
 
 
+class ContentTypeMiddleware:
+    """415 for a POST whose body is not declared JSON (``application/json``, ``application/*+json``),
+    or NDJSON on the upload route: a cross-site web page can only send "simple" requests
+    (``text/plain``, forms, or no type), which must never be parsed as JSON and acted upon."""
+
+    def __init__(self, app, json_paths: frozenset[str], ndjson_paths: tuple[str, ...] = ("/v1/documents",)):
+        self.app, self.json_paths, self.ndjson_paths = app, json_paths, ndjson_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.json_paths:
+            return await self.app(scope, receive, send)
+        ctype = ""
+        for k, v in scope["headers"]:
+            if k.lower() == b"content-type":
+                ctype = v.decode("latin-1").split(";")[0].strip().lower()
+        ok = ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))
+        if not ok and scope["path"] in self.ndjson_paths:
+            ok = ctype in NDJSON
+        if ok:
+            return await self.app(scope, receive, send)
+        allowed = "application/json" + (
+            " or application/x-ndjson" if scope["path"] in self.ndjson_paths else ""
+        )
+        resp = error_response(
+            415, f"unsupported content type {ctype or 'none'!r}; send {allowed}", "unsupported_media_type"
+        )
+        await resp(scope, receive, send)
+
+
 class MetricsMiddleware:
     """Counts requests by method, route template and status; times them to the end of the body."""
 
@@ -344,7 +420,7 @@ def _usage(f: Final) -> dict:
 
 
 def _sse(data: dict | str, event: str | None = None) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    payload = data if isinstance(data, str) else strict_json(data)
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
 
 
@@ -404,13 +480,13 @@ def scope_of(settings: Settings, key: str) -> str | None:
 
 
 def auth_dependency(settings: Settings, need: str) -> Callable:
-    """A FastAPI security dependency: ``need`` ('write' or 'read') scope when keys are configured.
+    """A FastAPI security dependency: ``need`` ('write' or 'read') scope when keys are configured;
+    returns the caller's scope.
 
     No keys configured: everything is open (the service then warns when bound beyond loopback).
-    Writes need a write key; reads need a key only with ``require_key_for_reads``. Missing or unknown
-    key: 401; a read-only key on a write: 403."""
-    configured = bool(settings.api_keys or settings.read_api_keys)
-    required = configured and (need == "write" or settings.require_key_for_reads)
+    With keys, every route that uses it needs one: writes a write key, reads a read or write key.
+    Missing or unknown key: 401; a read-only key on a write: 403."""
+    required = bool(settings.api_keys or settings.read_api_keys)
 
     async def check(
         bearer: HTTPAuthorizationCredentials | None = Security(_bearer),
@@ -429,6 +505,11 @@ def auth_dependency(settings: Settings, need: str) -> Callable:
         return scope
 
     return check
+
+
+async def _open_scope() -> None:
+    """No API keys configured: every caller may write (loopback development)."""
+    return None
 
 
 # ---- the app -----------------------------------------------------------------------------------------
@@ -455,6 +536,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         title="ragkv",
         version="0.1.0",
         lifespan=lifespan,
+        default_response_class=StrictJSONResponse,
         description="RAG with reused, blended chunk KV. Errors: {error: {message, type, code}}.",
     )
     app.state.service = svc
@@ -462,7 +544,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     # an endpoint that needs no key declares no security scheme (open reads are not "ignored auth")
     keys = bool(settings.api_keys or settings.read_api_keys)
     can_write = [Depends(auth_dependency(settings, "write"))] if keys else []
-    can_read = [Depends(auth_dependency(settings, "read"))] if keys and settings.require_key_for_reads else []
+    can_read = [Depends(auth_dependency(settings, "read"))] if keys else []
+    caller_scope = auth_dependency(settings, "read") if keys else _open_scope
 
     def sampling(max_tokens, temperature, top_p, seed, stop) -> SamplingParams:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -502,20 +585,11 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         uploads: read as it streams in). Re-sending an unchanged document changes nothing."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype in NDJSON:
-            docs = await _read_ndjson(request, S.DocumentIn, settings.max_upload_bytes)
-        else:
-            if ctype and ctype != "application/json":
-                return error_response(
-                    415,
-                    f"unsupported content type {ctype!r}; use application/json or application/x-ndjson",
-                    "unsupported_media_type",
-                )
-            raw = await request.body()
-            try:
-                req = S.IngestRequest.model_validate_json(raw)
-            except ValidationError as e:
-                raise RequestValidationError(e.errors(include_url=False)) from None
-            docs = [d.model_dump() for d in req.documents]
+            docs = await _read_ndjson(
+                request, S.DocumentIn, settings.max_upload_bytes, settings.max_upload_line_bytes
+            )
+        else:  # application/json (ContentTypeMiddleware refused anything else); parsed off the loop
+            docs = await asyncio.to_thread(_parse_ingest_json, S.IngestRequest, await request.body())
         return await svc.run_ingest(lambda cancel: svc.ingest(docs, cancel), request.is_disconnected)
 
     @app.get(
@@ -693,7 +767,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         )
 
     # -- OpenAI / vLLM-compatible completions (a drop-in for a vLLM server with the ragkv plugin)
-    CompletionRequest = oc.build_completion_request(settings)
+    CompletionRequest = _bounded(oc.build_completion_request(settings))
 
     @app.post(
         "/v1/completions",
@@ -709,9 +783,12 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         summary="OpenAI / vLLM completions; kv_transfer_params chunks served from the chunk store",
         dependencies=can_read,
     )
-    async def completions(req: CompletionRequest, request: Request):
+    async def completions(
+        req: CompletionRequest, request: Request, scope: str | None = Depends(caller_scope)
+    ):
         """vLLM's ``/v1/completions``: a token-id or text prompt; ``kv_transfer_params["ragkv"]`` names
-        stored chunks (key, start, length) whose KV is blended in (docs/API.md)."""
+        stored chunks (key, start, length) whose KV is blended in (docs/API.md); ``save`` (storing the
+        KV of chunks computed here) needs a write key when keys are configured."""
         if settings.backend != "local":
             raise oc.NotServedHereError(
                 f"this service generates on the vLLM server {settings.vllm_url}; send completions there"
@@ -720,6 +797,17 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             raise NotFoundError(f"The model `{req.model}` does not exist.")
         rag = svc.rag
         blend = oc.blend_params(req.kv_transfer_params)
+        if blend is not None and (
+            len(blend.check_layers) > rag.model.config.num_layers
+            or any(layer >= rag.model.config.num_layers for layer in blend.check_layers)
+        ):
+            raise oc.BadRequestError(
+                f"kv_transfer_params: check_layers must be layers of the model (< {rag.model.config.num_layers})"
+            )
+        if blend is not None and blend.save and keys and scope != "write":
+            raise ForbiddenError(
+                "kv_transfer_params save=true writes to the chunk store: it needs a write key"
+            )
         params = oc.sampling(req, rag.model)
         cid = "cmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -840,6 +928,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         body_timeout_s=settings.body_timeout_s,
     )
     app.add_middleware(oc.OpenAIErrorMiddleware)  # OpenAI routes: OpenAI's error shape and statuses
+    # outside the body limit: a body of the wrong type is refused before it is buffered
+    posts = frozenset(r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ()))
+    app.add_middleware(ContentTypeMiddleware, json_paths=posts)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_allow_list())
     app.add_middleware(MetricsMiddleware, service=svc)
     return app
@@ -859,15 +950,39 @@ def warn_exposure(settings: Settings) -> None:
         )
 
 
-async def _read_ndjson(request: Request, model, limit: int) -> list[dict]:
-    """Parse an NDJSON upload as it streams in: one document per line, at most ``limit`` bytes."""
-    docs, buf, size, line_no = [], b"", 0, 0
+async def _read_ndjson(request: Request, model, limit: int, line_limit: int) -> list[dict]:
+    """An NDJSON upload, one document per line: read as it streams in (at most ``limit`` bytes, lines
+    of at most ``line_limit``), each piece scanned once for newlines and each line joined once (linear
+    time), then validated off the event loop."""
+    lines: list[bytes] = []
+    partial: list[bytes] = []
+    partial_len = size = 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise _TooLarge(f"upload larger than {limit} bytes")
+        start = 0
+        while (nl := piece.find(b"\n", start)) >= 0:
+            partial_len += nl - start
+            if partial_len > line_limit:
+                raise _TooLarge(f"upload line {len(lines) + 1} longer than {line_limit} bytes")
+            partial.append(piece[start:nl])
+            lines.append(b"".join(partial))
+            partial, partial_len, start = [], 0, nl + 1
+        partial_len += len(piece) - start
+        if partial_len > line_limit:
+            raise _TooLarge(f"upload line {len(lines) + 1} longer than {line_limit} bytes")
+        partial.append(piece[start:])
+    lines.append(b"".join(partial))
+    return await asyncio.to_thread(_parse_ndjson_lines, model, lines)
 
-    def take(line: bytes) -> None:
-        nonlocal line_no
-        line_no += 1
+
+def _parse_ndjson_lines(model, lines: list[bytes]) -> list[dict]:
+    """Validate NDJSON lines as documents (blank lines skipped); 422 naming the first bad line."""
+    docs = []
+    for line_no, line in enumerate(lines, 1):
         if not line.strip():
-            return
+            continue
         try:
             docs.append(model.model_validate_json(line).model_dump())
         except ValidationError as e:
@@ -876,24 +991,40 @@ async def _read_ndjson(request: Request, model, limit: int) -> list[dict]:
                 for err in e.errors(include_url=False)
             ]
             raise RequestValidationError(errors) from None
-
-    async for piece in request.stream():
-        size += len(piece)
-        if size > limit:
-            raise _TooLarge(f"upload larger than {limit} bytes")
-        buf += piece
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            take(line)
-    take(buf)
     if not docs:
         raise InvalidRequestError("the upload holds no documents")
     return docs
 
 
+def _parse_ingest_json(model, raw: bytes) -> list[dict]:
+    """Validate a JSON ingest body (run off the event loop: a body of megabytes takes a while)."""
+    try:
+        req = model.model_validate_json(raw)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
+    return [d.model_dump() for d in req.documents]
+
+
 class _TooLarge(ServiceError):
     status = 413
     type = "request_too_large"
+
+
+#: most stop strings a completion may carry (each is searched in the text after every token)
+MAX_STOPS = 4
+_Stop = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+def _bounded(model: type[BaseModel]) -> type[BaseModel]:
+    """``/v1/completions``' request model with a bounded ``stop`` list (stated in the schema)."""
+
+    class CompletionRequest(model):
+        stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOPS)] | None = Field(
+            None, description=f"at most {MAX_STOPS} stop strings"
+        )
+
+    CompletionRequest.__doc__ = model.__doc__
+    return CompletionRequest
 
 
 # ---- command line ------------------------------------------------------------------------------------
@@ -943,6 +1074,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m apps.server") -> 
         print(f"error: {e}")
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:  # a clear message now rather than a traceback from the lifespan (the server takes it for good)
+        settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock_data_dir(settings.data_dir).close()
+    except DataDirLocked as e:
+        print(f"error: {e}")
+        return 2
     uvicorn.run(create_app(settings), **uvicorn_options(settings))
     return 0
 

@@ -21,10 +21,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from apps.config import Settings
+from apps.config import ConfigError, Settings
 from apps.metrics import Counter, Gauge, Histogram, Registry
+from ragkv.blend.spans import SearchCancelled, cancel_scope, expect_model
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer, RagBackend
 from ragkv.rag.index import text_sha
@@ -219,6 +221,7 @@ class Service:
     def start(self) -> None:
         """Load the model, embedder, index and store (slow: call it off the event loop)."""
         if self.rag is not None:
+            expect_model(self.rag.store, self.rag.model)
             self.backend = build_backend(self.settings, self.rag)
             return
         s = self.settings
@@ -226,7 +229,7 @@ class Service:
             import torch
 
             torch.set_num_threads(s.torch_threads)
-        self.rag = build_rag(s)
+        self.rag = build_rag(s, writer=True)
         self.backend = build_backend(s, self.rag)
         if s.generation == "engine":
             from ragkv.engine import AsyncEngine, EngineConfig, SchedulerConfig
@@ -263,6 +266,9 @@ class Service:
         if self.rag is not None:
             self.rag.flush()
             self.rag.close()
+            lock = getattr(self.rag, "writer_lock", None)
+            if lock is not None:
+                lock.close()
         return True
 
     # ---- running work off the loop ----------------------------------------------------------------
@@ -382,14 +388,20 @@ class Service:
                 wait = time.perf_counter() - t_in
                 self.queries.started()
                 self.queue_wait.observe(wait, "query")
-                it = make_iter(wait)
-                for item in it:
-                    if cancel.is_set() or self._stopping.is_set():
-                        it.close()
-                        self.cancelled.inc()
-                        post((end, UnavailableError("server is shutting down")))
-                        return
-                    post((item, None))
+                # a chunk search or recompute before the first item stops too (ragkv.blend.spans)
+                with cancel_scope(lambda: cancel.is_set() or self._stopping.is_set()):
+                    it = make_iter(wait)
+                    for item in it:
+                        if cancel.is_set() or self._stopping.is_set():
+                            it.close()
+                            self.cancelled.inc()
+                            post((end, UnavailableError("server is shutting down")))
+                            return
+                        post((item, None))
+            except SearchCancelled:
+                self.cancelled.inc()
+                post((end, ClientGoneError("client went away, or the server is stopping")))
+                return
             except BaseException as e:  # noqa: BLE001 - delivered to the request
                 post((end, e))
                 return
@@ -727,24 +739,36 @@ def build_backend(s: Settings, rag: RAG) -> RagBackend:
     client = VllmClient(
         s.vllm_url,
         s.vllm_model,
-        api_key=s.vllm_api_key,
+        api_key=s.vllm_api_key.get_secret_value() if s.vllm_api_key else None,
         timeout=s.vllm_timeout_s,
         connect_timeout=s.vllm_connect_timeout_s,
     )
     return VllmRAG(rag, client)
 
 
-def build_rag(s: Settings) -> RAG:
-    """The RAG of these settings (model, data dir, store URL, embedder, chunking, defaults)."""
+def build_rag(s: Settings, writer: bool = False) -> RAG:
+    """The RAG of these settings (model, data dir, store URL, embedder, chunking, defaults).
+
+    Files it creates are private (umask 077: data 0600, folders 0700). The store authenticates blobs
+    with ``store_hmac_key`` when set and refuses KV whose geometry is not the model's. ``writer``
+    (``serve``, ``ingest``): take the data folder's writer lock first (:func:`lock_data_dir`)."""
     from ragkv.llm import LLM
     from ragkv.rag import Embedder, prompt_parts
+    from ragkv.store import store_from_url
 
+    os.umask(0o077)
+    data_dir = Path(s.data_dir)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = lock_data_dir(data_dir) if writer else None
     llm = LLM(s.model, dtype=s.dtype, device=s.device)
     prefix, suffix = prompt_parts(llm.model, "?")
-    return RAG(
+    key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None
+    store = store_from_url(s.store or f"file://{(data_dir / 'kv').resolve()}", hmac_key=key)
+    expect_model(store, llm.model)
+    rag = RAG(
         llm,
         s.data_dir,
-        store=s.store,
+        store=store,
         embedder=Embedder(s.embedder),
         chunk_tokens=s.chunk_tokens_for(llm.model.config.max_position, len(prefix) + len(suffix)),
         overlap=s.overlap,
@@ -753,3 +777,34 @@ def build_rag(s: Settings) -> RAG:
         ratio=s.ratio,
         ingest_batch=s.ingest_batch_chunks,
     )
+    rag.writer_lock = lock  # held (open) as long as the RAG lives; released when the process ends
+    return rag
+
+
+class DataDirLocked(ConfigError):
+    """Another process (``serve`` or ``ingest``) is writing to this data folder (a ``ValueError``, so
+    the command line prints its message)."""
+
+
+def lock_data_dir(data_dir: Path):
+    """Take the data folder's writer lock (``<data_dir>/.writer.lock``, ``flock``): one writer per
+    folder, so two processes never append to one index and store. Returns the open lock file (the
+    lock lasts while it is open); :class:`DataDirLocked` with the holder's pid when taken."""
+    import fcntl
+
+    path = data_dir / ".writer.lock"
+    f = open(path, "a+")  # noqa: SIM115 - kept open: the lock lives as long as the file
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise DataDirLocked(
+            f"{data_dir} is in use by another ragkv writer (pid {holder}); stop it, or use another data_dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f

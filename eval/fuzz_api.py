@@ -3,8 +3,8 @@
 Starts ``python -m apps.server`` on a free loopback port (stories260k, small limits so every request
 is cheap), ingests a few documents, then runs ``schemathesis run URL/openapi.json --checks all``
 (examples, coverage, fuzzing and stateful phases; ``--max-examples`` per operation, a fixed seed).
-``--keys`` configures a write key and a read key with ``require_key_for_reads`` (every endpoint but
-``/healthz`` then declares its security scheme, and ``ignored_auth`` checks that each refuses a
+``--keys`` configures a write key and a read key (every endpoint but ``/healthz`` then needs a key
+and declares its security scheme, and ``ignored_auth`` checks that each refuses a
 request without a valid key); the run itself sends the write key. Each failure schemathesis reports
 is matched against :data:`DELIBERATE`, the rejections the service makes on purpose (docs/API.md);
 anything else is unexpected. Prints the failures by kind; ends with one JSON line.

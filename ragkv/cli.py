@@ -235,7 +235,7 @@ def _ingest(args) -> int:
     if not docs:
         print("error: no documents found", file=sys.stderr)
         return 2
-    rag = build_rag(s)
+    rag = build_rag(s, writer=True)  # one writer per data folder (a running `serve` holds it)
     _set_threads(args.threads, rag.model.config.hidden_size)
     rep = rag.ingest(docs, show_progress=not args.quiet)
     rag.close()

@@ -207,10 +207,12 @@ def test_grouped_codec_segments_cover_layer_groups(tmp_path):
 def test_header_records_the_codec_so_a_store_with_another_default_decodes(tmp_path):
     chunk = make_chunk(6, tokens=64)
     LocalDirStore(tmp_path, codec="int8").put(chunk)
-    reopened = LocalDirStore(tmp_path)  # default codec raw now
+    reopened = LocalDirStore(tmp_path, codecs="int8")  # default codec raw now, int8 allowed
     assert reopened.header(chunk.key).codec == "int8"
     got = reopened.get(chunk.key, FP)
     assert rel_err(got.k, chunk.k) < 0.015
+    strict = LocalDirStore(tmp_path)  # only its own codec: an int8 blob is unusable (recomputed)
+    assert strict.get(chunk.key, FP) is None and strict.known_corrupt(chunk.key)
 
 
 # -- writes: idempotence, bounds, persistence -------------------------------------------------------
@@ -372,7 +374,7 @@ def test_flipped_byte_is_a_miss_and_other_segments_still_read(kind, request, tmp
         assert store.load_layers(chunk.key, 2, 3, FP) is None
         assert store.get(chunk.key, FP) is None
     msgs = warnings_of(caplog)
-    assert len(msgs) == 2 and all("checksum mismatch" in m for m in msgs)
+    assert len(msgs) == 2 and all("digest mismatch" in m for m in msgs)
     k, v = store.load_layers(chunk.key, 1, 2, FP)  # an intact segment of the same blob
     assert torch.equal(k, chunk.k[1:2]) and torch.equal(v, chunk.v[1:2])
     assert store.stats()["corrupt"] == 2
@@ -390,7 +392,7 @@ def test_flipped_header_byte_is_a_miss(kind, request, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, "ragkv.store"):
         assert store.header(chunk.key) is None
         assert store.load_layers(chunk.key, 0, 1, FP) is None
-    assert any("header checksum" in m for m in warnings_of(caplog))
+    assert any("header fails sha256 verification" in m for m in warnings_of(caplog))
 
 
 @pytest.mark.parametrize("kind", ["file", "redis"])

@@ -53,6 +53,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from integrations.vllm.params import BlendParams, KVParamsError
 from ragkv.blend.pipeline import ChunkLoadError, PipelinedSource, StoredChunk
 from ragkv.blend.spans import (
+    MAX_CHUNK_REFS,
     ChunkSpan,
     PieceSlice,
     RowPlan,
@@ -292,13 +293,21 @@ class RagkvConnector(KVConnectorBase_V1):
         return (plan.num_external if plan is not None else 0), False
 
     def _find_chunks(self, params: BlendParams, prompt: list[int]) -> tuple[list[ChunkSpan], list[list[int]]]:
-        """Chunks of the request found in the prompt and in the store; token ids of the misses."""
+        """Chunks of the request found in the prompt and in the store; token ids of the misses.
+
+        Bounded work: the first MAX_CHUNK_REFS references only, each key's header read once, key-only
+        chunks located in one linear pass (ragkv.blend.spans.locate_chunks)."""
         fp = self.fingerprint
         store = self.store
         hits: list[ChunkSpan] = []
         misses: list[list[int]] = []
         unplaced: list[tuple[int, str, list[int]]] = []
-        for i, ref in enumerate(params.chunks):
+        headers: dict[str, object] = {}
+        refs = params.chunks
+        if len(refs) > MAX_CHUNK_REFS:
+            log.warning("ragkv: %d chunk references, only the first %d are used", len(refs), MAX_CHUNK_REFS)
+            refs = refs[:MAX_CHUNK_REFS]
+        for i, ref in enumerate(refs):
             if ref.start is not None:
                 toks = prompt[ref.start : ref.start + ref.length]
                 if len(toks) != ref.length:
@@ -323,7 +332,9 @@ class RagkvConnector(KVConnectorBase_V1):
                     misses.append(toks)
                     self.stats["chunks_missed"] += 1
             else:
-                hdr = store.header(ref.key)
+                if ref.key not in headers:
+                    headers[ref.key] = store.header(ref.key)
+                hdr = headers[ref.key]
                 if hdr is None or hdr.fingerprint != fp or hdr.convention != CHUNK_CONVENTION_VERSION:
                     continue  # tokens unknown: recomputed by vLLM as ordinary prompt text, not saved
                 unplaced.append((i, ref.key, list(hdr.token_ids)))

@@ -7,7 +7,9 @@
 * ``redis://127.0.0.1:6379/0?prefix=ragkv:kv:&socket_timeout=2``
 * ``tiered+file:///path?mem_bytes=1GiB`` / ``tiered+redis://host:6379/0?mem_bytes=512MiB``
 
-Common options: ``codec`` (``raw``, ``int8``, ``int4``, ``video``), ``verify`` (segment checksums).
+Common options: ``codec`` (``raw``, ``int8``, ``int4``, ``video``), ``codecs`` (comma-separated
+other codecs the store may decode; by default only its own), ``verify`` (segment digests). The
+HMAC key that authenticates blobs is a keyword argument only (``hmac_key=...``), never in a URL.
 """
 
 from __future__ import annotations
@@ -17,17 +19,19 @@ from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from ragkv.store.base import BlobStore, ChunkStore, FingerprintMismatch, LayerRangeError, StoreWriteError
-from ragkv.store.blob import BlobError, BlobHeader, OutBufferError, Segment
+from ragkv.store.blob import BlobAuth, BlobError, BlobHeader, KVGeometry, OutBufferError, Segment
 from ragkv.store.localdir import LocalDirStore
 from ragkv.store.memory import MemoryStore
 from ragkv.store.tiered import TieredStore
 
 __all__ = [
+    "BlobAuth",
     "BlobError",
     "BlobHeader",
     "BlobStore",
     "ChunkStore",
     "FingerprintMismatch",
+    "KVGeometry",
     "LayerRangeError",
     "LocalDirStore",
     "MemoryStore",
@@ -59,7 +63,7 @@ _UNITS = {
 _INT_OPTS = {"max_bytes", "mem_bytes", "retries", "max_staged"}
 _FLOAT_OPTS = {"socket_timeout", "connect_timeout", "down_backoff_s", "warn_every_s", "access_flush_s"}
 _BOOL_OPTS = {"verify", "fsync"}
-_STORE_OPTS = _INT_OPTS | _FLOAT_OPTS | _BOOL_OPTS | {"codec", "prefix"}
+_STORE_OPTS = _INT_OPTS | _FLOAT_OPTS | _BOOL_OPTS | {"codec", "codecs", "prefix"}
 
 
 def __getattr__(name: str):

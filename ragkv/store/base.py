@@ -29,7 +29,7 @@ import torch
 
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, ChunkKV
 from ragkv.store import blob as blobfmt
-from ragkv.store.blob import BlobError, BlobHeader, OutBufferError, Segment
+from ragkv.store.blob import BlobAuth, BlobError, BlobHeader, KVGeometry, OutBufferError, Segment
 from ragkv.store.codecs.base import CodecError, KVCodec, get_codec
 
 log = logging.getLogger("ragkv.store")
@@ -87,6 +87,8 @@ class ChunkStore(ABC):
         self._suppressed_warns = 0
         #: seconds between two "backend unavailable" warnings (corruption warnings are never throttled)
         self.warn_every_s = 30.0
+        #: model fingerprint -> the KV geometry its blobs must have (see :meth:`expect_geometry`)
+        self._geometry: dict[str, KVGeometry] = {}
 
     # -- interface ------------------------------------------------------------------------------
     @abstractmethod
@@ -153,6 +155,11 @@ class ChunkStore(ABC):
         """Note that the blob under ``key`` is unusable (e.g. it holds other tokens), so ``put`` rewrites it."""
         return None  # stores without a corrupt set rewrite nothing (a put of a stored key is a no-op)
 
+    def expect_geometry(self, fingerprint: str, geometry: KVGeometry) -> None:
+        """Refuse (as corrupt) any blob of model ``fingerprint`` whose layers, KV heads, head_dim or
+        token count do not fit ``geometry``, before its tensors are allocated or reach attention."""
+        self._geometry[fingerprint] = geometry
+
     def stats(self) -> dict:
         """Counters since creation: hits, misses, errors, corrupt, puts, bytes_read/written, evictions."""
         with self._stats_lock:
@@ -211,11 +218,19 @@ class BlobStore(ChunkStore):
         codec_options: dict | None = None,
         verify: bool = True,
         header_cache: int = 4096,
+        hmac_key: bytes | str | BlobAuth | None = None,
+        codecs: str | list[str] | tuple[str, ...] | frozenset[str] | None = None,
     ) -> None:
         super().__init__()
         self.codec = codec if isinstance(codec, KVCodec) else get_codec(codec, **(codec_options or {}))
-        #: verify segment checksums on read (the header checksum is always verified)
+        #: verify segment digests on read (the header's tag is always verified)
         self.verify = verify
+        #: sha256 digests, or HMAC-SHA256 with the store's secret key (blobs without it are unusable)
+        self.auth = hmac_key if isinstance(hmac_key, BlobAuth) else BlobAuth(hmac_key)
+        if isinstance(codecs, str):
+            codecs = [c.strip() for c in codecs.split(",") if c.strip()]
+        #: codecs this store decodes: its own plus ``codecs``; a blob of any other is unusable
+        self.allowed_codecs = frozenset({self.codec.name, *(codecs or ())})
         self._headers: OrderedDict[str, BlobHeader] = OrderedDict()
         self._header_cap = header_cache
         self._hlock = threading.Lock()
@@ -262,11 +277,11 @@ class BlobStore(ChunkStore):
         if key not in self._corrupt and self.contains(key):
             self._count("puts_skipped")
             return True
-        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.codec))
+        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.codec, self.auth))
 
     def put_blob(self, key: str, blob: bytes) -> bool:
         check_key(key)
-        hdr = blobfmt.parse_header(blob)  # a caller handing us non-blob bytes is a bug: ValueError
+        hdr = blobfmt.parse_header(blob, self.auth)  # non-blob or foreign bytes are a caller bug: ValueError
         if hdr.key != key or hdr.total_size != len(blob):
             raise ValueError(f"blob does not hold chunk {key[:16]} or has the wrong length")
         overwrite = key in self._corrupt
@@ -357,6 +372,8 @@ class BlobStore(ChunkStore):
             if hdr is not None and hdr.key != key:  # a valid blob of another chunk: corrupt, rewritten on put
                 self._forget(key)
                 raise BlobError(f"blob stored under {key[:16]} holds chunk {hdr.key[:16]}")
+            if hdr is not None:
+                self._check_blob(hdr)
             return hdr
 
         return self._guard("header", key, run, None)
@@ -435,6 +452,19 @@ class BlobStore(ChunkStore):
             raise FingerprintMismatch(
                 f"KV was computed by model {hdr.fingerprint[:16]}, requested for model {fingerprint[:16]}"
             )
+        self._check_blob(hdr)
+
+    def _check_blob(self, hdr: BlobHeader) -> None:
+        """The checks a header must pass before any of its bytes are decoded or tensors allocated: an
+        allowed codec, segments big enough for the declared shape, and the model's geometry."""
+        if hdr.codec not in self.allowed_codecs:
+            raise BlobError(
+                f"blob codec {hdr.codec!r} is not one this store decodes {sorted(self.allowed_codecs)}"
+            )
+        blobfmt.check_sizes(hdr, blobfmt.codec_for(hdr))
+        geometry = self._geometry.get(hdr.fingerprint)
+        if geometry is not None:
+            geometry.check(hdr)
 
     def _header(self, key: str, fresh: bool = False) -> tuple[BlobHeader | None, bool]:
         """(header, came_from_cache); reads only the first bytes of the blob."""
@@ -453,7 +483,7 @@ class BlobStore(ChunkStore):
                 raise BlobError(f"blob truncated inside its header ({len(head)} < {size} bytes)")
             rest = self._read_counted(key, len(head), size - len(head)) or b""
             head = bytes(head) + bytes(rest)
-        hdr = blobfmt.parse_header(head)
+        hdr = blobfmt.parse_header(head, self.auth)
         self._cache_header(key, hdr)
         return hdr, False
 
@@ -468,7 +498,7 @@ class BlobStore(ChunkStore):
         data = self._read_counted(key, 0, None)
         if data is None:
             return None
-        hdr = blobfmt.parse_header(data)
+        hdr = blobfmt.parse_header(data, self.auth)
         self._check_header(hdr, key, fingerprint)
         if len(data) != hdr.total_size:
             raise BlobError(f"blob has {len(data)} bytes, its header says {hdr.total_size}")
@@ -476,7 +506,7 @@ class BlobStore(ChunkStore):
         for s in hdr.segments:
             seg = mv[hdr.data_start + s.offset : hdr.data_start + s.offset + s.length]
             if self.verify:
-                blobfmt.check_segment(s, seg)
+                blobfmt.check_segment(s, seg, self.auth)
         self._cache_header(key, hdr)
         return hdr, data
 
@@ -505,7 +535,7 @@ class BlobStore(ChunkStore):
                 for s in segs:
                     seg = mv[s.offset - lo : s.offset - lo + s.length]
                     if self.verify:
-                        blobfmt.check_segment(s, seg)
+                        blobfmt.check_segment(s, seg, self.auth)
                     else:
                         _check_length(s, seg)
                     out.append((s, seg))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ragkv.store import blob as blobfmt
 from ragkv.store.base import BlobStore
+from ragkv.store.blob import BlobAuth
 from ragkv.store.codecs.base import KVCodec
 
 log = logging.getLogger("ragkv.store")
@@ -56,17 +57,23 @@ class LocalDirStore(BlobStore):
         verify: bool = True,
         fsync: bool = False,
         access_flush_s: float = 5.0,
+        hmac_key: bytes | str | BlobAuth | None = None,
+        codecs: str | list[str] | None = None,
     ) -> None:
-        super().__init__(codec=codec, codec_options=codec_options, verify=verify)
+        super().__init__(
+            codec=codec, codec_options=codec_options, verify=verify, hmac_key=hmac_key, codecs=codecs
+        )
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
         self.root = Path(root).expanduser().resolve()
         self.max_bytes = max_bytes
         self.fsync = fsync
         self.access_flush_s = access_flush_s
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         db_path = self.root / INDEX_NAME
         fresh = not db_path.exists()
+        if fresh:  # private from the start: sqlite would create it with the process umask
+            os.close(os.open(db_path, os.O_CREAT | os.O_WRONLY, 0o600))
         self._lock = threading.RLock()
         self._db = sqlite3.connect(db_path, timeout=30.0, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -112,7 +119,7 @@ class LocalDirStore(BlobStore):
         if not overwrite and path.exists():
             self._index_row(key, path.stat().st_size)  # adopt a blob whose index row was lost
             return False
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         # the writer's pid in the name lets a later start-up remove the leftovers of a killed writer
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:16]}.{os.getpid()}.", suffix=".tmp")
         try:
@@ -182,7 +189,7 @@ class LocalDirStore(BlobStore):
                     size = blobfmt.header_size(head)
                     if size > len(head):
                         head += f.read(size - len(head))
-                hdr = blobfmt.parse_header(head)
+                hdr = blobfmt.parse_header(head, self.auth)
                 if hdr.key != key:
                     raise blobfmt.BlobError("header key differs from file name")
             except (OSError, blobfmt.BlobError) as e:

@@ -11,6 +11,7 @@ import threading
 from collections import OrderedDict
 
 from ragkv.store.base import BlobStore, StoreWriteError
+from ragkv.store.blob import BlobAuth
 from ragkv.store.codecs.base import KVCodec
 
 
@@ -23,8 +24,12 @@ class MemoryStore(BlobStore):
         codec: str | KVCodec = "raw",
         codec_options: dict | None = None,
         verify: bool = False,
+        hmac_key: bytes | str | BlobAuth | None = None,
+        codecs: str | list[str] | None = None,
     ) -> None:
-        super().__init__(codec=codec, codec_options=codec_options, verify=verify)
+        super().__init__(
+            codec=codec, codec_options=codec_options, verify=verify, hmac_key=hmac_key, codecs=codecs
+        )
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
         self.max_bytes = max_bytes

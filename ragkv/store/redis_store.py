@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ragkv.store.base import BlobStore
+from ragkv.store.blob import BlobAuth
 from ragkv.store.codecs.base import KVCodec
 
 
@@ -47,8 +48,12 @@ class RedisStore(BlobStore):
         down_backoff_s: float = 2.0,
         warn_every_s: float = 30.0,
         client: redis.Redis | None = None,
+        hmac_key: bytes | str | BlobAuth | None = None,
+        codecs: str | list[str] | None = None,
     ) -> None:
-        super().__init__(codec=codec, codec_options=codec_options, verify=verify)
+        super().__init__(
+            codec=codec, codec_options=codec_options, verify=verify, hmac_key=hmac_key, codecs=codecs
+        )
         if not prefix or "@" in prefix:
             raise ValueError(f"invalid Redis key prefix {prefix!r}")
         self.url = url

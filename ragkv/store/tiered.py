@@ -34,7 +34,13 @@ class TieredStore(ChunkStore):
         super().__init__()
         self.backend = backend
         self.codec = backend.codec
-        self.memory = memory if memory is not None else MemoryStore(max_bytes=mem_bytes, codec=backend.codec)
+        self.memory = (
+            memory
+            if memory is not None
+            else MemoryStore(
+                max_bytes=mem_bytes, codec=backend.codec, hmac_key=backend.auth, codecs=backend.allowed_codecs
+            )
+        )
         self.max_staged = max_staged
         # key -> (header, {segment start layer: verified bytes}) of chunks being read layer by layer
         self._staged: OrderedDict[str, tuple[BlobHeader, dict[int, bytes]]] = OrderedDict()
@@ -53,7 +59,7 @@ class TieredStore(ChunkStore):
         ):  # the durable copy decides (memory may hold one the backend missed)
             self._count("puts_skipped")
             return True
-        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.backend.codec))
+        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.backend.codec, self.backend.auth))
 
     def put_blob(self, key: str, blob: bytes) -> bool:
         ok_backend = self.backend.put_blob(key, blob)
@@ -61,6 +67,11 @@ class TieredStore(ChunkStore):
         self._count("puts" if ok_backend else "put_errors")
         # stored somewhere is stored: hot chunks keep being served from memory while the backend is down
         return ok_backend or ok_memory
+
+    def expect_geometry(self, fingerprint: str, geometry) -> None:
+        super().expect_geometry(fingerprint, geometry)
+        self.memory.expect_geometry(fingerprint, geometry)
+        self.backend.expect_geometry(fingerprint, geometry)
 
     def known_corrupt(self, key: str) -> bool:
         return self.memory.known_corrupt(key) or self.backend.known_corrupt(key)
@@ -176,4 +187,5 @@ class TieredStore(ChunkStore):
             while len(self._staged) > self.max_staged:
                 self._staged.popitem(last=False)
         if complete:
-            self.memory.put_blob(key, blobfmt.assemble(hdr, [parts[s.start] for s in hdr.segments]))
+            blob = blobfmt.assemble(hdr, [parts[s.start] for s in hdr.segments], self.backend.auth)
+            self.memory.put_blob(key, blob)

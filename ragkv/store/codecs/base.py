@@ -26,6 +26,9 @@ class KVCodec(ABC):
     group_size: int = 1
     #: True when decode(encode(x)) == x bit for bit (raw), False for quantizing codecs
     lossless: bool = False
+    #: most decoded bytes per stored byte (None: unbounded, e.g. video); readers refuse segments whose
+    #: header declares more before allocating anything
+    max_expansion: float | None = None
 
     @abstractmethod
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:
@@ -44,6 +47,10 @@ class KVCodec(ABC):
     def params(self) -> dict:
         """Settings that change the bytes (stored in blob headers)."""
         return {}
+
+    def peek_shape(self, data: bytes | memoryview) -> tuple[int, int, int, int] | None:
+        """``(G, T, Hkv, D)`` a segment's own header declares, read without decoding (None: unknown)."""
+        return None
 
     def groups(self, num_layers: int) -> list[tuple[int, int]]:
         """Layer ranges ``[start, stop)`` of the segments of a chunk with ``num_layers`` layers."""

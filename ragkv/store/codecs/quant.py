@@ -46,6 +46,8 @@ class QuantCodec(KVCodec):
 
     lossless = False
     group_size = 1
+    #: 4 bits per value decoded to float64 (8 bytes): 16x at most
+    max_expansion = 16.0
 
     def __init__(
         self,
@@ -120,6 +122,11 @@ class QuantCodec(KVCodec):
         return [tensor_bytes(s.to(sdt)) for s in stored] + [tensor_bytes(q)]
 
     # -- decode ---------------------------------------------------------------------------------
+    def peek_shape(self, data: bytes | memoryview) -> tuple[int, int, int, int]:
+        if len(data) < _HEAD.size or bytes(data[:4]) != _MAGIC:
+            raise CodecError("not a quant codec segment")
+        return tuple(_HEAD.unpack_from(data, 0)[5:])
+
     def decode(
         self, data: bytes, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

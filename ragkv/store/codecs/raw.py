@@ -50,6 +50,7 @@ class RawCodec(KVCodec):
     name = "raw"
     group_size = 1
     lossless = True
+    max_expansion = 1.0
 
     def __init__(self, group_size: int = 1) -> None:
         if int(group_size) < 1:
@@ -108,6 +109,9 @@ class RawCodec(KVCodec):
                 np.copyto(np_dst, np.frombuffer(view, dtype=_NP_VIEW[src]).reshape(want))
             else:
                 dst.copy_(tensor_from_bytes(data, offset, count, src).view(want))
+
+    def peek_shape(self, data: bytes | memoryview) -> tuple[int, int, int, int]:
+        return self._parse(data)[1:]
 
     @staticmethod
     def _parse(data: bytes | memoryview) -> tuple[torch.dtype, int, int, int, int]:

@@ -386,6 +386,10 @@ class VideoCodec(KVCodec):
         raise CodecError("could not produce a lossless HEVC stream for this layer group")
 
     # -- decode -------------------------------------------------------------------------------------
+    def peek_shape(self, data: bytes | memoryview) -> tuple[int, int, int, int]:
+        hdr = container.unpack(data)
+        return (hdr.layers, hdr.tokens, hdr.heads, hdr.head_dim)
+
     def header(self, data: bytes | memoryview) -> VideoHeader:
         """Parsed and verified header; raises :class:`CodecError` on corrupt or foreign bytes."""
         hdr = container.unpack(data)

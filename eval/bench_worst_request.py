@@ -1,0 +1,208 @@
+"""Worst-case requests against a live ragkv service: what one anonymous request can cost (issue 24).
+
+Starts ``python -m apps.server`` on a free loopback port with the tiny model (``models/stories260k``)
+and the service's default limits (or uses ``--url``), ingests a few passages, then sends each
+worst-case request one at a time while a probe polls ``/healthz``: the most chunk references
+(``MAX_CHUNK_REFS`` copies of a stored chunk's key, and 4,096 refs), the longest stop list allowed
+and a longer one, the largest JSON body, and the longest NDJSON line (and one byte more). For each it
+prints the status, the request's wall time and the worst ``/healthz`` latency meanwhile; it ends with
+one JSON line whose ``worst_s`` is the costliest request.
+
+    python -m eval.bench_worst_request
+    python -m eval.bench_worst_request --url http://127.0.0.1:8000 --key WRITE_KEY
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+
+from eval.prompts import DATA_DIR, TINY_MODEL
+from ragkv.blend.spans import MAX_CHUNK_REFS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_server(data_dir: Path) -> tuple[subprocess.Popen, str]:
+    """The service on a free loopback port with the tiny model and default limits."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "RAGKV_MODEL": str(TINY_MODEL),
+        "RAGKV_DATA_DIR": str(data_dir),
+        "RAGKV_TORCH_THREADS": "1",
+        "RAGKV_LOG_LEVEL": "warning",
+        "PYTHONPATH": str(REPO),
+    }
+    log = open(data_dir.parent / "server.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "apps.server", "--port", str(port)], cwd=REPO, env=env, stdout=log, stderr=log
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited; see {data_dir.parent / 'server.log'}")
+        try:
+            if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("server did not start in 300 s")
+
+
+def timed(base: str, send: Callable[[], httpx.Response]) -> tuple[int, float, float]:
+    """(status, request seconds, worst /healthz seconds while it ran)."""
+    worst = [0.0]
+    done = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=base, timeout=60) as p:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                p.get("/healthz")
+                worst[0] = max(worst[0], time.perf_counter() - t0)
+                time.sleep(0.02)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t0 = time.perf_counter()
+    try:
+        r = send()
+        status = r.status_code
+    except httpx.HTTPError as e:  # a refused body may end the connection before it is all sent
+        status = f"{type(e).__name__}"
+    took = time.perf_counter() - t0
+    done.set()
+    t.join()
+    return status, took, worst[0]
+
+
+def pieces(blob: bytes, size: int = 64 << 10) -> Iterator[bytes]:
+    for i in range(0, len(blob), size):
+        yield blob[i : i + size]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", help="a running service (default: start one with the tiny model)")
+    ap.add_argument("--key", help="a write API key of that service")
+    ap.add_argument("--max-body-bytes", type=int, default=8 << 20, help="the service's max_body_bytes")
+    ap.add_argument("--max-line-bytes", type=int, default=16 << 20, help="its max_upload_line_bytes")
+    args = ap.parse_args(argv)
+    tmp = tempfile.TemporaryDirectory(prefix="ragkv-worst-")
+    proc = None
+    base = args.url
+    if base is None:
+        proc, base = start_server(Path(tmp.name) / "data")
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    rows: list[dict] = []
+    try:
+        with httpx.Client(base_url=base, timeout=600, headers=headers) as c:
+            sample = json.loads((DATA_DIR / "musique_s.json").read_text())[0]
+            docs = [{"id": f"w{j}", "text": ctx["text"]} for j, ctx in enumerate(sample["ctxs"][:4])]
+            ing = c.post("/v1/documents", json={"documents": docs})
+            ing.raise_for_status()
+            chunk_id = ing.json()["documents"][0]["chunk_ids"][0]
+            src = c.post("/v1/query", json={"question": "x", "chunk_ids": [chunk_id], "max_tokens": 1})
+            src.raise_for_status()
+            key, text = src.json()["sources"][0]["kv_key"], src.json()["sources"][0]["text"]
+            ctx = c.get("/v1/models").json()["data"][0]["id"]
+            # the chunk's tokens a few times (key-only refs are searched in the prompt's token ids);
+            # a service started elsewhere: its text, which may tokenize differently (then nothing is found)
+            prompt: str | list[int] = (text + " ") * 3
+            if proc is not None:
+                from ragkv.store import LocalDirStore
+
+                with LocalDirStore(Path(tmp.name) / "data" / "kv") as store:
+                    hdr = store.header(key)
+                if hdr is not None:
+                    prompt = [1, *hdr.token_ids * 3]
+
+            def completion(**extra) -> Callable[[], httpx.Response]:
+                body = {"model": ctx, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra}
+                return lambda: c.post("/v1/completions", json=body)
+
+            ndjson = {"content-type": "application/x-ndjson"}
+            line = b'{"text": "' + b"a" * (args.max_line_bytes - 13) + b'"}\n'
+            over = b'{"text": "' + b"a" * (args.max_line_bytes + 1) + b'"}\n'
+            body_max = json.dumps({"question": "q", "pad": " " * (args.max_body_bytes - 40)}).encode()
+            cases: list[tuple[str, Callable[[], httpx.Response]]] = [
+                (
+                    f"{MAX_CHUNK_REFS} refs of one stored key",
+                    completion(kv_transfer_params={"ragkv": {"chunks": [key] * MAX_CHUNK_REFS}}),
+                ),
+                ("4096 refs", completion(kv_transfer_params={"ragkv": {"chunks": [key] * 4096}})),
+                ("4 stops of 64 chars", completion(stop=["\u00e9" * 64] * 4, max_tokens=48)),
+                ("5000 stops", completion(stop=["ab"] * 5000)),
+                (
+                    "max JSON body (query)",
+                    lambda: c.post(
+                        "/v1/query", content=body_max, headers={"content-type": "application/json"}
+                    ),
+                ),
+                (
+                    "max JSON body + 1 (query)",
+                    lambda: c.post(
+                        "/v1/query",
+                        content=body_max + b" " * 64,
+                        headers={"content-type": "application/json"},
+                    ),
+                ),
+                (
+                    "longest NDJSON line",
+                    lambda: c.post("/v1/documents", content=pieces(line), headers=ndjson),
+                ),
+                (
+                    "NDJSON line too long",
+                    lambda: c.post("/v1/documents", content=pieces(over), headers=ndjson),
+                ),
+            ]
+            print(f"{'request':32} {'status':>12} {'seconds':>8} {'healthz max':>12}")
+            for name, send in cases:
+                status, took, worst = timed(base, send)
+                rows.append({"request": name, "status": status, "seconds": took, "healthz_max_s": worst})
+                print(f"{name:32} {status!s:>12} {took:8.3f} {worst:12.3f}")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        tmp.cleanup()
+    worst_row = max(rows, key=lambda r: r["seconds"])
+    print(
+        json.dumps(
+            {
+                "bench": "worst_request",
+                "worst_s": round(worst_row["seconds"], 3),
+                "worst_request": worst_row["request"],
+                "healthz_max_s": round(max(r["healthz_max_s"] for r in rows), 3),
+                "requests": [
+                    {**r, "seconds": round(r["seconds"], 3), "healthz_max_s": round(r["healthz_max_s"], 3)}
+                    for r in rows
+                ],
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
