@@ -59,6 +59,17 @@ def sample_story_chunks(model, n_chunks: int, length: int, seed: int) -> list[li
     return chunks
 
 
+def ulps(dtype: torch.dtype, scale: float, n: float = 1.0) -> float:
+    """``n`` units in the last place of ``dtype`` at magnitude ``scale`` (``n * eps(dtype) * scale``)."""
+    return n * torch.finfo(dtype).eps * float(scale)
+
+
+def top2_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Gap between the largest and the second-largest logit along the last dimension (fp32)."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
 def hf_logits(model_dir_or_config, ids: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
     """Reference logits from transformers' own AutoModelForCausalLM (eager attention)."""
     from transformers import AutoModelForCausalLM

@@ -127,6 +127,7 @@ def test_data_files_load_with_both_gold_formats():
 
 
 # ---- end to end ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_end_to_end_every_mode_every_file_and_retrieval(tmp_path, small_data, capsys):
     out = tmp_path / "run"
     modes = "full,prefix,reuse,blend,mapreduce,maprerank"

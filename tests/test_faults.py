@@ -44,6 +44,7 @@ def _rag(path: Path, embedder, **kw) -> RAG:
 
 
 # ---- kill -9 during ingest ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_kill9_during_ingest_loses_no_acknowledged_document(tmp_path, one_thread):
     """2 SIGKILLs at random points of a 16-document ingest (each costs a process start, ~10 s on 2
     cores); ``python -m eval.faults --soak`` runs 20 of a 100-document ingest by hand."""
@@ -428,6 +429,7 @@ def _closed_by_server(s: socket.socket, wait: float) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_slow_bodies_get_408_and_half_open_connections_cannot_starve_healthz(tmp_path):
     """A body that stops arriving gets 408 (and the connection closed) within ``body_timeout_s``;
     connections that never send their request head are capped (the oldest closed), so they never fill
@@ -480,6 +482,7 @@ def test_slow_bodies_get_408_and_half_open_connections_cannot_starve_healthz(tmp
                 s.close()
 
 
+@pytest.mark.slow
 def test_32_clients_race_deletes_and_queries_against_a_serial_reference(tmp_path, one_thread):
     from tests.test_server import running_server
 
@@ -611,6 +614,7 @@ def test_store_header_read_checks_the_key(tmp_path, one_thread):
 
 
 # ---- the ingest-load benchmark at smoke size ---------------------------------------------------------
+@pytest.mark.slow
 def test_bench_ingest_load_runs_and_reports_sane_fields():
     """eval.bench_ingest_load at a small size (the 50 MB goal is measured by hand: docs/BENCHMARKS.md)."""
     from eval import bench_ingest_load

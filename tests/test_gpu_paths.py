@@ -13,7 +13,7 @@ from ragkv.generate import SamplingParams, decode_step, generate, load_prompt, m
 from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
 from ragkv.model.static_decode import StaticDecoder
-from tests.helpers import stories_model, stories_path
+from tests.helpers import stories_model, stories_path, top2_margin, ulps
 
 HAVE_STORIES = stories_path().exists()
 CUDA = torch.cuda.is_available()
@@ -118,8 +118,31 @@ def _models():
     return out
 
 
+def _decode_tolerance(dtype: torch.dtype, scale: float) -> float:
+    """How far two summation orders may move decode logits of magnitude ``scale`` in a ``dtype`` model.
+
+    Both decoders run the same kernels, but attention reduces over the static buffer's 78 rows (41 of
+    them masked) instead of the 38..57 written ones, and the CPU kernels (AVX2 or AVX-512, picked at
+    run time) accumulate in fp32 in their own order. fp32 models: that order shows up directly,
+    measured up to 10 fp32 ulps of the logits' magnitude (stories260k, 8 prompts, both levels).
+    bf16 models: the fp32 sums are rounded to bf16, so the logits differ by whole bf16 ulps, measured
+    up to 1 (the random model; 2.7 for stories260k loaded in bf16). Tolerance: 32 fp32 ulps plus 4
+    ulps of the model's dtype, over 3x the measurements for the models tested here.
+    """
+    return ulps(torch.float32, scale, 32) + ulps(dtype, scale, 4)
+
+
 @pytest.mark.parametrize("idx", range(3), ids=["random-fp32", "random-bf16", "stories260k"])
 def test_static_decode_gives_the_growing_cache_decode_tokens_and_logits(idx, one_thread):
+    """Teacher-forced with the growing cache's greedy tokens, the static decoder gives the same logits
+    within rounding at every step, and the same token wherever the top-2 margin exceeds that rounding;
+    its free-running greedy follows the growing cache's tokens until the first step where it may not.
+
+    Not bit-equal tokens: in bf16 a random model's top two logits are often within a bf16 ulp or two
+    of each other (at 6 to 7 of these 19 steps), so which of them wins depends on the summation
+    order, i.e. on the CPU's kernels (AVX-512 took the other token of a near tie at token 11, AVX2
+    did not).
+    """
     models = _models()
     if idx >= len(models):
         pytest.skip("shared stories260k model not found")
@@ -131,21 +154,35 @@ def test_static_decode_gives_the_growing_cache_decode_tokens_and_logits(idx, one
     ref = generate(m, res, SamplingParams(max_new_tokens=20, stop_token_ids=())).token_ids
     sd = StaticDecoder(m, capacity=len(ids) + 40)
     assert isinstance(sd, torch.nn.Module)
-    assert sd.greedy(res, 20) == ref, name
-    # teacher-forced logits step by step against decode_step over the growing DenseKVCache. Not bit-equal:
-    # attention reduces over the static buffer's 78 rows (41 masked) instead of the 38..57 written ones,
-    # which changes fp32 summation order (measured max |diff| 1e-7 .. 6e-6 here, bf16: one bf16 ulp)
+    got = sd.greedy(res, 20)
+    assert len(got) == 20 and got[0] == ref[0] == int(res.logits.argmax())  # the prefill's own token
     cache = make_cache(m, "fp16", capacity=8)  # grows by doubling, as generate's does
     load_prompt(cache, res)
     sd.load_prompt(res)
-    tol = 1e-4 if m.dtype == torch.float32 else 2e-2
-    assert int(res.logits.argmax()) == ref[0]
+    decided = 0
+    diverged = got[0] != ref[0]
     for i, tok in enumerate(ref[:-1]):
         a = decode_step(m, cache, tok, len(ids) + i)
         b = sd.step(tok, len(ids) + i)
-        assert int(a.argmax()) == int(b.argmax()) == ref[i + 1]
-        assert torch.allclose(a, b, atol=tol, rtol=0), (name, i, float((a - b).abs().max()))
+        # same cache code, same rows as generate: bit-identical, so its token is generate's
+        assert int(a.argmax()) == ref[i + 1], (name, i)
+        tol = _decode_tolerance(m.dtype, float(a.abs().max()))
+        err = float((a - b).abs().max())
+        assert err <= tol, (name, i, err, tol)
+        # |a - b| <= tol everywhere, so a margin above 2 tol cannot flip the argmax
+        if float(top2_margin(a)) > 2 * tol:
+            decided += 1
+            assert int(b.argmax()) == ref[i + 1], (name, i)
+        if not diverged:
+            # greedy fed these same tokens so far, and sd.step is the same code on the same buffers:
+            # its next token is exactly this step's argmax, hence ref's wherever the step is decided
+            assert got[i + 1] == int(b.argmax()), (name, i, got, ref)
+            diverged = got[i + 1] != ref[i + 1]
     assert sd.length == len(ids) + 19 == cache.length
+    assert diverged or got == ref
+    # the token checks are not vacuous: fp32 margins are at least 10x the tolerance at every step; in
+    # bf16, 7 (AVX-512) and 8 (AVX2) of the 19 steps clear 2 tol here
+    assert decided >= (19 if m.dtype == torch.float32 else 5), (name, decided)
 
 
 def test_static_decode_traces_as_one_graph_and_refuses_overflow():

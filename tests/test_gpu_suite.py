@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from eval.bench_gpu_suite import BENCH_ARGS, BUDGETS, TOTAL_BUDGET_S, gpu_test_files
 from tests.helpers import REPO
 
 
+@pytest.mark.slow
 def test_gpu_suite_dry_run_checks_every_step_and_ends_with_one_json_line(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable}

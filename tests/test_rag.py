@@ -117,6 +117,7 @@ def test_ingest_pauses_between_small_steps(tmp_path, embedder, musique):
     rag.close()
 
 
+@pytest.mark.slow
 def test_ingest_retrieve_answer_idempotent_and_persistent(tmp_path, embedder, musique):
     rag = _rag(tmp_path, embedder)
     rep = rag.ingest(_docs(musique), show_progress=False)
@@ -170,6 +171,7 @@ def test_errors_and_fit(tmp_path, embedder, musique):
     rag.close()
 
 
+@pytest.mark.slow
 def test_system_and_few_shot_turns_reach_every_prompt(tmp_path, embedder, musique):
     from ragkv.rag import prompt_parts
 
@@ -187,6 +189,7 @@ def test_system_and_few_shot_turns_reach_every_prompt(tmp_path, embedder, musiqu
     rag.close()
 
 
+@pytest.mark.slow
 def test_flipped_byte_is_detected_and_recomputed_with_the_same_answer(tmp_path, embedder, musique, caplog):
     rag = _rag(tmp_path, embedder)
     rag.ingest(_docs(musique[:1]), show_progress=False)

@@ -412,6 +412,7 @@ def test_metrics_prometheus_text(client, ingested):
 
 
 # ---- schemathesis (last: it ingests random documents) --------------------------------------------------------
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_errors(server, ingested):
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, Phase, given, settings
