@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
+from ragkv.blend import DEFAULT_RATIO
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 MIN_API_KEY_CHARS = 16
@@ -83,7 +84,7 @@ class Settings(BaseSettings):
     overlap: int = Field(0, ge=0)
     top_k: int = Field(6, ge=1)
     mode: Literal["full", "prefix", "reuse", "blend"] = "blend"
-    ratio: float = Field(0.15, ge=0.0, le=1.0)
+    ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     # generation
     generation: Literal["threads", "engine"] = Field(
         "threads",

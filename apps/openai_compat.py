@@ -37,7 +37,7 @@ from apps.config import Settings
 from apps.schemas import MAX_INT
 from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
 from apps.service import ServiceError
-from ragkv.blend import BlendSchedule
+from ragkv.blend import DEFAULT_RATIO, BlendSchedule
 from ragkv.blend.pipeline import pipelined_factory
 from ragkv.blend.spans import ChunkRef, SpanError, prefill_stored_spans
 from ragkv.generate import MIN_TEMPERATURE, SamplingParams, TokenEvent, stream
@@ -187,7 +187,7 @@ class BlendRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     chunks: list[ChunkParam] = Field(max_length=4096, description="{key, start?, length?} objects or keys")
     mode: Literal["blend", "reuse"] = "blend"
-    ratio: float = Field(0.15, ge=0.0, le=1.0)
+    ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     check_layers: list[Annotated[int, Field(ge=0)]] = [1]
     deviation: Literal["k", "v", "kv"] = BlendSchedule.deviation
     # security (issue 24): a read must not write; save=true needs a write key (apps/server.py)
@@ -204,9 +204,14 @@ class BlendRequest(BaseModel):
         return [ChunkRef(c.key, c.start, c.length) for c in self.chunks]
 
     def schedule(self) -> BlendSchedule:
-        """The HKVD schedule: ``ratio`` at every check layer (used in mode "blend")."""
+        """The blend schedule (mode "blend"): the library's default at ``ratio``, or ``ratio`` at every
+        check layer the request names (CacheBlend's check-layer selection)."""
+        if not {"check_layers", "deviation", "fresh_check_kv"} & self.model_fields_set:
+            return BlendSchedule.single(self.ratio)
         n = len(self.check_layers)
-        return BlendSchedule(tuple(self.check_layers), (self.ratio,) * n, self.deviation, self.fresh_check_kv)
+        return BlendSchedule(
+            tuple(self.check_layers), (self.ratio,) * n, self.deviation, self.fresh_check_kv, selector="kdev"
+        )
 
 
 def _reason(e: ValidationError) -> str:

@@ -50,7 +50,8 @@ def parse_schedule(text: str) -> BlendSchedule:
     layers = tuple(int(x) for x in parts[0].split(","))
     ratios = tuple(float(x) for x in parts[1].split(","))
     dev = parts[2] if len(parts) > 2 else "v"
-    return BlendSchedule(layers, ratios, dev, fresh_check_kv=len(parts) > 3 and parts[3] == "fresh")
+    fresh = len(parts) > 3 and parts[3] == "fresh"
+    return BlendSchedule(layers, ratios, dev, fresh_check_kv=fresh, selector="kdev", offset="none")
 
 
 def main(argv=None) -> dict:

@@ -105,7 +105,8 @@ def parse_method(name: str) -> Method:
         raise ValueError(f"bad method {name!r}: use SELECTOR[+OPTION...]@RATIO") from None
     selector, *options = spec.split("+")
     oracle = selector if selector in ("odev", "oattn") else None
-    kw: dict = {"selector": "kdev" if oracle else selector}
+    # a name says everything: no option means none (not the library default's offsets)
+    kw: dict = {"selector": "kdev" if oracle else selector, "offset": "none"}
     check, off_oracle = 1, False
     for opt in options:
         if opt.startswith("off-"):

@@ -47,7 +47,7 @@ from eval.prompts import (
 )
 from eval.report import PREFILL_MODES, aggregate, label_of, summary, write_outputs
 from eval.scoring import score_answer, score_recall
-from ragkv.blend import PrefixCache, UnknownModeError, prefill
+from ragkv.blend import DEFAULT_RATIO, PrefixCache, UnknownModeError, prefill
 from ragkv.generate import SamplingParams, generate
 from ragkv.kv import compute_chunk_kv
 from ragkv.llm import LLM
@@ -57,7 +57,6 @@ from ragkv.model import DEFAULT_MODEL, PromptTooLongError
 log = logging.getLogger("eval.run")
 
 ALL_MODES = (*PREFILL_MODES, *BASELINES)
-DEFAULT_RATIO = 0.15
 
 
 class EvalConfigError(ValueError):

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from ragkv.blend import DEFAULT_RATIO
 from ragkv.model.registry import DEFAULT_MODEL, ModelFetchError
 
 DEMO_CORPUS = Path(__file__).resolve().parent / "demo" / "corpus.json"
@@ -355,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--passages", type=int, default=None, help="ingest only the first N passages")
     d.add_argument("--top-k", type=int, default=3, help="chunks retrieved per question")
     d.add_argument("--chunk-tokens", type=int, default=256, help="chunk size at ingest (tokens)")
-    d.add_argument("--ratio", type=float, default=0.15, help="blend recompute ratio")
+    d.add_argument("--ratio", type=float, default=DEFAULT_RATIO, help="blend recompute ratio")
     d.add_argument("--repeats", type=int, default=1, help="timed runs per question and mode (median)")
     d.add_argument("--max-new-tokens", type=int, default=24)
     d.add_argument("--embedder", default="all-MiniLM-L6-v2")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.blend.core import BlendSchedule, PrefillResult
+from ragkv.blend.core import DEFAULT_RATIO, BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, self_check
 from ragkv.blend.prefill import prefill
 from ragkv.blend.prefix_cache import PrefixCache
@@ -134,7 +134,7 @@ class LLM:
         chunks,
         question,
         mode: str = "blend",
-        ratio: float = 0.15,
+        ratio: float = DEFAULT_RATIO,
         probe_suffix: bool = False,
         chat: bool | None = None,
         system: str | None = None,
@@ -162,7 +162,7 @@ class LLM:
         chunks: Sequence[str | Sequence[int]],
         question: str | Sequence[int],
         mode: str = "blend",
-        ratio: float = 0.15,
+        ratio: float = DEFAULT_RATIO,
         params: SamplingParams | None = None,
         chat: bool | None = None,
         system: str | None = None,
@@ -194,7 +194,7 @@ class LLM:
         chunks,
         question,
         mode: str = "blend",
-        ratio: float = 0.15,
+        ratio: float = DEFAULT_RATIO,
         params: SamplingParams | None = None,
         chat: bool | None = None,
         system: str | None = None,

@@ -112,7 +112,7 @@ def test_gradual_filtering_schedule_is_nested():
     m = random_model("llama", seed=4, init_std=0.1, num_hidden_layers=6)
     pre, chunks, suf = _prompt(m, n_chunks=4)
     kvs = [compute_chunk_kv(m, c) for c in chunks]
-    sched = BlendSchedule(check_layers=(1, 2, 3), ratios=(0.3, 0.2, 0.15), deviation="kv")
+    sched = BlendSchedule(check_layers=(1, 2, 3), ratios=(0.3, 0.2, 0.15), deviation="kv", selector="kdev")
     res = prefill(m, pre, kvs, suf, "blend", schedule=sched)
     per = res.stats["recomputed_per_layer"]
     n_reused, base = 80, len(pre) + len(suf)

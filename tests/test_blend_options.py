@@ -79,9 +79,16 @@ def test_offset_correction_recovers_a_constant_per_chunk_shift_exactly():
     m = random_model(seed=3, init_std=0.1, num_hidden_layers=4)
     pre, chunks, suf = _prompt(m, seed=1)
     full, kvs = _in_context_chunk_kvs(m, pre, chunks, suf, shift=0.5)
-    plain = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2))
+    plain = prefill(
+        m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, selector="kdev", offset="none")
+    )
     fixed = prefill(
-        m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, offset="kv", offset_weight="one")
+        m,
+        pre,
+        kvs,
+        suf,
+        "blend",
+        schedule=BlendSchedule.single(0.2, selector="kdev", offset="kv", offset_weight="one"),
     )
     err_plain = float((plain.kv.k - full.kv.k).abs().max())
     _close(fixed.kv.k, full.kv.k)
@@ -103,7 +110,9 @@ def test_oracle_offsets_are_used_in_place_of_the_estimated_ones():
         return m.rope(full.kv.k[layer, rows], -rows) - k_st, full.kv.v[layer, rows] - v_st
 
     # ratio 0.05 of 60 rows: 3 recomputed rows; the oracle's true mean fixes all the others exactly
-    res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.05), offset_oracle=oracle)
+    res = prefill(
+        m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.05, selector="kdev"), offset_oracle=oracle
+    )
     _close(res.kv.k, full.kv.k)
     _close(res.logits, full.logits)
 
@@ -131,7 +140,7 @@ def test_question_attention_selector_ranks_by_the_question_rows_attention():
     pre, chunks, suf = _prompt(m, seed=3)
     kvs = [compute_chunk_kv(m, c) for c in chunks]
     q = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.1, selector="qattn"))
-    d = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.1))
+    d = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.1, selector="kdev"))
     q_rows = set(q.stats["recomputed_rows_last_layer"].tolist())
     d_rows = set(d.stats["recomputed_rows_last_layer"].tolist())
     assert len(q_rows) == len(d_rows) == len(pre) + len(suf) + 6
@@ -142,7 +151,7 @@ def test_seam_rows_are_always_recomputed_within_the_budget():
     m = random_model(seed=8, init_std=0.1, num_hidden_layers=3)
     pre, chunks, suf = _prompt(m, seed=4)
     kvs = [compute_chunk_kv(m, c) for c in chunks]
-    res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, seam=3))
+    res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, selector="kdev", seam=3))
     rows = set(res.stats["recomputed_rows_last_layer"].tolist())
     starts = [len(pre) + 20 * i for i in range(3)]
     assert all(s + j in rows for s in starts for j in range(3))
@@ -201,5 +210,8 @@ def test_bad_options_are_refused_by_name():
     for bad in ({"selector": "magic"}, {"offset": "q"}, {"offset_weight": "x"}, {"seam": -1}, {"mix": 2.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             BlendSchedule.single(0.15, **bad)
+    with pytest.raises(ValueError, match="qpass"):  # explicit check layers are never silently dropped
+        BlendSchedule((1, 2), (0.3, 0.15))
+    assert BlendSchedule((1, 2), (0.3, 0.15), selector="kdev").check_layers == (1, 2)
     with pytest.raises(ValueError, match="score_layers"):
         BlendSchedule.single(0.15, score_layers=(3, 3))

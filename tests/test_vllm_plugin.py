@@ -90,7 +90,9 @@ class TestParams:
     def test_reuse_has_no_schedule(self):
         assert BlendParams((), mode="reuse").schedule() is None
         # the library's default deviation (K)
-        assert BlendParams((), ratio=0.3, check_layers=(1, 3)).schedule() == BlendSchedule((1, 3), (0.3, 0.3))
+        assert BlendParams((), ratio=0.3, check_layers=(1, 3)).schedule() == BlendSchedule(
+            (1, 3), (0.3, 0.3), selector="kdev"
+        )
 
 
 class TestSpans:
@@ -723,7 +725,11 @@ def test_connector_blends_into_paged_cache(vllm_env, policy, layout, kbs):
         rc = torch.full((len(prompt),), COMPUTED)
         rc[len(prefix) : c1[0]] = REUSED
         ref = selective_prefill(
-            ours, ids, rc, LayerSource([kvs[0]], ours.device, ours.dtype), BlendSchedule.single(0.3)
+            ours,
+            ids,
+            rc,
+            LayerSource([kvs[0]], ours.device, ours.dtype),
+            BlendSchedule.single(0.3, selector="kdev"),
         )
         slots = slot_mapping(block_ids, bs, torch.arange(end))
         if layout == "HACK":

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from integrations.vllm.params import BlendParams
+from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.spans import ChunkRef
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.kv.chunk import chunk_key
@@ -77,7 +78,7 @@ def build_prompt(
     chunks: Sequence[tuple[str, Sequence[int]]],
     suffix_ids: Sequence[int],
     mode: str = "blend",
-    ratio: float = 0.15,
+    ratio: float = DEFAULT_RATIO,
     check_layers: Sequence[int] = (1,),
     save: bool = True,
 ) -> tuple[list[int], dict]:

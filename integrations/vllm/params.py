@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ragkv.blend import BlendSchedule
+from ragkv.blend import DEFAULT_RATIO, BlendSchedule
 from ragkv.blend.spans import ChunkRef
 
 PARAMS_KEY = "ragkv"
@@ -31,7 +31,7 @@ class BlendParams:
 
     chunks: tuple[ChunkRef, ...]
     mode: str = "blend"
-    ratio: float = 0.15
+    ratio: float = DEFAULT_RATIO
     check_layers: tuple[int, ...] = (1,)
     deviation: str = BlendSchedule.deviation  # the library default (K)
     save: bool = True  # store the KV of chunks that missed (computed alone, chunk convention)
@@ -58,6 +58,9 @@ class BlendParams:
             (float(self.ratio),) * len(self.check_layers),
             self.deviation,
             self.fresh_check_kv,
+            # the hook replays layers with check-layer selection (no question pass): K deviation,
+            # with the library's default per-chunk offsets (ragkv.blend.BlendSchedule)
+            selector="kdev",
         )
 
     def to_kv_transfer_params(self) -> dict:
@@ -99,7 +102,7 @@ class BlendParams:
         save, fresh = body.get("save", True), body.get("fresh_check_kv", False)
         if not isinstance(save, bool) or not isinstance(fresh, bool):
             raise KVParamsError("'save' and 'fresh_check_kv' must be booleans")
-        ratio = body.get("ratio", 0.15)
+        ratio = body.get("ratio", DEFAULT_RATIO)
         if isinstance(ratio, bool):
             raise KVParamsError("'ratio' must be a number")
         return cls(

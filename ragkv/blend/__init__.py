@@ -2,6 +2,7 @@
 
 from ragkv.blend.core import (
     COMPUTED,
+    DEFAULT_RATIO,
     EXACT,
     REUSED,
     BlendSchedule,
@@ -15,6 +16,7 @@ from ragkv.blend.source import LayerSource
 
 __all__ = [
     "COMPUTED",
+    "DEFAULT_RATIO",
     "EXACT",
     "MODES",
     "REUSED",

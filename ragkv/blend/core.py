@@ -28,6 +28,8 @@ from ragkv.attention.dense import attention_probs
 from ragkv.model.forward import run_layers
 
 COMPUTED, EXACT, REUSED = 0, 1, 2
+#: the default share of reused rows recomputed (every entry point's default: LLM, RAG, service, engine, vLLM)
+DEFAULT_RATIO = 0.12
 POSITION_BLOCKS = (
     4  # measured: 4 beats 1 and 8 for 16% scattered rows of 3K tokens (fewer, larger SDPA calls)
 )
@@ -49,7 +51,7 @@ class BlendSchedule:
     """
 
     check_layers: tuple[int, ...] = (1,)
-    ratios: tuple[float, ...] = (0.15,)
+    ratios: tuple[float, ...] = (DEFAULT_RATIO,)
     #: "k", "v" or "kv": which fresh-vs-stored difference ranks tokens. K by default: on the real
     #: model (SmolLM2-135M, 30 layers) blend@0.15's first-token KL is 0.24x reuse's with K vs 0.38x
     #: with V (eval.bench_blend_schedule, MuSiQue; docs/DEVIATIONS.md); V won narrowly on the 5-layer
@@ -62,13 +64,13 @@ class BlendSchedule:
     #: check layer (A3); "mix": ``mix`` of the budget by question attention, the rest by deviation;
     #: "qpass": a question-only pass over the reused KV first, rows ranked by the question's attention
     #: averaged over ``score_layers`` (ProphetKV; InfoFlow with a deep band), recomputed from layer 0
-    selector: str = "kdev"
+    selector: str = "qpass"
     mix: float = 0.5
     #: qpass: the layers ``[lo, hi)`` whose question attention is averaged (None: every layer)
     score_layers: tuple[int, int] | None = None
     #: AgentKVShift: each chunk's mean fresh-minus-stored residual over its recomputed rows, per layer,
     #: added (weighted) to its rows that are not recomputed; "none", "k", "v" or "kv"
-    offset: str = "none"
+    offset: str = "k"
     offset_weight: str = "norm"
     #: rows at the start of every reused chunk always recomputed (seam rows, EPIC's LegoLink-k), in the budget
     seam: int = 0
@@ -94,6 +96,11 @@ class BlendSchedule:
             raise ValueError("mix must be in [0, 1]")
         if self.seam < 0:
             raise ValueError("seam must be >= 0")
+        if self.selector == "qpass" and (self.check_layers != (1,) or len(self.ratios) != 1):
+            raise ValueError(
+                "selector 'qpass' takes no check layers (it selects once, from a question pass, before "
+                "layer 0); use selector='kdev' (or 'qattn', 'mix') for check layers or gradual filtering"
+            )
         if self.score_layers is not None and not 0 <= self.score_layers[0] < self.score_layers[1]:
             raise ValueError("score_layers must be (lo, hi) with 0 <= lo < hi")
 

@@ -16,7 +16,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, PrefillResult, selective_prefill
+from ragkv.blend.core import (
+    COMPUTED,
+    DEFAULT_RATIO,
+    EXACT,
+    REUSED,
+    BlendSchedule,
+    PrefillResult,
+    selective_prefill,
+)
 from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.blend.source import LayerSource
 from ragkv.kv.chunk import ChunkKV
@@ -51,7 +59,7 @@ def prefill(
     chunks: Sequence,
     suffix_ids: Sequence[int],
     mode: str = "blend",
-    ratio: float = 0.15,
+    ratio: float = DEFAULT_RATIO,
     *,
     schedule: BlendSchedule | None = None,
     prefix_cache: PrefixCache | None = None,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.blend import MODES, BlendSchedule, PrefixCache, UnknownModeError, prefill
+from ragkv.blend import DEFAULT_RATIO, MODES, BlendSchedule, PrefixCache, UnknownModeError, prefill
 from ragkv.engine import joint
 from ragkv.engine.metrics import EngineMetrics, FusionStats
 from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step, block_bytes, block_keys
@@ -47,7 +47,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_memory_bytes: int = 256 << 20
     mode: str = "blend"
-    ratio: float = 0.15
+    ratio: float = DEFAULT_RATIO
     schedule: BlendSchedule | None = None
     attention: str = "fp16"  # "fp16" (dense, model dtype) or "hack" (2-bit, HACK attention)
     hack: dict = field(default_factory=dict)  # HackConfig options; partition defaults to block_size

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory, prefill_with_recovery
 from ragkv.blend.prefill import MODES, UnknownModeError
@@ -118,7 +119,7 @@ class RAG:
         top_k: int = 6,
         order: str = "score",
         mode: str = "blend",
-        ratio: float | str = 0.15,
+        ratio: float | str = DEFAULT_RATIO,
         instruction: str = DEFAULT_INSTRUCTION,
         question_template: str = DEFAULT_QUESTION,
         pipelined: bool = True,
