@@ -456,6 +456,40 @@ def print_table(summary: dict, methods: list[str]) -> None:
         print(f"{m:24s} " + " ".join(cells) + " " + tail)
 
 
+def markdown_table(summary: dict, methods: list[str]) -> str:
+    """The summary as a Markdown table (docs/BENCHMARKS.md): means, with 95% intervals where they matter."""
+    cols = [
+        ("same_as_full", "same as full"),
+        ("f1_vs_full", "output F1 vs full"),
+        ("kl", "first-token KL"),
+        ("top1", "top-1"),
+        ("nll_full_answer", "NLL(full's answer)"),
+        ("recall", "recall (gold)"),
+        ("not_in_passages", "not-in"),
+        ("charged", "charged compute"),
+    ]
+    lines = [
+        "| method | " + " | ".join(lab for _, lab in cols) + " | KL / reuse | NLL gap closed |",
+        "|---" * (len(cols) + 3) + "|",
+    ]
+    for m in methods:
+        row = summary["methods"].get(m, {})
+        cells = []
+        for key, _ in cols:
+            c = row.get(key)
+            if c is None:
+                cells.append("-")
+            elif key in ("same_as_full", "f1_vs_full", "kl", "nll_full_answer"):
+                cells.append(f"{c['mean']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}]")
+            else:
+                cells.append(f"{c['mean']:.3f}")
+        klr, gap = row.get("kl_over_reuse"), row.get("nll_gap_closed")
+        cells.append("-" if klr is None else f"{klr:.2f}")
+        cells.append("-" if gap is None else f"{gap:.2f}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m eval.bench_fidelity",
@@ -534,6 +568,7 @@ def main(argv=None) -> dict:
     summary = summarize(recs, names, args.baseline if args.baseline in names else None)
     print_table(summary, names)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(markdown_table(summary, names))
     line = {"split": args.split, "samples": args.samples, "n": summary["n_samples"]}
     for m, row in summary["methods"].items():
         for key in ("same_as_full", "f1_vs_full", "kl", "recall", "charged"):

@@ -90,9 +90,7 @@ class TestParams:
     def test_reuse_has_no_schedule(self):
         assert BlendParams((), mode="reuse").schedule() is None
         # the library's default deviation (K)
-        assert BlendParams((), ratio=0.3, check_layers=(1, 3)).schedule() == BlendSchedule(
-            (1, 3), (0.3, 0.3), selector="kdev"
-        )
+        assert BlendParams((), ratio=0.3, check_layers=(1, 3)).schedule() == BlendSchedule((1, 3), (0.3, 0.3))
 
 
 class TestSpans:

@@ -58,9 +58,6 @@ class BlendParams:
             (float(self.ratio),) * len(self.check_layers),
             self.deviation,
             self.fresh_check_kv,
-            # the hook replays layers with check-layer selection (no question pass): K deviation,
-            # with the library's default per-chunk offsets (ragkv.blend.BlendSchedule)
-            selector="kdev",
         )
 
     def to_kv_transfer_params(self) -> dict:

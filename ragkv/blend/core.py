@@ -64,7 +64,7 @@ class BlendSchedule:
     #: check layer (A3); "mix": ``mix`` of the budget by question attention, the rest by deviation;
     #: "qpass": a question-only pass over the reused KV first, rows ranked by the question's attention
     #: averaged over ``score_layers`` (ProphetKV; InfoFlow with a deep band), recomputed from layer 0
-    selector: str = "qpass"
+    selector: str = "kdev"
     mix: float = 0.5
     #: qpass: the layers ``[lo, hi)`` whose question attention is averaged (None: every layer)
     score_layers: tuple[int, int] | None = None
