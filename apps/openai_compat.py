@@ -204,9 +204,14 @@ class BlendRequest(BaseModel):
         return [ChunkRef(c.key, c.start, c.length) for c in self.chunks]
 
     def schedule(self) -> BlendSchedule:
-        """The blend schedule (mode "blend"): ``ratio`` at every check layer, the library's default options."""
+        """The blend schedule (mode "blend"): the library's default at ``ratio``, or ``ratio`` at every
+        check layer the request names (CacheBlend's check-layer selection, with the default offsets)."""
+        if not {"check_layers", "deviation", "fresh_check_kv"} & self.model_fields_set:
+            return BlendSchedule.single(self.ratio)
         n = len(self.check_layers)
-        return BlendSchedule(tuple(self.check_layers), (self.ratio,) * n, self.deviation, self.fresh_check_kv)
+        return BlendSchedule(
+            tuple(self.check_layers), (self.ratio,) * n, self.deviation, self.fresh_check_kv, selector="kdev"
+        )
 
 
 def _reason(e: ValidationError) -> str:

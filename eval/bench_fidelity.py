@@ -25,7 +25,7 @@ Method names: ``full``, ``reuse``, or ``SELECTOR[+OPTION...]@RATIO`` with SELECT
 ``odev``/``oattn`` (oracles) and OPTIONs ``off-k``, ``off-v``, ``off-kv``, ``off-oracle``
 (AgentKVShift offsets), ``w-one``/``w-cap``/``w-norm`` (offset weights), ``seamN`` (N rows per
 chunk start), ``deep`` (qpass scored on layers 21-25), ``last`` (qpass scored on the last layer),
-``mixF`` (share F of the budget by question attention), ``fresh`` (fresh check-layer KV),
+``mixF`` (share F of the budget by question attention), ``minpN`` (offsets only for chunks with N probes), ``fresh`` (fresh check-layer KV),
 ``check2`` (check layer 2). ``default`` is the library's default blend.
 
 Records go to ``OUT/records.jsonl`` as they finish; a rerun skips finished (sample, method) pairs.
@@ -106,7 +106,7 @@ def parse_method(name: str) -> Method:
     selector, *options = spec.split("+")
     oracle = selector if selector in ("odev", "oattn") else None
     # a name says everything: no option means none (not the library default's offsets)
-    kw: dict = {"selector": "kdev" if oracle else selector, "offset": "none"}
+    kw: dict = {"selector": "kdev" if oracle else selector, "offset": "none", "offset_min_probes": 1}
     check, off_oracle = 1, False
     for opt in options:
         if opt.startswith("off-"):
@@ -118,6 +118,8 @@ def parse_method(name: str) -> Method:
             kw["offset_weight"] = opt[2:]
         elif opt.startswith("seam"):
             kw["seam"] = int(opt[4:])
+        elif opt.startswith("minp"):
+            kw["offset_min_probes"] = int(opt[4:])
         elif opt == "deep":
             kw["score_layers"] = DEEP_LAYERS
         elif opt == "last":

@@ -9,7 +9,10 @@ from ragkv.blend import BlendSchedule
 def test_method_names_parse_into_schedules_oracles_and_neighbour_conditioning():
     m = parse_method("kdev+off-k+w-one+seam2@0.12")
     assert m.mode == "blend" and m.oracle is None
-    assert m.schedule == BlendSchedule.single(0.12, selector="kdev", offset="k", offset_weight="one", seam=2)
+    assert m.schedule == BlendSchedule.single(
+        0.12, selector="kdev", offset="k", offset_weight="one", seam=2, offset_min_probes=1
+    )
+    assert parse_method("qpass+off-k+minp4@0.12").schedule == BlendSchedule.single(0.12)  # the default
     assert parse_method("kdev@0.15").schedule.offset == "none"  # CacheBlend as the paper has it
     q = parse_method("qpass+deep@0.2")
     assert q.schedule.selector == "qpass" and q.schedule.score_layers == DEEP_LAYERS

@@ -215,3 +215,19 @@ def test_bad_options_are_refused_by_name():
     assert BlendSchedule((1, 2), (0.3, 0.15), selector="kdev").check_layers == (1, 2)
     with pytest.raises(ValueError, match="score_layers"):
         BlendSchedule.single(0.15, score_layers=(3, 3))
+
+
+def test_chunks_with_too_few_probes_get_no_offset():
+    # the synthetic per-chunk shift again (4 probes a chunk): a minimum of 100 probes leaves every
+    # chunk uncorrected, so the shift stays in the KV; a minimum of 1 corrects every chunk exactly
+    m = random_model(seed=3, init_std=0.1, num_hidden_layers=4)
+    pre, chunks, suf = _prompt(m, seed=1)
+    full, kvs = _in_context_chunk_kvs(m, pre, chunks, suf, shift=0.5)
+
+    def run(**kw):
+        sched = BlendSchedule.single(0.2, selector="kdev", offset="kv", offset_weight="one", **kw)
+        return prefill(m, pre, kvs, suf, "blend", schedule=sched)
+
+    assert float((run(offset_min_probes=100).kv.k - full.kv.k).abs().max()) > 0.1
+    _close(run(offset_min_probes=1).kv.k, full.kv.k)
+    _close(run(offset_min_probes=4).kv.k, full.kv.k)

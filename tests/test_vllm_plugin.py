@@ -90,7 +90,9 @@ class TestParams:
     def test_reuse_has_no_schedule(self):
         assert BlendParams((), mode="reuse").schedule() is None
         # the library's default deviation (K)
-        assert BlendParams((), ratio=0.3, check_layers=(1, 3)).schedule() == BlendSchedule((1, 3), (0.3, 0.3))
+        assert BlendParams((), ratio=0.3, check_layers=(1, 3)).schedule() == BlendSchedule(
+            (1, 3), (0.3, 0.3), selector="kdev"
+        )
 
 
 class TestSpans:

@@ -58,6 +58,9 @@ class BlendParams:
             (float(self.ratio),) * len(self.check_layers),
             self.deviation,
             self.fresh_check_kv,
+            # the hook replays layers with no question pass: check-layer selection (K deviation),
+            # with the library's default per-chunk offsets (ragkv.blend.BlendSchedule)
+            selector="kdev",
         )
 
     def to_kv_transfer_params(self) -> dict:

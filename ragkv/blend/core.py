@@ -64,7 +64,7 @@ class BlendSchedule:
     #: check layer (A3); "mix": ``mix`` of the budget by question attention, the rest by deviation;
     #: "qpass": a question-only pass over the reused KV first, rows ranked by the question's attention
     #: averaged over ``score_layers`` (ProphetKV; InfoFlow with a deep band), recomputed from layer 0
-    selector: str = "kdev"
+    selector: str = "qpass"
     mix: float = 0.5
     #: qpass: the layers ``[lo, hi)`` whose question attention is averaged (None: every layer)
     score_layers: tuple[int, int] | None = None
@@ -72,6 +72,9 @@ class BlendSchedule:
     #: added (weighted) to its rows that are not recomputed; "none", "k", "v" or "kv"
     offset: str = "k"
     offset_weight: str = "norm"
+    #: a chunk's offset is applied only when at least this many of its rows were recomputed on the
+    #: layer: a mean of one or two rows is noise (measured: two 7-token chunks degenerated into a loop)
+    offset_min_probes: int = 4
     #: rows at the start of every reused chunk always recomputed (seam rows, EPIC's LegoLink-k), in the budget
     seam: int = 0
 
@@ -94,6 +97,8 @@ class BlendSchedule:
             raise ValueError(f"offset_weight must be one of {OFFSET_WEIGHTS}")
         if not 0.0 <= self.mix <= 1.0:
             raise ValueError("mix must be in [0, 1]")
+        if self.offset_min_probes < 1:
+            raise ValueError("offset_min_probes must be >= 1")
         if self.seam < 0:
             raise ValueError("seam must be >= 0")
         if self.selector == "qpass" and (self.check_layers != (1,) or len(self.ratios) != 1):
@@ -336,11 +341,14 @@ class BlendKV:
             seg = self.stored_seg[si]
         sel = seg >= 0
         seg, res_k, res_v = seg[sel], res_k[sel], res_v[sel]
-        count = torch.bincount(seg, minlength=self.n_segments).clamp(min=1).float()[:, None, None]
+        n = torch.bincount(seg, minlength=self.n_segments)
+        count = n.clamp(min=1).float()[:, None, None]
+        # too few probes: no offset for that chunk (the oracle's true mean is never too small)
+        enough = (n >= (1 if self.offset_oracle is not None else self.schedule.offset_min_probes)).float()
 
         def mean(res: torch.Tensor) -> torch.Tensor:
             z = res.new_zeros(self.n_segments, *res.shape[1:]).float()
-            return z.index_add_(0, seg, res.float()) / count
+            return z.index_add_(0, seg, res.float()) / count * enough[:, None, None]
 
         mode = "kv" if self.offset_oracle is not None else self.offset
         return (mean(res_k) if "k" in mode else None), (mean(res_v) if "v" in mode else None)
