@@ -231,3 +231,33 @@ def test_chunks_with_too_few_probes_get_no_offset():
     assert float((run(offset_min_probes=100).kv.k - full.kv.k).abs().max()) > 0.1
     _close(run(offset_min_probes=1).kv.k, full.kv.k)
     _close(run(offset_min_probes=4).kv.k, full.kv.k)
+
+
+def test_a_load_failure_during_the_question_pass_closes_the_source():
+    # the question pass holds the source open between its two passes; a chunk whose layer 2 cannot be
+    # loaded must still close it (a pipelined source owns a loader thread)
+    from ragkv.blend.pipeline import ChunkLoadError, PipelinedSource
+
+    m = random_model(seed=4, init_std=0.1, num_hidden_layers=4)
+    pre, chunks, suf = _prompt(m, seed=6)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+
+    class BrokenAtLayer2:
+        def __init__(self, kv):
+            self.kv, self.token_ids, self.num_tokens = kv, kv.token_ids, kv.num_tokens
+
+        def layer_kv(self, layer):
+            if layer == 2:
+                raise ChunkLoadError(self.kv.key, layer)
+            return self.kv.layer_kv(layer)
+
+    sources = []
+
+    def factory(pieces):
+        sources.append(PipelinedSource(pieces, m.device, m.dtype, depth=1, num_layers=4))
+        return sources[-1]
+
+    items = [kvs[0], BrokenAtLayer2(kvs[1]), kvs[2]]
+    with pytest.raises(ChunkLoadError):
+        prefill(m, pre, items, suf, "blend", schedule=BlendSchedule.single(0.2), source_factory=factory)
+    assert sources and sources[0]._pool._shutdown  # the loader thread pool was shut down

@@ -638,7 +638,11 @@ def selective_prefill(
     blending = schedule is not None and bool((row_class == REUSED).any())
     if blending and schedule.selector == "qpass" and preselected is None:
         held = source = HeldLayers(source)
-        preselected, pass_rows = question_pass_selection(model, token_ids, row_class, source, schedule)
+        try:
+            preselected, pass_rows = question_pass_selection(model, token_ids, row_class, source, schedule)
+        except BaseException:
+            held.release()  # a failed load: the underlying source (a loader thread) is closed all the same
+            raise
     out_k = torch.empty(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=dev)
     out_v = torch.empty_like(out_k)
     kv = BlendKV(
