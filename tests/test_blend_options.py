@@ -12,6 +12,7 @@ from ragkv.blend.core import COMPUTED, EXACT, REUSED, _segments
 from ragkv.generate import continuation_nll, decode_step, load_prompt, make_cache
 from ragkv.kv import ChunkKV, compute_chunk_kv
 from ragkv.model import random_model
+from tests.test_blend import _close, _prompt  # the same random prompts and relative tolerance
 
 OPTIONS = [
     {"offset": "k"},
@@ -24,20 +25,6 @@ OPTIONS = [
     {"seam": 2, "offset": "k"},
 ]
 IDS = ["off-k", "off-kv-cap", "off-v-one", "qattn", "mix-off", "qpass", "qpass-off-band", "seam-off"]
-
-
-def _prompt(model, seed=0, n_chunks=3, chunk_len=20):
-    g = torch.Generator().manual_seed(seed)
-    v = model.config.vocab_size
-
-    def r(n):
-        return torch.randint(3, v, (n,), generator=g).tolist()
-
-    return [1] + r(5), [r(chunk_len) for _ in range(n_chunks)], r(6)
-
-
-def _close(a, b, tol=1e-4):
-    assert float((a - b).abs().max() / b.abs().max()) < tol
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=IDS)
