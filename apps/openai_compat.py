@@ -204,9 +204,16 @@ class BlendRequest(BaseModel):
         return [ChunkRef(c.key, c.start, c.length) for c in self.chunks]
 
     def schedule(self) -> BlendSchedule:
-        """The blend schedule (mode "blend"): the library's default at ``ratio``, or ``ratio`` at every
-        check layer the request names (CacheBlend's check-layer selection, with the default offsets)."""
-        if not {"check_layers", "deviation", "fresh_check_kv"} & self.model_fields_set:
+        """The blend schedule (mode "blend"): the library's default at ``ratio`` (what ragkv does in
+        process, so a served answer equals a local one), or, when the request asks for other check
+        layers, deviation or fresh check-layer KV, ``ratio`` at every check layer (CacheBlend's
+        check-layer selection, with the default offsets)."""
+        default = BlendSchedule()
+        if (tuple(self.check_layers), self.deviation, self.fresh_check_kv) == (
+            default.check_layers,
+            default.deviation,
+            default.fresh_check_kv,
+        ):
             return BlendSchedule.single(self.ratio)
         n = len(self.check_layers)
         return BlendSchedule(
