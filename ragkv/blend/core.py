@@ -14,6 +14,11 @@ the selection happens between the QKV projection and attention of the check laye
 are not kept use their *reused* KV on that layer. So ``ratio=0`` is exactly full KV reuse and
 ``ratio=1`` exactly a full prefill, and the check layer's attention/MLP already run on the
 selected rows only. See docs/DEVIATIONS.md.
+
+Beyond CacheBlend (``BlendSchedule`` fields, the same loop): the question's attention as selector
+(``qattn``/``mix``), a question-only pass that picks the rows before layer 0 (``qpass``, the default),
+per-chunk probe offsets added to the rows that are not recomputed (``offset``, on by default), and
+seam rows. Every option keeps ``ratio=1 == full`` and ``ratio=0 == reuse``.
 """
 
 from __future__ import annotations
