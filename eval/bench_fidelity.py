@@ -384,13 +384,13 @@ def summarize(records: list[dict], methods: list[str], baseline: str | None) -> 
     out: dict = {"n_samples": len(samples), "methods": {}}
     if not samples:
         return out
-    reuse_gap = None
-    if "reuse" in by:
-        reuse_gap = (
-            [by["reuse"][s]["nll_full_answer"] - by["full"][s]["nll_full_answer"] for s in samples]
-            if ("full" in by and all(by["reuse"][s]["nll_full_answer"] is not None for s in samples))
-            else None
-        )
+
+    def nll_gap(m: str) -> float | None:
+        """Sum over questions of ``m``'s NLL of full's answer minus full's own (None if any is missing)."""
+        vals = [(by[m][s]["nll_full_answer"], by["full"][s]["nll_full_answer"]) for s in samples]
+        return None if any(a is None or b is None for a, b in vals) else sum(a - b for a, b in vals)
+
+    reuse_gap = nll_gap("reuse") if "reuse" in by and "full" in by else None
     for m in methods:
         row = {}
         for key, _ in METRICS:
@@ -409,18 +409,13 @@ def summarize(records: list[dict], methods: list[str], baseline: str | None) -> 
                 if d:
                     lo, hi = bootstrap_ci(d)
                     row[f"{key}_minus_{baseline}"] = {"mean": statistics.fmean(d), "lo": lo, "hi": hi}
-        if reuse_gap and "full" in by and m not in ("full", "reuse"):
-            closed = [
-                1 - (by[m][s]["nll_full_answer"] - by["full"][s]["nll_full_answer"]) / g
-                for s, g in zip(samples, reuse_gap, strict=True)
-            ]
-            num = sum(by[m][s]["nll_full_answer"] - by["full"][s]["nll_full_answer"] for s in samples)
-            row["nll_gap_closed"] = 1 - num / sum(reuse_gap) if sum(reuse_gap) else None
-            row["nll_gap_closed_median"] = statistics.median(closed)
+        gap = nll_gap(m) if reuse_gap and m not in ("full", "reuse") else None
+        if gap is not None:  # the share of reuse's summed NLL gap to full that ``m`` closes
+            row["nll_gap_closed"] = 1 - gap / reuse_gap
         if "kl" in row and "reuse" in by:
             kl_reuse = statistics.fmean(by["reuse"][s]["kl"] for s in samples)
             row["kl_over_reuse"] = row["kl"]["mean"] / kl_reuse if kl_reuse else None
-        if "diagnostics" not in row and any("k_err_per_layer" in by[m][s] for s in samples):
+        if any("k_err_per_layer" in by[m][s] for s in samples):
             ks = [by[m][s]["k_err_per_layer"] for s in samples if "k_err_per_layer" in by[m][s]]
             vs = [by[m][s]["v_err_per_layer"] for s in samples if "v_err_per_layer" in by[m][s]]
             cov = [by[m][s]["q_attention_coverage"] for s in samples if "q_attention_coverage" in by[m][s]]

@@ -68,3 +68,11 @@ def test_summary_pairs_questions_and_reports_gap_closed_and_kl_over_reuse():
     assert row["kl_over_reuse"] == pytest.approx(0.25)
     assert row["f1_vs_full_minus_reuse"]["mean"] == pytest.approx(0.25)
     assert row["same_as_full"]["mean"] == 0.0
+
+
+def test_summary_survives_a_question_where_reuse_equals_full():
+    # a question with no NLL gap (reuse's answer as likely as full's) must not divide by zero
+    recs = [_rec("full", 0, 1.0, 0.0), _rec("reuse", 0, 1.0, 0.0), _rec("blend", 0, 1.0, 0.0)]
+    recs += [_rec("full", 1, 1.0, 0.0), _rec("reuse", 1, 2.0, 0.4), _rec("blend", 1, 1.5, 0.2)]
+    row = summarize(recs, ["full", "reuse", "blend"], baseline=None)["methods"]["blend"]
+    assert row["nll_gap_closed"] == pytest.approx(0.5)

@@ -571,18 +571,12 @@ def question_pass_selection(
     Returns ``(rows to recompute on every layer, rows computed per layer by the pass)``. Rows are
     ranked by the question's attention mass averaged over ``schedule.score_layers``; seam rows first.
     """
-    stored_rows = (row_class != COMPUTED).nonzero().flatten()
     reused = (row_class == REUSED).to(model.device)
     kv = BlendKV(
-        model,
-        row_class,
-        None,
-        stored=source,
-        stored_rows=stored_rows,
-        mass_rows=_question_rows(
-            reused, _index_of(stored_rows, row_class.numel(), model.device), len(row_class)
-        ),
+        model, row_class, None, stored=source, stored_rows=(row_class != COMPUTED).nonzero().flatten()
     )
+    # rows whose attention mass (the question's, per layer) the pass records
+    kv.mass_rows = _question_rows(kv.reused_mask, kv.stored_index, kv.n)
     blend_layers(model, token_ids, row_class, kv, last_layer_attention=True)
     lo, hi = schedule.score_layers or (0, model.config.num_layers)
     score = torch.stack(kv.mass[lo:hi]).mean(dim=0)
@@ -594,12 +588,6 @@ def question_pass_selection(
         chosen &= torch.cumsum(chosen.long(), 0) <= keep_n
     chosen |= _top(score[cand], chosen, keep_n - int(chosen.sum()))
     return cand[chosen], kv.recomputed
-
-
-def _index_of(rows: torch.Tensor, n: int, dev) -> torch.Tensor:
-    idx = torch.full((n,), -1, dtype=torch.long, device=dev)
-    idx[rows.to(dev)] = torch.arange(rows.numel(), device=dev)
-    return idx
 
 
 @torch.inference_mode()
