@@ -38,14 +38,11 @@ from apps.schemas import MAX_INT
 from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
 from apps.service import ServiceError
 from ragkv.blend import DEFAULT_RATIO, BlendSchedule
-from ragkv.blend.pipeline import pipelined_factory
 from ragkv.blend.spans import ChunkRef, SpanError, prefill_stored_spans
 from ragkv.generate import MIN_TEMPERATURE, SamplingParams, TokenEvent, stream
-from ragkv.rag import WarnThrottle
 
 log = logging.getLogger("ragkv.server")
 #: one warning per kind and interval, with the count held back (a store outage fails every chunk)
-WARN = WarnThrottle(log)
 
 #: OpenAI's and vLLM's default ``max_tokens`` of a completion
 DEFAULT_MAX_TOKENS = 16
@@ -290,33 +287,24 @@ def completion_events(
 ) -> Iterator[TokenEvent | Done]:
     """Prefill ``ids`` with ``blend``'s chunks from ``rag``'s store, then stream: token events, then :class:`Done`.
 
-    Runs in a worker thread. Counts chunk hits and misses in ``rag.counters`` (the service's metrics).
+    Runs in a worker thread; chunk hits and misses are counted by ``rag.resolver`` (the service's metrics).
     """
     model = rag.model
     model.check_length(len(ids), params.max_new_tokens)
     try:
         sp = prefill_stored_spans(
-            model,
-            rag.store,
+            rag.resolver,
             ids,
             blend.chunk_refs() if blend is not None else [],
             blend.schedule() if blend is not None else None,
             mode=blend.mode if blend is not None else "blend",
             prefix_cache=rag.llm.prefix_cache,
-            source_factory=pipelined_factory(model) if rag.pipelined else None,
         )
     except SpanError as e:
         raise BadRequestError(f"kv_transfer_params: {e}") from None
-    rag.counters["kv_hits"] += sp.kv_hits
-    rag.counters["kv_misses"] += sp.kv_misses
-    rag.counters["kv_recomputed_bad"] += sp.kv_recomputed_bad
     saved = 0
-    if blend is not None and blend.save:
-        for kv in sp.computed:
-            try:
-                saved += bool(rag.store.put(kv))
-            except Exception as e:  # noqa: BLE001 - a store that fails costs a recompute next time, not this answer
-                WARN.warning("save", "could not save the KV of chunk %s: %s", kv.key[:16], e)
+    if blend is not None and blend.save:  # asked by a writer (the store may serve another index too)
+        saved = sum(rag.resolver.save(kv) for kv in sp.computed)
     if sp.computed:
         log.info("completion: %d chunk(s) computed (missing or unreadable stored KV)", len(sp.computed))
     out: list[int] = []

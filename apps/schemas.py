@@ -61,6 +61,15 @@ class DeleteResponse(BaseModel):
     deleted: bool
 
 
+class GarbageReport(BaseModel):
+    """What a garbage collection of the chunk store found and deleted."""
+
+    blobs: int = Field(description="stored chunk KV blobs before the collection")
+    unreferenced: int = Field(description="blobs no chunk of the index references")
+    deleted: int
+    bytes_freed: int
+
+
 class DocumentList(BaseModel):
     ids: list[str]
     total: int

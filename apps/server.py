@@ -615,6 +615,19 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         await svc.run_ingest(lambda cancel: svc.delete(doc_id), request.is_disconnected)
         return {"id": doc_id, "deleted": True}
 
+    @app.post(
+        "/v1/admin/gc",
+        response_model=sc.GarbageReport,
+        responses=ERRORS,
+        tags=["documents"],
+        summary="Delete stored chunk KV that no document references",
+        dependencies=can_write,
+    )
+    async def collect_garbage(request: Request):
+        """Collect the chunk store: KV no chunk of the index references is deleted (runs in the
+        ingest queue, so never beside an ingest). Only for a store this service owns."""
+        return await svc.run_ingest(lambda cancel: svc.rag.collect_garbage(), request.is_disconnected)
+
     # -- query
     @app.post(
         "/v1/query",

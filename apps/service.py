@@ -220,18 +220,17 @@ class Service:
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         """Load the model, embedder, index and store (slow: call it off the event loop)."""
+        s = self.settings
         if self.rag is not None:
             expect_model(self.rag.store, self.rag.model)
-            self.backend = build_backend(self.settings, self.rag)
-            return
-        s = self.settings
-        if s.torch_threads:
-            import torch
+        else:
+            if s.torch_threads:
+                import torch
 
-            torch.set_num_threads(s.torch_threads)
-        self.rag = build_rag(s, writer=True)
+                torch.set_num_threads(s.torch_threads)
+            self.rag = build_rag(s, writer=True)
         self.backend = build_backend(s, self.rag)
-        if s.generation == "engine":
+        if s.generation == "engine":  # a given RAG too (it used to be served by threads instead)
             from ragkv.engine import AsyncEngine, EngineConfig, SchedulerConfig
 
             cfg = EngineConfig(
@@ -239,7 +238,7 @@ class Service:
                 ratio=s.ratio,
                 scheduler=SchedulerConfig(max_num_seqs=s.engine_max_seqs, max_queue=max(1, s.max_queue)),
             )
-            self.engine = AsyncEngine(self.rag.model, cfg, store=self.rag.store)
+            self.engine = AsyncEngine(self.rag.model, cfg, resolver=self.rag.resolver)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Stop: queued work is dropped, running work is told to stop (an ingest at its next batch,
@@ -265,10 +264,7 @@ class Service:
             return False
         if self.rag is not None:
             self.rag.flush()
-            self.rag.close()
-            lock = getattr(self.rag, "writer_lock", None)
-            if lock is not None:
-                lock.close()
+            self.rag.close()  # releases the data folder's writer lock too
         return True
 
     # ---- running work off the loop ----------------------------------------------------------------
@@ -525,11 +521,7 @@ class Service:
         else:
             other = len(prefix) + len(suffix) + params.max_new_tokens
             recs = rag.fit_chunks(rag.retrieve(spec.question, spec.top_k), other)
-        hits = 0
-        if mode in ("reuse", "blend"):
-            hits = sum(rag.store.contains(r.kv_key) for r in recs)
-            rag.counters["kv_hits"] += hits
-            rag.counters["kv_misses"] += len(recs) - hits
+        hits = sum(rag.store.contains(r.kv_key) for r in recs) if mode in ("reuse", "blend") else 0
         return prefix, recs, suffix, params, mode, float(ratio), hits
 
     # ---- the work (worker threads) -------------------------------------------------------------
@@ -746,15 +738,17 @@ def build_backend(s: Settings, rag: RAG) -> RagBackend:
     return VllmRAG(rag, client)
 
 
-def build_rag(s: Settings, writer: bool = False) -> RAG:
+def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = None) -> RAG:
     """The RAG of these settings (model, data dir, store URL, embedder, chunking, defaults).
 
     Files it creates are private (umask 077: data 0600, folders 0700). The store authenticates blobs
     with ``store_hmac_key`` when set and refuses KV whose geometry is not the model's. ``writer``
-    (``serve``, ``ingest``): take the data folder's writer lock first (:func:`lock_data_dir`)."""
+    (``serve``, ``ingest``): take the data folder's writer lock first (:func:`lock_data_dir`).
+    ``collect_garbage``: delete unreferenced stored KV on open (default: a writer of the default store
+    under ``data_dir``, which is this index's alone)."""
     from ragkv.llm import LLM
     from ragkv.rag import Embedder, prompt_parts
-    from ragkv.store import store_from_url
+    from ragkv.store import default_store_url, store_from_url
 
     os.umask(0o077)
     data_dir = Path(s.data_dir)
@@ -763,7 +757,7 @@ def build_rag(s: Settings, writer: bool = False) -> RAG:
     llm = LLM(s.model, dtype=s.dtype, device=s.device)
     prefix, suffix = prompt_parts(llm.model, "?")
     key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None
-    store = store_from_url(s.store or f"file://{(data_dir / 'kv').resolve()}", hmac_key=key)
+    store = store_from_url(s.store or default_store_url(data_dir), hmac_key=key)
     expect_model(store, llm.model)
     rag = RAG(
         llm,
@@ -776,8 +770,10 @@ def build_rag(s: Settings, writer: bool = False) -> RAG:
         mode=s.mode,
         ratio=s.ratio,
         ingest_batch=s.ingest_batch_chunks,
+        # the default store under data_dir is this index's alone, and the writer holds the folder's lock
+        collect_garbage_on_open=(writer and s.store is None) if collect_garbage is None else collect_garbage,
     )
-    rag.writer_lock = lock  # held (open) as long as the RAG lives; released when the process ends
+    rag.writer_lock = lock  # held (open) until rag.close() or the process ends
     return rag
 
 

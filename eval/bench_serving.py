@@ -41,10 +41,9 @@ from pathlib import Path
 import torch
 
 from eval.prompts import DATA_DIR, TINY_MODEL, get_spec, passage_text, query_text
-from ragkv.blend import PrefixCache, prefill
+from ragkv.blend import ChunkResolver, PrefixCache, prefill
 from ragkv.engine import Engine, EngineBusyError, EngineConfig, SchedulerConfig, percentile
 from ragkv.engine.paged_cache import batched_decode_step
-from ragkv.engine.provider import ChunkProvider
 from ragkv.fusion import FusionConfig
 from ragkv.generate import SamplingParams
 from ragkv.kv import compute_chunk_kv
@@ -150,7 +149,7 @@ def rag_batch(model, pool: list[list[int]], n: int, k: int, seed: int, frame=Non
 
 def bff_run(
     model,
-    provider,
+    resolver,
     reqs,
     fusion: FusionConfig | None,
     attention: str = "fp16",
@@ -170,7 +169,7 @@ def bff_run(
         bff=fusion,
         scheduler=SchedulerConfig(max_num_seqs=n, max_queue=n, max_prefill_tokens=1 << 30),
     )
-    eng = Engine(model, cfg, provider=provider)
+    eng = Engine(model, cfg, resolver=resolver)
     try:
         hs = [eng.submit(**r) for r in reqs]
         while len(eng.scheduler.running) < n or (fusion is not None and eng.bff_stats.runs == 0):
@@ -225,9 +224,9 @@ def part1(args) -> dict:
     else:
         pool = passage_chunks(model, args.bff_pool, args.bff_chunk_tokens)
         frame, name = musique_frame(model), str(args.model)
-    provider = ChunkProvider(model)
+    resolver = ChunkResolver(model)  # every pool chunk's KV in memory, computed once
     for c in pool:
-        provider.remember(compute_chunk_kv(model, c))
+        resolver.compute(c)
     calib = rag_batch(model, pool, args.bff_requests, 5, seed=1, frame=frame)
     evalb = rag_batch(model, pool, args.bff_requests, 5, seed=2, frame=frame)
     ntok = statistics.mean(
@@ -244,14 +243,14 @@ def part1(args) -> dict:
         f"{layers[0]}-{layers[-1]} (pool of {len(pool)} chunks; setup {time.perf_counter() - t0:.1f}s)"
     )
 
-    base_c = bff_run(model, provider, calib, None, layers=layers)
+    base_c = bff_run(model, resolver, calib, None, layers=layers)
     print(
         f"{'thr':>6} {'multi-match':>11} {'CR':>6} {'KL mean':>9} {'KL max':>8} {'agree':>6} {'freed':>6}  (calibration)"
     )
     sweep = []
     for thr in args.thresholds:
         for mm in args.multi_match:
-            f = fidelity(base_c, bff_run(model, provider, calib, fcfg(thr, multi_match=mm)))
+            f = fidelity(base_c, bff_run(model, resolver, calib, fcfg(thr, multi_match=mm)))
             sweep.append((thr, mm, f))
             print(
                 f"{thr:6.3f} {mm:>11} {f['cr']:6.2f} {f['kl']:9.5f} {f['kl_max']:8.4f} {f['agreement']:6.2f} "
@@ -261,12 +260,12 @@ def part1(args) -> dict:
     ok = [(f["cr"], thr, mm) for thr, mm, f in sweep if f["kl"] <= budget]
     _, thr, mm = max(ok) if ok else (0.0, max(args.thresholds), args.multi_match[0])
     other = "paper" if mm == "argmax" else "argmax"
-    base_e = bff_run(model, provider, evalb, None, layers=layers)
-    res = fidelity(base_e, bff_run(model, provider, evalb, fcfg(thr, multi_match=mm)))
-    arg = fidelity(base_e, bff_run(model, provider, evalb, fcfg(thr, multi_match=other)))
-    rep = fidelity(base_e, bff_run(model, provider, evalb, fcfg(thr, multi_match=mm, attention="replicate")))
-    hack = fidelity(base_e, bff_run(model, provider, evalb, fcfg(thr, multi_match=mm), attention="hack"))
-    hack0 = fidelity(base_e, bff_run(model, provider, evalb, None, attention="hack", layers=layers))
+    base_e = bff_run(model, resolver, evalb, None, layers=layers)
+    res = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=mm)))
+    arg = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=other)))
+    rep = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=mm, attention="replicate")))
+    hack = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=mm), attention="hack"))
+    hack0 = fidelity(base_e, bff_run(model, resolver, evalb, None, attention="hack", layers=layers))
     print(
         f"chosen: threshold {thr}, multi-match {mm} (highest CR with calibration KL <= {budget}); evaluation batch:"
     )
@@ -291,7 +290,7 @@ def part1(args) -> dict:
     pc = PrefixCache()
     first: dict[str, list] = {m: [] for m in ("full", "prefix", "blend")}
     for r in evalb:
-        kvs = [provider.ready_now(c, True) for c in r["chunks"]]
+        kvs = [resolver.kv(c) for c in r["chunks"]]
         pre, q = r["prefix"], r["question"]
         first["full"].append(prefill(model, pre, r["chunks"], q, "full").logits)
         first["prefix"].append(prefill(model, pre, r["chunks"], q, "prefix", prefix_cache=pc).logits)

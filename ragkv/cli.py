@@ -221,6 +221,20 @@ def _read_docs(path: Path, fmt: str) -> list[dict]:
     return docs
 
 
+def _gc(args) -> int:
+    from apps.service import build_rag
+
+    rag = build_rag(_settings(args), writer=True, collect_garbage=False)
+    rep = rag.collect_garbage(dry_run=args.dry_run)
+    rag.close()
+    print(
+        f"{rep['blobs']} stored chunk KV blobs, {rep['unreferenced']} unreferenced, "
+        f"{rep['deleted']} deleted ({rep['bytes_freed']} bytes freed)"
+    )
+    print(json.dumps(rep))
+    return 0
+
+
 def _ingest(args) -> int:
     from apps.service import build_rag
 
@@ -394,6 +408,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--limit", type=int, default=None, help="ingest at most this many documents")
     i.add_argument("-q", "--quiet", action="store_true")
     i.set_defaults(func=_ingest)
+
+    g = sub.add_parser(
+        "gc",
+        help="delete stored chunk KV that no document references",
+        description="Collect the chunk store of a data folder: every blob no chunk of its index "
+        "references is deleted. Only for a store this index owns (not one shared with another index).",
+    )
+    _common(g)
+    g.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    g.set_defaults(func=_gc)
 
     a = sub.add_parser(
         "ask",

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -13,11 +12,10 @@ import torch
 
 from ragkv.blend.core import DEFAULT_RATIO, BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, self_check
-from ragkv.blend.prefill import prefill
 from ragkv.blend.prefix_cache import PrefixCache
+from ragkv.blend.resolver import ChunkResolver
 from ragkv.generate import SamplingParams, TokenEvent, generate, stream
-from ragkv.kv.chunk import ChunkKV, chunk_key
-from ragkv.kv.compute import compute_chunk_kv
+from ragkv.kv.chunk import ChunkKV
 from ragkv.model.chat import chat_parts, has_chat_template
 from ragkv.model.llama import Model
 from ragkv.model.loader import load_model
@@ -42,8 +40,8 @@ class Answer:
 class LLM:
     """A model plus its chunk-KV cache: ``generate(prefix, chunks, question, mode=..., ratio=...)``.
 
-    ``store`` is any object with ``get(key, fingerprint) -> ChunkKV | None`` and ``put(ChunkKV)``
-    (see ``ragkv.store``); without one, chunk KV is kept in an in-process LRU of ``cache_bytes``.
+    ``store``: a ``ragkv.store`` chunk store that computed chunk KV is written to (a cache its owner
+    manages); chunk KV is also kept in an in-process LRU of ``cache_bytes``.
     """
 
     def __init__(
@@ -58,14 +56,14 @@ class LLM:
         schedule: BlendSchedule | None = None,
     ):
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
-        self.store = store
         self.attention = attention
         self.schedule = schedule
         self.prefix_cache = PrefixCache(max_bytes=cache_bytes // 4)
-        self._mem: OrderedDict[str, ChunkKV] = OrderedDict()
-        self._mem_bytes = 0
-        self._cache_bytes = cache_bytes
-        self._lock = threading.Lock()
+        #: where chunk KV comes from; a :class:`ragkv.RAG` replaces it with one that writes back only
+        #: the KV of chunks its index holds
+        self.resolver = ChunkResolver(
+            self.model, store, cache_bytes=cache_bytes, pipelined=store is not None, background_writes=False
+        )
         self.gate: GateReport | None = self_check(self.model) if self_check_on_load else None
 
     # ---- tokens ---------------------------------------------------------------------------
@@ -101,31 +99,14 @@ class LLM:
         return pre, chs, q
 
     # ---- chunk KV --------------------------------------------------------------------------
-    def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKV:
-        """Stored KV of a chunk: in-process cache, then the store, else computed and stored."""
-        key = chunk_key(list(token_ids), self.model.fingerprint)
-        with self._lock:
-            kv = self._mem.get(key)
-            if kv is not None:
-                self._mem.move_to_end(key)
-                return kv
-        kv = self.store.get(key, self.model.fingerprint) if self.store is not None else None
-        if kv is None:
-            kv = compute_chunk_kv(self.model, list(token_ids))
-            if self.store is not None:
-                self.store.put(kv)
-        self._remember(key, kv)
-        return kv
+    @property
+    def store(self):
+        """The chunk store behind :attr:`resolver` (None: memory only)."""
+        return self.resolver.store
 
-    def _remember(self, key: str, kv: ChunkKV) -> None:
-        with self._lock:
-            if key in self._mem:
-                return
-            self._mem[key] = kv
-            self._mem_bytes += kv.nbytes()
-            while self._mem_bytes > self._cache_bytes and len(self._mem) > 1:
-                _, old = self._mem.popitem(last=False)
-                self._mem_bytes -= old.nbytes()
+    def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKV:
+        """The whole stored KV of a chunk: memory, then the store, else computed (see :attr:`resolver`)."""
+        return self.resolver.kv(token_ids)
 
     # ---- answering -------------------------------------------------------------------------
     def prefill(
@@ -134,7 +115,7 @@ class LLM:
         chunks,
         question,
         mode: str = "blend",
-        ratio: float = DEFAULT_RATIO,
+        ratio: float | None = None,
         probe_suffix: bool = False,
         chat: bool | None = None,
         system: str | None = None,
@@ -142,10 +123,10 @@ class LLM:
         """Prefill ``prefix + chunks + question`` in ``mode``; the prefix's KV is cached and reused by
         every mode but ``full`` (the baseline that computes everything)."""
         pre, chs, q = self.tokenize_prompt(prefix, chunks, question, chat, system)
-        items = [self.chunk_kv(c) for c in chs] if mode in ("reuse", "blend") else chs
-        sched = self.schedule if (self.schedule and mode == "blend") else None
-        return prefill(
-            self.model,
+        items = self.resolver.items(chs) if mode in ("reuse", "blend") else chs
+        sched = self._schedule(ratio) if mode == "blend" else None
+        ratio = DEFAULT_RATIO if ratio is None else ratio
+        return self.resolver.prefill(
             pre,
             items,
             q,
@@ -156,13 +137,24 @@ class LLM:
             probe_suffix=probe_suffix,
         )
 
+    def _schedule(self, ratio: float | None) -> BlendSchedule | None:
+        """This LLM's schedule with a per-call ``ratio`` applied (refused if it has several ratios)."""
+        if self.schedule is None or ratio is None or (ratio,) == self.schedule.ratios:
+            return self.schedule
+        if len(self.schedule.ratios) != 1:
+            raise ValueError(
+                f"this LLM's blend schedule has ratios {self.schedule.ratios}; a per-call ratio cannot "
+                "replace them (pass ratio=None, or set LLM.schedule)"
+            )
+        return dataclasses.replace(self.schedule, ratios=(float(ratio),))
+
     def generate(
         self,
         prefix: str | Sequence[int],
         chunks: Sequence[str | Sequence[int]],
         question: str | Sequence[int],
         mode: str = "blend",
-        ratio: float = DEFAULT_RATIO,
+        ratio: float | None = None,
         params: SamplingParams | None = None,
         chat: bool | None = None,
         system: str | None = None,
@@ -194,7 +186,7 @@ class LLM:
         chunks,
         question,
         mode: str = "blend",
-        ratio: float = DEFAULT_RATIO,
+        ratio: float | None = None,
         params: SamplingParams | None = None,
         chat: bool | None = None,
         system: str | None = None,

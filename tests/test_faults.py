@@ -139,7 +139,7 @@ def test_write_back_cannot_resurrect_a_deleted_documents_kv(tmp_path, embedder, 
     for r in recs:
         rag.store.delete(r.kv_key)
     gate = threading.Event()
-    rag._writer.submit(gate.wait)  # hold the writer: the write-backs queue behind it
+    rag.resolver._writer.submit(gate.wait)  # hold the writer: the write-backs queue behind it
     rag.answer("kite?", chunks=recs, max_new_tokens=2)  # misses: recomputed, write-backs queued
     rag.delete_document("d")
     gate.set()
@@ -249,7 +249,6 @@ def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, ma
 
     from fastapi.testclient import TestClient
 
-    from apps import openai_compat as oc
     from apps.server import create_app
     from integrations.vllm.client import build_prompt
     from ragkv.store.redis_store import RedisStore
@@ -268,8 +267,7 @@ def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, ma
     prompt, params = build_prompt(
         [rag.model.config.bos_token_id], [(r.kv_key, r.token_ids) for r in recs], [9]
     )
-    old_every = oc.WARN.every_s
-    oc.WARN.every_s = 60.0
+    rag.resolver._warn.every_s = 60.0
     redis.kill()
     try:
         with caplog.at_level(logging.WARNING):
@@ -305,7 +303,6 @@ def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, ma
         held = int(summary[0].split("[")[1].split()[0])
         assert held >= 12 * len(recs) - 1
     finally:
-        oc.WARN.every_s = old_every
         client.close()
         rag.close()
 

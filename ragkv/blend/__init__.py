@@ -12,9 +12,12 @@ from ragkv.blend.core import (
 )
 from ragkv.blend.prefill import MODES, UnknownModeError, prefill
 from ragkv.blend.prefix_cache import PrefixCache
+from ragkv.blend.resolver import ChunkNotFoundError, ChunkResolver
 from ragkv.blend.source import LayerSource
 
 __all__ = [
+    "ChunkNotFoundError",
+    "ChunkResolver",
     "COMPUTED",
     "DEFAULT_RATIO",
     "EXACT",

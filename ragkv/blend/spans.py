@@ -444,31 +444,29 @@ def expect_model(store, model) -> None:
 
 
 def prefill_stored_spans(
-    model,
-    store,
+    resolver,
     prompt_ids: Sequence[int],
     chunks: Sequence[ChunkRef],
     schedule: BlendSchedule | None = None,
     *,
     mode: str = "blend",
     prefix_cache=None,
-    source_factory=None,
 ) -> SpanPrefill:
-    """Prefill ``prompt_ids`` in process, taking the rows of ``chunks`` from ``store``.
+    """Prefill ``prompt_ids`` in process, taking the rows of ``chunks`` from ``resolver``'s store.
 
-    The in-process counterpart of the vLLM connector, with ragkv's own recovery: a chunk is reused
-    only if its key is ``chunk_key(its prompt tokens, model fingerprint)`` and its stored header has
-    that fingerprint and those tokens; otherwise, or when a layer fails to load, its KV is computed
-    alone (chunk convention) and used instead (listed in ``computed`` so the caller can save it).
-    Text before, between and after the chunks is computed. Inside a :func:`cancel_scope` it stops
-    with :class:`SearchCancelled` between chunks once the caller gives up. ``mode`` is "blend" (HKVD with
-    ``schedule``, default :class:`BlendSchedule`) or "reuse" (stored KV as is). No chunks: a full prefill.
+    The in-process counterpart of the vLLM connector, with ragkv's own recovery
+    (:class:`ragkv.blend.resolver.ChunkResolver`): a chunk is reused only if its key is
+    ``chunk_key(its prompt tokens, model fingerprint)`` and its stored header has that fingerprint and
+    those tokens; otherwise, or when a layer fails to load, its KV is computed alone (chunk
+    convention) and used instead (listed in ``computed``; nothing is written back here: the caller
+    decides, e.g. :meth:`ChunkResolver.save`). Text before, between and after the chunks is
+    computed. Inside a :func:`cancel_scope` it stops with :class:`SearchCancelled` between chunks once
+    the caller gives up. ``mode`` is "blend" (HKVD with ``schedule``, default :class:`BlendSchedule`)
+    or "reuse" (stored KV as is). No chunks: a full prefill.
     """
-    from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, prefill_with_recovery
     from ragkv.blend.prefill import prefill
-    from ragkv.kv.chunk import chunk_key
-    from ragkv.kv.compute import compute_chunk_kv
 
+    model = resolver.model
     ids = [int(t) for t in prompt_ids]
     if not ids:
         raise ValueError("empty prompt")
@@ -477,59 +475,44 @@ def prefill_stored_spans(
     if not chunks:
         res = prefill(model, ids, [], [], "full", prefix_cache=prefix_cache)
         return SpanPrefill(res, [])
-    fp = model.fingerprint
-    expect_model(store, model)
-    spans = request_spans(ids, chunks, store, fp)
+    expect_model(resolver.store, model)
+    spans = request_spans(ids, chunks, resolver.store, model.fingerprint)
     if not spans:  # none of the key-only chunks is in the prompt: nothing to reuse
         res = prefill(model, ids, [], [], "full", prefix_cache=prefix_cache)
         return SpanPrefill(res, [], kv_misses=len(chunks))
-    out = SpanPrefill(None, spans, kv_misses=len(chunks) - len(spans))
-    items: list = []
-    chunk_slots: list[int] = []  # positions in ``items`` of the chunks (the rest is text between them)
+    parts: list = []  # chunks as (tokens, key), text between them as token lists
+    chunk_slots: list[int] = []
     pos = spans[0].start
     for s in spans:
         if s.start > pos:
-            items.append(ids[pos : s.start])
-        toks = ids[s.start : s.stop]
-        chunk_slots.append(len(items))
-        check_cancelled()
-        try:
-            if s.key != chunk_key(toks, fp):
-                raise ChunkLoadError(s.key, -1, len(items))
-            items.append(StoredChunk(store, s.key, toks, fp, index=len(items)))
-            out.kv_hits += 1
-        except ChunkLoadError:
-            out.kv_misses += 1
-            out.computed.append(compute_chunk_kv(model, toks))
-            items.append(out.computed[-1])
+            parts.append(ids[pos : s.start])
+        chunk_slots.append(len(parts))
+        parts.append((ids[s.start : s.stop], s.key))
         pos = s.stop
-    if mode == "blend":
-        schedule = schedule or BlendSchedule()
-    else:
-        schedule = None
-    prefix, suffix = ids[: spans[0].start], ids[spans[-1].stop :]
+    items = resolver.items(
+        [parts[i] for i in chunk_slots], write_back=False, at=chunk_slots, check=check_cancelled
+    )
+    for slot, item in zip(chunk_slots, items, strict=True):
+        parts[slot] = item
+    items[:] = parts  # the prompt's pieces in order; the resolver's counts stay with the list
+    out = SpanPrefill(None, spans, kv_misses=len(chunks) - items.hits)
 
-    def recompute(toks: list[int]) -> ChunkKV:
+    def recompute(_toks: list[int]) -> None:
         check_cancelled()
-        out.computed.append(compute_chunk_kv(model, toks))
-        return out.computed[-1]
-
-    def bad(_e: ChunkLoadError) -> None:
-        out.kv_hits -= 1
         out.kv_recomputed_bad += 1
 
-    out.result = prefill_with_recovery(
-        model,
-        prefix,
+    schedule = (schedule or BlendSchedule()) if mode == "blend" else None
+    out.result = resolver.prefill(
+        ids[: spans[0].start],
         items,
-        suffix,
+        ids[spans[-1].stop :],
         mode,
         schedule.target_ratio if schedule is not None else 0.0,
-        recompute=recompute,
-        on_load_error=bad,
+        write_back=False,
+        on_recompute=recompute,
         schedule=schedule,
         prefix_cache=prefix_cache,
-        source_factory=source_factory,
     )
+    out.kv_hits, out.computed = items.hits, items.computed
     out.result.stats["num_chunks"] = len(chunk_slots)  # text between chunks is not a chunk
     return out

@@ -5,7 +5,7 @@ from ragkv.engine.block_manager import BlockAccountingError, BlockManager, OutOf
 from ragkv.engine.engine import Engine, EngineConfig
 from ragkv.engine.metrics import EngineMetrics, FusionStats, RequestMetrics, percentile
 from ragkv.engine.paged_cache import KVPool, PagedCacheError, PagedSequence, batched_decode_step
-from ragkv.engine.provider import ChunkNotFoundError, ChunkProvider, ChunkRef, KVFetcher
+from ragkv.engine.provider import ChunkNotFoundError, ChunkRef, KVFetcher
 from ragkv.engine.request import (
     Request,
     RequestFailedError,
@@ -21,7 +21,6 @@ __all__ = [
     "BlockAccountingError",
     "BlockManager",
     "ChunkNotFoundError",
-    "ChunkProvider",
     "ChunkRef",
     "Engine",
     "EngineBusyError",

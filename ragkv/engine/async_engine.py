@@ -49,9 +49,11 @@ class AsyncRequestHandle:
 class AsyncEngine:
     """Wraps :class:`Engine` for asyncio servers; ``submit`` never blocks on a running step."""
 
-    def __init__(self, model_or_engine, config: EngineConfig | None = None, store=None):
+    def __init__(self, model_or_engine, config: EngineConfig | None = None, store=None, resolver=None):
         self.engine = (
-            model_or_engine if isinstance(model_or_engine, Engine) else Engine(model_or_engine, config, store)
+            model_or_engine
+            if isinstance(model_or_engine, Engine)
+            else Engine(model_or_engine, config, store, resolver=resolver)
         )
 
     async def submit(self, prefix=(), chunks=(), question=(), params=None, **kw) -> AsyncRequestHandle:

@@ -26,11 +26,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.blend import DEFAULT_RATIO, MODES, BlendSchedule, PrefixCache, UnknownModeError, prefill
+from ragkv.blend import (
+    DEFAULT_RATIO,
+    MODES,
+    BlendSchedule,
+    ChunkResolver,
+    PrefixCache,
+    UnknownModeError,
+    prefill,
+)
 from ragkv.engine import joint
 from ragkv.engine.metrics import EngineMetrics, FusionStats
 from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step, block_bytes, block_keys
-from ragkv.engine.provider import ChunkProvider, KVFetcher, as_tokens, normalize_item
+from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
 from ragkv.fusion.bff import FusionConfig
@@ -78,7 +86,7 @@ class Engine:
     """Continuous-batching RAG engine over paged KV; see the module docstring."""
 
     def __init__(
-        self, model, config: EngineConfig | None = None, store=None, provider: ChunkProvider | None = None
+        self, model, config: EngineConfig | None = None, store=None, resolver: ChunkResolver | None = None
     ):
         if isinstance(model, str):
             from ragkv.model import load_model
@@ -102,8 +110,10 @@ class Engine:
         num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // block)
         self.pool = KVPool.for_model(model, num_blocks, cfg.block_size, hack_cfg)
         self.scheduler = Scheduler(cfg.scheduler, self.pool.manager, cfg.block_size, c.num_layers)
-        self.provider = provider or ChunkProvider(model, store, cfg.compute_missing, cfg.chunk_cache_bytes)
-        self.fetcher = KVFetcher(self.provider, cfg.fetch_workers)
+        #: chunk KV: the owner's resolver (a RAG's writes back only what its index holds), else one
+        #: over ``store`` that stores what it computes
+        self.resolver = resolver or ChunkResolver(model, store, cache_bytes=cfg.chunk_cache_bytes)
+        self.fetcher = KVFetcher(self.resolver, cfg.fetch_workers, cfg.compute_missing)
         self.prefix_cache = PrefixCache(max_bytes=cfg.prefix_cache_bytes)
         self.bff_stats = FusionStats("bff")
         self.cff_stats = FusionStats("cff")
@@ -250,7 +260,7 @@ class Engine:
     def _needs_fetch(self, r: Request) -> bool:
         if r.resolved is not None:
             return False
-        got = [self.provider.ready_now(c, r.needs_kv) for c in r.chunks]
+        got = [self.fetcher.ready_now(c, r.needs_kv) for c in r.chunks]
         if all(g is not None for g in got):
             r.resolved = got
             return False
@@ -303,7 +313,7 @@ class Engine:
         try:
             if r.resolved is None:  # blocking baseline (not fetch-aware): fetch inside the step
                 r.metrics.fetch_start = time.perf_counter()
-                r.resolved = self.provider.fetch_all(r.chunks, r.needs_kv)
+                r.resolved = self.fetcher.fetch_all(r.chunks, r.needs_kv)
                 r.metrics.fetch_end = time.perf_counter()
                 r.metrics.num_chunks_fetched = len(r.resolved)
                 n = self._prompt_tokens(r)

@@ -1,4 +1,5 @@
-"""Where the engine gets a request's chunk KV: in memory now, or fetched (store / compute) in background.
+"""Where the engine gets a request's chunk KV: in memory now, or fetched in the background, both
+through the owner's :class:`~ragkv.blend.resolver.ChunkResolver` (the one chunk-KV resolver).
 
 A request names each retrieved chunk by one of:
 
@@ -14,21 +15,16 @@ its fetcher thread (KVFetcher's ``waiting_for_KV`` queue) so that requests needi
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from ragkv.kv.chunk import ChunkKV, chunk_key
-from ragkv.kv.compute import compute_chunk_kv
+from ragkv.blend.resolver import ChunkNotFoundError, ChunkResolver
+from ragkv.kv.chunk import ChunkKV
 
-
-class ChunkNotFoundError(LookupError):
-    """A chunk named by key is not in the store (and its tokens are unknown, so it cannot be computed)."""
+__all__ = ["ChunkNotFoundError", "ChunkRef", "KVFetcher", "as_tokens", "normalize_item"]
 
 
 @dataclass(frozen=True)
@@ -61,40 +57,19 @@ def normalize_item(item):
     raise TypeError(f"a chunk must be token ids, a ChunkRef or a ChunkKV, got {type(item).__name__}")
 
 
-class ChunkProvider:
-    """Chunk KV for one model: an in-process LRU of ``cache_bytes`` over an optional ``ChunkStore``."""
+class KVFetcher:
+    """Background fetching (KVFetcher §3.3.1) of the engine's chunk KV through its owner's
+    :class:`~ragkv.blend.resolver.ChunkResolver`: a standalone thread pool, FCFS over requests."""
 
-    def __init__(self, model, store=None, compute_missing: bool = True, cache_bytes: int = 1 << 30):
-        self.model = model
-        self.store = store
+    def __init__(self, resolver: ChunkResolver, workers: int = 1, compute_missing: bool = True):
+        if workers < 1:
+            raise ValueError("fetch workers must be >= 1")
+        self.resolver = resolver
         self.compute_missing = compute_missing
-        self.cache_bytes = cache_bytes
-        self._mem: OrderedDict[str, ChunkKV] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.stats = {"memory_hits": 0, "store_hits": 0, "computed": 0, "fetch_s": 0.0}
-        self._stats_lock = threading.Lock()
-
-    def _count(self, name: str, n: float = 1) -> None:
-        with self._stats_lock:
-            self.stats[name] += n
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragkv-fetch")
 
     def _key(self, item) -> str:
-        if isinstance(item, ChunkRef):
-            return item.key
-        return chunk_key(item, self.model.fingerprint)
-
-    def remember(self, kv: ChunkKV) -> None:
-        """Keep ``kv`` in the in-process cache (LRU by bytes)."""
-        with self._lock:
-            if kv.key in self._mem:
-                self._mem.move_to_end(kv.key)
-                return
-            self._mem[kv.key] = kv
-            self._bytes += kv.nbytes()
-            while self._bytes > self.cache_bytes and len(self._mem) > 1:
-                _, old = self._mem.popitem(last=False)
-                self._bytes -= old.nbytes()
+        return item.key if isinstance(item, ChunkRef) else self.resolver.key(item)
 
     def ready_now(self, item, need_kv: bool):
         """The resolved item (ChunkKV, or token ids when KV is not needed) if available without I/O."""
@@ -102,53 +77,27 @@ class ChunkProvider:
             return item if need_kv else item.token_ids.tolist()
         if not need_kv and not isinstance(item, ChunkRef):
             return item
-        with self._lock:
-            kv = self._mem.get(self._key(item))
-            if kv is not None:
-                self._mem.move_to_end(kv.key)
-                self._count("memory_hits")
-                return kv if need_kv else kv.token_ids.tolist()
-        return None
+        kv = self.resolver.cached(self._key(item))
+        if kv is None:
+            return None
+        return kv if need_kv else kv.token_ids.tolist()
 
     def fetch(self, item, need_kv: bool):
-        """Resolve ``item`` with I/O or compute (store read, else compute and store)."""
+        """Resolve ``item`` with I/O or compute (memory, the store, else computed and written back)."""
         now = self.ready_now(item, need_kv)
         if now is not None:
             return now
-        t0 = time.perf_counter()
-        key = self._key(item)
-        kv = self.store.get(key, self.model.fingerprint) if self.store is not None else None
-        if kv is not None:
-            kv = kv.to(self.model.device, self.model.dtype)
-            self._count("store_hits")
-        elif isinstance(item, ChunkRef):
-            raise ChunkNotFoundError(f"chunk {key[:16]}... is not in the chunk store")
-        elif self.compute_missing:
-            kv = compute_chunk_kv(self.model, item)
-            self._count("computed")
-            if self.store is not None:
-                self.store.put(kv)
+        if isinstance(item, ChunkRef):
+            kv = self.resolver.stored_kv(item.key)
         else:
-            raise ChunkNotFoundError(f"chunk {key[:16]}... is not stored and compute_missing is off")
-        self.remember(kv)
-        self._count("fetch_s", time.perf_counter() - t0)
+            kv = self.resolver.kv(item, compute_missing=self.compute_missing)
         return kv if need_kv else kv.token_ids.tolist()
 
     def fetch_all(self, items: Sequence, need_kv: bool) -> list:
         return [self.fetch(it, need_kv) for it in items]
 
-
-class KVFetcher:
-    """Background fetching (KVFetcher §3.3.1): a standalone thread pool, FCFS over requests."""
-
-    def __init__(self, provider: ChunkProvider, workers: int = 1):
-        if workers < 1:
-            raise ValueError("fetch workers must be >= 1")
-        self.provider = provider
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragkv-fetch")
-
     def submit(self, items: Sequence, need_kv: bool, on_done: Callable[[Future], None]) -> Future:
-        fut = self._pool.submit(self.provider.fetch_all, list(items), need_kv)
+        fut = self._pool.submit(self.fetch_all, list(items), need_kv)
         fut.add_done_callback(on_done)
         return fut
 

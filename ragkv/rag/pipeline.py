@@ -9,7 +9,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,11 +17,10 @@ from tqdm.auto import tqdm
 
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.controller import LoadingController
-from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory, prefill_with_recovery
 from ragkv.blend.prefill import MODES, UnknownModeError
+from ragkv.blend.resolver import ChunkResolver, WarnThrottle
 from ragkv.generate import SamplingParams, stream
 from ragkv.kv.chunk import ChunkKV, chunk_key
-from ragkv.kv.compute import compute_chunk_kv
 from ragkv.llm import LLM
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.rag.index import ChunkIndex, ChunkRecord, PendingDocument, text_sha
@@ -34,28 +32,6 @@ log = logging.getLogger("ragkv.rag")
 
 class IngestCancelled(RuntimeError):
     """An ingest stopped before its commit (client gone, deadline, shutdown): nothing of it is indexed."""
-
-
-class WarnThrottle:
-    """Log a warning of one kind at most once per ``every_s`` seconds, counting the ones held back
-    (a store outage must not turn every chunk of every query into a log line)."""
-
-    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
-        self.log, self.every_s = logger, every_s
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def warning(self, kind: str, msg: str, *args) -> None:
-        """Warn now, or count it if a warning of ``kind`` went out less than ``every_s`` ago."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -1e18) < self.every_s:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        self.log.warning(msg + (f" [{held} similar warnings suppressed]" if held else ""), *args)
 
 
 @dataclass
@@ -129,17 +105,17 @@ class RAG:
         ingest_batch: int = 32,
         system: str | None = None,
         examples: Sequence[tuple[str, str]] = (),
+        collect_garbage_on_open: bool = False,
     ):
-        from ragkv.store import store_from_url
+        from ragkv.store import default_store_url, store_from_url
 
         self.llm = llm if isinstance(llm, LLM) else LLM(llm)
         self.model = self.llm.model
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if store is None or isinstance(store, str):
-            store = store_from_url(store or f"file://{(self.data_dir / 'kv').resolve()}")
+            store = store_from_url(store or default_store_url(self.data_dir))
         self.store = store
-        self.llm.store = store
         self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder)
         if self.model.tokenizer is None:
             raise ValueError("RAG needs a model with a tokenizer")
@@ -162,8 +138,12 @@ class RAG:
             metric,
             identity=f"{self.embedder.name}|{self.model.fingerprint}",
         )
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-kv-writeback")
-        self.counters = {"kv_hits": 0, "kv_misses": 0, "kv_recomputed_bad": 0}
+        #: the one source of chunk KV for every query path of this RAG (the LLM's too): computed KV
+        #: is written back only while the index references it (:meth:`_write_back`). No memory LRU:
+        #: the store is the cache (a ``tiered`` store adds a memory tier), so deleted KV is gone.
+        self.resolver = self.llm.resolver = ChunkResolver(
+            self.model, store, write_back=self._write_back, cache_bytes=0, pipelined=pipelined
+        )
         #: chunks per ingest step: KV, embedding and the cancellation check go by this many chunks
         self.ingest_batch = max(1, int(ingest_batch))
         #: chunks embedded per ingest step (a waiting query gets the embedder after at most this many).
@@ -174,7 +154,11 @@ class RAG:
         # orders "is this key still used?" + store write (write-back) against index change + store delete
         self._kv_lock = threading.Lock()
         self._warn = WarnThrottle(log)
+        if hasattr(store, "pinned"):  # a size bound evicts KV no chunk references first
+            store.pinned = self.index.references
         self._settle()  # KV left unreferenced by a crash (an uncommitted ingest, an unfinished delete)
+        if collect_garbage_on_open:
+            self.collect_garbage()
 
     # ---- ingest --------------------------------------------------------------------------------
     def ingest(
@@ -255,12 +239,33 @@ class RAG:
         if self.store.contains(key):
             rep.kv_already_stored += 1
             return
-        kv = compute_chunk_kv(self.model, token_ids)
-        if not self.store.put(kv):
+        if not self.resolver.compute_into_store(token_ids):
             self._warn.warning(
                 "ingest-put", "could not store KV of chunk %s; it will be recomputed when retrieved", key[:16]
             )
         rep.kv_computed += 1
+
+    def collect_garbage(self, dry_run: bool = False) -> dict:
+        """Delete every stored blob no chunk of this index references (KV of deleted documents, of
+        crashed ingests, caches written by other paths). Only for a store this index owns: KV that
+        another index sharing the store uses would be deleted too. Returns counts and bytes."""
+        with self._ingest_lock, self._kv_lock:
+            keys = self.store.keys()
+            pending = set(self.index.intents())  # an ingest's KV before its commit (settled apart)
+            garbage = [k for k in keys if k not in pending and not self.index.references(k)]
+            before = self.store.nbytes()
+            if not dry_run:
+                for k in garbage:
+                    self.store.delete(k)
+            freed = before - self.store.nbytes() if not dry_run else 0
+        if garbage and not dry_run:
+            log.info("collected the stored KV of %d unreferenced chunk(s), %d bytes", len(garbage), freed)
+        return {
+            "blobs": len(keys),
+            "unreferenced": len(garbage),
+            "deleted": 0 if dry_run else len(garbage),
+            "bytes_freed": freed,
+        }
 
     def _settle(self) -> None:
         """Delete stored KV that the write-ahead record lists and no chunk references."""
@@ -284,7 +289,7 @@ class RAG:
         background write-back can store it again (it checks, under the same lock, that a chunk uses it)."""
         with self._ingest_lock:
             with self._kv_lock:
-                self.index.delete_document(doc_id)
+                self.resolver.forget(self.index.delete_document(doc_id))
             self._settle()
 
     # ---- retrieve ------------------------------------------------------------------------------
@@ -394,7 +399,7 @@ class RAG:
             ratio = decision.ratio
         ratio = float(ratio)
         t_lookup = time.perf_counter() - t1
-        res = self._prefill_with_recovery(prefix, items, suffix, mode, ratio)
+        res = self.resolver.prefill(prefix, items, suffix, mode, ratio, prefix_cache=self.llm.prefix_cache)
         first = True
         text_parts: list[str] = []
         ttft = None
@@ -414,7 +419,7 @@ class RAG:
         stats = dict(res.stats)
         if decision is not None:
             stats["controller"] = decision.as_dict()
-        stats["kv_hits"] = sum(not isinstance(it, list) and not isinstance(it, ChunkKV) for it in items)
+        stats["kv_hits"] = getattr(items, "hits", 0)
         yield RagAnswer("".join(text_parts), recs, stats["mode"], timings, stats)
 
     def fit_chunks(self, recs: list[ChunkRecord], other_tokens: int) -> list[ChunkRecord]:
@@ -434,74 +439,44 @@ class RAG:
         desc = self.store.describe()
         return next((n for n in names if n in desc), names[0] if names else desc)
 
+    @property
+    def counters(self) -> dict:
+        """Chunk-KV counters of every query path: hits, misses, recomputed after a failed load..."""
+        return self.resolver.counters
+
     def _chunk_items(self, recs: list[ChunkRecord], mode: str) -> list:
-        """StoredChunk refs for stored KV; missing KV computed now and written back in the background."""
+        """Prefill items: stored KV loaded lazily; missing KV computed now (and written back)."""
         if mode not in ("reuse", "blend"):
             return [list(r.token_ids) for r in recs]
-        items = []
-        for i, rec in enumerate(recs):
-            try:
-                items.append(
-                    StoredChunk(self.store, rec.kv_key, rec.token_ids, self.model.fingerprint, index=i)
-                )
-                self.counters["kv_hits"] += 1
-            except ChunkLoadError:
-                self.counters["kv_misses"] += 1
-                items.append(self._recompute(rec.token_ids))
-        return items
+        return self.resolver.items([(list(r.token_ids), r.kv_key) for r in recs])
 
-    def _recompute(self, token_ids: list[int]) -> ChunkKV:
-        kv = compute_chunk_kv(self.model, token_ids)
-        self._writer.submit(self._write_back, kv)
-        return kv
-
-    def _write_back(self, kv: ChunkKV) -> None:
-        """Store recomputed KV, only while a chunk still uses it (a deleted document's KV stays deleted)."""
-        try:
-            with self._kv_lock:
-                if not self.index.references(kv.key):
-                    return
-                ok = self.store.put(kv)
-            if not ok:
-                self._warn.warning(
-                    "write-back",
-                    "write-back of chunk %s failed; it will be recomputed next time",
-                    kv.key[:16],
-                )
-        except Exception as e:  # never let a background write kill the writer thread
-            self._warn.warning("write-back", "write-back of chunk %s failed: %s", kv.key[:16], e)
-
-    def _prefill_with_recovery(self, prefix, items, suffix, mode, ratio):
-        """Prefill; a chunk whose stored KV fails to load mid-way is recomputed and the prefill retried."""
-
-        def bad(e: ChunkLoadError) -> None:
+    def _write_back(self, kv: ChunkKV) -> bool | None:
+        """Store computed KV only while a chunk uses it (a deleted document's KV stays deleted); None
+        when no chunk does (nothing to store)."""
+        with self._kv_lock:
+            if not self.index.references(kv.key):
+                return None
+            ok = self.store.put(kv)
+        if not ok:
             self._warn.warning(
-                "load", "stored KV of chunk %s failed to load (layer %d): recomputing it", e.key[:16], e.layer
+                "write-back", "write-back of chunk %s failed; it will be recomputed next time", kv.key[:16]
             )
-            self.counters["kv_recomputed_bad"] += 1
-
-        return prefill_with_recovery(
-            self.model,
-            prefix,
-            items,
-            suffix,
-            mode,
-            ratio,
-            recompute=self._recompute,
-            on_load_error=bad,
-            source_factory=pipelined_factory(self.model) if self.pipelined else None,
-            prefix_cache=self.llm.prefix_cache,
-        )
+        return ok
 
     def flush(self) -> None:
         """Wait for background KV write-backs."""
-        self._writer.submit(lambda: None).result()
+        self.resolver.flush()
 
     def close(self) -> None:
-        """Finish write-backs, snapshot the index, close the store."""
-        self._writer.shutdown(wait=True)
+        """Finish write-backs, snapshot the index, close the store, release the data folder's writer
+        lock if this RAG holds one (``apps.service.build_rag(writer=True)``)."""
+        self.resolver.close()
         self.index.close()
         self.store.close()
+        lock = getattr(self, "writer_lock", None)
+        if lock is not None:
+            lock.close()
+            self.writer_lock = None
 
 
 def _check(cancel: Callable[[], bool]) -> None:

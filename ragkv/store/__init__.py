@@ -18,13 +18,22 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from ragkv.store.base import BlobStore, ChunkStore, FingerprintMismatch, LayerRangeError, StoreWriteError
+from ragkv.store.base import (
+    BlobStore,
+    ChunkStore,
+    FingerprintMismatch,
+    LayerRangeError,
+    StoreFullError,
+    StoreWriteError,
+)
 from ragkv.store.blob import BlobAuth, BlobError, BlobHeader, KVGeometry, OutBufferError, Segment
 from ragkv.store.localdir import LocalDirStore
 from ragkv.store.memory import MemoryStore
 from ragkv.store.tiered import TieredStore
 
 __all__ = [
+    "DEFAULT_FILE_STORE_MAX_BYTES",
+    "default_store_url",
     "BlobAuth",
     "BlobError",
     "BlobHeader",
@@ -38,6 +47,7 @@ __all__ = [
     "OutBufferError",
     "RedisStore",
     "Segment",
+    "StoreFullError",
     "StoreWriteError",
     "TieredStore",
     "parse_bytes",
@@ -82,6 +92,17 @@ def parse_bytes(value: str | int | float) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot parse byte size {value!r} (examples: 1073741824, 1e9, 512MiB, 2GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+#: size bound of the default store under a RAG's ``data_dir`` (``data_dir/kv``): least recently used
+#: KV that no chunk references is evicted first; a write that only evicting referenced KV could fit
+#: is refused (:class:`StoreFullError`) and that chunk is recomputed when used
+DEFAULT_FILE_STORE_MAX_BYTES = 20 << 30
+
+
+def default_store_url(data_dir) -> str:
+    """The chunk store a RAG uses when none is given: a file store under ``data_dir``, bounded."""
+    return f"file://{(Path(data_dir) / 'kv').resolve()}?max_bytes={DEFAULT_FILE_STORE_MAX_BYTES}"
 
 
 def store_from_url(spec: str | dict | ChunkStore, **overrides) -> ChunkStore:

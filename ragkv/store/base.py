@@ -42,6 +42,10 @@ class StoreWriteError(OSError):
     """A backend could not store a blob (full, too large for its bound, read-only ...)."""
 
 
+class StoreFullError(StoreWriteError):
+    """The store's size bound is reached by KV its owner still references: the write is refused."""
+
+
 class FingerprintMismatch(BlobError):
     """The blob was produced by another model than the one asking for it."""
 
@@ -79,6 +83,7 @@ class ChunkStore(ABC):
                 "bytes_read",
                 "bytes_written",
                 "evictions",
+                "full",
             ),
             0,
         )
@@ -235,6 +240,9 @@ class BlobStore(ChunkStore):
         self._header_cap = header_cache
         self._hlock = threading.Lock()
         self._corrupt: set[str] = set()
+        #: ``pinned(key)``: the owner still references this chunk (a RAG sets its index's check), so a
+        #: size bound evicts unpinned blobs only and refuses a write rather than drop pinned KV
+        self.pinned: Callable[[str], bool] | None = None
 
     # -- backend primitives ---------------------------------------------------------------------
     @abstractmethod
@@ -287,6 +295,11 @@ class BlobStore(ChunkStore):
         overwrite = key in self._corrupt
         try:
             written = self._write(key, bytes(blob), overwrite)
+        except StoreFullError as e:
+            self._count("full")
+            self._count("put_errors")
+            self._backend_failed("put", key, e)
+            return False
         except self.backend_errors as e:
             self._count("put_errors")
             self._backend_failed("put", key, e)

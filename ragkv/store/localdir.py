@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ragkv.store import blob as blobfmt
-from ragkv.store.base import BlobStore
+from ragkv.store.base import BlobStore, StoreFullError
 from ragkv.store.blob import BlobAuth
 from ragkv.store.codecs.base import KVCodec
 
@@ -262,23 +262,34 @@ class LocalDirStore(BlobStore):
             self._db.executemany("UPDATE chunks SET last_access=MAX(last_access, ?) WHERE key=?", rows)
 
     def _evict(self, protect: str) -> None:
-        """Delete least recently accessed blobs until the directory fits ``max_bytes``."""
+        """Delete least recently accessed blobs until the directory fits ``max_bytes``; blobs the owner
+        pins (:attr:`pinned`) are kept, and when only pinned KV is left over the bound the blob just
+        written (``protect``) is removed again and :class:`StoreFullError` raised (never silent loss)."""
         with self._lock:
             self._flush_access()
             total = self._nbytes()
-            while total > self.max_bytes:
-                victims = self._db.execute(
-                    "SELECT key, nbytes FROM chunks WHERE key != ? ORDER BY last_access LIMIT 64", (protect,)
-                ).fetchall()
-                if not victims:
-                    break
-                for key, n in victims:
-                    if total <= self.max_bytes:
-                        break
-                    self._delete(key)
-                    self._forget(key)
-                    self._count("evictions")
-                    total -= n
+            if total <= self.max_bytes:
+                return
+            rows = self._db.execute(
+                "SELECT key, nbytes FROM chunks WHERE key != ? ORDER BY last_access", (protect,)
+            ).fetchall()
+            for key, n in rows:
+                if total <= self.max_bytes:
+                    return
+                if self.pinned is not None and self.pinned(key):
+                    continue
+                self._delete(key)
+                self._forget(key)
+                self._count("evictions")
+                total -= n
+            if total > self.max_bytes:
+                self._delete(protect)
+                self._forget(protect)
+                raise StoreFullError(
+                    f"{self.describe()} is full: {total} bytes of referenced KV exceed max_bytes="
+                    f"{self.max_bytes}; chunk {protect[:16]} was not stored (it will be recomputed when "
+                    "used). Raise the store's max_bytes or delete documents."
+                )
 
 
 def _alive(pid: int) -> bool:
