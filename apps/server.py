@@ -55,6 +55,7 @@ from apps.service import (
 from integrations.common import fold_messages
 from integrations.vllm.client import VllmServerError, VllmUnavailableError
 from ragkv.generate import SamplingParams
+from ragkv.kv import KVMismatchError
 from ragkv.model import PromptTooLongError
 
 log = logging.getLogger("ragkv.server")
@@ -125,13 +126,26 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
         return 502, "bad_gateway", f"the vLLM server failed: {exc}"
     if isinstance(exc, PromptTooLongError):
         return 413, "context_length_exceeded", str(exc)
+    if isinstance(exc, KVMismatchError):  # stored KV of another model or shape: the server's data
+        return 500, "internal_error", "stored KV does not fit the served model; see the server log"
     if isinstance(exc, ValueError):  # ragkv's typed input errors (unknown mode, empty question ...)
         if _raised_by_us(exc):
             return 422, "invalid_request_error", str(exc)
-        return 422, "invalid_request_error", "invalid request; see the server log"
+        # raised inside a library (torch, numpy ...): a fault of the server, not of the request
+        return 500, "internal_error", f"internal error ({type(exc).__name__}); see the server log"
     if isinstance(exc, ConnectionError):  # e.g. the Redis store is down (its address stays in the log)
         return 503, "service_unavailable", "a backend is unreachable; see the server log"
     return 500, "internal_error", f"internal error ({type(exc).__name__}); see the server log"
+
+
+def report(exc: BaseException, request: Request | None = None) -> tuple[int, str, str]:
+    """:func:`classify` ``exc`` and log it, with its traceback, when it is the server's fault (5xx):
+    a request's error is the client's business, a server fault must reach the operator."""
+    status, kind, message = classify(exc)
+    if status >= 500:
+        where = f"{request.method} {request.url.path}" if request is not None else "a request"
+        log.error("error serving %s: %s", where, message, exc_info=exc)
+    return status, kind, message
 
 
 def _raised_by_us(exc: BaseException) -> bool:
@@ -217,7 +231,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), kind, headers=headers)
 
     async def _known(request: Request, exc: Exception):
-        status, kind, message = classify(exc)
+        status, kind, message = report(exc, request)
         return error_response(status, message, kind)
 
     # typed errors are answered by the inner exception middleware (not re-raised, not logged as crashes)
@@ -226,8 +240,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception):
-        log.error("error serving %s %s", request.method, request.url.path, exc_info=exc)
-        status, kind, message = classify(exc)
+        status, kind, message = report(exc, request)
         return error_response(status, message, kind)
 
 
@@ -455,7 +468,7 @@ async def _openai_events(
                 has = False
         yield _sse("[DONE]")
     except Exception as e:  # noqa: BLE001 - after the headers, errors become an error chunk
-        status, kind, message = classify(e)
+        status, kind, message = report(e)
         yield _sse(oc.stream_error(status, message, kind, path))
     finally:
         await it.aclose()
@@ -676,7 +689,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                     except StopAsyncIteration:
                         has = False
             except Exception as e:  # noqa: BLE001 - after the headers, errors become an event
-                status, kind, message = classify(e)
+                status, kind, message = report(e, request)
                 yield _sse(error_json(status, message, kind), "error")
             finally:
                 await it.aclose()

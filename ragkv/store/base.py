@@ -410,7 +410,8 @@ class BlobStore(ChunkStore):
         return result
 
     def _guard(self, op: str, key: str | None, fn: Callable[[], R], default: R) -> R:
-        """Run a read-path operation; turn every store failure into ``default`` plus a warning."""
+        """Run a read-path operation; turn a store failure (backend down, unusable blob, another
+        model's KV) into ``default`` plus a counted warning; programming errors propagate."""
         try:
             return fn()
         except (LayerRangeError, OutBufferError):
@@ -433,15 +434,8 @@ class BlobStore(ChunkStore):
             )
         except self.backend_errors as e:
             self._backend_failed(op, key, e)
-        except Exception as e:  # never crash a query because of the cache
-            self._count("errors")
-            log.warning(
-                "%s: unexpected error in %s %s; treating it as a miss",
-                self.describe(),
-                op,
-                _short(key),
-                exc_info=e,
-            )
+        # anything else is a bug in ragkv and propagates: a codec bug must not pass for "every chunk
+        # missed, blend recomputes everything" (bad data is a BlobError/CodecError above)
         return default
 
     def _read_counted(self, key: str, offset: int, length: int | None) -> bytes | memoryview | None:
