@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable
+
+log = logging.getLogger("ragkv.service")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -69,11 +73,16 @@ class Gauge(_Metric):
     def __init__(self, name, help_text, fn: Callable[[], float | dict], labels=()):
         super().__init__(name, help_text, labels)
         self.fn = fn
+        self._last_warn = -1e18
 
     def render(self) -> list[str]:
         try:
             got = self.fn()
-        except Exception:  # noqa: BLE001 - a failing source (e.g. Redis down) omits the sample
+        except Exception as e:  # noqa: BLE001 - a failing source (e.g. Redis down) omits the sample
+            now = time.monotonic()
+            if now - self._last_warn >= 60.0:  # said, at most once a minute per gauge
+                self._last_warn = now
+                log.warning("metric %s omitted: its source failed: %s: %s", self.name, type(e).__name__, e)
             return self.header()
         items = got.items() if isinstance(got, dict) else [((), got)]
         return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in items]

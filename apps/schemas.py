@@ -126,6 +126,10 @@ class Health(BaseModel):
     chunks: int
     running: int
     queued: int
+    blend_gate: Literal["passed", "failed", "pending"] = Field(
+        description="the blending self-check: passed, failed (reuse and blend fall back to full), or "
+        "pending (runs before the first reuse or blend)"
+    )
 
 
 class ModelCard(BaseModel):

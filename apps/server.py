@@ -54,6 +54,7 @@ from apps.service import (
 )
 from integrations.common import fold_messages
 from integrations.vllm.client import VllmServerError, VllmUnavailableError
+from ragkv.blend.gate import gate_state
 from ragkv.generate import SamplingParams
 from ragkv.kv import KVMismatchError
 from ragkv.model import PromptTooLongError
@@ -918,6 +919,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             "chunks": chunks,
             "running": svc.queries.running,
             "queued": svc.queries.queued,
+            "blend_gate": gate_state(rag.model),
         }
 
     @app.get(

@@ -26,6 +26,7 @@ from typing import Any
 
 from apps.config import ConfigError, Settings
 from apps.metrics import Counter, Gauge, Histogram, Registry
+from ragkv.blend.gate import gate_state
 from ragkv.blend.spans import SearchCancelled, cancel_scope, expect_model
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer, RagBackend
@@ -684,6 +685,16 @@ class Service:
                 "chunk store counters (hits, misses, puts, bytes read/written ...)",
                 lambda: {(k,): v for k, v in self.rag.store.stats().items() if isinstance(v, (int, float))},
                 ("op",),
+            )
+        )
+        r.add(
+            Gauge(
+                "ragkv_blend_gate",
+                "the blending self-check's state (1 for the current one; failed: reuse and blend run full)",
+                lambda: {
+                    (st,): int(gate_state(self.rag.model) == st) for st in ("passed", "failed", "pending")
+                },
+                ("state",),
             )
         )
         r.add(Gauge("ragkv_documents", "documents in the index", lambda: self.rag.index.num_documents))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.blend.core import DEFAULT_RATIO, BlendSchedule, PrefillResult
-from ragkv.blend.gate import GateReport, self_check
+from ragkv.blend.gate import GateReport, ensure_gate, gate_report
 from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.blend.resolver import ChunkResolver
 from ragkv.generate import SamplingParams, TokenEvent, generate, stream
@@ -64,7 +64,13 @@ class LLM:
         self.resolver = ChunkResolver(
             self.model, store, cache_bytes=cache_bytes, pipelined=store is not None, background_writes=False
         )
-        self.gate: GateReport | None = self_check(self.model) if self_check_on_load else None
+        if self_check_on_load:  # else it runs before the first reuse or blend (ragkv.blend.gate)
+            ensure_gate(self.model)
+
+    @property
+    def gate(self) -> GateReport | None:
+        """The blending self-check's report (None until it has run)."""
+        return gate_report(self.model)
 
     # ---- tokens ---------------------------------------------------------------------------
     def tokenize_prompt(

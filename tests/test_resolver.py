@@ -227,3 +227,38 @@ def test_gc_command_collects_a_data_folder(tmp_path, embedder, capsys, one_threa
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["unreferenced"] == 1
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["deleted"] == 1
+
+
+# ---- the gate wherever blending can happen ------------------------------------------------------------
+def test_a_bare_model_is_gated_before_its_first_blend():
+    """Bug: ``ragkv.load_model`` + ``ragkv.prefill`` (and ``Engine("name")``) blended with no self-check."""
+    from ragkv.blend import prefill
+    from ragkv.blend.gate import gate_report, gate_state
+    from ragkv.kv import compute_chunk_kv
+    from ragkv.model import load_model
+    from tests.helpers import stories_path
+
+    model = load_model(str(stories_path()))
+    assert gate_state(model) == "pending"
+    prefill(model, [1, 5], [[6, 7, 8]], [9], "full")  # full prefill needs no gate
+    assert gate_state(model) == "pending"
+    prefill(model, [1, 5], [compute_chunk_kv(model, [6, 7, 8])], [9], "blend")
+    assert gate_state(model) == "passed" and gate_report(model).ok
+
+
+def test_healthz_and_metrics_show_the_gate(rag):
+    from fastapi.testclient import TestClient
+
+    from apps.config import Settings
+    from apps.server import create_app
+    from apps.service import Service
+
+    s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
+    svc = Service(s, rag)
+    svc.start()
+    with TestClient(create_app(s, svc), base_url="http://testserver") as c:
+        state = c.get("/healthz").json()["blend_gate"]
+        assert state in ("passed", "pending")
+        c.post("/v1/query", json={"question": "kite?", "max_tokens": 1})
+        assert c.get("/healthz").json()["blend_gate"] == "passed"
+        assert 'ragkv_blend_gate{state="passed"} 1' in c.get("/metrics").text

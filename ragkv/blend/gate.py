@@ -1,4 +1,4 @@
-"""Per-model correctness gate for blending, run once when a model is loaded.
+"""Per-model correctness gate for blending: run once per model, before its first reuse or blend.
 
 Reference implementations silently produced garbage on some models (wrong re-RoPE for some
 architectures, no RoPE-scaling support, selected rows mapped to wrong positions when a cached
@@ -8,12 +8,16 @@ scores depend only on relative position; (2) ``blend`` at ratio 1.0 equals ``ful
 with a cached prefix. Rotations in the checks run in float32 and the tolerance comes from the
 model's dtype (:func:`tolerance`): in bfloat16 a chunk recomputed at another offset differs from the
 re-positioned one by rounding accumulated over the layers, while a position bug errs by order 1. On failure blending is disabled for the model (``model.blend_ok = False``)
-and reuse/blend requests fall back to full prefill with a warning.
+and reuse/blend requests fall back to full prefill with a warning. :func:`ensure_gate` runs it lazily
+from :func:`ragkv.blend.prefill` (so every path that blends is gated: ``ragkv.LLM``, ``ragkv.prefill``
+on a bare model, the engine, the service) and keeps the report per model (:func:`gate_report`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -94,7 +98,8 @@ def self_check(model, seed: int = 0, chunk_len: int = 12, set_flag: bool = True)
     kvs = [kv, compute_chunk_kv(model, chunks[1])]
     full = prefill(model, prefix, kvs, suffix, "full")
     one = BlendSchedule.single(1.0)
-    saved, model.blend_ok = model.blend_ok, None  # run the real paths even if a previous gate failed
+    # run the real paths (True: no fallback to full, no gate inside the gate) even if a previous gate failed
+    saved, model.blend_ok = model.blend_ok, True
     try:
         b = prefill(model, prefix, kvs, suffix, "blend", schedule=one)
         checks["blend1_logits"] = _rel(b.logits, full.logits)
@@ -114,6 +119,7 @@ def self_check(model, seed: int = 0, chunk_len: int = 12, set_flag: bool = True)
     report = GateReport(ok=not failed, checks=checks, failed=failed, tolerance=tol)
     if set_flag:
         model.blend_ok = report.ok
+        _REPORTS[model] = report
     if failed:
         log.warning(
             "blending disabled for %s: self-check failed %s (errors %s); requests fall back to full prefill",
@@ -124,3 +130,27 @@ def self_check(model, seed: int = 0, chunk_len: int = 12, set_flag: bool = True)
     else:
         log.info("blending self-check passed for %s: %s", model.name, checks)
     return report
+
+
+_REPORTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GATE_LOCK = threading.Lock()
+
+
+def ensure_gate(model) -> bool:
+    """Run the gate on ``model`` unless it ran (cached per model); whether blending is allowed."""
+    if model.blend_ok is not None:
+        return bool(model.blend_ok)
+    with _GATE_LOCK:  # one run, even when the first blends of a model arrive together
+        if model.blend_ok is None:
+            self_check(model)
+    return bool(model.blend_ok)
+
+
+def gate_report(model) -> GateReport | None:
+    """The gate's report for ``model`` (None: it has not run yet)."""
+    return _REPORTS.get(model)
+
+
+def gate_state(model) -> str:
+    """``"passed"``, ``"failed"`` (reuse and blend fall back to full) or ``"pending"`` (not run yet)."""
+    return "pending" if model.blend_ok is None else "passed" if model.blend_ok else "failed"

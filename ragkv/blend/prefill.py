@@ -83,6 +83,10 @@ def prefill(
     t0 = time.perf_counter()
     cfg = model.config
     fallback = None
+    if mode in ("reuse", "blend") and model.blend_ok is None:
+        from ragkv.blend.gate import ensure_gate  # the gate itself prefills: imported here
+
+        ensure_gate(model)
     if mode in ("reuse", "blend") and model.blend_ok is False:
         fallback = "model failed the blending self-check; using full prefill"
         log.warning("%s (%s)", fallback, model.name)
