@@ -55,12 +55,6 @@ def register_model(model, vllm_config=None) -> None:
         _registered.pop("layer_model", None)
 
 
-def registered_model():
-    """The recorded vLLM model, or None."""
-    with _lock:
-        return _registered.get("model")
-
-
 def clear_registered_model() -> None:
     with _lock:
         _registered.clear()

@@ -252,9 +252,6 @@ class RowPlan:
     def reused_rows(self) -> torch.Tensor:
         return (self.row_class == REUSED).nonzero().flatten()
 
-    def piece_rows(self, piece: Piece) -> torch.Tensor:
-        return torch.arange(piece.start, piece.stop)
-
     def without(self, span_index: int) -> RowPlan:
         """The same plan with chunk ``span_index`` computed instead of reused (its load failed)."""
         rc = self.row_class.clone()

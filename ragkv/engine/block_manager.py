@@ -10,7 +10,7 @@ silent no-op.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 
 
 class BlockAccountingError(RuntimeError):
@@ -79,10 +79,6 @@ class BlockManager:
         self._free.append(block)
         self.total_freed += 1
         return True
-
-    def free_all(self, blocks: Iterable[int]) -> int:
-        """Drop one reference per listed block; returns how many went back to the free list."""
-        return sum(self.free(b) for b in blocks)
 
     # ---- content-hash index (exact sharing of identical prompt heads) ----------------------------
     def lookup(self, key: Hashable) -> int | None:

@@ -1,13 +1,12 @@
 """Chunk KV: prefill a chunk alone, keep its per-layer K/V, key it by content and model."""
 
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, ChunkKV, KVMismatchError, chunk_key
-from ragkv.kv.compute import chunk_start_pos, compute_chunk_kv
+from ragkv.kv.compute import compute_chunk_kv
 
 __all__ = [
     "CHUNK_CONVENTION_VERSION",
     "ChunkKV",
     "KVMismatchError",
     "chunk_key",
-    "chunk_start_pos",
     "compute_chunk_kv",
 ]

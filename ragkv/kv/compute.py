@@ -8,11 +8,6 @@ from ragkv.kv.chunk import ChunkKV
 from ragkv.model.forward import chunk_kv_tensors
 
 
-def chunk_start_pos(model) -> int:
-    """Position of a chunk's first token in the chunk convention (1 after BOS, else 0)."""
-    return 1 if model.config.bos_token_id is not None else 0
-
-
 @torch.inference_mode()
 def compute_chunk_kv(model, token_ids: list[int] | torch.Tensor, fingerprint: str | None = None) -> ChunkKV:
     """Prefill ``[BOS] + token_ids`` and return the chunk rows' pre-RoPE K and V.

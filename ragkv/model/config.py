@@ -38,10 +38,6 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     hf_config: Any = field(default=None, compare=False, repr=False)
 
-    @property
-    def num_query_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full causal attention)."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window

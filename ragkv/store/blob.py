@@ -169,11 +169,6 @@ class BlobHeader:
     def total_size(self) -> int:
         return self.data_start + self.data_size
 
-    def raw_nbytes(self) -> int:
-        """Bytes of K plus V in the original dtype (what ``raw`` would store)."""
-        n = self.num_layers * self.num_tokens * self.num_kv_heads * self.head_dim
-        return 2 * n * self.torch_dtype.itemsize
-
     def segments_for(self, start: int, stop: int) -> list[Segment]:
         """Segments overlapping layers ``[start, stop)``, in order."""
         return [s for s in self.segments if s.start < stop and s.stop > start]
