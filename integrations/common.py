@@ -421,7 +421,8 @@ class RagkvRunner:
     ) -> Iterator[TokenEvent | Completion]:
         """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after use."""
         model = self.rag.model
-        mode = mode or (self.rag.mode if chunk_texts else "full")
+        # a flat prompt too: the stored chunks a framework formatted into it are found and reused
+        mode = mode or self.rag.mode
         ratio = self.rag.ratio if ratio is None else ratio
         ratio = 0.15 if ratio == "auto" else float(ratio)  # the loading controller needs retrieved records
         params = make_params(sampling)

@@ -127,12 +127,20 @@ class LLM:
         system: str | None = None,
     ) -> PrefillResult:
         """Prefill ``prefix + chunks + question`` in ``mode``; the prefix's KV is cached and reused by
-        every mode but ``full`` (the baseline that computes everything)."""
+        every mode but ``full`` (the baseline that computes everything). With no ``chunks`` (a flat
+        prompt, as frameworks format documents), ``reuse``/``blend`` find the stored chunks inside it
+        (:meth:`ChunkResolver.locate`, when a corpus is known, e.g. a RAG's) and reuse their KV.
+        ``ratio``: the share recomputed (None: the schedule's, else ``DEFAULT_RATIO``)."""
         pre, chs, q = self.tokenize_prompt(prefix, chunks, question, chat, system)
         items = self.resolver.items(chs) if mode in ("reuse", "blend") else chs
+        located = None
+        if mode in ("reuse", "blend") and not chs:  # a flat prompt: stored chunks found inside it
+            located = self.resolver.locate(pre + q)
+            if located is not None:
+                pre, items, q = located
         sched = self._schedule(ratio) if mode == "blend" else None
         ratio = DEFAULT_RATIO if ratio is None else ratio
-        return self.resolver.prefill(
+        res = self.resolver.prefill(
             pre,
             items,
             q,
@@ -142,6 +150,9 @@ class LLM:
             prefix_cache=self.prefix_cache,
             probe_suffix=probe_suffix,
         )
+        if located is not None:
+            res.stats["located_chunks"] = sum(not isinstance(it, list) for it in items)
+        return res
 
     def _schedule(self, ratio: float | None) -> BlendSchedule | None:
         """This LLM's schedule with a per-call ``ratio`` applied (refused if it has several ratios)."""

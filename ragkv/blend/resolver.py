@@ -20,7 +20,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ragkv.blend.core import DEFAULT_RATIO, PrefillResult
+from ragkv.blend.locate import ChunkLocator
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory, prefill_with_recovery
+from ragkv.blend.spans import PieceSlice
 from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.kv.compute import compute_chunk_kv
 
@@ -113,6 +115,9 @@ class ChunkResolver:
             "write_back_failures": 0,
         }
         self._warn = WarnThrottle(log)
+        #: ``locator()``: the stored chunks to look for inside flat prompts (transparent reuse), e.g.
+        #: a RAG's corpus; None: a prompt's chunks are only those given explicitly
+        self.locator: Callable[[], ChunkLocator | None] | None = None
 
     # ---- keys and the memory LRU -------------------------------------------------------------
     def key(self, token_ids: Sequence[int]) -> str:
@@ -314,6 +319,33 @@ class ChunkResolver:
             on_load_error=bad,
             **prefill_kw,
         )
+
+    def locate(self, prompt_ids: Sequence[int]) -> tuple[list[int], Resolved, list[int]] | None:
+        """A flat prompt as ``(prefix, items, suffix)`` with the stored chunks found inside it as
+        (slices of) their stored KV and the text around them as token lists; None when none is found
+        (or no locator is set). Boundary tokens that tokenized differently stay text (computed)."""
+        loc = self.locator() if self.locator is not None else None
+        found = loc.find(prompt_ids) if loc is not None else []
+        if not found:
+            return None
+        ids = [int(t) for t in prompt_ids]
+        parts: list = []
+        slots: list[int] = []
+        pos = found[0].start
+        for f in found:
+            if f.start > pos:
+                parts.append(ids[pos : f.start])
+            slots.append(len(parts))
+            parts.append(f)
+            pos = f.stop
+        chunks = self.items([(list(f.token_ids), f.key) for f in found], at=slots)
+        for slot, f, item in zip(slots, found, chunks, strict=True):
+            whole = f.lo == 0 and f.hi == len(f.token_ids)
+            parts[slot] = item if whole else PieceSlice(item, f.lo, f.hi)
+        out = Resolved()
+        out.extend(parts)
+        out.hits, out.computed = chunks.hits, chunks.computed
+        return ids[: found[0].start], out, ids[found[-1].stop :]
 
     # ---- lifetime ----------------------------------------------------------------------------
     def flush(self) -> None:

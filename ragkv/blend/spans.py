@@ -372,6 +372,15 @@ class PieceSlice:
     def num_tokens(self) -> int:
         return self.hi - self.lo
 
+    @property
+    def token_ids(self) -> list[int]:
+        ids = self.piece.token_ids
+        return [int(t) for t in ids[self.lo : self.hi]]
+
+    @property
+    def key(self) -> str | None:
+        return getattr(self.piece, "key", None)
+
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.piece.layer_kv(layer)
         if self.lo == 0 and self.hi == k.shape[0]:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.controller import LoadingController
+from ragkv.blend.locate import ChunkLocator
 from ragkv.blend.prefill import MODES, UnknownModeError
 from ragkv.blend.resolver import ChunkResolver, WarnThrottle
 from ragkv.generate import SamplingParams, stream
@@ -154,6 +155,9 @@ class RAG:
         # orders "is this key still used?" + store write (write-back) against index change + store delete
         self._kv_lock = threading.Lock()
         self._warn = WarnThrottle(log)
+        self._corpus_version = 0  # bumped by every commit and delete: the locator is rebuilt after
+        self._locator: tuple[int, ChunkLocator] | None = None
+        self.resolver.locator = self.chunk_locator
         if hasattr(store, "pinned"):  # a size bound evicts KV no chunk references first
             store.pinned = self.index.references
         self._settle()  # KV left unreferenced by a crash (an uncommitted ingest, an unfinished delete)
@@ -228,6 +232,7 @@ class RAG:
         if pending:
             with self._kv_lock:
                 self.index.commit(list(pending.values()))
+                self._corpus_version += 1
             rep.documents_added = len(pending)
             rep.chunks_added = sum(len(p.chunks) for p in pending.values())
         rep.seconds = time.perf_counter() - t0
@@ -244,6 +249,15 @@ class RAG:
                 "ingest-put", "could not store KV of chunk %s; it will be recomputed when retrieved", key[:16]
             )
         rep.kv_computed += 1
+
+    def chunk_locator(self) -> ChunkLocator | None:
+        """The locator of this corpus's chunks inside flat prompts (built once per corpus version)."""
+        v = self._corpus_version
+        cached = self._locator
+        if cached is None or cached[0] != v:
+            loc = ChunkLocator((r.kv_key, r.token_ids) for r in self.index.all_chunks())
+            cached = self._locator = (v, loc)
+        return cached[1]
 
     def collect_garbage(self, dry_run: bool = False) -> dict:
         """Delete every stored blob no chunk of this index references (KV of deleted documents, of
@@ -290,6 +304,7 @@ class RAG:
         with self._ingest_lock:
             with self._kv_lock:
                 self.resolver.forget(self.index.delete_document(doc_id))
+                self._corpus_version += 1
             self._settle()
 
     # ---- retrieve ------------------------------------------------------------------------------

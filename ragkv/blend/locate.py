@@ -1,0 +1,112 @@
+"""Stored chunks found inside any flat prompt (transparent reuse).
+
+A framework that formats retrieved documents its own way (LangChain's ``"\\n\\n".join(...)``,
+LlamaIndex's context template) hands ragkv one flat prompt. :class:`ChunkLocator` finds the stored
+chunks inside it in one linear pass: it keeps, per stored chunk, the hash of ``ANCHOR_TOKENS`` tokens
+just inside its start (``margin`` tokens in, because the first tokens of a chunk often tokenize
+differently next to the text before it), rolls that hash over the prompt, verifies every hit token
+by token and extends it both ways as far as the tokens agree. A match is a slice ``[lo, hi)`` of the
+chunk's rows: the boundary tokens that tokenized differently stay outside it and are computed as
+fresh rows by the blend. Built once per corpus version (O(chunks)), so a prompt with no stored
+chunk costs one rolling hash over its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ragkv.blend.spans import _HASH_BASE, _HASH_MOD, ANCHOR_TOKENS, check_cancelled
+
+
+@dataclass(frozen=True)
+class Located:
+    """Prompt rows ``[start, start + hi - lo)`` are rows ``[lo, hi)`` of the stored chunk ``key``."""
+
+    key: str
+    token_ids: tuple[int, ...]  # the whole chunk's tokens
+    start: int
+    lo: int
+    hi: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.hi - self.lo
+
+
+def _hash(ids: Sequence[int]) -> int:
+    acc = 0
+    for t in ids:
+        acc = (acc * _HASH_BASE + t + 1) % _HASH_MOD
+    return acc
+
+
+class ChunkLocator:
+    """Finds stored chunks (``(key, token ids)``) inside prompts; see the module docstring.
+
+    ``margin``: tokens skipped at each end of a chunk before its anchor; ``min_share``: the least
+    share of a chunk's tokens a match must cover to be reused (a short accidental overlap is not).
+    """
+
+    def __init__(self, chunks: Iterable[tuple[str, Sequence[int]]], margin: int = 2, min_share: float = 0.5):
+        self.margin, self.min_share = margin, min_share
+        self._anchors: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+        self.num_chunks = 0
+        for key, toks in chunks:
+            toks = tuple(int(t) for t in toks)
+            a = self._anchor_at(len(toks))
+            if a is None:
+                continue
+            self._anchors.setdefault(_hash(toks[a : a + ANCHOR_TOKENS]), []).append((key, toks))
+            self.num_chunks += 1
+        self._lead = pow(_HASH_BASE, ANCHOR_TOKENS - 1, _HASH_MOD)  # the leaving token's weight
+
+    def _anchor_at(self, n: int) -> int | None:
+        """Where a chunk of ``n`` tokens is anchored (None: too short to locate reliably)."""
+        a = min(self.margin, max(0, n - ANCHOR_TOKENS))
+        return a if n >= ANCHOR_TOKENS else None
+
+    def find(self, prompt_ids: Sequence[int]) -> list[Located]:
+        """Non-overlapping stored chunks in ``prompt_ids``, left to right (greedy: longest at a row)."""
+        ids = [int(t) for t in prompt_ids]
+        n, q = len(ids), ANCHOR_TOKENS
+        out: list[Located] = []
+        if n < q or not self._anchors:
+            return out
+        h = _hash(ids[:q])
+        free = 0  # rows before this are taken by a match
+        i = 0
+        while i + q <= n:
+            if i % (1 << 14) == 0:
+                check_cancelled()
+            best = None
+            if i >= free:
+                for key, toks in self._anchors.get(h, ()):
+                    m = self._match(ids, i, toks, free)
+                    if m is not None and (best is None or m[2] - m[1] > best[2] - best[1]):
+                        best = (key, toks, *m)
+            if best is not None:
+                key, toks, start, lo, hi = best
+                out.append(Located(key, toks, start, lo, hi))
+                free = start + hi - lo
+            if i + q < n:
+                h = ((h - (ids[i] + 1) * self._lead) * _HASH_BASE + ids[i + q] + 1) % _HASH_MOD
+            i += 1
+        return out
+
+    def _match(
+        self, ids: list[int], at: int, toks: tuple[int, ...], free: int
+    ) -> tuple[int, int, int] | None:
+        """``(prompt start, lo, hi)`` of chunk ``toks`` anchored at prompt row ``at``, or None."""
+        a = self._anchor_at(len(toks))
+        if ids[at : at + ANCHOR_TOKENS] != list(toks[a : a + ANCHOR_TOKENS]):
+            return None  # a hash collision, never taken for a match
+        hi = a + ANCHOR_TOKENS
+        while hi < len(toks) and at + hi - a < len(ids) and ids[at + hi - a] == toks[hi]:
+            hi += 1
+        lo = a
+        while lo > 0 and at - (a - lo) - 1 >= free and ids[at - (a - lo) - 1] == toks[lo - 1]:
+            lo -= 1
+        if hi - lo < self.min_share * len(toks):
+            return None
+        return at - (a - lo), lo, hi

@@ -1,0 +1,100 @@
+"""Transparent reuse: stored chunks found inside a flat prompt, as frameworks format documents."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ragkv import LLM
+from ragkv.blend.locate import ChunkLocator
+from ragkv.rag import RAG
+from ragkv.rag.embedder import Embedder
+from tests.helpers import stories_model
+
+DOCS = [
+    "Lily had a red ball. She played with it in the park every day. One day the ball rolled into the "
+    "river and a big fish took it away.",
+    "Tom liked to run. He ran to the shop and bought a kite. The kite was blue and it flew high in the "
+    "sky over the hills.",
+    "The cat sat on the mat. It was a warm day and the sun was shining. The dog came and sat next to the cat.",
+]
+
+
+@pytest.fixture(scope="module")
+def rag(tmp_path_factory, one_thread):
+    r = RAG(LLM(stories_model()), tmp_path_factory.mktemp("flat"), embedder=Embedder(), chunk_tokens=48)
+    r.ingest(DOCS, show_progress=False)
+    yield r
+    r.close()
+
+
+def _flat(rag, sep: str = "\n\n") -> str:
+    """The prompt a standard LangChain chain builds: documents joined by blank lines."""
+    return (
+        "Answer the question.\n\n"
+        + sep.join(r.text for r in rag.index.all_chunks())
+        + "\n\nWhat did Tom buy?"
+    )
+
+
+def test_a_flat_prompt_reuses_the_stored_chunks_inside_it(rag):
+    recs = [r for r in rag.index.all_chunks() if len(r.token_ids) >= 8]  # shorter ones are not located
+    ans = rag.llm.generate("", [], _flat(rag), mode="blend", chat=False, max_new_tokens=2)
+    assert ans.stats["located_chunks"] == len(recs)
+    assert ans.stats["num_reused_rows"] >= 0.9 * sum(len(r.token_ids) for r in recs)
+    full = rag.llm.generate("", [], _flat(rag), mode="full", chat=False, max_new_tokens=2)
+    assert "located_chunks" not in full.stats and full.stats["num_reused_rows"] == 0
+
+
+def test_blend_of_a_located_flat_prompt_at_ratio_one_equals_full(rag):
+    """The exactness invariant holds for located slices too: every row recomputed gives full's KV."""
+    flat = _flat(rag, sep="\n")
+    one = rag.llm.prefill("", [], flat, mode="blend", ratio=1.0, chat=False)
+    full = rag.llm.prefill("", [], flat, mode="full", chat=False)
+    assert one.stats["located_chunks"] >= 2
+    # equal up to fp32 summation order (segments computed apart), as test_blend's ratio-1 invariant
+    assert float((one.logits - full.logits).abs().max() / full.logits.abs().max()) < 1e-4
+    reuse = rag.llm.prefill("", [], flat, mode="blend", ratio=0.0, chat=False)
+    assert float((reuse.logits - full.logits).abs().max()) > 1e-3  # the reused rows really were reused
+
+
+def test_located_slices_leave_differently_tokenized_boundaries_to_compute():
+    chunk = list(range(100, 140))
+    loc = ChunkLocator([("k", chunk)])
+    # the chunk's first token and last two tokenized differently in the prompt (merged with neighbours)
+    prompt = [1, 2, 3, 999, *chunk[1:-2], 998, 4, 5]
+    (m,) = loc.find(prompt)
+    assert (m.start, m.lo, m.hi) == (4, 1, 38) and prompt[m.start : m.stop] == chunk[1:38]
+
+
+def test_short_or_partial_overlaps_are_not_taken_and_matches_do_not_overlap():
+    a, b = list(range(10, 50)), list(range(30, 70))  # b starts inside a
+    loc = ChunkLocator([("a", a), ("b", b)])
+    found = loc.find([1, *a, *range(50, 70), 2])
+    assert [f.key for f in found] == ["a"]  # b's remaining 20 of 40 tokens: under half, not reused
+    assert loc.find(list(range(1000, 1400))) == []
+    assert ChunkLocator([("tiny", [5, 6, 7])]).num_chunks == 0
+
+
+def test_locating_costs_little_on_a_prompt_with_no_stored_chunk():
+    """The issue's budget: < 2% of full prefill's time at 6K tokens (about 19 s for SmolLM2-135M on two
+    cores, docs/BENCHMARKS.md); 10K stored chunks, a 6K-token prompt."""
+    g = torch.Generator().manual_seed(0)
+    chunks = [(f"k{i}", torch.randint(0, 49152, (200,), generator=g).tolist()) for i in range(10_000)]
+    loc = ChunkLocator(chunks)
+    prompt = torch.randint(0, 49152, (6000,), generator=g).tolist()
+    t0 = time.perf_counter()
+    assert loc.find(prompt) == []
+    assert time.perf_counter() - t0 < 0.02 * 19.0
+
+
+def test_a_langchain_llm_given_a_flat_prompt_reuses_the_stored_chunks(rag):
+    """The standard LCEL path: documents formatted by the chain, one flat string to the LLM."""
+    from integrations.langchain import RagkvLLM
+
+    llm = RagkvLLM(rag=rag, max_new_tokens=2)
+    info = llm.generate([_flat(rag)]).generations[0][0].generation_info["ragkv"]
+    recs = [r for r in rag.index.all_chunks() if len(r.token_ids) >= 8]
+    assert info["num_reused_rows"] >= 0.9 * sum(len(r.token_ids) for r in recs), info
