@@ -754,7 +754,7 @@ def build_rag(s: Settings, writer: bool = False) -> RAG:
     (``serve``, ``ingest``): take the data folder's writer lock first (:func:`lock_data_dir`)."""
     from ragkv.llm import LLM
     from ragkv.rag import Embedder, prompt_parts
-    from ragkv.store import store_from_url
+    from ragkv.store import default_store
 
     os.umask(0o077)
     data_dir = Path(s.data_dir)
@@ -763,7 +763,8 @@ def build_rag(s: Settings, writer: bool = False) -> RAG:
     llm = LLM(s.model, dtype=s.dtype, device=s.device)
     prefix, suffix = prompt_parts(llm.model, "?")
     key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None
-    store = store_from_url(s.store or f"file://{(data_dir / 'kv').resolve()}", hmac_key=key)
+    url = s.store or f"file://{(data_dir / 'kv').resolve()}"
+    store = default_store(url, model=llm.model, codec=s.store_codec, hmac_key=key)
     expect_model(store, llm.model)
     rag = RAG(
         llm,
