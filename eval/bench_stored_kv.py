@@ -153,6 +153,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--calib-questions", type=int, default=2)
     ap.add_argument("--budgets", default="0.001,0.003,0.006")
+    ap.add_argument(
+        "--uniform",
+        default="0.16/0.25",
+        help="uniform K/V steps (x std) run with and without the calibrated RoPE key bits, comma-separated",
+    )
     ap.add_argument("--out", default="runs/stored_kv.json")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
@@ -163,8 +168,10 @@ def main(argv=None) -> dict:
     model = load_model(args.model)
     out_path = Path(args.out)
     done = json.loads(out_path.read_text()) if out_path.exists() else {}
-    if done.get("config") != vars(args):
-        done = {"config": vars(args), "rows": {}}
+    same = {k: v for k, v in vars(args).items() if k not in ("uniform", "budgets", "out")}
+    if {k: v for k, v in done.get("config", {}).items() if k in same} != same:
+        done = {"rows": {}}
+    done["config"] = vars(args)
 
     def save():
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +182,11 @@ def main(argv=None) -> dict:
         key = f"profile_rope{int(rope)}"
         if key not in done:
             p = calibrate(
-                model, n_questions=args.calib_questions, chunk_tokens=args.chunk_tokens, rope_bits=rope
+                model,
+                n_questions=args.calib_questions,
+                chunk_tokens=args.chunk_tokens,
+                rope_bits=rope,
+                layer_steps=True,
             )
             done[key] = p.to_json()
             save()
@@ -204,6 +215,16 @@ def main(argv=None) -> dict:
         cands.append(
             (f"stepz per-layer+rope kl{b}", StepZCodec(profile=with_steps(profiles[True], b, True)), False)
         )
+    for spec in [x for x in args.uniform.split(",") if x]:
+        spec, _, only = spec.partition(":")  # "K/V:r": only with the RoPE bits, ":u": only without
+        ks, vs = (float(x) for x in spec.split("/"))
+        L = model.config.num_layers
+        for rope in {"r": (True,), "u": (False,)}.get(only, (False, True)):
+            bits = profiles[True].k_bits if rope else None
+            prof = StepProfile(
+                k_steps=[ks] * L, v_steps=[vs] * L, k_bits=bits, base_bits=profiles[True].base_bits
+            )
+            cands.append((f"stepz uniform {spec}{' +rope' if rope else ''}", StepZCodec(profile=prof), False))
     for name, codec, z in cands:
         if name in done["rows"]:
             continue

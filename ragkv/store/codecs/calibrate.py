@@ -15,8 +15,9 @@ passages as chunks, its questions as queries), never evaluation data.
    on keys; here the queries weight it because the model is at hand at calibration time and the
    queries' block energies differ by orders of magnitude between frequencies (a high-energy key block
    that no query reads costs nothing to coarsen).
-2. **Per-layer steps**: blend first-token KL with one (tensor, layer) quantized at a probe step (the
-   rest exact) on the calibration questions, then reverse water-filling to a total KL budget
+2. **Per-layer steps** (optional, ``layer_steps=True``; off by default, see :func:`calibrate`): blend
+   first-token KL with one (tensor, layer) quantized at a probe step (the rest exact) on the
+   calibration questions, then reverse water-filling to a total KL budget
    (:func:`ragkv.store.codecs.video.allocate.allocate_layer_steps`, as for the video codec).
 """
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from ragkv.store.codecs.stepz import (
+    FALLBACK,
     StepProfile,
     StepZCodec,
     allocate_block_bits,
@@ -42,9 +44,11 @@ from ragkv.store.codecs.video.allocate import allocate_layer_steps
 
 log = logging.getLogger("ragkv.store")
 
-#: probe step (x std) of the sensitivity measurement, and the default KL budget of the allocation
+#: default uniform steps (x std): K, V (measured, docs/BENCHMARKS.md "Compact stored KV")
+K_STEP, V_STEP = FALLBACK.k_steps[0], FALLBACK.v_steps[0]
+#: probe step (x std) of the optional per-layer sensitivity measurement, and its KL budget
 PROBE = 0.5
-TARGET_KL = 0.003
+TARGET_KL = 0.001
 DEMO_CORPUS = Path(__file__).resolve().parents[2] / "demo" / "corpus.json"
 BASE_BITS = 4
 STEP_RANGE = (0.05, 3.0)
@@ -138,40 +142,46 @@ def calibrate(
     model,
     n_questions: int = 2,
     chunk_tokens: int = 128,
+    rope_bits: bool = True,
+    layer_steps: bool = False,
+    k_step: float = K_STEP,
+    v_step: float = V_STEP,
     target_kl: float = TARGET_KL,
     base_bits: int = BASE_BITS,
-    rope_bits: bool = True,
     probe: float = PROBE,
 ) -> StepProfile:
-    """Measure and return the model's profile (does not save it; :func:`ensure_profile` does)."""
+    """Measure and return the model's profile (does not save it; :func:`ensure_profile` does).
+
+    Default: uniform steps ``k_step`` / ``v_step`` with RoPE-aware key bits (a few chunk forwards).
+    ``layer_steps=True`` also measures per-layer sensitivities (2 x layers x questions blend
+    prefills) and allocates per-layer steps to ``target_kl``: on the real default model that kept
+    the first-token KL but changed more greedy answers than uniform steps of the same size, so it
+    is not the default (docs/BENCHMARKS.md, "Compact stored KV").
+    """
     t0 = time.perf_counter()
     cases = calibration_material(model, n_questions, chunk_tokens)
     flat = [ids for _, chunks, _ in cases for ids in chunks]
     energy, kv = block_energy(model, flat)
-    chunks_per_case = [kv[3 * i : 3 * i + 3] for i in range(len(cases))]
     L = model.config.num_layers
     k_bits = allocate_block_bits(energy, base_bits).tolist() if rope_bits else None
-    probe_codec = StepZCodec(
-        profile=StepProfile(k_steps=[probe] * L, v_steps=[probe] * L, k_bits=k_bits, base_bits=base_bits)
-    )
-    k_kl, v_kl = layer_sensitivity(model, cases, chunks_per_case, probe_codec, probe)
-    k_steps, v_steps = allocate_layer_steps(k_kl, v_kl, probe, target_kl, *STEP_RANGE)
+    k_steps, v_steps = [k_step] * L, [v_step] * L
+    meta: dict = {"questions": n_questions, "chunk_tokens": chunk_tokens}
+    if layer_steps:
+        chunks_per_case = [kv[3 * i : 3 * i + 3] for i in range(len(cases))]
+        probe_codec = StepZCodec(
+            profile=StepProfile(k_steps=[probe] * L, v_steps=[probe] * L, k_bits=k_bits, base_bits=base_bits)
+        )
+        k_kl, v_kl = layer_sensitivity(model, cases, chunks_per_case, probe_codec, probe)
+        k_steps, v_steps = allocate_layer_steps(k_kl, v_kl, probe, target_kl, *STEP_RANGE)
+        meta.update(k_kl=k_kl, v_kl=v_kl, probe=probe, target_kl=target_kl)
+    meta.update(seconds=round(time.perf_counter() - t0, 1), created=time.time())
     return StepProfile(
         k_steps=[round(s, 4) for s in k_steps],
         v_steps=[round(s, 4) for s in v_steps],
         k_bits=k_bits,
         base_bits=base_bits,
         fingerprint=model.fingerprint,
-        meta={
-            "k_kl": k_kl,
-            "v_kl": v_kl,
-            "probe": probe,
-            "target_kl": target_kl,
-            "questions": n_questions,
-            "chunk_tokens": chunk_tokens,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "created": time.time(),
-        },
+        meta=meta,
     )
 
 

@@ -9,8 +9,9 @@ an entropy coder pays for what the values actually carry (docs/BENCHMARKS.md, "C
 The steps come from a :class:`StepProfile`, calibrated once per model (:mod:`.calibrate`) and kept
 in ``$RAGKV_CACHE_DIR/stepz/<fingerprint>.json``:
 
-* ``k_steps[l]``, ``v_steps[l]``: per-layer steps from measured blend sensitivity (reverse
-  water-filling, :func:`ragkv.store.codecs.video.allocate.allocate_layer_steps`);
+* ``k_steps[l]``, ``v_steps[l]``: per-layer steps; by default uniform (:data:`FALLBACK`'s), or
+  allocated from measured blend sensitivity (``calibrate(..., layer_steps=True)``; measured to keep
+  the KL but change more answers on the default model, so off by default);
 * ``k_bits[l][h][j]``: integer bits per RoPE frequency block ``j`` of key head ``h`` (Block-GTQ's
   idea, :func:`allocate_block_bits`); block ``j`` gets the step multiplier
   ``m = 2 ** (base_bits - bits)``.
@@ -182,8 +183,9 @@ class StepProfile:
         return p
 
 
-#: steps used for a model without a calibration: uniform, fine enough to be safe on the default
-#: model's most sensitive layers (measured: docs/BENCHMARKS.md), so larger than a calibrated profile
+#: the default steps (x std), K 0.12 / V 0.2: on the real default model the coarsest measured that
+#: kept >= 95% identical greedy answers (docs/BENCHMARKS.md, "Compact stored KV"). A calibrated
+#: profile uses them with RoPE-aware key bits; a model without a calibration uses them as they are
 FALLBACK = StepProfile(k_steps=[0.12], v_steps=[0.2], meta={"fallback": True})
 
 
