@@ -254,9 +254,11 @@ class StepZCodec(KVCodec):
     name = "stepz"
     group_size = 1
     lossless = False
-    #: zstd can shrink constant data without bound; decoders size output from the segment header,
-    #: which the store checks against the model's geometry first (as for video)
-    max_expansion = None
+    #: zstd can shrink constant data almost without bound, so a forged header could ask for huge
+    #: tensors: readers refuse segments declaring more than 64 decoded bytes per stored byte (real KV
+    #: at the default steps: ~7x for fp32; 64x = 0.5 bit per fp32 value). Such a blob is a miss
+    #: (recomputed), never a crash
+    max_expansion = 64.0
 
     def __init__(
         self,
