@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
 from ragkv.blend import DEFAULT_RATIO
+from ragkv.store.codecs import DEFAULT_CODEC
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 MIN_API_KEY_CHARS = 16
@@ -70,6 +71,11 @@ class Settings(BaseSettings):
     )
     store: str | None = Field(
         None, description="chunk KV store URL (file://, redis://, memory://); None: data_dir/kv"
+    )
+    store_codec: str = Field(
+        DEFAULT_CODEC,
+        description="codec of newly stored chunk KV when the store URL names none (raw: lossless fp32, "
+        "~16x larger); the store keeps decoding raw blobs of earlier defaults",
     )
     store_hmac_key: SecretStr | None = Field(
         None,
@@ -183,6 +189,15 @@ class Settings(BaseSettings):
     def _long_keys(cls, v: list[SecretStr]) -> list[SecretStr]:
         if any(len(k.get_secret_value()) < MIN_API_KEY_CHARS for k in v):
             raise ValueError(f"API keys must have at least {MIN_API_KEY_CHARS} characters")
+        return v
+
+    @field_validator("store_codec")
+    @classmethod
+    def _known_codec(cls, v: str) -> str:
+        from ragkv.store.codecs import available_codecs
+
+        if v not in available_codecs():
+            raise ValueError(f"unknown store codec {v!r}; known: {available_codecs()}")
         return v
 
     @field_validator("store_hmac_key")

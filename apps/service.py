@@ -759,7 +759,7 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
     under ``data_dir``, which is this index's alone)."""
     from ragkv.llm import LLM
     from ragkv.rag import Embedder, prompt_parts
-    from ragkv.store import default_store_url, store_from_url
+    from ragkv.store import default_store, default_store_url
 
     os.umask(0o077)
     data_dir = Path(s.data_dir)
@@ -768,7 +768,8 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
     llm = LLM(s.model, dtype=s.dtype, device=s.device)
     prefix, suffix = prompt_parts(llm.model, "?")
     key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None
-    store = store_from_url(s.store or default_store_url(data_dir), hmac_key=key)
+    url = s.store or default_store_url(data_dir)
+    store = default_store(url, model=llm.model, codec=s.store_codec, hmac_key=key)
     expect_model(store, llm.model)
     rag = RAG(
         llm,

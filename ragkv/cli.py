@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.model.registry import DEFAULT_MODEL, ModelFetchError
+from ragkv.store.codecs import DEFAULT_CODEC
 
 DEMO_CORPUS = Path(__file__).resolve().parent / "demo" / "corpus.json"
 
@@ -56,9 +57,12 @@ def _demo(args) -> int:
         f"context {m.config.max_position}); blending self-check: "
         f"{'passed' if llm.gate.ok else 'FAILED (falls back to full)'}"
     )
+    from ragkv.store import default_store
+
     rag = RAG(
         llm,
         data_dir,
+        store=default_store(f"file://{(data_dir / 'kv').resolve()}", model=m, codec=args.codec),
         embedder=Embedder(args.embedder),
         chunk_tokens=args.chunk_tokens,
         top_k=args.top_k,
@@ -370,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--passages", type=int, default=None, help="ingest only the first N passages")
     d.add_argument("--top-k", type=int, default=3, help="chunks retrieved per question")
     d.add_argument("--chunk-tokens", type=int, default=256, help="chunk size at ingest (tokens)")
+    d.add_argument(
+        "--codec", default=None, help=f"stored-KV codec (default {DEFAULT_CODEC}; raw: lossless fp32)"
+    )
     d.add_argument("--ratio", type=float, default=DEFAULT_RATIO, help="blend recompute ratio")
     d.add_argument("--repeats", type=int, default=1, help="timed runs per question and mode (median)")
     d.add_argument("--max-new-tokens", type=int, default=24)

@@ -202,3 +202,157 @@ def test_decode_straight_to_cuda():
     buf = tuple(torch.empty(1, 40, 4, 64, device="cuda", dtype=torch.float16) for _ in range(2))
     out = store.load_layers(chunk.key, 2, 3, chunk.fingerprint, out=buf)
     assert out[0] is buf[0] and torch.equal(buf[0].cpu(), k[2:3]) and torch.equal(buf[1].cpu(), v[2:3])
+
+
+# -- stepz: std-step quantization + zstd, per-layer and RoPE-aware key steps -----------------------
+def stepz_profile(layers=2, heads=4, head_dim=64, k=0.35, v=0.5, bits=None):
+    from ragkv.store.codecs.stepz import StepProfile
+
+    return StepProfile(k_steps=[k] * layers, v_steps=[v] * layers, k_bits=bits, fingerprint="s" * 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_stepz_error_within_half_a_step_and_decode_is_its_reference(dtype):
+    from ragkv.store.codecs.stepz import StepZCodec, scale_of
+
+    k, v = kv((2, 57, 4, 64), dtype=dtype)
+    codec = StepZCodec(profile=stepz_profile())
+    data = codec.encode(k, v, layer_start=0)
+    dk, dv = codec.decode(data)
+    assert dk.dtype == dtype and dk.shape == k.shape and codec.peek_shape(data) == (2, 57, 4, 64)
+    rk, rv = codec.reference(k, v)
+    assert torch.equal(dk, rk) and torch.equal(dv, rv)
+    for x, d, is_k in ((k, dk, True), (v, dv, False)):
+        codes, _, _ = codec.quantize(x, 0, is_k)
+        half = torch.from_numpy(scale_of(codes)).unsqueeze(1) / 2  # [G,1,H,D]
+        tol = half * 1.001 + (0 if dtype == torch.float32 else 0.01 * x.float().abs())
+        assert ((d.float() - x.float()).abs() <= tol).all()
+        # steps are 0.35 / 0.5 std, so the relative error is ~0.1 / 0.15 std-normalized
+        assert rel_err(d, x) < (0.12 if is_k else 0.17)
+    # compact: far smaller than fp16 even on gaussian noise (real KV compresses better)
+    assert len(data) < 0.3 * 2 * k.numel() * 2
+    assert codec.decode(data, dtype=torch.float64)[0].dtype == torch.float64
+
+
+def test_stepz_handles_constant_outlier_and_huge_channels_and_rejects_bad_bytes():
+    from ragkv.store.codecs.stepz import StepZCodec
+
+    codec = StepZCodec(profile=stepz_profile(layers=1))
+    k = torch.zeros(1, 40, 2, 8)
+    k[..., 1] = 3.25  # constant
+    k[0, 5, 0, 2] = 1e4  # a lone outlier: the channel's step widens, nothing is clipped
+    k[..., 3] = 1e6 + torch.arange(40.0)[None, :, None]  # large offset
+    v = torch.randn(1, 40, 2, 8)
+    dk, dv = codec.decode(codec.encode(k, v))
+    assert torch.allclose(dk[..., 1], k[..., 1]) and (dk[0, 5, 0, 2] - 1e4).abs() < 0.2 * k[0, :, 0, 2].std()
+    assert (dk[..., 3] - k[..., 3]).abs().max() < 0.2 * k[0, :, 0, 3].std() + 0.1 and rel_err(dv, v) < 0.2
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode(torch.full((1, 4, 2, 8), float("nan")), v[:, :4])
+    data = codec.encode(k, v)
+    for bad in (b"", data[:10], b"XXXX" + data[4:], data[:-7], data[:30] + bytes(len(data) - 30)):
+        with pytest.raises(CodecError):
+            codec.decode(bad)
+
+
+def test_stepz_is_registered_and_records_its_profile_id():
+    from ragkv.store.codecs import DEFAULT_CODEC
+
+    assert DEFAULT_CODEC in available_codecs() and "stepz" in available_codecs()
+    codec = get_codec("stepz")
+    params = codec.for_fingerprint("u" * 64).params()  # no calibration: the uniform fallback
+    assert params["profile"] == "fallback" or len(params["profile"]) == 12
+    again = get_codec("stepz", **params)  # what a reader builds from a blob header: decodes fine
+    k, v = kv((1, 9, 4, 64))
+    dk, _ = again.decode(codec.for_fingerprint("u" * 64).encode(k, v))
+    assert dk.shape == k.shape and rel_err(dk, k) < 0.1
+
+
+def test_block_bits_go_to_the_energetic_block_within_budget():
+    import numpy as np
+
+    from ragkv.store.codecs.stepz import allocate_block_bits
+
+    e = np.ones((3, 2, 32))
+    e[0, 0, 5] = 1e4  # one frequency block carries most of the energy
+    e[1, 1, :] = np.logspace(-3, 3, 32)
+    bits = allocate_block_bits(e, base_bits=4)
+    assert (bits.sum(-1) == 4 * 32).all()  # the budget, exactly, per layer and head
+    assert bits.min() >= 1 and bits.max() <= 7  # base -/+ 3
+    assert bits[0, 0].argmax() == 5 and bits[0, 0, 5] == 7
+    assert (bits[2] == 4).all() and (bits[0, 1] == 4).all()  # equal energies: uniform
+    assert (np.diff(bits[1, 1]) >= 0).all() and bits[1, 1, 0] < bits[1, 1, -1]
+    # greedy by marginal gain is optimal here: no single bit move lowers sum(e * 4**-b)
+    cost = lambda b: float((e[1, 1] * 4.0**-b).sum())  # noqa: E731
+    b = bits[1, 1].astype(float)
+    for i in range(32):
+        for j in range(32):
+            if i != j and 1 < b[i] and b[j] < 7:
+                moved = b.copy()
+                moved[i] -= 1
+                moved[j] += 1
+                assert cost(moved) >= cost(b) - 1e-12
+    with pytest.raises(ValueError):
+        allocate_block_bits(e, base_bits=4, min_bits=5)
+
+
+def test_rope_bits_make_the_dominant_block_of_synthetic_keys_finer():
+    """Keys whose frequency block 3 (channels 3 and 35: half-split RoPE pairs) carries the energy."""
+    import numpy as np
+
+    from ragkv.store.codecs.stepz import StepZCodec, allocate_block_bits, rope_blocks
+
+    assert rope_blocks(64)[3].tolist() == [3, 35]
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(1, 200, 2, 64, generator=g)
+    k[..., 3] *= 30.0
+    k[..., 35] *= 30.0
+    v = torch.randn(1, 200, 2, 64, generator=g)
+    var = k[0].double().var(0).numpy()  # [H, D]
+    energy = (var[:, :32] + var[:, 32:])[None]  # uniform query energy
+    bits = allocate_block_bits(energy, base_bits=4)
+    assert (bits[0].argmax(-1) == 3).all()
+    uniform = StepZCodec(profile=stepz_profile(layers=1, heads=2))
+    aware = StepZCodec(profile=stepz_profile(layers=1, heads=2, bits=bits.tolist()))
+    err = {}
+    for name, c in (("uniform", uniform), ("aware", aware)):
+        dk, _ = c.decode(c.encode(k, v, layer_start=0))
+        err[name] = (dk - k).pow(2).sum().item()  # total key error energy (what the logits see)
+        size = len(c.encode(k, v, layer_start=0))
+        err[name + "_bytes"] = size
+    assert err["aware"] < 0.5 * err["uniform"]
+    assert err["aware_bytes"] < 1.1 * err["uniform_bytes"]
+    assert np.isfinite(list(err.values())).all()
+
+
+def test_calibration_is_kept_by_fingerprint_and_recomputed_when_corrupt(tmp_path, caplog):
+    from ragkv.store.codecs import calibrate as cal
+    from ragkv.store.codecs.stepz import StepProfile, load_profile, profile_path
+    from tests.helpers import stories_model, stories_path
+
+    if not stories_path().exists():
+        pytest.skip("shared model missing")
+    model = stories_model()
+    p1 = cal.ensure_profile(model, tmp_path, n_questions=1, chunk_tokens=48)
+    path = profile_path(model.fingerprint, tmp_path)
+    assert path.exists() and p1.fingerprint == model.fingerprint
+    L, H, D = model.config.num_layers, model.config.num_kv_heads, model.config.head_dim
+    assert len(p1.k_steps) == L and len(p1.v_steps) == L
+    assert torch.tensor(p1.k_bits).shape == (L, H, D // 2)
+    assert (torch.tensor(p1.k_bits).sum(-1) == p1.base_bits * D // 2).all()
+    assert cal.ensure_profile(model, tmp_path).meta["created"] == p1.meta["created"]  # loaded, not redone
+    for junk in ("{not json", json_of({"version": 1, "k_steps": [-1], "v_steps": [1]}), ""):
+        path.write_text(junk)
+        assert load_profile(model.fingerprint, tmp_path) is None
+        p2 = cal.ensure_profile(model, tmp_path, n_questions=1, chunk_tokens=48)
+        assert p2.meta["created"] > p1.meta["created"] and load_profile(model.fingerprint, tmp_path)
+    per_layer = cal.calibrate(model, n_questions=1, chunk_tokens=48, layer_steps=True)  # the option
+    assert len(per_layer.meta["k_kl"]) == L and all(0.05 <= s <= 3.0 for s in per_layer.k_steps)
+    other = StepProfile.from_json({**p1.to_json(), "fingerprint": "0" * 64})  # another model's file
+    path.write_text(json_of(other.to_json()))
+    assert load_profile(model.fingerprint, tmp_path) is None
+
+
+def json_of(obj) -> str:
+    import json
+
+    return json.dumps(obj)

@@ -41,6 +41,9 @@ KEYED = {
     "RAGKV_STORE_HMAC_KEY": HMAC_KEY,
     "RAGKV_API_KEYS": json.dumps([W_KEY]),
     "RAGKV_READ_API_KEYS": json.dumps([R_KEY]),
+    # lossless stored KV: a chunk recomputed after a refused blob answers exactly as its pristine blob
+    # did, which is how these tests see that a corrupt blob was not used (the default codec is lossy)
+    "RAGKV_STORE_CODEC": "raw",
 }
 
 

@@ -215,6 +215,74 @@ def test_header_records_the_codec_so_a_store_with_another_default_decodes(tmp_pa
     assert strict.get(chunk.key, FP) is None and strict.known_corrupt(chunk.key)
 
 
+def test_an_old_raw_store_keeps_serving_after_the_default_codec_changed(tmp_path):
+    """A store written with the old default (raw) under the new application default: raw blobs still
+    decode exactly, new chunks are written compactly; a store without the legacy allowance recomputes
+    a raw chunk (a miss) and rewrites it with its own codec, without crashing."""
+    from ragkv.store import default_store
+    from ragkv.store.codecs import DEFAULT_CODEC
+
+    old_chunk, new_chunk = make_chunk(40, tokens=64, dtype=torch.float32), make_chunk(41, tokens=64)
+    url = f"file://{tmp_path / 'kv'}"
+    assert store_from_url(url).put(old_chunk)  # the old default: raw
+    app = default_store(url)
+    assert app.codec.name == DEFAULT_CODEC != "raw" and "raw" in app.allowed_codecs
+    assert app.header(old_chunk.key).codec == "raw"
+    assert_same(app.get(old_chunk.key, FP), old_chunk)  # still decoded, bit for bit
+    k, v = app.load_layers(old_chunk.key, 1, 3, FP)
+    assert torch.equal(k, old_chunk.k[1:3]) and torch.equal(v, old_chunk.v[1:3])
+    assert app.put(new_chunk) and app.header(new_chunk.key).codec == DEFAULT_CODEC
+    got = app.get(new_chunk.key, FP)
+    assert got.k.dtype == new_chunk.k.dtype and rel_err(got.k, new_chunk.k) < 0.1
+    assert rel_err(got.v, new_chunk.v) < 0.1
+    raw_bytes = old_chunk.nbytes()
+    assert app.stats()["bytes_written"] < raw_bytes / 4  # fp16 chunk vs fp32, still far smaller
+
+    strict = LocalDirStore(tmp_path / "kv", codec=DEFAULT_CODEC)  # no legacy codecs allowed
+    assert strict.get(old_chunk.key, FP) is None and strict.known_corrupt(old_chunk.key)
+    assert strict.put(old_chunk)  # the recomputed chunk replaces the raw blob
+    assert strict.header(old_chunk.key).codec == DEFAULT_CODEC
+    assert rel_err(strict.get(old_chunk.key, FP).k, old_chunk.k) < 0.1
+    # the URL's own codec wins, raw stays an option
+    assert default_store(url + "?codec=raw").codec.name == "raw"
+    assert default_store(url, codec="int8").codec.name == "int8"
+    assert default_store(url + "?codecs=int8").allowed_codecs == {DEFAULT_CODEC, "int8"}
+
+
+def test_application_defaults_read_the_one_codec_constant(tmp_path, monkeypatch):
+    """``ragkv ingest`` / the service (apps.service.build_rag) and the demo store new KV with
+    DEFAULT_CODEC; the settings default is that constant."""
+    from tests.helpers import stories_path
+
+    if not stories_path().exists():
+        pytest.skip("shared model missing")
+    from apps.config import Settings
+    from apps.service import build_rag
+    from ragkv.cli import build_parser, main
+    from ragkv.store.codecs import DEFAULT_CODEC
+
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path / "cache"))  # calibration lands here
+    assert Settings().store_codec == DEFAULT_CODEC
+    with pytest.raises(ValueError, match="unknown store codec"):
+        Settings(store_codec="nope")
+    rag = build_rag(Settings(model=str(stories_path()), data_dir=tmp_path / "svc"))
+    try:
+        assert rag.store.codec.name == DEFAULT_CODEC and "raw" in rag.store.allowed_codecs
+        rag.ingest([{"id": "d", "text": "Lily has a red ball. She plays with it in the park every day."}])
+        keys = rag.store.keys()
+        assert keys and {rag.store.header(k).codec for k in keys} == {DEFAULT_CODEC}
+    finally:
+        rag.close()
+    assert (tmp_path / "cache" / "stepz").is_dir()  # the model was calibrated once, cached by fingerprint
+    assert build_parser().parse_args(["demo"]).codec is None  # None: DEFAULT_CODEC
+    demo_dir = tmp_path / "demo"
+    args = ["demo", "--model", str(stories_path()), "--data-dir", str(demo_dir), "--passages", "2"]
+    assert main([*args, "--questions", "1", "--max-new-tokens", "2", "-q"]) == 0
+    (kv_dir,) = demo_dir.glob("*/kv")
+    demo_store = LocalDirStore(kv_dir, codec=DEFAULT_CODEC)
+    assert demo_store.keys() and {demo_store.header(k).codec for k in demo_store.keys()} == {DEFAULT_CODEC}
+
+
 # -- writes: idempotence, bounds, persistence -------------------------------------------------------
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_put_is_idempotent(kind, request, tmp_path):

@@ -10,6 +10,10 @@
 Common options: ``codec`` (``raw``, ``int8``, ``int4``, ``video``), ``codecs`` (comma-separated
 other codecs the store may decode; by default only its own), ``verify`` (segment digests). The
 HMAC key that authenticates blobs is a keyword argument only (``hmac_key=...``), never in a URL.
+
+The store classes and ``store_from_url`` default to the lossless ``raw`` codec (exact KV); the
+application stores (``ragkv ingest``, the service, the demo) are opened with :func:`default_store`,
+which uses :data:`ragkv.store.codecs.DEFAULT_CODEC` unless the URL names a codec.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ __all__ = [
     "StoreFullError",
     "StoreWriteError",
     "TieredStore",
+    "default_store",
     "parse_bytes",
     "store_from_url",
 ]
@@ -149,6 +154,32 @@ def store_from_url(spec: str | dict | ChunkStore, **overrides) -> ChunkStore:
     raise ValueError(
         f"unknown store URL scheme {parts.scheme!r} in {url!r} (memory, file, redis, tiered+...)"
     )
+
+
+def default_store(url: str, model=None, codec: str | None = None, **overrides) -> ChunkStore:
+    """An application's store: ``url`` with ``codec`` (default :data:`~ragkv.store.codecs.DEFAULT_CODEC`)
+    unless the URL's own ``codec=`` says otherwise.
+
+    A store written by an earlier default stays usable: unless ``codecs=`` is given, the store also
+    decodes :data:`~ragkv.store.codecs.LEGACY_CODECS` blobs (``raw``: lossless, bounded size), so an
+    existing raw store keeps serving its KV while new chunks are written compactly. With ``model``,
+    a ``stepz`` store's steps are calibrated for it once (cached by fingerprint, see
+    :func:`ragkv.store.codecs.calibrate.ensure_profile`).
+    """
+    from ragkv.store.codecs import DEFAULT_CODEC, LEGACY_CODECS
+
+    query = dict(parse_qsl(str(url).partition("?")[2])) if "://" in str(url) else {}
+    opts = dict(overrides)
+    if "codec" not in query and "codec" not in opts:
+        opts["codec"] = codec or DEFAULT_CODEC
+    if "codecs" not in query and "codecs" not in opts:
+        opts["codecs"] = ",".join(LEGACY_CODECS)
+    store = store_from_url(url, **opts)
+    if model is not None and getattr(getattr(store, "codec", None), "name", None) == "stepz":
+        from ragkv.store.codecs.calibrate import ensure_profile
+
+        ensure_profile(model)
+    return store
 
 
 def _typed(opts: dict) -> dict:

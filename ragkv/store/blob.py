@@ -257,6 +257,9 @@ def _segment(s) -> Segment:
 def encode_chunk(chunk: ChunkKV, codec: KVCodec, auth: BlobAuth = UNKEYED) -> bytes:
     """Serialize a chunk's KV with ``codec``, one segment per codec layer group, tagged with ``auth``."""
     validate_chunk(chunk)
+    bind = getattr(codec, "for_fingerprint", None)
+    if bind is not None:  # codecs with per-model settings (stepz's calibrated steps)
+        codec = bind(chunk.fingerprint)
     segs: list[Segment] = []
     parts: list[bytes] = []
     offset = 0

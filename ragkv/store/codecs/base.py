@@ -75,7 +75,7 @@ def get_codec(name: str, **options) -> KVCodec:
 
 
 def available_codecs() -> list[str]:
-    for n in ("raw", "int8", "video"):
+    for n in ("raw", "int8", "stepz", "video"):
         _load_builtin(n)
     return sorted(_REGISTRY)
 
@@ -87,6 +87,7 @@ def _load_builtin(name: str) -> None:
     modules = {
         "raw": "ragkv.store.codecs.raw",
         "int8": "ragkv.store.codecs.quant",
+        "stepz": "ragkv.store.codecs.stepz",
         "video": "ragkv.store.codecs.video",
     }
     mod = modules.get(name)

@@ -1,0 +1,201 @@
+"""Calibrate the ``stepz`` codec's steps for one model, once, and keep them by model fingerprint.
+
+:func:`ensure_profile` returns the model's :class:`~ragkv.store.codecs.stepz.StepProfile` from
+``$RAGKV_CACHE_DIR/stepz/<fingerprint>.json``, or calibrates it (a missing, corrupt or foreign file
+is recomputed) and saves it. Calibration material is the demo corpus shipped with ragkv (its
+passages as chunks, its questions as queries), never evaluation data.
+
+1. **RoPE-aware key bits** (Block-GTQ's idea): for every layer and KV head, the energy of RoPE
+   frequency block ``j`` (channels ``j`` and ``j + D/2``) is ``E|q_j|^2 * Var(k_j)``: the mean
+   squared norm of the block in the queries of the heads that share this KV head, times the block's
+   key variance over the chunk's tokens (a std-step quantizer's error in a channel is proportional
+   to its variance, and a key error enters a logit through ``q_j . R(theta_j) dk_j``, whose size the
+   rotation does not change). Integer bits per block: greedy marginal gain under the layer's budget
+   (:func:`~ragkv.store.codecs.stepz.allocate_block_bits`). Deviation: the paper's score is label-free
+   on keys; here the queries weight it because the model is at hand at calibration time and the
+   queries' block energies differ by orders of magnitude between frequencies (a high-energy key block
+   that no query reads costs nothing to coarsen).
+2. **Per-layer steps** (optional, ``layer_steps=True``; off by default, see :func:`calibrate`): blend
+   first-token KL with one (tensor, layer) quantized at a probe step (the rest exact) on the
+   calibration questions, then reverse water-filling to a total KL budget
+   (:func:`ragkv.store.codecs.video.allocate.allocate_layer_steps`, as for the video codec).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ragkv.store.codecs.stepz import (
+    FALLBACK,
+    StepProfile,
+    StepZCodec,
+    allocate_block_bits,
+    load_profile,
+    register_profile,
+    save_profile,
+)
+from ragkv.store.codecs.video.allocate import allocate_layer_steps
+
+log = logging.getLogger("ragkv.store")
+
+#: default uniform steps (x std): K, V (measured, docs/BENCHMARKS.md "Compact stored KV")
+K_STEP, V_STEP = FALLBACK.k_steps[0], FALLBACK.v_steps[0]
+#: probe step (x std) of the optional per-layer sensitivity measurement, and its KL budget
+PROBE = 0.5
+TARGET_KL = 0.001
+DEMO_CORPUS = Path(__file__).resolve().parents[2] / "demo" / "corpus.json"
+BASE_BITS = 4
+STEP_RANGE = (0.05, 3.0)
+
+
+def calibration_material(model, n_questions: int = 2, chunk_tokens: int = 128):
+    """``[(prefix, [chunk token ids] * 3, suffix)]`` from the demo corpus, in the model's prompt form."""
+    from ragkv.model.chat import chat_parts, has_chat_template
+
+    corpus = json.loads(DEMO_CORPUS.read_text())
+    docs = [d["text"] for d in corpus["documents"]]
+    out = []
+    for i in range(n_questions):
+        q = corpus["questions"][i % len(corpus["questions"])]["question"]
+        chunks = [model.encode(docs[(3 * i + j) % len(docs)])[:chunk_tokens] for j in range(3)]
+        if has_chat_template(model):
+            prefix, suffix = chat_parts(model, corpus.get("instruction", ""), f"Question: {q}")
+        else:
+            prefix, suffix = [model.config.bos_token_id], model.encode(" question: " + q + " answer:")
+        out.append((list(prefix), chunks, list(suffix)))
+    return out
+
+
+@torch.inference_mode()
+def block_energy(model, chunk_ids: list[list[int]]) -> tuple[np.ndarray, list]:
+    """``[L, Hkv, D/2]`` energy per RoPE block, and the chunks' KV (reused by the sensitivity probes)."""
+    from ragkv.kv.compute import compute_chunk_kv
+
+    c = model.config
+    L, H, D, Hq = c.num_layers, c.num_kv_heads, c.head_dim, c.num_heads
+    half = D // 2
+    q_energy = np.zeros((L, Hq, D), dtype=np.float64)
+    rows = 0
+    orig = model.qkv
+
+    def capture(layer, h):
+        q, k, v = orig(layer, h)
+        q_energy[layer] += (q.double() ** 2).sum(0).cpu().numpy()
+        return q, k, v
+
+    chunks = []
+    model.qkv = capture  # instance attribute: only this calibration forward is observed
+    try:
+        for ids in chunk_ids:
+            chunks.append(compute_chunk_kv(model, ids))
+            rows += len(ids) + 1
+    finally:
+        del model.qkv
+    q_energy /= max(rows, 1)
+    qb = q_energy[..., :half] + q_energy[..., half:]  # [L, Hq, D/2]
+    qb = qb.reshape(L, H, Hq // H, half).mean(2)  # the query heads sharing each KV head
+    kvar = np.zeros((L, H, D), dtype=np.float64)
+    for ch in chunks:
+        kvar += ch.k.double().var(dim=1).cpu().numpy()
+    kvar /= len(chunks)
+    kb = kvar[..., :half] + kvar[..., half:]
+    return qb * kb, chunks
+
+
+def layer_sensitivity(model, cases, chunks_per_case, codec: StepZCodec, probe: float) -> tuple[list, list]:
+    """Blend first-token KL with only one (tensor, layer) quantized by ``codec`` (steps at ``probe``)."""
+    from ragkv.blend import prefill
+    from ragkv.kv.chunk import ChunkKV
+    from ragkv.metrics import first_token_kl
+
+    refs = [
+        prefill(model, pre, chunks, suf, mode="blend").logits
+        for (pre, _, suf), chunks in zip(cases, chunks_per_case, strict=True)
+    ]
+    L = model.config.num_layers
+    out: tuple[list, list] = ([], [])
+    for is_k in (True, False):
+        for layer in range(L):
+            kls = []
+            for (pre, _, suf), chunks, ref in zip(cases, chunks_per_case, refs, strict=True):
+                alt = []
+                for ch in chunks:
+                    k, v = ch.k.clone(), ch.v.clone()
+                    qk, qv = codec.reference(ch.k[layer : layer + 1], ch.v[layer : layer + 1], layer)
+                    if is_k:
+                        k[layer : layer + 1] = qk
+                    else:
+                        v[layer : layer + 1] = qv
+                    alt.append(ChunkKV(ch.token_ids, k, v, ch.start_pos, ch.fingerprint, ch.convention))
+                kls.append(first_token_kl(ref, prefill(model, pre, alt, suf, mode="blend").logits))
+            out[0 if is_k else 1].append(float(np.mean(kls)))
+    return out
+
+
+def calibrate(
+    model,
+    n_questions: int = 2,
+    chunk_tokens: int = 128,
+    rope_bits: bool = True,
+    layer_steps: bool = False,
+    k_step: float = K_STEP,
+    v_step: float = V_STEP,
+    target_kl: float = TARGET_KL,
+    base_bits: int = BASE_BITS,
+    probe: float = PROBE,
+) -> StepProfile:
+    """Measure and return the model's profile (does not save it; :func:`ensure_profile` does).
+
+    Default: uniform steps ``k_step`` / ``v_step`` with RoPE-aware key bits (a few chunk forwards).
+    ``layer_steps=True`` also measures per-layer sensitivities (2 x layers x questions blend
+    prefills) and allocates per-layer steps to ``target_kl``: on the real default model that kept
+    the first-token KL but changed more greedy answers than uniform steps of the same size, so it
+    is not the default (docs/BENCHMARKS.md, "Compact stored KV").
+    """
+    t0 = time.perf_counter()
+    cases = calibration_material(model, n_questions, chunk_tokens)
+    flat = [ids for _, chunks, _ in cases for ids in chunks]
+    energy, kv = block_energy(model, flat)
+    L = model.config.num_layers
+    k_bits = allocate_block_bits(energy, base_bits).tolist() if rope_bits else None
+    k_steps, v_steps = [k_step] * L, [v_step] * L
+    meta: dict = {"questions": n_questions, "chunk_tokens": chunk_tokens}
+    if layer_steps:
+        chunks_per_case = [kv[3 * i : 3 * i + 3] for i in range(len(cases))]
+        probe_codec = StepZCodec(
+            profile=StepProfile(k_steps=[probe] * L, v_steps=[probe] * L, k_bits=k_bits, base_bits=base_bits)
+        )
+        k_kl, v_kl = layer_sensitivity(model, cases, chunks_per_case, probe_codec, probe)
+        k_steps, v_steps = allocate_layer_steps(k_kl, v_kl, probe, target_kl, *STEP_RANGE)
+        meta.update(k_kl=k_kl, v_kl=v_kl, probe=probe, target_kl=target_kl)
+    meta.update(seconds=round(time.perf_counter() - t0, 1), created=time.time())
+    return StepProfile(
+        k_steps=[round(s, 4) for s in k_steps],
+        v_steps=[round(s, 4) for s in v_steps],
+        k_bits=k_bits,
+        base_bits=base_bits,
+        fingerprint=model.fingerprint,
+        meta=meta,
+    )
+
+
+def ensure_profile(model, directory: Path | None = None, **options) -> StepProfile:
+    """The model's stored profile, or a fresh calibration (saved, and used by this process's stores)."""
+    p = load_profile(model.fingerprint, directory)
+    if p is None:
+        log.info(
+            "stepz: calibrating the stored-KV steps of model %s (once per model)", model.fingerprint[:16]
+        )
+        p = calibrate(model, **options)
+        try:
+            save_profile(p, directory)
+        except OSError as e:  # a read-only cache still gets this process's calibration
+            log.warning("stepz: cannot save the calibration (%s); it is recomputed next time", e)
+    register_profile(p)
+    return p
