@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
 from ragkv.blend import DEFAULT_RATIO
+from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 MIN_API_KEY_CHARS = 16
@@ -92,7 +93,9 @@ class Settings(BaseSettings):
         "continuous batching (engine_max_seqs decode together)",
     )
     engine_max_seqs: int = Field(32, ge=1, description="requests decoding together with generation='engine'")
-    max_new_tokens: int = Field(64, ge=1, description="default max_tokens of a request")
+    max_new_tokens: int = Field(
+        DEFAULT_MAX_NEW_TOKENS, ge=1, description="default max_tokens of a query or chat request"
+    )
     max_new_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     # limits
     max_concurrency: int = Field(2, ge=1, description="generations running at once (worker threads)")

@@ -54,11 +54,10 @@ from apps.service import (
 )
 from integrations.common import fold_messages
 from integrations.vllm.client import VllmServerError, VllmUnavailableError
-from ragkv.generate import SamplingParams
+from ragkv.generate import SamplingParams, request_params
 from ragkv.model import PromptTooLongError
 
 log = logging.getLogger("ragkv.server")
-MIN_TEMPERATURE = 1e-3
 NDJSON = ("application/x-ndjson", "application/jsonl", "application/ndjson")
 ERRORS = {
     401: {"model": sc.ErrorResponse, "description": "API keys are configured: missing or unknown key"},
@@ -548,14 +547,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     caller_scope = auth_dependency(settings, "read") if keys else _open_scope
 
     def sampling(max_tokens, temperature, top_p, seed, stop) -> SamplingParams:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        return SamplingParams(
-            max_new_tokens=max_tokens or settings.max_new_tokens,
-            # below MIN_TEMPERATURE, logits / temperature overflow to inf (NaN probabilities): that is greedy
-            temperature=temperature if temperature and temperature >= MIN_TEMPERATURE else 0.0,
-            top_p=top_p if top_p is not None else 1.0,
-            seed=seed,
-            stop=stops,
+        return request_params(
+            max_tokens, temperature, top_p, seed=seed, stop=stop, default_max_tokens=settings.max_new_tokens
         )
 
     # -- documents
@@ -653,7 +646,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                 while has:
                     if isinstance(item, Final):
                         yield _sse(_query_body(rid, "".join(parts), item), "answer")
-                    else:
+                    elif item.is_token or item.text:  # a closing event only when it releases text
                         parts.append(item.text)
                         yield _sse(
                             {"text": item.text, "index": item.index, "token_id": item.token_id}, "token"
@@ -746,7 +739,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
 
         def render(item) -> Iterator[str]:
             if not isinstance(item, Final):
-                yield chunk({"content": item.text})
+                if item.is_token or item.text:  # a closing event only when it releases text
+                    yield chunk({"content": item.text})
                 return
             yield chunk({}, item.finish_reason, ragkv=_ragkv_info(item))
             if include_usage:
@@ -834,8 +828,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
 
         def render(item) -> Iterator[str]:
             if not isinstance(item, oc.Done):
-                tok = [item.token_id] if tids else None
-                yield _sse(oc.completion_chunk(cid, created, model_name, item.text, None, tok))
+                if item.is_token or item.text:  # a closing event only when it releases text
+                    tok = ([item.token_id] if item.is_token else []) if tids else None
+                    yield _sse(oc.completion_chunk(cid, created, model_name, item.text, None, tok))
                 return
             svc.answers.inc(item.stats.get("mode", "full"))
             svc.tokens.inc(n=len(item.token_ids))

@@ -130,7 +130,7 @@ class Final:
 
     answer: RagAnswer
     completion_tokens: int
-    finish_reason: str
+    finish_reason: str  # the generation's last event's (the engine's own on the engine path)
     queue_s: float
 
     @property
@@ -482,7 +482,7 @@ class Service:
                 if not started:
                     self.queries.started()
                     started = True
-                n += 1
+                n += ev.is_token
                 yield ev
             out = handle.request.output()
             m = out.metrics
@@ -495,7 +495,7 @@ class Service:
                 "total_s": t_prep + (m.e2e_s or 0.0) - queue_s,
             }
             answer = RagAnswer(out.text, recs, stats.get("mode", mode), timings, stats)
-            final = Final(answer, n, "length" if n >= params.max_new_tokens else "stop", queue_s)
+            final = Final(answer, n, out.finish_reason, queue_s)
             self._observe(final)
             yield final
         finally:
@@ -544,19 +544,17 @@ class Service:
                 raise NotFoundError(str(e.args[0]) if e.args else "unknown chunk id") from None
         elif not spec.retrieve:
             recs = []
-        n = 0
+        n, reason = 0, None
         for item in rag.answer_stream(
             spec.question, k=spec.top_k, mode=spec.mode, ratio=spec.ratio, params=params, chunks=recs
         ):
             if isinstance(item, RagAnswer):
-                reason = item.stats.get("finish_reason") or (
-                    "length" if n >= params.max_new_tokens else "stop"
-                )
                 final = Final(item, n, reason, queue_s)
                 self._observe(final)
                 yield final
             else:
-                n += 1
+                n += item.is_token
+                reason = item.finish_reason or reason
                 yield item
 
     def _observe(self, f: Final) -> None:
