@@ -112,3 +112,22 @@ def stop_cases(pieces: list[str]) -> dict[str, tuple[str, int]]:
             out["split"] = (split, k + 3)
     assert set(out) == {"multi", "split"}, f"no stop cases in {pieces}"
     return out
+
+
+def check_stop_strings(pieces: list[str], max_new: int, complete) -> None:
+    """A surface never emits any part of a stop string and reports the right finish reason.
+
+    ``pieces``: the surface's greedy output, one text per token, ``max_new`` tokens, no stop string;
+    ``complete(stop, max_new_tokens, streamed) -> (text, finish_reason)``. Each case of
+    :func:`stop_cases` is checked stopped mid-generation, completed on the last allowed token
+    ("stop") and one token short of it ("length": the text held back as a possible stop string is
+    flushed), streamed (the concatenated deltas) and not.
+    """
+    whole = "".join(pieces)
+    for stop, n in stop_cases(pieces).values():
+        want = whole[: whole.index(stop)]
+        short = "".join(pieces[: n - 1])
+        for limit, reason, text in ((max_new, "stop", want), (n, "stop", want), (n - 1, "length", short)):
+            for streamed in (False, True):
+                got = complete(stop, limit, streamed)
+                assert got == (text, reason), (stop, limit, streamed, got)

@@ -506,7 +506,7 @@ def test_engine_stop_strings_never_leak_and_finish_reason_is_the_detokenizers(mo
         def run(**params) -> tuple[list, object]:
             h = eng.submit(**req, mode="blend", params=SamplingParams(**params))
             events = list(h.stream())
-            return events, h.result()
+            return events, h.request.output()
 
         events, out = run(max_new_tokens=30)
         pieces = [e.text for e in events]
