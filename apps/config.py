@@ -84,6 +84,11 @@ class Settings(BaseSettings):
     )
     overlap: int = Field(0, ge=0)
     top_k: int = Field(6, ge=1)
+    prompt_file: Path | None = Field(
+        None,
+        description="JSON with the RAG prompt settings (instruction, question_template, system, examples: "
+        "few-shot [user, answer] turns), e.g. the demo corpus ragkv/demo/corpus.json; None: ragkv's defaults",
+    )
     mode: Literal["full", "prefix", "reuse", "blend"] = "blend"
     ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     # generation

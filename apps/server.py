@@ -1039,6 +1039,11 @@ def build_parser(prog: str = "python -m apps.server") -> argparse.ArgumentParser
         "--generation", choices=["threads", "engine"], help="worker threads or ragkv.engine batching"
     )
     ap.add_argument("--torch-threads", type=int)
+    ap.add_argument(
+        "--prompt-file",
+        help="JSON with the RAG prompt settings (instruction, question_template, system, examples), "
+        "e.g. the demo corpus ragkv/demo/corpus.json",
+    )
     ap.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return ap
 
@@ -1054,6 +1059,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
         torch_threads=args.torch_threads,
+        prompt_file=args.prompt_file,
         generation=args.generation,
         log_level=args.log_level,
     )

@@ -751,7 +751,7 @@ def build_rag(s: Settings, writer: bool = False) -> RAG:
     with ``store_hmac_key`` when set and refuses KV whose geometry is not the model's. ``writer``
     (``serve``, ``ingest``): take the data folder's writer lock first (:func:`lock_data_dir`)."""
     from ragkv.llm import LLM
-    from ragkv.rag import Embedder, prompt_parts
+    from ragkv.rag import Embedder, prompt_options, prompt_parts
     from ragkv.store import store_from_url
 
     os.umask(0o077)
@@ -759,7 +759,8 @@ def build_rag(s: Settings, writer: bool = False) -> RAG:
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = lock_data_dir(data_dir) if writer else None
     llm = LLM(s.model, dtype=s.dtype, device=s.device)
-    prefix, suffix = prompt_parts(llm.model, "?")
+    prompt = prompt_options(s.prompt_file)  # the same prompt settings `ragkv demo` reads from its corpus
+    prefix, suffix = prompt_parts(llm.model, "?", **prompt)
     key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None
     store = store_from_url(s.store or f"file://{(data_dir / 'kv').resolve()}", hmac_key=key)
     expect_model(store, llm.model)
@@ -774,6 +775,7 @@ def build_rag(s: Settings, writer: bool = False) -> RAG:
         mode=s.mode,
         ratio=s.ratio,
         ingest_batch=s.ingest_batch_chunks,
+        **prompt,
     )
     rag.writer_lock = lock  # held (open) as long as the RAG lives; released when the process ends
     return rag

@@ -220,3 +220,19 @@ def test_llm_generate_and_stream_stop_strings():
             assert "".join(e.text for e in events) == text and events[-1].finish_reason == reason
             a = llm.generate(*args, **kw)
             assert (a.text, a.finish_reason) == (text, reason)
+
+
+# ---- one request-to-SamplingParams conversion ----------------------------------------------------------
+def test_request_params_is_the_one_conversion():
+    from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MIN_TEMPERATURE
+    from ragkv.generate import request_params
+
+    p = request_params()
+    assert p == SamplingParams() and p.max_new_tokens == DEFAULT_MAX_NEW_TOKENS and p.temperature == 0.0
+    # below the one greedy cut-off: greedy (the server used 1e-3, the sampler 1e-4)
+    assert request_params(temperature=MIN_TEMPERATURE / 2).temperature == 0.0
+    assert request_params(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
+    q = request_params(12, None, 0.5, -1, 7, "END", [9], default_temperature=1.0, eos_token_ids=(2, 9))
+    assert q == SamplingParams(12, 1.0, 0.5, 0, 7, ("END",), (2, 9))
+    assert request_params(stop=["a", "b"], default_max_tokens=16).stop == ("a", "b")
+    assert request_params(stop=None).stop_token_ids is None  # the model's EOS

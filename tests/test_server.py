@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from apps.config import ConfigError, load_settings
+from apps.config import ConfigError, Settings, load_settings
 from tests.helpers import REPO, check_stop_strings, musique_samples, stories_path
 
 NEW = 8
@@ -611,3 +611,45 @@ def test_query_and_chat_stop_strings_never_leak(server, client, ingested, sample
 
 def test_engine_generation_stop_strings_never_leak(engine_client, samples):
     _check_query_stops(engine_client, samples[0]["question"])
+
+
+def test_one_source_of_generation_defaults():
+    from integrations.common import RagkvOptions
+    from integrations.vllm.client import completion_body
+    from ragkv.cli import build_parser
+    from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+    from ragkv.generate import SamplingParams
+
+    n = DEFAULT_MAX_NEW_TOKENS
+    assert SamplingParams().max_new_tokens == n == RagkvOptions.model_fields["max_new_tokens"].default
+    assert Settings.model_fields["max_new_tokens"].default == n
+    assert completion_body("m", [1], None)["max_tokens"] == n
+    assert build_parser().parse_args(["demo"]).max_new_tokens == n  # was 24 (ask: 32, RAG.answer: 32)
+    assert build_parser().parse_args(["ask", "q"]).max_new_tokens is None  # the settings' (shared with serve)
+
+
+def test_ask_and_serve_take_the_demos_prompt_settings(tmp_path):
+    import json
+
+    from apps.server import build_parser as server_parser
+    from apps.server import settings_from_args
+    from apps.service import build_rag
+    from ragkv.cli import DEMO_CORPUS, _settings
+    from ragkv.cli import build_parser as cli_parser
+    from ragkv.rag import prompt_options, prompt_parts
+
+    corpus = json.loads(DEMO_CORPUS.read_text())
+    served = settings_from_args(server_parser().parse_args(["--prompt-file", str(DEMO_CORPUS)]))
+    assert served.prompt_file == DEMO_CORPUS
+    flags = ["--model", str(stories_path()), "--data-dir", str(tmp_path), "--prompt-file", str(DEMO_CORPUS)]
+    s = _settings(cli_parser().parse_args(["ask", "Who?", *flags]))
+    rag = build_rag(s)
+    try:
+        assert (
+            rag.examples == [tuple(e) for e in corpus["examples"]]
+            and rag.instruction == corpus["instruction"]
+        )
+        want = prompt_parts(rag.model, "Who?", **prompt_options(corpus))  # what `ragkv demo` asks
+        assert rag.prompt_parts("Who?") == want != prompt_parts(rag.model, "Who?")
+    finally:
+        rag.close()
