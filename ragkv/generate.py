@@ -110,8 +110,9 @@ class Detokenizer:
     """One generation's output, token by token: stop tokens, stop strings, incremental text.
 
     The one stop/detokenize step of :func:`stream` and of the engine (``Engine._accept``).
-    :meth:`accept` takes a sampled token and returns the event to emit (None while the generation
-    goes on and there is nothing to say) and the finish reason ("stop", "length", or None to go on).
+    :meth:`accept` takes a sampled token and returns the event to emit (its text may be empty; a
+    stop token gives a closing event, ``token_id`` None) and the finish reason ("stop", "length",
+    or None to go on), which the event carries too.
     No part of a stop string is ever emitted: text that may be the start of one is held back until
     it cannot be (then released) or the generation ends on a stop token or the length (then flushed).
     A token that completes a stop string is kept (as vLLM keeps it); the text ends before the stop
