@@ -1,6 +1,6 @@
 """Generation defaults, in one place for every surface (Python API, integrations, service, CLI).
 
-No heavy imports: the service's settings and the CLI read these before any model loads.
+It imports nothing, so every layer may read it (tests/test_layout.py ranks it below all others).
 """
 
 #: tokens generated at most when a request names no limit: ``SamplingParams``, ``RAG.answer``, the
