@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource
 
 from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
 from ragkv.blend import DEFAULT_RATIO
+from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.store.codecs import DEFAULT_CODEC
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -89,6 +90,11 @@ class Settings(BaseSettings):
     )
     overlap: int = Field(0, ge=0)
     top_k: int = Field(6, ge=1)
+    prompt_file: Path | None = Field(
+        None,
+        description="JSON with the RAG prompt settings (instruction, question_template, system, examples: "
+        "few-shot [user, answer] turns), e.g. the demo corpus ragkv/demo/corpus.json; None: ragkv's defaults",
+    )
     mode: Literal["full", "prefix", "reuse", "blend"] = "blend"
     ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     # generation
@@ -98,7 +104,9 @@ class Settings(BaseSettings):
         "continuous batching (engine_max_seqs decode together)",
     )
     engine_max_seqs: int = Field(32, ge=1, description="requests decoding together with generation='engine'")
-    max_new_tokens: int = Field(64, ge=1, description="default max_tokens of a request")
+    max_new_tokens: int = Field(
+        DEFAULT_MAX_NEW_TOKENS, ge=1, description="default max_tokens of a query or chat request"
+    )
     max_new_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     # limits
     max_concurrency: int = Field(2, ge=1, description="generations running at once (worker threads)")

@@ -39,13 +39,12 @@ from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
 from apps.service import ServiceError
 from ragkv.blend import DEFAULT_RATIO, BlendSchedule
 from ragkv.blend.spans import ChunkRef, SpanError, prefill_stored_spans
-from ragkv.generate import MIN_TEMPERATURE, SamplingParams, TokenEvent, stream
+from ragkv.defaults import COMPLETIONS_MAX_TOKENS, COMPLETIONS_TEMPERATURE
+from ragkv.generate import SamplingParams, TokenEvent, request_params, stream
 
 log = logging.getLogger("ragkv.server")
 #: one warning per kind and interval, with the count held back (a store outage fails every chunk)
 
-#: OpenAI's and vLLM's default ``max_tokens`` of a completion
-DEFAULT_MAX_TOKENS = 16
 STAT_KEYS = (*SERVICE_STAT_KEYS, "kv_misses", "kv_recomputed_bad", "kv_saved")
 
 
@@ -115,7 +114,7 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
             "is accepted (one prompt per request)"
         )
         max_tokens: int | None = Field(
-            DEFAULT_MAX_TOKENS, ge=1, le=s.max_new_tokens_limit, description="tokens to generate at most"
+            COMPLETIONS_MAX_TOKENS, ge=1, le=s.max_new_tokens_limit, description="tokens to generate at most"
         )
         temperature: float | None = Field(None, ge=0.0, le=2.0, description="default 1 (0: greedy)")
         top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -248,19 +247,17 @@ def blend_params(raw: Any) -> BlendRequest | None:
 def sampling(req, model) -> SamplingParams:
     """ragkv sampling of an OpenAI request (OpenAI's defaults: temperature 1, top_p 1, 16 tokens);
     ``stop_token_ids`` stop in addition to the model's EOS, as in vLLM."""
-    stop_ids = None
-    if req.stop_token_ids:
-        stop_ids = tuple(dict.fromkeys([*model.config.eos_token_ids, *req.stop_token_ids]))
-    temperature = 1.0 if req.temperature is None else req.temperature
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return SamplingParams(
-        max_new_tokens=req.max_tokens or DEFAULT_MAX_TOKENS,
-        temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(0, req.top_k or 0),
-        seed=req.seed,
-        stop=stop,
-        stop_token_ids=stop_ids,
+    return request_params(
+        req.max_tokens,
+        req.temperature,
+        req.top_p,
+        req.top_k,
+        req.seed,
+        req.stop,
+        req.stop_token_ids or None,
+        default_max_tokens=COMPLETIONS_MAX_TOKENS,
+        default_temperature=COMPLETIONS_TEMPERATURE,
+        eos_token_ids=model.config.eos_token_ids,
     )
 
 
@@ -309,11 +306,13 @@ def completion_events(
         log.info("completion: %d chunk(s) computed (missing or unreadable stored KV)", len(sp.computed))
     out: list[int] = []
     parts: list[str] = []
+    reason = None
     for ev in stream(model, sp.result, params, attention=rag.llm.attention):
-        out.append(ev.token_id)
+        if ev.is_token:
+            out.append(ev.token_id)
         parts.append(ev.text)
+        reason = ev.finish_reason or reason
         yield ev
-    reason = "length" if len(out) >= params.max_new_tokens else "stop"
     stats = {**sp.stats(), "kv_saved": saved}
     yield Done(
         "".join(parts), out, ids, reason, jsonable_encoder({k: stats[k] for k in STAT_KEYS if k in stats})

@@ -55,12 +55,11 @@ from apps.service import (
 from integrations.common import fold_messages
 from integrations.vllm.client import VllmServerError, VllmUnavailableError
 from ragkv.blend.gate import gate_state
-from ragkv.generate import SamplingParams
+from ragkv.generate import SamplingParams, request_params
 from ragkv.kv import KVMismatchError
 from ragkv.model import PromptTooLongError
 
 log = logging.getLogger("ragkv.server")
-MIN_TEMPERATURE = 1e-3
 NDJSON = ("application/x-ndjson", "application/jsonl", "application/ndjson")
 ERRORS = {
     401: {"model": sc.ErrorResponse, "description": "API keys are configured: missing or unknown key"},
@@ -562,14 +561,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     caller_scope = auth_dependency(settings, "read") if keys else _open_scope
 
     def sampling(max_tokens, temperature, top_p, seed, stop) -> SamplingParams:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        return SamplingParams(
-            max_new_tokens=max_tokens or settings.max_new_tokens,
-            # below MIN_TEMPERATURE, logits / temperature overflow to inf (NaN probabilities): that is greedy
-            temperature=temperature if temperature and temperature >= MIN_TEMPERATURE else 0.0,
-            top_p=top_p if top_p is not None else 1.0,
-            seed=seed,
-            stop=stops,
+        return request_params(
+            max_tokens, temperature, top_p, seed=seed, stop=stop, default_max_tokens=settings.max_new_tokens
         )
 
     # -- documents
@@ -680,7 +673,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                 while has:
                     if isinstance(item, Final):
                         yield _sse(_query_body(rid, "".join(parts), item), "answer")
-                    else:
+                    elif item.is_token or item.text:  # a closing event only when it releases text
                         parts.append(item.text)
                         yield _sse(
                             {"text": item.text, "index": item.index, "token_id": item.token_id}, "token"
@@ -773,7 +766,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
 
         def render(item) -> Iterator[str]:
             if not isinstance(item, Final):
-                yield chunk({"content": item.text})
+                if item.is_token or item.text:  # a closing event only when it releases text
+                    yield chunk({"content": item.text})
                 return
             yield chunk({}, item.finish_reason, ragkv=_ragkv_info(item))
             if include_usage:
@@ -861,8 +855,9 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
 
         def render(item) -> Iterator[str]:
             if not isinstance(item, oc.Done):
-                tok = [item.token_id] if tids else None
-                yield _sse(oc.completion_chunk(cid, created, model_name, item.text, None, tok))
+                if item.is_token or item.text:  # a closing event only when it releases text
+                    tok = ([item.token_id] if item.is_token else []) if tids else None
+                    yield _sse(oc.completion_chunk(cid, created, model_name, item.text, None, tok))
                 return
             svc.answers.inc(item.stats.get("mode", "full"))
             svc.tokens.inc(n=len(item.token_ids))
@@ -1072,6 +1067,11 @@ def build_parser(prog: str = "python -m apps.server") -> argparse.ArgumentParser
         "--generation", choices=["threads", "engine"], help="worker threads or ragkv.engine batching"
     )
     ap.add_argument("--torch-threads", type=int)
+    ap.add_argument(
+        "--prompt-file",
+        help="JSON with the RAG prompt settings (instruction, question_template, system, examples), "
+        "e.g. the demo corpus ragkv/demo/corpus.json",
+    )
     ap.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return ap
 
@@ -1087,6 +1087,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
         torch_threads=args.torch_threads,
+        prompt_file=args.prompt_file,
         generation=args.generation,
         log_level=args.log_level,
     )

@@ -131,7 +131,7 @@ class Final:
 
     answer: RagAnswer
     completion_tokens: int
-    finish_reason: str
+    finish_reason: str  # the generation's last event's (the engine's own on the engine path)
     queue_s: float
 
     @property
@@ -479,7 +479,7 @@ class Service:
                 if not started:
                     self.queries.started()
                     started = True
-                n += 1
+                n += ev.is_token
                 yield ev
             out = handle.request.output()
             m = out.metrics
@@ -492,7 +492,7 @@ class Service:
                 "total_s": t_prep + (m.e2e_s or 0.0) - queue_s,
             }
             answer = RagAnswer(out.text, recs, stats.get("mode", mode), timings, stats)
-            final = Final(answer, n, "length" if n >= params.max_new_tokens else "stop", queue_s)
+            final = Final(answer, n, out.finish_reason, queue_s)
             self._observe(final)
             yield final
         finally:
@@ -537,19 +537,17 @@ class Service:
                 raise NotFoundError(str(e.args[0]) if e.args else "unknown chunk id") from None
         elif not spec.retrieve:
             recs = []
-        n = 0
+        n, reason = 0, None
         for item in rag.answer_stream(
             spec.question, k=spec.top_k, mode=spec.mode, ratio=spec.ratio, params=params, chunks=recs
         ):
             if isinstance(item, RagAnswer):
-                reason = item.stats.get("finish_reason") or (
-                    "length" if n >= params.max_new_tokens else "stop"
-                )
                 final = Final(item, n, reason, queue_s)
                 self._observe(final)
                 yield final
             else:
-                n += 1
+                n += item.is_token
+                reason = item.finish_reason or reason
                 yield item
 
     def _observe(self, f: Final) -> None:
@@ -758,7 +756,7 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
     ``collect_garbage``: delete unreferenced stored KV on open (default: a writer of the default store
     under ``data_dir``, which is this index's alone)."""
     from ragkv.llm import LLM
-    from ragkv.rag import Embedder, prompt_parts
+    from ragkv.rag import Embedder, prompt_options, prompt_parts
     from ragkv.store import default_store, default_store_url
 
     os.umask(0o077)
@@ -766,7 +764,8 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = lock_data_dir(data_dir) if writer else None
     llm = LLM(s.model, dtype=s.dtype, device=s.device)
-    prefix, suffix = prompt_parts(llm.model, "?")
+    prompt = prompt_options(s.prompt_file)  # the same prompt settings `ragkv demo` reads from its corpus
+    prefix, suffix = prompt_parts(llm.model, "?", **prompt)
     key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None
     url = s.store or default_store_url(data_dir)
     store = default_store(url, model=llm.model, codec=s.store_codec, hmac_key=key)
@@ -782,6 +781,7 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
         mode=s.mode,
         ratio=s.ratio,
         ingest_batch=s.ingest_batch_chunks,
+        **prompt,
         # the default store under data_dir is this index's alone, and the writer holds the folder's lock
         collect_garbage_on_open=(writer and s.store is None) if collect_garbage is None else collect_garbage,
     )

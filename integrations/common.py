@@ -35,7 +35,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ragkv.generate import SamplingParams, TokenEvent, stream
+from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+from ragkv.generate import SamplingParams, TokenEvent, request_params, stream
 from ragkv.kv.chunk import chunk_key
 from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer, RagBackend
 
@@ -63,6 +64,7 @@ CHUNK_SEPARATOR = "\n<ragkv:chunk>\n"
 """Marks chunk boundaries in a flattened prompt: ``prefix SEP chunk1 SEP chunk2 SEP question``."""
 
 CHUNK_ID_PREFIX = "ragkv:"
+#: the framework sampling options, in :func:`ragkv.generate.request_params`' argument order
 SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 _ingest_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _locks_guard = threading.Lock()
@@ -159,7 +161,7 @@ class RagkvOptions(BaseModel):
     )
     retrieve: bool = Field(False, description="retrieve chunks from ragkv's index when a call passes none")
     max_new_tokens: int = Field(
-        64,
+        DEFAULT_MAX_NEW_TOKENS,
         ge=1,
         validation_alias=AliasChoices("max_new_tokens", "max_tokens"),
         description="tokens to generate at most (``max_tokens`` is accepted too)",
@@ -261,7 +263,7 @@ class Completion:
     """A finished answer with what the frameworks expose as metadata."""
 
     text: str
-    finish_reason: str
+    finish_reason: str  # the generation's last event's: "stop" | "length"
     num_tokens: int
     mode: str
     stats: dict
@@ -384,14 +386,14 @@ class RagkvRunner:
     ) -> Iterator[TokenEvent | Completion]:
         """Answer ``question`` over ``records`` (None: retrieve ``k``) with ragkv's RAG prompt."""
         params = make_params(sampling)
-        n = 0
+        n, reason = 0, None
         for item in self.rag.answer_stream(
             question, k=k, mode=mode, ratio=ratio, params=params, chunks=records
         ):
             if isinstance(item, RagAnswer):
                 yield Completion(
                     item.text,
-                    item.stats.get("finish_reason") or _reason(n, params),
+                    reason,
                     n,
                     item.mode,
                     item.stats,
@@ -400,7 +402,8 @@ class RagkvRunner:
                     list(ingested or []),
                 )
             else:
-                n += 1
+                n += item.is_token
+                reason = item.finish_reason or reason
                 yield item
 
     def stream_prompt(
@@ -435,13 +438,13 @@ class RagkvRunner:
             items = self.rag.stream_parts(pre, chs, q, mode, ratio, params)
         else:
             items = _local_parts(self.rag, pre, chs, q, mode, ratio, params)
-        n = 0
+        n, reason = 0, None
         for item in items:
             if isinstance(item, RagAnswer):
-                reason = item.stats.get("finish_reason") or _reason(n, params)
                 yield Completion(item.text, reason, n, item.mode, item.stats, item.timings)
             else:
-                n += 1
+                n += item.is_token
+                reason = item.finish_reason or reason
                 yield item
 
 
@@ -475,13 +478,7 @@ def make_params(sampling: dict) -> SamplingParams:
     unknown = set(s) - set(SAMPLING_KEYS)
     if unknown:
         raise TypeError(f"unknown generation options {sorted(unknown)}; use {SAMPLING_KEYS}")
-    if "stop" in s:
-        s["stop"] = tuple([s["stop"]] if isinstance(s["stop"], str) else s["stop"])
-    return SamplingParams(**s)
-
-
-def _reason(n: int, params: SamplingParams) -> str:
-    return "length" if n >= params.max_new_tokens else "stop"
+    return request_params(*(s.get(k) for k in SAMPLING_KEYS))  # request_params' order
 
 
 def _jsonable(v: Any) -> bool:

@@ -16,10 +16,15 @@ import time
 from pathlib import Path
 
 from ragkv.blend import DEFAULT_RATIO
+from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.model.registry import DEFAULT_MODEL, ModelFetchError
 from ragkv.store.codecs import DEFAULT_CODEC
 
 DEMO_CORPUS = Path(__file__).resolve().parent / "demo" / "corpus.json"
+PROMPT_FILE_HELP = (
+    "JSON with the RAG prompt settings: instruction, question_template, system, examples (few-shot "
+    f"[user, answer] turns); e.g. the demo corpus {DEMO_CORPUS} for the demo's prompt"
+)
 
 
 def _set_threads(threads: str, hidden_size: int | None = None) -> None:
@@ -39,7 +44,7 @@ def _demo(args) -> int:
     """Ingest the demo corpus (chunk KV stored once), then answer its questions with full and blend."""
     from ragkv import LLM
     from ragkv.metrics import answer_recall, max_over_golds, normalize_answer, token_f1
-    from ragkv.rag import RAG, Embedder
+    from ragkv.rag import RAG, Embedder, prompt_options
 
     t_start = time.perf_counter()
     corpus = json.loads(Path(args.corpus).read_text())
@@ -67,7 +72,7 @@ def _demo(args) -> int:
         chunk_tokens=args.chunk_tokens,
         top_k=args.top_k,
         ratio=args.ratio,
-        **{k: corpus[k] for k in ("instruction", "question_template", "system", "examples") if k in corpus},
+        **prompt_options(corpus),
     )
     # 1) ingest: split, embed, index and precompute every chunk's KV once (persisted under data_dir)
     rep = rag.ingest(docs, show_progress=not args.quiet)
@@ -195,7 +200,14 @@ def _models(args) -> int:
 def _settings(args, **extra):
     from apps.config import load_settings
 
-    return load_settings(args.config, model=args.model, data_dir=args.data_dir, store=args.store, **extra)
+    return load_settings(
+        args.config,
+        model=args.model,
+        data_dir=args.data_dir,
+        store=args.store,
+        prompt_file=args.prompt_file,
+        **extra,
+    )
 
 
 def _read_docs(path: Path, fmt: str) -> list[dict]:
@@ -287,6 +299,7 @@ def _ask(args) -> int:
         print(f"error: nothing ingested in {s.data_dir}; run `ragkv ingest` first", file=sys.stderr)
         return 2
     chunks = rag.chunks_by_id(args.chunk_ids) if args.chunk_ids else rag.retrieve(args.question, args.top_k)
+    max_new = args.max_new_tokens or s.max_new_tokens
     modes = ["full", args.mode or s.mode] if args.compare else [args.mode or s.mode]
     out = {}
     for mode in dict.fromkeys(modes):
@@ -294,7 +307,7 @@ def _ask(args) -> int:
             print(f"{mode}: ", end="", flush=True)
             ans = None
             for ev in rag.answer_stream(
-                args.question, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=args.max_new_tokens
+                args.question, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=max_new
             ):
                 if hasattr(ev, "sources"):
                     ans = ev
@@ -303,7 +316,7 @@ def _ask(args) -> int:
             print()
         else:
             ans = rag.answer(
-                args.question, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=args.max_new_tokens
+                args.question, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=max_new
             )
             print(f"{mode}: {ans.text.strip()}")
         out[mode] = ans
@@ -349,6 +362,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="index + KV directory (default: the settings' data_dir)")
     p.add_argument("--store", help="chunk KV store URL: file:///dir, redis://host:6379/0, memory://")
     p.add_argument("--threads", default="auto", help="torch threads: a number, or auto (1 for tiny models)")
+    p.add_argument("--prompt-file", help=PROMPT_FILE_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -379,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--ratio", type=float, default=DEFAULT_RATIO, help="blend recompute ratio")
     d.add_argument("--repeats", type=int, default=1, help="timed runs per question and mode (median)")
-    d.add_argument("--max-new-tokens", type=int, default=24)
+    d.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     d.add_argument("--embedder", default="all-MiniLM-L6-v2")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--device", default="cpu")
@@ -437,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--ratio", type=float, default=None)
     a.add_argument("--top-k", type=int, default=None)
     a.add_argument("--chunk-ids", type=int, nargs="+", default=None)
-    a.add_argument("--max-new-tokens", type=int, default=32)
+    a.add_argument("--max-new-tokens", type=int, default=None, help="default: the settings' max_new_tokens")
     a.add_argument("--compare", action="store_true", help="also answer with full prefill and show both TTFTs")
     a.add_argument("--stream", action="store_true", help="print tokens as they come")
     a.set_defaults(func=_ask)

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ragkv.attention.kvcache import DenseKVCache, KVCache
 from ragkv.blend.core import PrefillResult
+from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MIN_TEMPERATURE
 from ragkv.model.forward import run_layers
-
-#: temperatures below this sample greedily (dividing logits by ~1e-300 overflows to NaN probabilities)
-MIN_TEMPERATURE = 1e-4
 
 
 @dataclass
 class SamplingParams:
     """Decoding settings; ``temperature == 0`` means greedy."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -41,22 +39,84 @@ class SamplingParams:
             self.stop = (self.stop,)
 
 
+def request_params(
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    *,
+    default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    default_temperature: float = 0.0,
+    eos_token_ids: Sequence[int] = (),
+) -> SamplingParams:
+    """:class:`SamplingParams` of a request's OpenAI-style fields (None: the default): the one
+    conversion every surface uses (service routes, framework wrappers), so they decode alike.
+
+    Temperatures below :data:`MIN_TEMPERATURE` are greedy; ``top_k`` -1 or 0 is off;
+    ``stop_token_ids`` stop in addition to ``eos_token_ids`` (vLLM's rule; pass none to replace EOS).
+    """
+    temperature = default_temperature if temperature is None else temperature
+    stop_ids = None
+    if stop_token_ids is not None:
+        stop_ids = tuple(dict.fromkeys([*eos_token_ids, *stop_token_ids]))
+    return SamplingParams(
+        max_new_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=max(0, top_k or 0),
+        seed=seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stop_token_ids=stop_ids,
+    )
+
+
 @dataclass
 class TokenEvent:
-    """One generated token and the text it adds (may be empty mid multi-byte character)."""
+    """One step of a generation's output: a token and the text it releases, or the closing event.
 
-    token_id: int
+    ``text`` may be empty (mid multi-byte character, or held back because it may start a stop
+    string) or hold text of earlier tokens released now. ``finish_reason`` ("stop" | "length") is set
+    on a stream's last event only. ``token_id`` is None on a closing event that adds no token: the
+    stream ended on a stop token (or generated none) and the event carries the finish reason and any
+    held-back text.
+    """
+
+    token_id: int | None
     text: str
     index: int
+    finish_reason: str | None = None
+
+    @property
+    def is_token(self) -> bool:
+        """A generated token (not a closing event); what token counts count."""
+        return self.token_id is not None
+
+
+def held_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string (may start one)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
 
 
 class Detokenizer:
     """One generation's output, token by token: stop tokens, stop strings, incremental text.
 
     The one stop/detokenize step of :func:`stream` and of the engine (``Engine._accept``).
-    :meth:`accept` takes a sampled token and returns the event to emit (None for a stop token)
-    and the finish reason ("stop", "length", or None to go on). A token that completes a stop
-    string is kept (as vLLM keeps it), with its text cut before the stop string.
+    :meth:`accept` takes a sampled token and returns the event to emit (its text may be empty; a
+    stop token gives a closing event, ``token_id`` None) and the finish reason ("stop", "length",
+    or None to go on), which the event carries too.
+    No part of a stop string is ever emitted: text that may be the start of one is held back until
+    it cannot be (then released) or the generation ends on a stop token or the length (then flushed).
+    A token that completes a stop string is kept (as vLLM keeps it); the text ends before the stop
+    string. Trailing U+FFFD (an incomplete multi-byte character) is held back the same way.
     """
 
     def __init__(self, model, params: SamplingParams):
@@ -66,29 +126,41 @@ class Detokenizer:
         ids = params.stop_token_ids if params.stop_token_ids is not None else model.config.eos_token_ids
         self.stop_ids = frozenset(ids)
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # the text emitted so far (the whole output once finished)
+        self._full = ""  # decode(ids): emitted text plus what is held back
 
     @property
     def done(self) -> bool:
         """No more tokens may be generated (``max_new_tokens`` reached)."""
         return len(self.ids) >= self.max_new_tokens
 
-    def accept(self, tok: int) -> tuple[TokenEvent | None, str | None]:
-        """``(event, finish reason)`` after sampling ``tok``."""
+    def accept(self, tok: int) -> tuple[TokenEvent, str | None]:
+        """``(event, finish reason)`` after sampling ``tok``; the event has the reason too."""
         if tok in self.stop_ids:
-            return None, "stop"
-        i = len(self.ids)
+            return self._emit(None, self._full, "stop")
         self.ids.append(tok)
-        prev = len(self.text)
-        new_text = self.decode(self.ids)
-        hit = next((s for s in self.stop if s in new_text), None)
-        if hit is not None:
-            cut = new_text.index(hit)
-            self.text = new_text[:cut]
-            return TokenEvent(tok, new_text[prev:cut] if cut > prev else "", i), "stop"
-        delta = new_text[prev:] if new_text.startswith(self.text) else new_text
-        self.text = new_text
-        return TokenEvent(tok, delta, i), ("length" if self.done else None)
+        self._full = self.decode(self.ids)
+        cut = min((i for i in (self._full.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._full = self._full[:cut]
+            return self._emit(tok, self._full, "stop")
+        if self.done:
+            return self._emit(tok, self._full, "length")
+        safe = self._full.rstrip("\ufffd")
+        return self._emit(tok, safe[: len(safe) - held_stop_prefix(safe, self.stop)], None)
+
+    def finish_empty(self) -> TokenEvent:
+        """The closing event of a generation that may produce no token (``max_new_tokens == 0``)."""
+        return self._emit(None, self._full, "length")[0]
+
+    def _emit(self, tok: int | None, upto: str, reason: str | None) -> tuple[TokenEvent, str | None]:
+        """The event releasing ``upto`` beyond the text emitted so far."""
+        # by position: if decoding changed earlier text (tokenizer clean-up), go on from the same place
+        delta = upto[len(self.text) :]
+        if reason is not None or len(upto) > len(self.text):
+            self.text = upto
+        index = len(self.ids) - (tok is not None)
+        return TokenEvent(tok, delta, index, reason), reason
 
 
 @dataclass
@@ -172,7 +244,7 @@ def stream(
     cache: KVCache | None = None,
     **hack_options,
 ) -> Iterator[TokenEvent]:
-    """Yield generated tokens one by one after ``result``'s prefill."""
+    """Yield generated tokens one by one after ``result``'s prefill; the last event has the finish reason."""
     params = params or SamplingParams()
     n_prompt = result.kv.num_tokens
     model.check_length(n_prompt, params.max_new_tokens)
@@ -181,12 +253,14 @@ def stream(
         load_prompt(cache, result)
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     out = Detokenizer(model, params)
+    if out.done:
+        yield out.finish_empty()
+        return
     logits = result.logits
-    while not out.done:
+    while True:
         tok = sample(logits, params, gen)
         ev, reason = out.accept(tok)
-        if ev is not None:
-            yield ev
+        yield ev
         if reason is not None:
             return
         logits = decode_step(model, cache, tok, n_prompt + ev.index)
@@ -202,11 +276,12 @@ def generate(
     """Generate to completion; ``timings`` has decode time and time per output token."""
     params = params or SamplingParams()
     t0 = time.perf_counter()
-    ids, parts = [], []
+    ids, parts, reason = [], [], "length"
     for ev in stream(model, result, params, attention, **hack_options):
-        ids.append(ev.token_id)
+        if ev.is_token:
+            ids.append(ev.token_id)
         parts.append(ev.text)
+        reason = ev.finish_reason or reason
     dt = time.perf_counter() - t0
     text = "".join(parts)
-    reason = "length" if len(ids) >= params.max_new_tokens else "stop"
     return Generation(text, ids, reason, {"decode_s": dt, "tpot_s": dt / max(1, len(ids) - 1)})

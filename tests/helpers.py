@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from pathlib import Path
 
 import torch
@@ -86,3 +87,47 @@ def hf_logits(model_dir_or_config, ids: torch.Tensor, weights: dict | None = Non
     ref.eval()
     with torch.no_grad():
         return ref(ids[None]).logits[0]
+
+
+def stop_cases(pieces: list[str]) -> dict[str, tuple[str, int]]:
+    """Stop strings cut from a greedy output's per-token texts (``pieces``), each with the number of
+    tokens whose last one completes it (``max_new_tokens`` that ends on it).
+
+    ``"multi"``: three whole tokens; ``"split"``: from inside one token to inside another two tokens
+    on. Each starts after some text and first occurs where it is cut from.
+    """
+    ends = list(itertools.accumulate(map(len, pieces)))
+    starts = [e - len(p) for e, p in zip(ends, pieces, strict=True)]
+    text = "".join(pieces)
+    out: dict[str, tuple[str, int]] = {}
+    for k in range(1, len(pieces) - 3):
+        a, b, c = pieces[k : k + 3]
+        if not (a.strip() and b.strip() and c.strip()):
+            continue
+        multi = text[starts[k] : ends[k + 2]]
+        if "multi" not in out and text.find(multi) == starts[k]:
+            out["multi"] = (multi, k + 3)
+        split = text[starts[k] + 1 : ends[k + 2] - 1]
+        if "split" not in out and len(a.strip()) >= 2 and len(c) >= 2 and text.find(split) == starts[k] + 1:
+            out["split"] = (split, k + 3)
+    assert set(out) == {"multi", "split"}, f"no stop cases in {pieces}"
+    return out
+
+
+def check_stop_strings(pieces: list[str], max_new: int, complete) -> None:
+    """A surface never emits any part of a stop string and reports the right finish reason.
+
+    ``pieces``: the surface's greedy output, one text per token, ``max_new`` tokens, no stop string;
+    ``complete(stop, max_new_tokens, streamed) -> (text, finish_reason)``. Each case of
+    :func:`stop_cases` is checked stopped mid-generation, completed on the last allowed token
+    ("stop") and one token short of it ("length": the text held back as a possible stop string is
+    flushed), streamed (the concatenated deltas) and not.
+    """
+    whole = "".join(pieces)
+    for stop, n in stop_cases(pieces).values():
+        want = whole[: whole.index(stop)]
+        short = "".join(pieces[: n - 1])
+        for limit, reason, text in ((max_new, "stop", want), (n, "stop", want), (n - 1, "length", short)):
+            for streamed in (False, True):
+                got = complete(stop, limit, streamed)
+                assert got == (text, reason), (stop, limit, streamed, got)

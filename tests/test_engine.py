@@ -28,7 +28,7 @@ from ragkv.generate import SamplingParams, generate, stream
 from ragkv.kv import compute_chunk_kv
 from ragkv.model import PromptTooLongError, random_model
 from ragkv.store import MemoryStore
-from tests.helpers import sample_story_chunks, stories_model
+from tests.helpers import sample_story_chunks, stop_cases, stories_model
 
 FUSE_MIDDLE = dict(skip_first=1, skip_last=1)  # stories260k has 5 layers: fuse 1..3
 
@@ -496,3 +496,29 @@ def test_block_accounting_never_leaks_or_double_frees(ops, thr, attn):
         assert all(h.request.finish_reason in ("length", "stop", "cancelled") for h in handles)
     finally:
         eng.shutdown()
+
+
+# ---- stop strings ---------------------------------------------------------------------------------------
+def test_engine_stop_strings_never_leak_and_finish_reason_is_the_detokenizers(model, chunks):
+    req = dict(prefix=[model.config.bos_token_id], chunks=chunks[:2], question=model.encode("Lily saw"))
+    with Engine(model, EngineConfig(num_blocks=600)) as eng:
+
+        def run(**params) -> tuple[list, object]:
+            h = eng.submit(**req, mode="blend", params=SamplingParams(**params))
+            events = list(h.stream())
+            return events, h.request.output()
+
+        events, out = run(max_new_tokens=30)
+        pieces = [e.text for e in events]
+        whole = "".join(pieces)
+        assert out.finish_reason == "length" == events[-1].finish_reason and out.text == whole
+        for stop, n in stop_cases(pieces).values():
+            want = whole[: whole.index(stop)]
+            for max_new, reason, text in ((30, "stop", want), (n, "stop", want), (n - 1, "length", None)):
+                text = "".join(pieces[:max_new]) if text is None else text
+                events, out = run(max_new_tokens=max_new, stop=(stop,))
+                assert "".join(e.text for e in events) == text == out.text
+                assert events[-1].finish_reason == reason == out.finish_reason
+                assert all(e.finish_reason is None for e in events[:-1])
+                assert out.metrics.num_output_tokens == len(out.token_ids) == len(events)
+        assert eng.pool.manager.num_used == 0

@@ -5,8 +5,8 @@ import torch
 
 from ragkv import LLM, SamplingParams
 from ragkv.blend import prefill
-from ragkv.generate import generate, stream
-from tests.helpers import stories_model, stories_path
+from ragkv.generate import Detokenizer, TokenEvent, generate, stream
+from tests.helpers import stop_cases, stories_model, stories_path
 
 
 def test_greedy_matches_transformers_generate():
@@ -106,3 +106,133 @@ def test_readme_lower_level_names_exist():
         e.token_id
         for e in ragkv.generate.stream(m, res, ragkv.SamplingParams(max_new_tokens=3, stop_token_ids=()))
     ] == out.token_ids
+
+
+# ---- stop strings: never emitted, held text released or flushed, the finish reason on the last event --
+@pytest.fixture(scope="module")
+def smol():
+    """The real default model (SmolLM2's byte-level BPE tokenizer), where the stop-string leak was seen."""
+    from ragkv.model import DEFAULT_MODEL, load_model
+    from ragkv.model.registry import ModelFetchError
+
+    try:
+        return load_model(DEFAULT_MODEL)
+    except ModelFetchError as e:
+        pytest.skip(f"default model not available: {e}")
+
+
+def _feed(model, ids, **params) -> tuple[list[TokenEvent], str | None]:
+    """Detokenizer events of ``ids`` until it finishes; each event's text only ever extends the output."""
+    det = Detokenizer(model, SamplingParams(**{"max_new_tokens": len(ids), "stop_token_ids": (), **params}))
+    events, reason = [], None
+    for tok in ids:
+        ev, reason = det.accept(tok)
+        events.append(ev)
+        assert ev.finish_reason == reason and det.text == "".join(e.text for e in events)
+        if reason is not None:
+            break
+    return events, reason
+
+
+SMOL_TEXT = " Thomas Nabbes wrote of Hannibal and Scipio, café 日本 in 1637."
+
+
+def test_detokenizer_never_emits_a_stop_string_real_tokenizer(smol):
+    ids = smol.encode(SMOL_TEXT)
+    full = smol.decode(ids)
+    assert full == SMOL_TEXT
+    for stop in ("Nabbes", "Scipio", "Hannibal and Sc", "bal and", "日本", "é 日", "1637."):
+        assert len(smol.encode(stop)) >= 2  # multi-token
+        events, reason = _feed(smol, ids, stop=(stop, "never there"))
+        assert reason == "stop" and "".join(e.text for e in events) == full[: full.index(stop)], stop
+        assert events[-1].is_token and len(events) < len(ids) + (stop == "1637.")
+    # the bug as reported: "...written by Thomas Nab"
+    events, _ = _feed(smol, ids, stop=("Nabbes",))
+    assert [e.text for e in events] == [" Thomas", " ", ""]
+
+
+def test_detokenizer_releases_and_flushes_held_text_real_tokenizer(smol):
+    ids = smol.encode(SMOL_TEXT)
+    full = smol.decode(ids)
+    # "Nab" may start "Nabbed": held at " Nab", released when "bes" rules it out
+    events, reason = _feed(smol, ids, stop=("Nabbed",))
+    assert reason == "length" and "".join(e.text for e in events) == full
+    assert [e.text for e in events[:3]] == [" Thomas", " ", "Nabbes"]
+    # an incomplete UTF-8 character is never emitted as U+FFFD
+    assert all("\ufffd" not in e.text for e in events)
+    # the length limit flushes held text: the output is everything decoded
+    n = len(smol.encode(" Thomas Nab"))
+    events, reason = _feed(smol, ids[:n], stop=("Nabbed",))
+    assert (
+        reason == "length" and "".join(e.text for e in events) == " Thomas Nab" and events[-1].text == " Nab"
+    )
+    # so does a stop token: a closing event (no token) carries the held text and the reason
+    det = Detokenizer(smol, SamplingParams(max_new_tokens=10, stop=("Nabbed",)))
+    assert [det.accept(t)[0].text for t in ids[:n]] == [" Thomas", " "]
+    end, reason = det.accept(smol.config.eos_token_ids[0])
+    assert (end.token_id, end.text, end.index, end.finish_reason, reason) == (None, "Nab", n, "stop", "stop")
+    assert det.text == " Thomas Nab" and det.ids == ids[:n]
+
+
+def test_detokenizer_byte_fallback_tokenizer():
+    m = stories_model()  # sentencepiece with byte fallback: 日 is three byte tokens
+    ids = m.encode("Hello café 日本 world.")
+    events, reason = _feed(m, ids)
+    assert reason == "length" and "".join(e.text for e in events) == "Hello café 日本 world."
+    assert all("\ufffd" not in e.text for e in events)
+    events, reason = _feed(m, ids, stop=("本 w",))
+    assert reason == "stop" and "".join(e.text for e in events) == "Hello café 日"
+
+
+def _pieces(m, res, n: int) -> list[str]:
+    """Per-token texts of the greedy output (no stop strings: nothing is held back)."""
+    return [e.text for e in stream(m, res, SamplingParams(max_new_tokens=n))]
+
+
+def test_stop_strings_multi_token_split_and_on_the_last_token():
+    m = stories_model()
+    res = prefill(m, m.encode("Once upon a time", add_bos=True), [], [], "full")
+    pieces = _pieces(m, res, 30)
+    whole = "".join(pieces)
+    for stop, n in stop_cases(pieces).values():
+        want = whole[: whole.index(stop)]
+        for max_new, reason, text in ((30, "stop", want), (n, "stop", want), (n - 1, "length", None)):
+            text = "".join(pieces[:max_new]) if text is None else text
+            p = SamplingParams(max_new_tokens=max_new, stop=(stop,))
+            events = list(stream(m, res, p))
+            assert "".join(e.text for e in events) == text and events[-1].finish_reason == reason
+            assert all(e.finish_reason is None for e in events[:-1])
+            g = generate(m, res, p)
+            assert (g.text, g.finish_reason, g.token_ids) == (text, reason, [e.token_id for e in events])
+
+
+def test_llm_generate_and_stream_stop_strings():
+    llm = LLM(stories_model(), self_check_on_load=False)
+    args = ("Once upon a time.", ["Lily had a red ball.", "Tom liked to run."], " One day,")
+    pieces = [e.text for e in llm.stream(*args, mode="blend", max_new_tokens=24)]
+    whole = "".join(pieces)
+    for stop, n in stop_cases(pieces).values():
+        want = whole[: whole.index(stop)]
+        for max_new, reason, text in ((24, "stop", want), (n, "stop", want), (n - 1, "length", None)):
+            text = "".join(pieces[:max_new]) if text is None else text
+            kw = {"mode": "blend", "max_new_tokens": max_new, "stop": (stop,)}
+            events = list(llm.stream(*args, **kw))
+            assert "".join(e.text for e in events) == text and events[-1].finish_reason == reason
+            a = llm.generate(*args, **kw)
+            assert (a.text, a.finish_reason) == (text, reason)
+
+
+# ---- one request-to-SamplingParams conversion ----------------------------------------------------------
+def test_request_params_is_the_one_conversion():
+    from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MIN_TEMPERATURE
+    from ragkv.generate import request_params
+
+    p = request_params()
+    assert p == SamplingParams() and p.max_new_tokens == DEFAULT_MAX_NEW_TOKENS and p.temperature == 0.0
+    # below the one greedy cut-off: greedy (the server used 1e-3, the sampler 1e-4)
+    assert request_params(temperature=MIN_TEMPERATURE / 2).temperature == 0.0
+    assert request_params(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
+    q = request_params(12, None, 0.5, -1, 7, "END", [9], default_temperature=1.0, eos_token_ids=(2, 9))
+    assert q == SamplingParams(12, 1.0, 0.5, 0, 7, ("END",), (2, 9))
+    assert request_params(stop=["a", "b"], default_max_tokens=16).stop == ("a", "b")
+    assert request_params(stop=None).stop_token_ids is None  # the model's EOS

@@ -2,6 +2,8 @@
 chunks whose stored KV is reused; foreign documents are ingested on first use; streaming and async."""
 
 import asyncio
+import functools
+import operator
 
 import pytest
 
@@ -18,7 +20,7 @@ from integrations.langchain import ChatRagkv, RagkvEmbeddings, RagkvLLM, RagkvRe
 from integrations.llama_index import RagkvLlamaLLM, RagkvLlamaRetriever, RagkvQueryEngine  # noqa: E402
 from ragkv import LLM  # noqa: E402
 from ragkv.rag import RAG, Embedder  # noqa: E402
-from tests.helpers import musique_samples, stories_model  # noqa: E402
+from tests.helpers import check_stop_strings, musique_samples, stories_model  # noqa: E402
 
 NEW = 8  # tokens per answer: enough to see streaming, cheap on 2 cores
 
@@ -328,3 +330,52 @@ def test_langchain_timeout_and_max_retries(rag):
         assert len(accepted) == 4
     finally:
         srv.close()
+
+
+# ---- stop strings: never emitted, finish_reason from the generation ----------------------------------
+STOP_MAX = 24
+
+
+def test_python_api_rag_answer_stop_strings(rag, samples):
+    q = samples[0]["question"]
+    chunks = rag.retrieve(q)
+
+    def complete(stop, n, streamed):
+        items = list(rag.answer_stream(q, chunks=chunks, max_new_tokens=n, stop=(stop,)))
+        events, ans = items[:-1], items[-1]
+        text = (
+            "".join(e.text for e in events)
+            if streamed
+            else rag.answer(q, chunks=chunks, max_new_tokens=n, stop=(stop,)).text
+        )
+        assert ans.text == "".join(e.text for e in events)
+        return text, events[-1].finish_reason
+
+    pieces = [e.text for e in list(rag.answer_stream(q, chunks=chunks, max_new_tokens=STOP_MAX))[:-1]]
+    check_stop_strings(pieces, STOP_MAX, complete)
+
+
+def test_langchain_stop_strings_never_leak(rag, samples):
+    q = samples[0]["question"]
+
+    def chat(stop, n, streamed):
+        model = ChatRagkv(rag=rag, max_tokens=n, stop=[stop])
+        if not streamed:
+            msg = model.invoke(q, retrieve=True)
+            return msg.content, msg.response_metadata["finish_reason"]
+        msg = functools.reduce(operator.add, model.stream(q, retrieve=True))
+        return msg.content, msg.response_metadata["finish_reason"]
+
+    def llm(stop, n, streamed):
+        model = RagkvLLM(rag=rag, max_tokens=n)
+        gen = model.generate([q], stop=[stop], retrieve=True).generations[0][0]
+        if streamed:
+            text = "".join(model.stream(q, stop=[stop], retrieve=True))
+            assert text == gen.text
+        return gen.text, gen.generation_info["finish_reason"]
+
+    pieces = [c.content for c in ChatRagkv(rag=rag, max_tokens=STOP_MAX).stream(q, retrieve=True)]
+    assert len([p for p in pieces if p]) > STOP_MAX // 2
+    check_stop_strings(pieces, STOP_MAX, chat)
+    pieces = list(RagkvLLM(rag=rag, max_tokens=STOP_MAX).stream(q, retrieve=True))
+    check_stop_strings(pieces, STOP_MAX, llm)

@@ -1,7 +1,7 @@
 """The package layout holds: imports inside ``ragkv`` run one way, and the library never reaches the edges.
 
-attention <- model <- kv <- store <- blend <- engine <- rag (README, "Layout"); ``fusion`` sits on
-attention, ``generate`` and ``llm`` between blend and rag. Lazy imports inside functions count too.
+attention <- model <- kv <- store <- blend <- engine <- rag (README, "Layout"); ``defaults`` sits
+below them all; ``fusion`` sits on attention, ``generate`` and ``llm`` between blend and rag. Lazy imports inside functions count too.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tests.helpers import REPO
 
 #: rank of each ragkv subpackage / top-level module: a module may import only lower ranks
 RANK = {
+    "defaults": -1,
     "metrics": 0,
     "attention": 0,
     "fusion": 1,

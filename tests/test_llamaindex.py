@@ -21,7 +21,7 @@ from llama_index.core.schema import TextNode  # noqa: E402
 from integrations.llama_index import RagkvLlamaEmbedding, RagkvLlamaLLM, RagkvLlamaRetriever  # noqa: E402
 from ragkv import LLM  # noqa: E402
 from ragkv.rag import RAG, Embedder  # noqa: E402
-from tests.helpers import musique_samples, stories_path  # noqa: E402
+from tests.helpers import check_stop_strings, musique_samples, stories_path  # noqa: E402
 
 #: a ChatML template (SmolLM2's, without its default system turn) for the tiny model's tokenizer
 CHATML = (
@@ -219,3 +219,21 @@ def test_nodes_of_another_index_resolve_to_held_chunks(rag, texts, embedder):
     assert len(first["ingested_documents"]) == 1
     again = llm.complete(q, chunks=[new]).raw["ragkv"]
     assert again["ingested_documents"] == [] and again["chunk_ids"] == first["chunk_ids"]
+
+
+# ---- stop strings -----------------------------------------------------------------------------------------
+def test_stop_strings_never_leak_and_finish_reason_is_right(rag):
+    q = "Who wrote it?"
+    nodes = RagkvLlamaRetriever(rag, k=3).retrieve(q)
+
+    def complete(stop, n, streamed):
+        llm = RagkvLlamaLLM(rag=rag, max_tokens=n, stop=[stop])
+        if not streamed:
+            r = llm.complete(q, chunks=nodes)
+            return r.text, r.raw["finish_reason"]
+        rs = list(llm.stream_complete(q, chunks=nodes))
+        assert rs[-1].text == "".join(r.delta for r in rs)
+        return "".join(r.delta for r in rs), rs[-1].raw["finish_reason"]
+
+    pieces = [r.delta for r in RagkvLlamaLLM(rag=rag, max_tokens=24).stream_complete(q, chunks=nodes)]
+    check_stop_strings(pieces, 24, complete)

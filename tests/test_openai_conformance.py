@@ -6,10 +6,13 @@ raises ``ContextOverflowError``); options ragkv does not serve are refused, neve
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import httpx
 import pytest
 
-from tests.helpers import musique_samples
+from tests.helpers import check_stop_strings, musique_samples
 from tests.test_server import _docs, running_server
 
 openai = pytest.importorskip("openai")
@@ -167,3 +170,48 @@ def test_usage_reports_cached_tokens(server, client, chunk_ids):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     done = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2, temperature=0)
     assert done.usage.prompt_tokens_details.cached_tokens is not None
+
+
+# ---- stop strings: never emitted, finish_reason from the generation --------------------------------------
+def test_completions_stop_strings_never_leak(server, client):
+    n_max = 24
+
+    def complete(stop, n, streamed):
+        kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=n, temperature=0, stop=[stop])
+        if not streamed:
+            c = client.completions.create(**kw).choices[0]
+            return c.text, c.finish_reason
+        chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+        assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=n_max, temperature=0, stream=True)
+    chunks = [c.choices[0] for c in client.completions.create(**kw) if c.choices]
+    pieces = [c.text for c in chunks if c.finish_reason is None]
+    assert len(pieces) == n_max and chunks[-1].finish_reason == "length"
+    check_stop_strings(pieces, n_max, complete)
+
+
+def test_langchain_chat_openai_stop_strings_never_leak(server, chunk_ids):
+    lc_openai = pytest.importorskip("langchain_openai")
+    n_max = 24
+    q, extra = "Once upon a time", {"ragkv": {"chunk_ids": chunk_ids[:3]}}
+
+    def chat(stop, n, streamed):
+        model = lc_openai.ChatOpenAI(
+            base_url=server + "/v1", api_key="unused", model=MODEL, max_retries=0, max_tokens=n, temperature=0
+        )
+        if not streamed:
+            msg = model.invoke(q, stop=[stop], extra_body=extra)
+        else:
+            msg = functools.reduce(operator.add, model.stream(q, stop=[stop], extra_body=extra))
+        return msg.content, msg.response_metadata["finish_reason"]
+
+    model = lc_openai.ChatOpenAI(
+        base_url=server + "/v1", api_key="unused", model=MODEL, max_retries=0, max_tokens=n_max, temperature=0
+    )
+    chunks = list(model.stream(q, extra_body=extra))
+    ends = [i for i, c in enumerate(chunks) if c.response_metadata.get("finish_reason")]
+    pieces = [c.content for c in chunks[1 : ends[0]]]  # the tokens: after the role chunk, before the end
+    assert len(pieces) == n_max
+    check_stop_strings(pieces, n_max, chat)

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from apps.config import ConfigError, load_settings
-from tests.helpers import REPO, musique_samples, stories_path
+from apps.config import ConfigError, Settings, load_settings
+from tests.helpers import REPO, check_stop_strings, musique_samples, stories_path
 
 NEW = 8
 LIMITS = {  # small limits keep every request (and the schemathesis run) cheap on 2 cores
@@ -537,3 +537,119 @@ def test_cli_subcommands_have_help(cmd, capsys):
         "eval": "--dataset",
     }[cmd]
     assert out.startswith("usage:") and flag in out
+
+
+# ---- stop strings: never emitted, finish_reason from the generation --------------------------------------
+def _query_sse(client: httpx.Client, body: dict) -> list[tuple[str, dict]]:
+    """The ``(event, data)`` pairs of a streamed ``/v1/query``."""
+    out, event = [], None
+    with client.stream("POST", "/v1/query", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                out.append((event, json.loads(line[6:])))
+    return out
+
+
+def _check_query_stops(client: httpx.Client, q: str, n_max: int = 24) -> list[int]:
+    """``/v1/query`` (streamed and not) never emits a stop string; returns the chunk ids it used."""
+    ids = [s["chunk_id"] for s in client.post("/v1/query", json={"question": q}).json()["sources"]]
+
+    def query(stop, n, streamed):
+        body = {"question": q, "chunk_ids": ids, "max_tokens": n, "stop": [stop]}
+        if not streamed:
+            a = client.post("/v1/query", json=body).json()
+            return a["answer"], a["finish_reason"]
+        events = _query_sse(client, body)
+        (kind, final) = events[-1]
+        assert kind == "answer" and final["answer"] == "".join(d["text"] for e, d in events[:-1])
+        return "".join(d["text"] for e, d in events if e == "token"), final["finish_reason"]
+
+    events = _query_sse(client, {"question": q, "chunk_ids": ids, "max_tokens": n_max})
+    pieces = [d["text"] for e, d in events if e == "token"]
+    assert len(pieces) == n_max
+    check_stop_strings(pieces, n_max, query)
+    return ids
+
+
+def test_query_and_chat_stop_strings_never_leak(server, client, ingested, samples):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    q = samples[0]["question"]
+    n_max = 24
+    ids = _check_query_stops(client, q, n_max)
+
+    def chat(stop, n, streamed):
+        kw = dict(
+            model="stories260k",
+            messages=[{"role": "user", "content": q}],
+            max_tokens=n,
+            stop=[stop],
+            extra_body={"ragkv": {"chunk_ids": ids}},
+        )
+        if not streamed:
+            out = oc.chat.completions.create(**kw)
+            return out.choices[0].message.content, out.choices[0].finish_reason
+        chunks = [c for c in oc.chat.completions.create(**kw, stream=True) if c.choices]
+        finals = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        assert len(finals) == 1 and chunks[-1].choices[0].finish_reason
+        return "".join(c.choices[0].delta.content or "" for c in chunks), finals[0]
+
+    head, *rest = oc.chat.completions.create(
+        model="stories260k",
+        messages=[{"role": "user", "content": q}],
+        max_tokens=n_max,
+        stream=True,
+        extra_body={"ragkv": {"chunk_ids": ids}},
+    )
+    pieces = [c.choices[0].delta.content for c in rest if c.choices and not c.choices[0].finish_reason]
+    assert head.choices[0].delta.role == "assistant" and len(pieces) == n_max
+    check_stop_strings(pieces, n_max, chat)
+
+
+def test_engine_generation_stop_strings_never_leak(engine_client, samples):
+    _check_query_stops(engine_client, samples[0]["question"])
+
+
+def test_one_source_of_generation_defaults():
+    from integrations.common import RagkvOptions
+    from integrations.vllm.client import completion_body
+    from ragkv.cli import build_parser
+    from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+    from ragkv.generate import SamplingParams
+
+    n = DEFAULT_MAX_NEW_TOKENS
+    assert SamplingParams().max_new_tokens == n == RagkvOptions.model_fields["max_new_tokens"].default
+    assert Settings.model_fields["max_new_tokens"].default == n
+    assert completion_body("m", [1], None)["max_tokens"] == n
+    assert build_parser().parse_args(["demo"]).max_new_tokens == n  # was 24 (ask: 32, RAG.answer: 32)
+    assert build_parser().parse_args(["ask", "q"]).max_new_tokens is None  # the settings' (shared with serve)
+
+
+def test_ask_and_serve_take_the_demos_prompt_settings(tmp_path):
+    import json
+
+    from apps.server import build_parser as server_parser
+    from apps.server import settings_from_args
+    from apps.service import build_rag
+    from ragkv.cli import DEMO_CORPUS, _settings
+    from ragkv.cli import build_parser as cli_parser
+    from ragkv.rag import prompt_options, prompt_parts
+
+    corpus = json.loads(DEMO_CORPUS.read_text())
+    served = settings_from_args(server_parser().parse_args(["--prompt-file", str(DEMO_CORPUS)]))
+    assert served.prompt_file == DEMO_CORPUS
+    flags = ["--model", str(stories_path()), "--data-dir", str(tmp_path), "--prompt-file", str(DEMO_CORPUS)]
+    s = _settings(cli_parser().parse_args(["ask", "Who?", *flags]))
+    rag = build_rag(s)
+    try:
+        assert (
+            rag.examples == [tuple(e) for e in corpus["examples"]]
+            and rag.instruction == corpus["instruction"]
+        )
+        want = prompt_parts(rag.model, "Who?", **prompt_options(corpus))  # what `ragkv demo` asks
+        assert rag.prompt_parts("Who?") == want != prompt_parts(rag.model, "Who?")
+    finally:
+        rag.close()

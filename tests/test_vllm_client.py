@@ -144,7 +144,7 @@ def vrag(rag, servers):
 
 def _local_tokens(rag, q, recs, **kw) -> tuple[list[int], RagAnswer]:
     evs = list(rag.answer_stream(q, chunks=recs, max_new_tokens=NEW, **kw))
-    return [e.token_id for e in evs if isinstance(e, TokenEvent)], evs[-1]
+    return [e.token_id for e in evs if isinstance(e, TokenEvent) and e.is_token], evs[-1]
 
 
 # ---- the client against the served app ----------------------------------------------------------
@@ -157,8 +157,10 @@ def test_served_answers_equal_in_process_token_for_token(rag, vrag, samples, mod
     assert plain.text == local.text and plain.stats["completion_tokens"] == len(ids) == NEW
     assert plain.stats["backend"] == "vllm" and plain.stats["mode"] == local.stats["mode"] == mode
     evs = list(vrag.answer_stream(q, chunks=recs, mode=mode, ratio=ratio, max_new_tokens=NEW))
-    assert [e.token_id for e in evs[:-1]] == ids  # streamed, token for token
+    assert [e.token_id for e in evs[:-1] if e.is_token] == ids  # streamed, token for token
     assert "".join(e.text for e in evs[:-1]) == local.text == evs[-1].text
+    # the finish reason comes with the last event (a closing one: the server's last chunk has no text)
+    assert [e.finish_reason for e in evs[:-1]] == [None] * (len(evs) - 2) + ["length"]
     stats = evs[-1].stats
     assert stats["num_tokens"] == local.stats["num_tokens"]
     if mode == "full":

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from integrations.vllm.params import BlendParams
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.spans import ChunkRef
+from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.kv.chunk import chunk_key
 
@@ -102,7 +103,7 @@ def completion_body(
     model: str,
     prompt: list[int],
     kv_transfer_params: dict | None,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int | None = None,
@@ -285,7 +286,8 @@ class VllmClient:
     ) -> Iterator[TokenEvent | Completion]:
         """Stream a completion (``stream: true``, SSE): a :class:`TokenEvent` per chunk with text or
         tokens, then the :class:`Completion` (usage from the final chunk). ``token_id`` is the chunk's
-        last token id when the server returns token ids, else -1."""
+        last token id when the server returns token ids, else -1; the chunk with the finish reason
+        gives it to its event (a chunk without text: a closing event, ``token_id`` None)."""
         body = self._body(prompt, kv_transfer_params, True, sampling)
         t0 = time.perf_counter()
         conn, resp = self._open("/v1/completions", body)
@@ -312,11 +314,14 @@ class VllmClient:
                 for ch in obj.get("choices") or []:
                     text = ch.get("text") or ""
                     ids = ch.get("token_ids") or []
-                    finish = ch.get("finish_reason") or finish
+                    end = ch.get("finish_reason")
+                    finish = end or finish
                     if text or ids:
                         ttft = ttft if ttft is not None else time.perf_counter() - t0
-                        yield TokenEvent(int(ids[-1]) if ids else -1, text, len(parts))
+                        yield TokenEvent(int(ids[-1]) if ids else -1, text, len(parts), end)
                         parts.append(text)
+                    elif end:  # a final chunk without text: a closing event with the finish reason
+                        yield TokenEvent(None, "", len(parts), end)
             else:
                 raise VllmResponseError("stream: the server closed it before 'data: [DONE]'")
         except (OSError, http.client.HTTPException) as e:
@@ -468,6 +473,7 @@ class VllmRAG:
             save=self.save,
         )
         if params.max_new_tokens == 0:
+            yield TokenEvent(None, "", 0, "length")
             yield Completion("", "length", len(prompt), 0, 0.0, ttft_s=0.0)
             return
         for item in self.client.stream(prompt, kv if reuse else None, **served_params(params)):
@@ -516,7 +522,7 @@ class VllmRAG:
 
         rag = self.rag
         mode, ratio = self._check(mode or rag.mode, rag.ratio if ratio is None else ratio)
-        params = params or SamplingParams(**{"max_new_tokens": 32, **sampling})
+        params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
         rp = rag.prompt(question, k, chunks, params.max_new_tokens)
         prefix, recs, suffix, t_ret = rp.prefix, rp.chunks, rp.suffix, rp.seconds

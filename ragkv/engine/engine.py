@@ -377,12 +377,15 @@ class Engine:
         """Sample the next token from ``logits`` and emit it, or finish (the step of ``generate.stream``)."""
         if r.detok is None:
             r.detok = Detokenizer(self.model, r.params)
-        if r.detok.done:
+        if r.detok.done:  # max_new_tokens == 0
+            r.emit(r.detok.finish_empty())
             self._finish(r, "length")
             return
         ev, reason = r.detok.accept(sample(logits, r.params, r.generator))
-        if ev is not None:
+        if ev.is_token:
             self._token(r, ev, time.perf_counter())
+        else:  # the closing event of a stop token: the finish reason and any held-back text
+            r.emit(ev)
         if reason is not None:
             self._finish(r, reason)
         else:

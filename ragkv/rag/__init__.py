@@ -12,7 +12,7 @@ from ragkv.rag.pipeline import (
     RagPrompt,
     WarnThrottle,
 )
-from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
+from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, PROMPT_KEYS, prompt_options, prompt_parts
 from ragkv.rag.splitter import TextChunk, split_tokens
 
 __all__ = [
@@ -31,6 +31,8 @@ __all__ = [
     "RagPrompt",
     "TextChunk",
     "WarnThrottle",
+    "PROMPT_KEYS",
+    "prompt_options",
     "prompt_parts",
     "split_tokens",
 ]

@@ -394,7 +394,7 @@ class RAG:
         mode = mode or self.mode
         if mode not in MODES:
             raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
-        params = params or SamplingParams(**{"max_new_tokens": 32, **sampling})
+        params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
         rp = self.prompt(question, k, chunks, params.max_new_tokens)
         prefix, recs, suffix, t_retrieval = rp.prefix, rp.chunks, rp.suffix, rp.seconds

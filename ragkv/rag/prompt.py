@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from ragkv.model.chat import chat_parts, has_chat_template
 
@@ -13,6 +15,28 @@ DEFAULT_INSTRUCTION = (
 DEFAULT_QUESTION = (
     "\n\nAnswer the question directly based on the given passages. Question: {question}\nAnswer:"
 )
+
+
+#: the prompt settings a RAG takes (``RAG(**options)``, :func:`prompt_parts`) and a prompt file may set
+PROMPT_KEYS = ("instruction", "question_template", "system", "examples")
+
+
+def prompt_options(source: Mapping | str | Path | None) -> dict:
+    """The prompt settings (:data:`PROMPT_KEYS`) of a mapping or a JSON file, e.g. the demo corpus.
+
+    One reader for ``ragkv demo`` (its corpus), ``ragkv ask`` and ``ragkv serve`` (``--prompt-file``),
+    so they all ask the same way; other keys are ignored, ``None`` gives no settings.
+    """
+    if source is None:
+        return {}
+    if not isinstance(source, Mapping):
+        source = json.loads(Path(source).read_text())
+        if not isinstance(source, Mapping):
+            raise ValueError(f"prompt file {source!r}: expected a JSON object")
+    out = {k: source[k] for k in PROMPT_KEYS if source.get(k) is not None}
+    if "examples" in out:
+        out["examples"] = [(str(u), str(a)) for u, a in out["examples"]]
+    return out
 
 
 def prompt_parts(
