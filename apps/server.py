@@ -139,12 +139,14 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
 
 
 def report(exc: BaseException, request: Request | None = None) -> tuple[int, str, str]:
-    """:func:`classify` ``exc`` and log it, with its traceback, when it is the server's fault (5xx):
-    a request's error is the client's business, a server fault must reach the operator."""
+    """:func:`classify` ``exc`` and log it when it is the server's side (5xx; a 500, a fault of ours,
+    with its traceback): a request's error is the client's business, a server's must reach the operator."""
     status, kind, message = classify(exc)
-    if status >= 500:
-        where = f"{request.method} {request.url.path}" if request is not None else "a request"
+    where = f"{request.method} {request.url.path}" if request is not None else "a request"
+    if status == 500:
         log.error("error serving %s: %s", where, message, exc_info=exc)
+    elif status > 500:  # a backend down or busy (502/503): an operational event, not a bug
+        log.warning("error serving %s: %s: %s", where, message, exc)
     return status, kind, message
 
 

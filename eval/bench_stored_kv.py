@@ -36,12 +36,41 @@ import numpy as np
 import torch
 import zstandard
 
+from ragkv.blend import prefill
+from ragkv.kv.chunk import ChunkKV
+from ragkv.metrics import first_token_kl
 from ragkv.store import MemoryStore
 from ragkv.store import blob as blobfmt
 from ragkv.store.codecs import get_codec
 from ragkv.store.codecs.calibrate import calibrate
 from ragkv.store.codecs.stepz import FALLBACK, StepProfile, StepZCodec
 from ragkv.store.codecs.video.allocate import allocate_layer_steps
+
+
+def layer_sensitivity(model, cases, chunks_per_case, codec: StepZCodec, probe: float) -> tuple[list, list]:
+    """Blend first-token KL with only one (tensor, layer) quantized by ``codec`` (steps at ``probe``)."""
+    refs = [
+        prefill(model, pre, chunks, suf, mode="blend").logits
+        for (pre, _, suf), chunks in zip(cases, chunks_per_case, strict=True)
+    ]
+    L = model.config.num_layers
+    out: tuple[list, list] = ([], [])
+    for is_k in (True, False):
+        for layer in range(L):
+            kls = []
+            for (pre, _, suf), chunks, ref in zip(cases, chunks_per_case, refs, strict=True):
+                alt = []
+                for ch in chunks:
+                    k, v = ch.k.clone(), ch.v.clone()
+                    qk, qv = codec.reference(ch.k[layer : layer + 1], ch.v[layer : layer + 1], layer)
+                    if is_k:
+                        k[layer : layer + 1] = qk
+                    else:
+                        v[layer : layer + 1] = qv
+                    alt.append(ChunkKV(ch.token_ids, k, v, ch.start_pos, ch.fingerprint, ch.convention))
+                kls.append(first_token_kl(ref, prefill(model, pre, alt, suf, mode="blend").logits))
+            out[0 if is_k else 1].append(float(np.mean(kls)))
+    return out
 
 
 def musique() -> list[dict]:
@@ -186,7 +215,7 @@ def main(argv=None) -> dict:
                 n_questions=args.calib_questions,
                 chunk_tokens=args.chunk_tokens,
                 rope_bits=rope,
-                layer_steps=True,
+                sensitivity=layer_sensitivity,
             )
             done[key] = p.to_json()
             save()

@@ -345,7 +345,9 @@ def test_calibration_is_kept_by_fingerprint_and_recomputed_when_corrupt(tmp_path
         assert load_profile(model.fingerprint, tmp_path) is None
         p2 = cal.ensure_profile(model, tmp_path, n_questions=1, chunk_tokens=48)
         assert p2.meta["created"] > p1.meta["created"] and load_profile(model.fingerprint, tmp_path)
-    per_layer = cal.calibrate(model, n_questions=1, chunk_tokens=48, layer_steps=True)  # the option
+    from eval.bench_stored_kv import layer_sensitivity
+
+    per_layer = cal.calibrate(model, n_questions=1, chunk_tokens=48, sensitivity=layer_sensitivity)
     assert len(per_layer.meta["k_kl"]) == L and all(0.05 <= s <= 3.0 for s in per_layer.k_steps)
     other = StepProfile.from_json({**p1.to_json(), "fingerprint": "0" * 64})  # another model's file
     path.write_text(json_of(other.to_json()))

@@ -15,7 +15,7 @@ passages as chunks, its questions as queries), never evaluation data.
    on keys; here the queries weight it because the model is at hand at calibration time and the
    queries' block energies differ by orders of magnitude between frequencies (a high-energy key block
    that no query reads costs nothing to coarsen).
-2. **Per-layer steps** (optional, ``layer_steps=True``; off by default, see :func:`calibrate`): blend
+2. **Per-layer steps** (optional, ``calibrate(..., sensitivity=...)``; off by default, see :func:`calibrate`): blend
    first-token KL with one (tensor, layer) quantized at a probe step (the rest exact) on the
    calibration questions, then reverse water-filling to a total KL budget
    (:func:`ragkv.store.codecs.video.allocate.allocate_layer_steps`, as for the video codec).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -108,42 +109,12 @@ def block_energy(model, chunk_ids: list[list[int]]) -> tuple[np.ndarray, list]:
     return qb * kb, chunks
 
 
-def layer_sensitivity(model, cases, chunks_per_case, codec: StepZCodec, probe: float) -> tuple[list, list]:
-    """Blend first-token KL with only one (tensor, layer) quantized by ``codec`` (steps at ``probe``)."""
-    from ragkv.blend import prefill
-    from ragkv.kv.chunk import ChunkKV
-    from ragkv.metrics import first_token_kl
-
-    refs = [
-        prefill(model, pre, chunks, suf, mode="blend").logits
-        for (pre, _, suf), chunks in zip(cases, chunks_per_case, strict=True)
-    ]
-    L = model.config.num_layers
-    out: tuple[list, list] = ([], [])
-    for is_k in (True, False):
-        for layer in range(L):
-            kls = []
-            for (pre, _, suf), chunks, ref in zip(cases, chunks_per_case, refs, strict=True):
-                alt = []
-                for ch in chunks:
-                    k, v = ch.k.clone(), ch.v.clone()
-                    qk, qv = codec.reference(ch.k[layer : layer + 1], ch.v[layer : layer + 1], layer)
-                    if is_k:
-                        k[layer : layer + 1] = qk
-                    else:
-                        v[layer : layer + 1] = qv
-                    alt.append(ChunkKV(ch.token_ids, k, v, ch.start_pos, ch.fingerprint, ch.convention))
-                kls.append(first_token_kl(ref, prefill(model, pre, alt, suf, mode="blend").logits))
-            out[0 if is_k else 1].append(float(np.mean(kls)))
-    return out
-
-
 def calibrate(
     model,
     n_questions: int = 2,
     chunk_tokens: int = 128,
     rope_bits: bool = True,
-    layer_steps: bool = False,
+    sensitivity: Callable | None = None,
     k_step: float = K_STEP,
     v_step: float = V_STEP,
     target_kl: float = TARGET_KL,
@@ -153,8 +124,10 @@ def calibrate(
     """Measure and return the model's profile (does not save it; :func:`ensure_profile` does).
 
     Default: uniform steps ``k_step`` / ``v_step`` with RoPE-aware key bits (a few chunk forwards).
-    ``layer_steps=True`` also measures per-layer sensitivities (2 x layers x questions blend
-    prefills) and allocates per-layer steps to ``target_kl``: on the real default model that kept
+    ``sensitivity(model, cases, chunks_per_case, probe_codec, probe) -> (k_kl, v_kl)`` (the blend's
+    first-token KL with one tensor of one layer quantized; ``eval.bench_stored_kv.layer_sensitivity``,
+    outside the store layer because it blends) allocates per-layer steps to ``target_kl``: on the
+    real default model that kept
     the first-token KL but changed more greedy answers than uniform steps of the same size, so it
     is not the default (docs/BENCHMARKS.md, "Compact stored KV").
     """
@@ -166,12 +139,12 @@ def calibrate(
     k_bits = allocate_block_bits(energy, base_bits).tolist() if rope_bits else None
     k_steps, v_steps = [k_step] * L, [v_step] * L
     meta: dict = {"questions": n_questions, "chunk_tokens": chunk_tokens}
-    if layer_steps:
+    if sensitivity is not None:
         chunks_per_case = [kv[3 * i : 3 * i + 3] for i in range(len(cases))]
         probe_codec = StepZCodec(
             profile=StepProfile(k_steps=[probe] * L, v_steps=[probe] * L, k_bits=k_bits, base_bits=base_bits)
         )
-        k_kl, v_kl = layer_sensitivity(model, cases, chunks_per_case, probe_codec, probe)
+        k_kl, v_kl = sensitivity(model, cases, chunks_per_case, probe_codec, probe)
         k_steps, v_steps = allocate_layer_steps(k_kl, v_kl, probe, target_kl, *STEP_RANGE)
         meta.update(k_kl=k_kl, v_kl=v_kl, probe=probe, target_kl=target_kl)
     meta.update(seconds=round(time.perf_counter() - t0, 1), created=time.time())

@@ -10,7 +10,7 @@ The steps come from a :class:`StepProfile`, calibrated once per model (:mod:`.ca
 in ``$RAGKV_CACHE_DIR/stepz/<fingerprint>.json``:
 
 * ``k_steps[l]``, ``v_steps[l]``: per-layer steps; by default uniform (:data:`FALLBACK`'s), or
-  allocated from measured blend sensitivity (``calibrate(..., layer_steps=True)``; measured to keep
+  allocated from measured blend sensitivity (``calibrate(..., sensitivity=...)``; measured to keep
   the KL but change more answers on the default model, so off by default);
 * ``k_bits[l][h][j]``: integer bits per RoPE frequency block ``j`` of key head ``h`` (Block-GTQ's
   idea, :func:`allocate_block_bits`); block ``j`` gets the step multiplier
