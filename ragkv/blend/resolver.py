@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ragkv.blend.core import DEFAULT_RATIO, PrefillResult
-from ragkv.blend.locate import ChunkLocator
+from ragkv.blend.locate import ChunkLocator, Located
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory, prefill_with_recovery
 from ragkv.blend.spans import PieceSlice
 from ragkv.kv.chunk import ChunkKV, chunk_key
@@ -328,6 +328,19 @@ class ChunkResolver:
         found = loc.find(prompt_ids) if loc is not None else []
         if not found:
             return None
+        return self.pieces(prompt_ids, found)
+
+    def pieces(
+        self,
+        prompt_ids: Sequence[int],
+        found: Sequence[Located],
+        *,
+        write_back: bool = True,
+        check: Callable[[], None] | None = None,
+    ) -> tuple[list[int], Resolved, list[int]]:
+        """``prompt_ids`` as ``(prefix, items, suffix)``: the non-overlapping chunks ``found`` (in prompt
+        order) as their resolved KV (a :class:`PieceSlice` where only rows ``[lo, hi)`` are used),
+        the text between them as token lists. ``write_back``/``check``: see :meth:`items`."""
         ids = [int(t) for t in prompt_ids]
         parts: list = []
         slots: list[int] = []
@@ -338,7 +351,9 @@ class ChunkResolver:
             slots.append(len(parts))
             parts.append(f)
             pos = f.stop
-        chunks = self.items([(list(f.token_ids), f.key) for f in found], at=slots)
+        chunks = self.items(
+            [(list(f.token_ids), f.key) for f in found], write_back=write_back, at=slots, check=check
+        )
         for slot, f, item in zip(slots, found, chunks, strict=True):
             whole = f.lo == 0 and f.hi == len(f.token_ids)
             parts[slot] = item if whole else PieceSlice(item, f.lo, f.hi)

@@ -470,6 +470,7 @@ def prefill_stored_spans(
     the caller gives up. ``mode`` is "blend" (HKVD with ``schedule``, default :class:`BlendSchedule`)
     or "reuse" (stored KV as is). No chunks: a full prefill.
     """
+    from ragkv.blend.locate import Located  # it builds on this module's hashing
     from ragkv.blend.prefill import prefill
 
     model = resolver.model
@@ -486,21 +487,8 @@ def prefill_stored_spans(
     if not spans:  # none of the key-only chunks is in the prompt: nothing to reuse
         res = prefill(model, ids, [], [], "full", prefix_cache=prefix_cache)
         return SpanPrefill(res, [], kv_misses=len(chunks))
-    parts: list = []  # chunks as (tokens, key), text between them as token lists
-    chunk_slots: list[int] = []
-    pos = spans[0].start
-    for s in spans:
-        if s.start > pos:
-            parts.append(ids[pos : s.start])
-        chunk_slots.append(len(parts))
-        parts.append((ids[s.start : s.stop], s.key))
-        pos = s.stop
-    items = resolver.items(
-        [parts[i] for i in chunk_slots], write_back=False, at=chunk_slots, check=check_cancelled
-    )
-    for slot, item in zip(chunk_slots, items, strict=True):
-        parts[slot] = item
-    items[:] = parts  # the prompt's pieces in order; the resolver's counts stay with the list
+    found = [Located(s.key, tuple(ids[s.start : s.stop]), s.start, 0, s.stop - s.start) for s in spans]
+    prefix, items, suffix = resolver.pieces(ids, found, write_back=False, check=check_cancelled)
     out = SpanPrefill(None, spans, kv_misses=len(chunks) - items.hits)
 
     def recompute(_toks: list[int]) -> None:
@@ -509,9 +497,9 @@ def prefill_stored_spans(
 
     schedule = (schedule or BlendSchedule()) if mode == "blend" else None
     out.result = resolver.prefill(
-        ids[: spans[0].start],
+        prefix,
         items,
-        ids[spans[-1].stop :],
+        suffix,
         mode,
         schedule.target_ratio if schedule is not None else 0.0,
         write_back=False,
@@ -520,5 +508,5 @@ def prefill_stored_spans(
         prefix_cache=prefix_cache,
     )
     out.kv_hits, out.computed = items.hits, items.computed
-    out.result.stats["num_chunks"] = len(chunk_slots)  # text between chunks is not a chunk
+    out.result.stats["num_chunks"] = len(spans)  # text between chunks is not a chunk
     return out
