@@ -237,3 +237,45 @@ def test_stop_strings_never_leak_and_finish_reason_is_right(rag):
 
     pieces = [r.delta for r in RagkvLlamaLLM(rag=rag, max_tokens=24).stream_complete(q, chunks=nodes)]
     check_stop_strings(pieces, 24, complete)
+
+
+# ---- the standard path: a LlamaIndex query engine over its own index ---------------------------------------
+@pytest.mark.slow
+def test_standard_query_engine_reuses_the_stored_chunks_inside_its_prompt(
+    tmp_path, embedder, texts, one_thread
+):
+    """``VectorStoreIndex -> as_query_engine``: LlamaIndex formats the retrieved nodes into its own
+    prompt and hands the LLM one flat prompt; the stored chunks inside it are found and reused (sync,
+    streaming and async) with no ragkv-specific API. The real default model: LlamaIndex's templates
+    do not fit the tiny model's 512-token context."""
+    from ragkv.model import DEFAULT_MODEL
+    from ragkv.model.registry import ModelFetchError, pull
+
+    try:
+        pull(DEFAULT_MODEL, quiet=True)
+    except ModelFetchError as e:
+        pytest.skip(f"default model not available: {e}")
+    r = RAG(LLM(DEFAULT_MODEL), tmp_path / "data", embedder=embedder, chunk_tokens=256)
+    r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
+    index = VectorStoreIndex.from_documents(
+        [LlamaDocument(text=t) for t in texts],
+        embed_model=RagkvLlamaEmbedding(embedder),
+        transformations=[SentenceSplitter(chunk_size=1024)],
+    )
+    llm = RagkvLlamaLLM(rag=r, max_tokens=2)
+    q = musique_samples(1)[0]["question"]
+    counters = r.resolver.counters
+    try:
+        for kind in ("sync", "stream", "async"):
+            engine = index.as_query_engine(llm=llm, similarity_top_k=2, streaming=kind == "stream")
+            before = counters["kv_hits"]
+            if kind == "sync":
+                engine.query(q)
+            elif kind == "stream":
+                "".join(engine.query(q).response_gen)
+            else:
+                asyncio.run(engine.aquery(q))
+            # each of the 2 retrieved documents is a stored chunk, found inside the flat prompt
+            assert counters["kv_hits"] - before >= 2, kind
+    finally:
+        r.close()
