@@ -73,6 +73,7 @@ class _SlowPathTokenizer:
 def test_splitter_rust_path_matches_the_hf_call_and_does_not_hold_the_gil(musique):
     """The Rust path (GIL released, offsets read per chunk end) splits exactly as the HF call does;
     a large document's split never stops other Python threads for long (the service's event loop)."""
+    import gc
     import threading
     import time
 
@@ -83,23 +84,37 @@ def test_splitter_rust_path_matches_the_hf_call_and_does_not_hold_the_gil(musiqu
         for ct, ov in ((16, 0), (64, 8)):
             assert split_tokens(tok, text, ct, ov) == split_tokens(_SlowPathTokenizer(tok), text, ct, ov)
     big = " ".join(texts[:20]) * max(1, 1_200_000 // len(" ".join(texts[:20])))
-    stalls: list[float] = []
-    stop = threading.Event()
 
-    def probe() -> None:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            time.sleep(0.001)
-            stalls.append(time.perf_counter() - t0)
+    def longest_stall() -> float:
+        """Longest a 1 ms sleep in another thread took while ``big`` was split."""
+        stalls: list[float] = []
+        stop = threading.Event()
 
-    th = threading.Thread(target=probe)
-    th.start()
-    parts = split_tokens(tok, big, 64)
-    stop.set()
-    th.join()
-    assert len(parts) > 1000
+        def probe() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                time.sleep(0.001)
+                stalls.append(time.perf_counter() - t0)
+
+        th = threading.Thread(target=probe)
+        th.start()
+        try:
+            assert len(split_tokens(tok, big, 64)) > 1000
+        finally:
+            stop.set()
+            th.join()
+        return max(stalls)
+
+    # A full garbage collection of the test process's heap, or a busy neighbour on a 2-core CI
+    # machine, stalls the probe too (CI once saw 623 ms); neither is the splitter's doing. So the
+    # collector is paused and the best of three tries counts: noise only ever lengthens a stall.
+    gc.disable()
+    try:
+        best = min(longest_stall() for _ in range(3))
+    finally:
+        gc.enable()
     # the HF call's offset list alone held the GIL ~240 ms here (measured; ~30 ms with the Rust path)
-    assert max(stalls) < 0.1, f"longest stall {max(stalls) * 1000:.0f} ms"
+    assert best < 0.1, f"longest stall {best * 1000:.0f} ms"
 
 
 def test_ingest_pauses_between_small_steps(tmp_path, embedder, musique):
