@@ -47,13 +47,7 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: torch's default)"
     )
-    backend: Literal["local", "vllm"] = Field(
-        "local",
-        description="'local': generation in this process; 'vllm': generation on the vLLM OpenAI server at "
-        "vllm_url (with the ragkv plugin, or another ragkv server), chunk keys in kv_transfer_params. "
-        "Retrieval, ingest and chunk-KV precompute stay here either way",
-    )
-    vllm_url: str | None = Field(None, description="base URL of the vLLM server (backend='vllm')")
+    vllm_url: str | None = Field(None, description="base URL of the vLLM server (generation='vllm')")
     vllm_model: str | None = Field(
         None, description="model name on the vLLM server (None: its first listed model)"
     )
@@ -98,10 +92,13 @@ class Settings(BaseSettings):
     mode: Literal["full", "prefix", "reuse", "blend"] = "blend"
     ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     # generation
-    generation: Literal["threads", "engine"] = Field(
+    generation: Literal["threads", "engine", "vllm"] = Field(
         "threads",
-        description="'threads': one generation per worker thread (max_concurrency); 'engine': ragkv.engine's "
-        "continuous batching (engine_max_seqs decode together)",
+        description="where answers are generated (ragkv.rag.generation; retrieval, prompt, ingest and "
+        "chunk-KV precompute stay here): 'threads', one generation per worker thread (max_concurrency); "
+        "'engine', ragkv.engine's continuous batching (engine_max_seqs decode together); 'vllm', the vLLM "
+        "OpenAI server at vllm_url (with the ragkv plugin, or another ragkv server), chunk keys in "
+        "kv_transfer_params",
     )
     engine_max_seqs: int = Field(32, ge=1, description="requests decoding together with generation='engine'")
     max_new_tokens: int = Field(
@@ -232,6 +229,16 @@ class Settings(BaseSettings):
         except ValueError:
             return False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_backend(cls, data: Any) -> Any:
+        if (isinstance(data, dict) and "backend" in data) or "RAGKV_BACKEND" in os.environ:
+            raise ValueError(
+                "'backend' is now part of 'generation': generation='vllm' generates on vllm_url, "
+                "'threads' or 'engine' in this process"
+            )
+        return data
+
     @model_validator(mode="after")
     def _coherent(self) -> Settings:
         if self.max_new_tokens > self.max_new_tokens_limit:
@@ -240,11 +247,8 @@ class Settings(BaseSettings):
             raise ValueError("top_k must not exceed max_top_k")
         if self.max_pending_connections >= self.max_connections:
             raise ValueError("max_pending_connections must be below max_connections")
-        if self.backend == "vllm":
-            if not self.vllm_url:
-                raise ValueError("backend 'vllm' needs vllm_url (e.g. http://127.0.0.1:8000)")
-            if self.generation != "threads":
-                raise ValueError("backend 'vllm' batches on the vLLM server: use generation='threads'")
+        if self.generation == "vllm" and not self.vllm_url:
+            raise ValueError("generation 'vllm' needs vllm_url (e.g. http://127.0.0.1:8000)")
         return self
 
     def chunk_tokens_for(self, max_position: int, prompt_overhead: int = 0) -> int:

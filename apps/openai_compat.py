@@ -1,7 +1,7 @@
 """``POST /v1/completions`` as vLLM's OpenAI server has it, with ``kv_transfer_params`` served by ragkv.
 
 This makes ragkv's HTTP service a drop-in for a vLLM server running the ragkv plugin, for any
-OpenAI-protocol client (``integrations.vllm.client.VllmRAG``, the ``openai`` package, curl): the
+OpenAI-protocol client (``integrations.vllm.client.VllmGenerator``, the ``openai`` package, curl): the
 prompt (token ids or text) is prefilled in process, and the chunks that ``kv_transfer_params``
 names (``{"ragkv": {"chunks": [{"key", "start", "length"}], "mode", "ratio", ...}}``, the format of
 integrations/vllm/README.md) take their rows from the service's chunk store, blended with HKVD
@@ -38,9 +38,11 @@ from apps.schemas import MAX_INT
 from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
 from apps.service import ServiceError
 from ragkv.blend import DEFAULT_RATIO, BlendSchedule
-from ragkv.blend.spans import ChunkRef, SpanError, prefill_stored_spans
+from ragkv.blend.locate import Located
+from ragkv.blend.spans import ChunkRef, SpanError, expect_model, request_spans
 from ragkv.defaults import COMPLETIONS_MAX_TOKENS, COMPLETIONS_TEMPERATURE
-from ragkv.generate import SamplingParams, TokenEvent, request_params, stream
+from ragkv.generate import SamplingParams, TokenEvent, request_params
+from ragkv.rag.generation import Generated
 
 log = logging.getLogger("ragkv.server")
 #: one warning per kind and interval, with the count held back (a store outage fails every chunk)
@@ -53,13 +55,6 @@ class BadRequestError(ServiceError):
 
     status = 400
     type = "BadRequestError"
-
-
-class NotServedHereError(ServiceError):
-    """``/v1/completions`` on a service whose generation is on a vLLM server (backend 'vllm')."""
-
-    status = 501
-    type = "not_implemented"
 
 
 def _only(value: bool | int) -> Any:
@@ -282,41 +277,49 @@ class Done:
 def completion_events(
     rag, ids: list[int], blend: BlendRequest | None, params: SamplingParams
 ) -> Iterator[TokenEvent | Done]:
-    """Prefill ``ids`` with ``blend``'s chunks from ``rag``'s store, then stream: token events, then :class:`Done`.
+    """Complete ``ids`` through the RAG's generator (:meth:`ragkv.rag.RAG.generate`, whatever its
+    generation setting) with ``blend``'s stored chunks: token events, then :class:`Done`.
 
-    Runs in a worker thread; chunk hits and misses are counted by ``rag.resolver`` (the service's metrics).
+    Runs in a worker thread. A chunk is reused only where its key is ``chunk_key(its prompt tokens,
+    model fingerprint)`` and its stored header agrees (:func:`ragkv.blend.spans.request_spans`);
+    others are computed. Nothing computed here is stored unless ``save`` asks (a writer's request).
+    No ``kv_transfer_params``: a full prefill, as vLLM does.
     """
-    model = rag.model
-    model.check_length(len(ids), params.max_new_tokens)
-    try:
-        sp = prefill_stored_spans(
-            rag.resolver,
-            ids,
-            blend.chunk_refs() if blend is not None else [],
-            blend.schedule() if blend is not None else None,
-            mode=blend.mode if blend is not None else "blend",
-            prefix_cache=rag.llm.prefix_cache,
-        )
-    except SpanError as e:
-        raise BadRequestError(f"kv_transfer_params: {e}") from None
-    saved = 0
-    if blend is not None and blend.save:  # asked by a writer (the store may serve another index too)
-        saved = sum(rag.resolver.save(kv) for kv in sp.computed)
-    if sp.computed:
-        log.info("completion: %d chunk(s) computed (missing or unreadable stored KV)", len(sp.computed))
-    out: list[int] = []
-    parts: list[str] = []
-    reason = None
-    for ev in stream(model, sp.result, params, attention=rag.llm.attention):
-        if ev.is_token:
-            out.append(ev.token_id)
-        parts.append(ev.text)
-        reason = ev.finish_reason or reason
-        yield ev
-    stats = {**sp.stats(), "kv_saved": saved}
-    yield Done(
-        "".join(parts), out, ids, reason, jsonable_encoder({k: stats[k] for k in STAT_KEYS if k in stats})
+    refs = blend.chunk_refs() if blend is not None else []
+    spans = []
+    if refs:
+        expect_model(rag.store, rag.model)
+        try:
+            spans = request_spans(ids, refs, rag.store, rag.model.fingerprint)
+        except SpanError as e:
+            raise BadRequestError(f"kv_transfer_params: {e}") from None
+    found = [Located(s.key, tuple(ids[s.start : s.stop]), s.start, 0, s.length) for s in spans]
+    job = rag.job(
+        ids,
+        found,
+        blend.mode if found else "full",
+        params=params,
+        schedule=blend.schedule() if found and blend.mode == "blend" else None,
+        write_back=False,
+        save=bool(blend is not None and blend.save),
     )
+    for item in rag.generate(job):
+        if not isinstance(item, Generated):
+            yield item
+            continue
+        stats = dict(item.stats)
+        if refs:  # references not found in the prompt are misses too (computed as text)
+            stats["kv_misses"] = stats.get("kv_misses", 0) + len(refs) - len(spans)
+            stats.setdefault("kv_hits", 0)
+        if stats.get("kv_misses"):
+            log.info("completion: %d chunk(s) computed (missing or unreadable stored KV)", stats["kv_misses"])
+        yield Done(
+            item.text,
+            item.token_ids,
+            ids,
+            item.finish_reason,
+            jsonable_encoder({k: stats[k] for k in STAT_KEYS if k in stats}),
+        )
 
 
 def _choice(text: str, finish: str | None, token_ids: list[int] | None) -> dict:

@@ -121,7 +121,7 @@ class QueryResponse(BaseModel):
 class Health(BaseModel):
     status: Literal["ok"]
     model: str
-    backend: str
+    generation: str = Field(description="where answers are generated: threads, engine or vllm")
     documents: int
     chunks: int
     running: int

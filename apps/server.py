@@ -796,10 +796,6 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         "/v1/completions",
         responses={
             **oc.OPENAI_ERRORS,
-            501: {
-                "model": oc.OpenAIErrorResponse,
-                "description": "backend 'vllm': send completions to the vLLM server",
-            },
             200: {"content": {"text/event-stream": {}}, "description": "the completion (or SSE chunks)"},
         },
         tags=["openai"],
@@ -812,10 +808,6 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         """vLLM's ``/v1/completions``: a token-id or text prompt; ``kv_transfer_params["ragkv"]`` names
         stored chunks (key, start, length) whose KV is blended in (docs/API.md); ``save`` (storing the
         KV of chunks computed here) needs a write key when keys are configured."""
-        if settings.backend != "local":
-            raise oc.NotServedHereError(
-                f"this service generates on the vLLM server {settings.vllm_url}; send completions there"
-            )
         if req.model and req.model != model_name:
             raise NotFoundError(f"The model `{req.model}` does not exist.")
         rag = svc.rag
@@ -911,7 +903,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         return {
             "status": "ok",
             "model": model_name,
-            "backend": settings.backend,
+            "generation": settings.generation,
             "documents": docs,
             "chunks": chunks,
             "running": svc.queries.running,
@@ -1066,8 +1058,11 @@ def build_parser(prog: str = "python -m apps.server") -> argparse.ArgumentParser
     ap.add_argument("--max-concurrency", type=int)
     ap.add_argument("--max-queue", type=int)
     ap.add_argument(
-        "--generation", choices=["threads", "engine"], help="worker threads or ragkv.engine batching"
+        "--generation",
+        choices=["threads", "engine", "vllm"],
+        help="where answers are generated: worker threads, ragkv.engine batching, or a vLLM server",
     )
+    ap.add_argument("--vllm-url", help="base URL of the vLLM server (--generation vllm)")
     ap.add_argument("--torch-threads", type=int)
     ap.add_argument(
         "--prompt-file",
@@ -1091,6 +1086,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         torch_threads=args.torch_threads,
         prompt_file=args.prompt_file,
         generation=args.generation,
+        vllm_url=args.vllm_url,
         log_level=args.log_level,
     )
 

@@ -1,7 +1,8 @@
 """The service core: one ``ragkv.rag.RAG`` behind bounded worker pools, with admission control and metrics.
 
-Generation is CPU-bound, so it never runs on the event loop: each query runs in a worker thread
-(``max_concurrency`` of them); at most ``max_queue`` more wait (then :class:`BusyError`, HTTP 429), and
+Generation never runs on the event loop: each query runs ``RAG.answer_stream`` in a worker thread
+(``max_concurrency`` of them; ``engine_max_seqs`` with ``generation="engine"``, whose workers wait
+on the shared batching engine; the RAG's generator decides where tokens are computed); at most ``max_queue`` more wait (then :class:`BusyError`, HTTP 429), and
 a request that waits longer than ``queue_timeout_s`` gets :class:`UnavailableError` (503) at that
 moment, and its work is dropped before it starts. Ingest and delete run one at a time on their own
 thread, so queries go on while documents arrive; an ingest whose client goes away (or a server that
@@ -20,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from apps.metrics import Counter, Gauge, Histogram, Registry
 from ragkv.blend.gate import gate_state
 from ragkv.blend.spans import SearchCancelled, cancel_scope, expect_model
 from ragkv.generate import SamplingParams, TokenEvent
-from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer, RagBackend
+from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer
 from ragkv.rag.index import text_sha
 
 log = logging.getLogger("ragkv.server")
@@ -196,13 +198,13 @@ class Service:
 
     def __init__(self, settings: Settings, rag: RAG | None = None):
         self.settings = settings
+        self._given = rag  # a RAG handed in: served through a view with this service's generator
         self.rag = rag
-        self.backend: RagBackend | None = None  # what generates answers: the RAG itself, or a VllmRAG over it
+        # every query holds a worker while it runs; with the engine, workers only wait on its batches
         running = settings.engine_max_seqs if settings.generation == "engine" else settings.max_concurrency
         self.queries = _Gate("query", running, settings.max_queue)
-        self.engine = None  # ragkv.engine.AsyncEngine when settings.generation == "engine"
         self.ingests = _Gate("ingest", 1, settings.max_ingest_queue)
-        self._pool = ThreadPoolExecutor(settings.max_concurrency, thread_name_prefix="ragkv-gen")
+        self._pool = ThreadPoolExecutor(running, thread_name_prefix="ragkv-gen")
         self._ingest_pool = ThreadPoolExecutor(
             1,
             thread_name_prefix="ragkv-ingest",
@@ -222,24 +224,19 @@ class Service:
     def start(self) -> None:
         """Load the model, embedder, index and store (slow: call it off the event loop)."""
         s = self.settings
-        if self.rag is not None:
-            expect_model(self.rag.store, self.rag.model)
+        if self._given is not None:
+            expect_model(self._given.store, self._given.model)
         else:
             if s.torch_threads:
                 import torch
 
                 torch.set_num_threads(s.torch_threads)
             self.rag = build_rag(s, writer=True)
-        self.backend = build_backend(s, self.rag)
-        if s.generation == "engine":  # a given RAG too (it used to be served by threads instead)
-            from ragkv.engine import AsyncEngine, EngineConfig, SchedulerConfig
-
-            cfg = EngineConfig(
-                mode=s.mode,
-                ratio=s.ratio,
-                scheduler=SchedulerConfig(max_num_seqs=s.engine_max_seqs, max_queue=max(1, s.max_queue)),
-            )
-            self.engine = AsyncEngine(self.rag.model, cfg, resolver=self.rag.resolver)
+        generator = build_generator(s, self.rag)
+        if self._given is None:
+            self.rag.generator = generator
+        else:  # a given RAG keeps its own generator (other services or callers may share it)
+            self.rag = self._given.using(generator)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Stop: queued work is dropped, running work is told to stop (an ingest at its next batch,
@@ -251,8 +248,8 @@ class Service:
         deadline = time.monotonic() + timeout_s
         self._closed = True
         self._stopping.set()
-        if self.engine is not None:
-            self.engine.engine.shutdown()
+        if self.rag is not None:  # running generations end now (the engine: cancelled; threads: at a token)
+            self.rag.generator.close()
         pools = (self._pool, self._ingest_pool, self.ops_pool, self.read_pool)
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -263,9 +260,12 @@ class Service:
         if busy:
             log.warning("shutdown: %s still running after %.1f s; exiting without waiting", busy, timeout_s)
             return False
-        if self.rag is not None:
-            self.rag.flush()
-            self.rag.close()  # releases the data folder's writer lock too
+        base = self._given or self.rag
+        if base is not None:
+            if base is not self.rag:
+                self.rag.close()  # the view: its generator
+            base.flush()
+            base.close()  # releases the data folder's writer lock too
         return True
 
     # ---- running work off the loop ----------------------------------------------------------------
@@ -341,13 +341,8 @@ class Service:
     async def stream(
         self, spec: QuerySpec, disconnected: Disconnected | None = None
     ) -> AsyncIterator[TokenEvent | Final]:
-        """Token events then a :class:`Final`; generation runs in a worker thread or in the engine."""
-        if self._closed:
-            raise UnavailableError("server is shutting down")
-        if self.engine is not None:
-            async for item in self._engine_stream(spec):
-                yield item
-            return
+        """Token events then a :class:`Final`: ``RAG.answer_stream`` in a worker thread (its generator
+        computes in that thread, in the batching engine or on a vLLM server)."""
         async for item in self.run_stream(lambda wait: self._answer_iter(spec, wait), disconnected):
             yield item
 
@@ -386,7 +381,10 @@ class Service:
                 self.queries.started()
                 self.queue_wait.observe(wait, "query")
                 # a chunk search or recompute before the first item stops too (ragkv.blend.spans)
-                with cancel_scope(lambda: cancel.is_set() or self._stopping.is_set()):
+                with (
+                    cancel_scope(lambda: cancel.is_set() or self._stopping.is_set()),
+                    self._generator_errors(),
+                ):
                     it = make_iter(wait)
                     for item in it:
                         if cancel.is_set() or self._stopping.is_set():
@@ -437,6 +435,22 @@ class Service:
         finally:
             cancel.set()
 
+    @contextmanager
+    def _generator_errors(self):
+        """The engine's refusals as the service's errors (429 busy, 413 too large, 400 not served)."""
+        from ragkv.engine import EngineBusyError, RequestTooLargeError
+        from ragkv.rag import OptionNotServedError
+
+        try:
+            yield
+        except EngineBusyError as e:
+            self.rejected.inc("query", "busy")
+            raise BusyError(str(e)) from None
+        except RequestTooLargeError as e:
+            raise TooLargeError(str(e)) from None
+        except OptionNotServedError as e:
+            raise InvalidRequestError(str(e)) from None
+
     async def answer(self, spec: QuerySpec, disconnected: Disconnected | None = None) -> tuple[str, Final]:
         """The whole answer (text, :class:`Final`); work is dropped if ``disconnected()`` turns true."""
         parts = []
@@ -449,85 +463,9 @@ class Service:
         assert final is not None
         return "".join(parts), final
 
-    # ---- the engine path -------------------------------------------------------------------------
-    async def _engine_stream(self, spec: QuerySpec) -> AsyncIterator[TokenEvent | Final]:
-        """Retrieve off the loop, then let the engine batch prefill and decode with other requests."""
-        from ragkv.engine import EngineBusyError, RequestTooLargeError
-
-        try:
-            self.queries.admit()
-        except BusyError:
-            self.rejected.inc("query", "busy")
-            raise
-        started = False
-        handle = None
-        try:
-            t0 = time.perf_counter()
-            prefix, recs, suffix, params, mode, ratio, hits = await asyncio.to_thread(self._prepare, spec)
-            t_prep = time.perf_counter() - t0
-            try:
-                handle = await self.engine.submit(
-                    prefix, [list(r.token_ids) for r in recs], suffix, params, mode=mode, ratio=ratio
-                )
-            except EngineBusyError as e:
-                self.rejected.inc("query", "busy")
-                raise BusyError(str(e)) from None
-            except RequestTooLargeError as e:
-                raise TooLargeError(str(e)) from None
-            n = 0
-            async for ev in handle:
-                if not started:
-                    self.queries.started()
-                    started = True
-                n += ev.is_token
-                yield ev
-            out = handle.request.output()
-            m = out.metrics
-            queue_s = m.queue_s or 0.0
-            stats = {**out.prefill_stats, "kv_hits": hits}
-            timings = {
-                "retrieval_s": t_prep,
-                "kv_fetch_s": m.fetch_s,
-                "ttft_s": t_prep + ((m.ttft_s or 0.0) - queue_s if n else (m.e2e_s or 0.0) - queue_s),
-                "total_s": t_prep + (m.e2e_s or 0.0) - queue_s,
-            }
-            answer = RagAnswer(out.text, recs, stats.get("mode", mode), timings, stats)
-            final = Final(answer, n, out.finish_reason, queue_s)
-            self._observe(final)
-            yield final
-        finally:
-            self.queries.finished(started)
-            if handle is not None and handle.request.finish_reason is None:  # the client went away
-                self.cancelled.inc()
-                await handle.cancel()
-
-    def _prepare(self, spec: QuerySpec):
-        """Prompt parts, chunks (by id, none, or retrieved and fitted to the context) and options."""
-        rag = self.rag
-        params = spec.params or SamplingParams(max_new_tokens=self.settings.max_new_tokens)
-        mode = spec.mode or rag.mode
-        ratio = rag.ratio if spec.ratio is None else spec.ratio
-        if ratio == "auto":
-            raise InvalidRequestError(
-                "ratio 'auto' (the loading controller) is not available with the engine"
-            )
-        prefix, suffix = rag.prompt_parts(spec.question)
-        if spec.chunk_ids is not None:
-            try:
-                recs = rag.chunks_by_id(list(spec.chunk_ids))
-            except KeyError as e:
-                raise NotFoundError(str(e.args[0]) if e.args else "unknown chunk id") from None
-        elif not spec.retrieve:
-            recs = []
-        else:
-            other = len(prefix) + len(suffix) + params.max_new_tokens
-            recs = rag.fit_chunks(rag.retrieve(spec.question, spec.top_k), other)
-        hits = sum(rag.store.contains(r.kv_key) for r in recs) if mode in ("reuse", "blend") else 0
-        return prefix, recs, suffix, params, mode, float(ratio), hits
-
     # ---- the work (worker threads) -------------------------------------------------------------
     def _answer_iter(self, spec: QuerySpec, queue_s: float) -> Iterator[TokenEvent | Final]:
-        rag = self.backend
+        rag = self.rag
         params = spec.params or SamplingParams(max_new_tokens=self.settings.max_new_tokens)
         recs: list[ChunkRecord] | None = None
         if spec.chunk_ids is not None:
@@ -731,11 +669,23 @@ def _rate(hits: float, misses: float) -> float:
     return hits / (hits + misses) if hits + misses else 1.0
 
 
-def build_backend(s: Settings, rag: RAG) -> RagBackend:
-    """What generates: ``rag`` itself (backend 'local'), or a VllmRAG sending its prompts to ``vllm_url``."""
-    if s.backend == "local":
-        return rag
-    from integrations.vllm.client import VllmClient, VllmRAG
+def build_generator(s: Settings, rag: RAG):
+    """Where ``rag`` generates (``s.generation``): worker threads, one batching engine over the RAG's
+    chunk resolver, or the vLLM server at ``vllm_url`` (:mod:`ragkv.rag.generation`)."""
+    from ragkv.rag import EngineGenerator, ThreadGenerator
+
+    if s.generation == "threads":
+        return ThreadGenerator()
+    if s.generation == "engine":
+        from ragkv.engine import Engine, EngineConfig, SchedulerConfig
+
+        cfg = EngineConfig(
+            mode=s.mode,
+            ratio=s.ratio,
+            scheduler=SchedulerConfig(max_num_seqs=s.engine_max_seqs, max_queue=max(1, s.max_queue)),
+        )
+        return EngineGenerator(Engine(rag.model, cfg, resolver=rag.resolver))
+    from integrations.vllm.client import VllmClient, VllmGenerator
 
     client = VllmClient(
         s.vllm_url,
@@ -744,7 +694,7 @@ def build_backend(s: Settings, rag: RAG) -> RagBackend:
         timeout=s.vllm_timeout_s,
         connect_timeout=s.vllm_connect_timeout_s,
     )
-    return VllmRAG(rag, client)
+    return VllmGenerator(client)
 
 
 def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = None) -> RAG:

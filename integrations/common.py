@@ -16,11 +16,9 @@ Flattened prompts still work. Text between :data:`CHUNK_SEPARATOR` markers (what
 after first use, the text before the first marker is the prefix and the text after the last one
 the question. A prompt without markers is one plain prompt, i.e. a full prefill.
 
-Generation runs wherever the wrapper's ``rag`` runs it: a :class:`ragkv.rag.RAG` generates in this
-process; an :class:`integrations.vllm.client.VllmRAG` retrieves here and generates on a vLLM server
-(with the ragkv plugin, or ragkv's own HTTP service), passing the chunk keys in
-``kv_transfer_params``. Both satisfy :class:`RagBackend`, the one interface the wrappers, the
-runner and the FastAPI app use.
+Generation runs wherever the wrapper's :class:`ragkv.rag.RAG` runs it: its generator
+(:mod:`ragkv.rag.generation`) prefills and decodes in this process, in ragkv's batching engine, or on
+a vLLM server (``integrations.vllm.client.VllmGenerator``, chunk keys in ``kv_transfer_params``).
 """
 
 from __future__ import annotations
@@ -31,31 +29,22 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
-from ragkv.generate import SamplingParams, TokenEvent, request_params, stream
+from ragkv.generate import SamplingParams, TokenEvent, request_params
 from ragkv.kv.chunk import chunk_key
-from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer, RagBackend
+from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
 
 
-@runtime_checkable
-class PartsBackend(Protocol):
-    """A backend that completes token-id ``prefix + chunks + suffix`` itself (VllmRAG: on its server)."""
-
-    def stream_parts(
-        self, prefix: list[int], chunks: list[list[int]], suffix: list[int], mode: str, ratio: float, params
-    ) -> Iterator[TokenEvent | RagAnswer]: ...
-
-
-def check_backend(rag: Any) -> RagBackend:
-    """``rag`` if it is a :class:`RagBackend`, else a TypeError naming what is missing."""
-    if not isinstance(rag, RagBackend):
-        missing = [n for n in ("model", "index", "store", "retrieve", "answer_stream") if not hasattr(rag, n)]
+def check_backend(rag: Any) -> RAG:
+    """``rag`` if it is a :class:`ragkv.rag.RAG`, else a TypeError saying what to pass."""
+    if not isinstance(rag, RAG):
         raise TypeError(
-            f"{type(rag).__name__} is not a ragkv RAG backend (lacks {missing}); pass a RAG or VllmRAG"
+            f"{type(rag).__name__} is not a ragkv RAG; pass a ragkv.rag.RAG (its generator decides "
+            "where it generates: threads, the engine, or a vLLM server)"
         )
     return rag
 
@@ -151,8 +140,7 @@ class RagkvOptions(BaseModel):
 
     rag: Any = Field(
         exclude=True,
-        description="the RagBackend: a ragkv.rag.RAG (generates in process) or an "
-        "integrations.vllm.client.VllmRAG (generates on a vLLM server)",
+        description="the ragkv.rag.RAG (its generator runs in process, in the engine or on a vLLM server)",
     )
     mode: str | None = Field(None, description="prefill mode for chunked calls (None: the RAG's default)")
     ratio: float | None = Field(None, description="blend recompute ratio (None: the RAG's default)")
@@ -298,7 +286,7 @@ class Completion:
 class RagkvRunner:
     """Resolve framework documents to ragkv chunks and stream answers over them (thread-safe)."""
 
-    def __init__(self, rag: RagBackend):
+    def __init__(self, rag: RAG):
         self.rag = check_backend(rag)
 
     # ---- documents -> chunks --------------------------------------------------------------------
@@ -425,19 +413,13 @@ class RagkvRunner:
         """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after use."""
         model = self.rag.model
         # a flat prompt too: the stored chunks a framework formatted into it are found and reused
-        mode = mode or self.rag.mode
-        ratio = self.rag.ratio if ratio is None else ratio
-        ratio = 0.15 if ratio == "auto" else float(ratio)  # the loading controller needs retrieved records
         params = make_params(sampling)
         pre = model.encode(prefix, add_bos=True)
         chs = [model.encode(c) for c in chunk_texts]
         q = model.encode(question)
         if not q and not chs and len(pre) <= 1:
             raise ValueError("empty prompt")
-        if isinstance(self.rag, PartsBackend):
-            items = self.rag.stream_parts(pre, chs, q, mode, ratio, params)
-        else:
-            items = _local_parts(self.rag, pre, chs, q, mode, ratio, params)
+        items = self.rag.stream_parts(pre, chs, q, mode, ratio, params)
         n, reason = 0, None
         for item in items:
             if isinstance(item, RagAnswer):
@@ -446,28 +428,6 @@ class RagkvRunner:
                 n += item.is_token
                 reason = item.finish_reason or reason
                 yield item
-
-
-def _local_parts(
-    rag: RAG, pre: list[int], chs: list[list[int]], q: list[int], mode: str, ratio: float, params
-) -> Iterator[TokenEvent | RagAnswer]:
-    """In-process completion of token-id parts: token events, then a RagAnswer without sources."""
-    model = rag.model
-    t0 = time.perf_counter()
-    hits = (
-        sum(rag.store.contains(chunk_key(c, model.fingerprint)) for c in chs)
-        if mode in ("reuse", "blend")
-        else 0
-    )
-    res = rag.llm.prefill(pre, chs, q, mode, ratio)
-    parts, ttft = [], None
-    for ev in stream(model, res, params, attention=rag.llm.attention):
-        ttft = ttft if ttft is not None else time.perf_counter() - t0
-        parts.append(ev.text)
-        yield ev
-    total = time.perf_counter() - t0
-    timings = {"ttft_s": ttft if ttft is not None else total, "total_s": total}
-    yield RagAnswer("".join(parts), [], res.stats["mode"], timings, {**res.stats, "kv_hits": hits})
 
 
 def make_params(sampling: dict) -> SamplingParams:
@@ -562,7 +522,7 @@ DEFAULT_KEYS = ("mode", "ratio", "k", "retrieve", *SAMPLING_KEYS)
 
 
 def call_events(
-    rag: RagBackend,
+    rag: RAG,
     defaults: dict,
     question: str | None,
     prompt: str,

@@ -302,7 +302,7 @@ def test_langchain_timeout_and_max_retries(rag):
     import threading
     import time
 
-    from integrations.vllm.client import VllmClient, VllmRAG, VllmUnavailableError
+    from integrations.vllm.client import VllmClient, VllmGenerator, VllmUnavailableError
 
     with pytest.raises(TimeoutError):
         ChatRagkv(rag=rag, max_tokens=32, timeout=1e-6).invoke("Once upon a time")
@@ -321,7 +321,7 @@ def test_langchain_timeout_and_max_retries(rag):
 
     threading.Thread(target=serve, daemon=True).start()
     url = f"http://127.0.0.1:{srv.getsockname()[1]}"
-    remote = VllmRAG(rag, VllmClient(url, model="m", timeout=5, connect_timeout=5))
+    remote = rag.using(VllmGenerator(VllmClient(url, model="m", timeout=5, connect_timeout=5)))
     try:
         with pytest.raises(VllmUnavailableError):
             ChatRagkv(rag=remote, max_tokens=4, max_retries=2).invoke("Once upon a time")

@@ -59,8 +59,7 @@ class World:
         for c in self.clients.values():
             c.close()
         for svc in self.services:
-            if svc.engine is not None:
-                svc.engine.engine.shutdown()
+            svc.rag.generator.close()  # the view's (threads: nothing; the engine: its loop)
         self.rag.flush()
         self.rag.close()
 

@@ -86,9 +86,9 @@ def test_service_engine_mode_uses_the_rags_resolver(rag):
     svc = Service(Settings(generation="engine", max_new_tokens=2, allowed_hosts=["testserver"]), rag)
     svc.start()
     try:
-        assert svc.engine.engine.resolver is rag.resolver
+        assert svc.rag.generator.engine.resolver is rag.resolver
     finally:
-        svc.engine.engine.shutdown()
+        svc.rag.generator.close()
 
 
 def test_bare_resolver_memory_store_and_compute_order():

@@ -1,8 +1,8 @@
 """The vLLM client path over real HTTP, with ragkv's own service as the OpenAI / vLLM server.
 
 ``python -m apps.server`` (uvicorn, loopback) serves ``/v1/completions`` with ``kv_transfer_params``
-exactly as a vLLM server with the ragkv plugin is asked; ``VllmClient`` / ``VllmRAG``, the LangChain
-and LlamaIndex wrappers over it, and a second service with ``backend=vllm`` talk to it. Every served
+exactly as a vLLM server with the ragkv plugin is asked; ``VllmClient`` / ``VllmGenerator``, the LangChain
+and LlamaIndex wrappers over it, and a second service with ``generation=vllm`` talk to it. Every served
 answer must equal the in-process ``RAG`` answer token for token (greedy), and the chunk KV must come
 from the shared store (or be recomputed when it is missing or corrupt).
 """
@@ -20,8 +20,8 @@ import pytest
 from integrations.common import format_docs
 from integrations.vllm.client import (
     VllmClient,
+    VllmGenerator,
     VllmHTTPError,
-    VllmRAG,
     VllmServerError,
     VllmUnavailableError,
     build_prompt,
@@ -102,7 +102,7 @@ def _docs(samples) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Both services boot in parallel: ``served`` (backend local: the "vLLM server") and ``app`` (backend
+    """Both services boot in parallel: ``served`` (generation threads: the "vLLM server") and ``app`` (generation
     vllm, generating on ``served``); they share one chunk store, as ragkv and a vLLM connector would."""
     root = tmp_path_factory.mktemp("vllm")
     store = f"file://{root / 'kv'}"
@@ -110,7 +110,7 @@ def servers(tmp_path_factory):
     app = Server(
         root / "app",
         RAGKV_STORE=store,
-        RAGKV_BACKEND="vllm",
+        RAGKV_GENERATION="vllm",
         RAGKV_VLLM_URL=served.url,
         RAGKV_VLLM_TIMEOUT_S="60",
     )
@@ -139,7 +139,7 @@ def rag(servers, one_thread, samples):
 
 @pytest.fixture(scope="module")
 def vrag(rag, servers):
-    return VllmRAG(rag, VllmClient(servers["served"].url, timeout=60))
+    return rag.using(VllmGenerator(VllmClient(servers["served"].url, timeout=60)))
 
 
 def _local_tokens(rag, q, recs, **kw) -> tuple[list[int], RagAnswer]:
@@ -208,7 +208,7 @@ def test_missing_corrupt_and_mismatched_chunks_are_recomputed(rag, vrag, servers
     prefix_ids = [rag.model.config.bos_token_id, 5, 6]
     pairs = [(recs[2].kv_key, recs[0].token_ids), (recs[0].kv_key, recs[2].token_ids)]
     prompt, kv = build_prompt(prefix_ids, pairs, [7, 8])
-    out = vrag.client.complete(prompt, kv, max_new_tokens=2)
+    out = vrag.generator.client.complete(prompt, kv, max_new_tokens=2)
     assert out.ragkv["kv_hits"] == 0 and out.ragkv["kv_misses"] == 2
     rag.store.delete(corrupt)  # a corrupt blob stays until replaced (put never overwrites): restore it
     assert rag.store.put(compute_chunk_kv(rag.model, recs[1].token_ids))
@@ -218,10 +218,10 @@ def test_key_only_chunks_are_found_in_the_prompt(rag, vrag, samples):
     q = samples[0]["question"]
     recs = rag.retrieve(q)
     prompt, kv = build_prompt([rag.model.config.bos_token_id], [(r.kv_key, r.token_ids) for r in recs], [9])
-    spans = vrag.client.complete(prompt, kv, max_new_tokens=NEW)
+    spans = vrag.generator.client.complete(prompt, kv, max_new_tokens=NEW)
     for c in kv["ragkv"]["chunks"]:
         del c["start"], c["length"]
-    keys = vrag.client.complete(prompt, kv, max_new_tokens=NEW)
+    keys = vrag.generator.client.complete(prompt, kv, max_new_tokens=NEW)
     assert keys.ragkv["kv_hits"] == 3 and keys.text == spans.text
 
 
@@ -251,7 +251,7 @@ def test_bad_requests_get_400_with_the_reason(servers, rag, vrag):
     assert r.status_code == 400 and "vocabulary" in r.text
     assert post(model="other").status_code == 404
     with pytest.raises(VllmHTTPError) as e:
-        vrag.client.complete([1, 5, 6], {"ragkv": {"chunks": "abc"}}, max_new_tokens=2)
+        vrag.generator.client.complete([1, 5, 6], {"ragkv": {"chunks": "abc"}}, max_new_tokens=2)
     assert e.value.status == 400 and "chunks" in e.value.message
 
 
@@ -301,7 +301,7 @@ def test_langchain_over_vllm_backend(rag, vrag, samples):
     prompt = "Passages:" + format_docs([r.text for r in rag.retrieve(q)]) + f"Question: {q}\nAnswer:"
     flat = served.generate([prompt]).generations[0][0]
     assert flat.text == local.invoke(prompt) and flat.generation_info["ragkv"]["num_chunks"] == 3
-    with pytest.raises(ValueError, match="RAG backend"):
+    with pytest.raises(ValueError, match="not a ragkv RAG"):
         RagkvLLM(rag=object())
 
 
@@ -328,7 +328,7 @@ def test_app_with_vllm_backend_serves_query(servers, rag, samples):
     for part in (docs[:4], docs[4:]):
         r = app.post("/v1/documents", json={"documents": part})
         assert r.status_code == 200 and r.json()["kv_computed"] == 0  # same keys: already in the shared store
-    assert app.get("/healthz").json()["backend"] == "vllm"
+    assert app.get("/healthz").json()["generation"] == "vllm"
     q = samples[0]["question"]
     a = app.post("/v1/query", json={"question": q, "max_tokens": NEW}).json()
     local = rag.answer(q, max_new_tokens=NEW)
@@ -342,12 +342,23 @@ def test_app_with_vllm_backend_serves_query(servers, rag, samples):
     with app.stream("POST", "/v1/query", json={"question": q, "max_tokens": NEW, "stream": True}) as r:
         events = [x for x in r.iter_lines() if x.startswith("event: ")]
     assert events.count("event: token") == NEW and events[-1] == "event: answer"
-    r = app.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
-    assert r.status_code == 501 and "vLLM server" in r.json()["error"]["message"]
+    # /v1/completions goes through the same generator: forwarded to the vLLM server, same tokens
+    ids = [int(t) for t in rag.model.encode(q, add_bos=True)]
+    r = app.post(
+        "/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    )
+    direct = httpx.post(
+        servers["served"].url + "/v1/completions",
+        json={"prompt": ids, "max_tokens": 4, "temperature": 0, "return_token_ids": True},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
 
 
 def test_server_down_is_a_typed_error_and_503(servers, rag, samples):
-    dead = VllmRAG(rag, VllmClient(f"http://127.0.0.1:{_free_port()}", model="m", connect_timeout=2))
+    dead = rag.using(
+        VllmGenerator(VllmClient(f"http://127.0.0.1:{_free_port()}", model="m", connect_timeout=2))
+    )
     with pytest.raises(VllmUnavailableError):
         dead.answer(samples[0]["question"], max_new_tokens=2)
     with pytest.raises(VllmServerError):

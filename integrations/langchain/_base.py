@@ -30,11 +30,12 @@ class RagkvParams(RagkvOptions):
         with ``vllm_url`` generation goes to that vLLM server (``VllmClient(vllm_url, **vllm_kwargs)``)."""
         from ragkv.rag import RAG
 
-        rag = RAG(model, data_dir, **(rag_kwargs or {}))
+        rag_kwargs = dict(rag_kwargs or {})
         if vllm_url is not None:
-            from integrations.vllm.client import VllmClient, VllmRAG
+            from integrations.vllm.client import VllmClient, VllmGenerator
 
-            rag = VllmRAG(rag, VllmClient(vllm_url, **(vllm_kwargs or {})))
+            rag_kwargs["generator"] = VllmGenerator(VllmClient(vllm_url, **(vllm_kwargs or {})))
+        rag = RAG(model, data_dir, **rag_kwargs)
         return cls(rag=rag, **kwargs)
 
     def _events(
@@ -66,7 +67,7 @@ class RagkvParams(RagkvOptions):
     def _params(self) -> dict:
         return {
             "model": self.model_label(),
-            "backend": getattr(self.rag, "backend", "local"),
+            "generation": self.rag.generator.name,
             "mode": self.mode or self.rag.mode,
             "ratio": self.ratio if self.ratio is not None else self.rag.ratio,
             "max_new_tokens": self.max_new_tokens,

@@ -7,12 +7,11 @@ their store keys and spans, and the server's ``RagkvConnector`` blends their sto
 prompts matter: chat-completion text would be re-tokenized by the server and a chunk's tokens
 could merge with its neighbours, which the connector detects and then simply recomputes.
 
-:class:`VllmRAG` has the public surface of :class:`ragkv.rag.RAG` that the LangChain and LlamaIndex
-wrappers and the FastAPI app use (:class:`ragkv.rag.RagBackend`): ``answer``,
-``answer_stream`` (real token streaming over the OpenAI SSE protocol), ``retrieve``,
-``chunks_by_id``, ``ingest`` and the index / store / model of the RAG it wraps. Any server that
-speaks vLLM's ``/v1/completions`` with ``kv_transfer_params`` works: vLLM with the ragkv plugin, or
-ragkv's own HTTP service (``python -m apps.server``, docs/API.md). Stdlib HTTP only.
+:class:`VllmGenerator` is a :class:`ragkv.rag.RAG`'s generator (:mod:`ragkv.rag.generation`):
+``RAG(..., generator=VllmGenerator(VllmClient(url)))`` answers every question, framework call and
+completion through the server, with real token streaming over the OpenAI SSE protocol. Any server
+that speaks vLLM's ``/v1/completions`` with ``kv_transfer_params`` works: vLLM with the ragkv plugin,
+or ragkv's own HTTP service (``python -m apps.server``, docs/API.md). Stdlib HTTP only.
 
 Errors are typed: :class:`VllmUnavailableError` (cannot connect, timed out: retry later),
 :class:`VllmHTTPError` (the server answered with an error status; ``status`` and its message) and
@@ -33,7 +32,6 @@ from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.spans import ChunkRef
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.generate import SamplingParams, TokenEvent
-from ragkv.kv.chunk import chunk_key
 
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
 #: prefill modes a served request can ask for: blend / reuse via the connector; full and prefix send no
@@ -363,7 +361,7 @@ def _sse_events(resp) -> Iterator[str]:
             data.append(line[5:].removeprefix(" "))
 
 
-# ---- the RAG backend ---------------------------------------------------------------------------------
+# ---- the RAG generator ---------------------------------------------------------------------------------
 def served_params(params: SamplingParams) -> dict:
     """Client sampling arguments of ragkv's :class:`SamplingParams`."""
     out = {
@@ -379,198 +377,87 @@ def served_params(params: SamplingParams) -> dict:
     return out
 
 
-def _local(name: str, doc: str) -> property:
-    """A read-only attribute of the wrapped RAG."""
-    return property(lambda self: getattr(self.rag, name), doc=doc)
+class VllmGenerator:
+    """A :class:`ragkv.rag.RAG`'s generation on a vLLM OpenAI server with the ragkv plugin (or ragkv's
+    own service): ``RAG(..., generator=VllmGenerator(client))``.
 
-
-class VllmRAG:
-    """ragkv retrieval (the wrapped :class:`ragkv.rag.RAG`'s index) + generation by a vLLM server with
-    the ragkv plugin; the same public surface as ``RAG`` (:class:`ragkv.rag.RagBackend`).
-
-    The server must serve the same checkpoint and dtype that ragkv used to store the chunk KV
-    (the connector checks the model fingerprint; other KV is never used, only recomputed). The
-    wrapped RAG keeps doing what is local: tokenizing, splitting and embedding, the index, and
-    precomputing chunk KV at ingest into the store the server reads.
+    The RAG keeps what is local: tokenizing, retrieval, the prompt, the index and the chunk KV it
+    precomputes at ingest into the store the server reads. The prompt goes as token ids;
+    ``kv_transfer_params`` names each stored chunk in it by key and span. A chunk that a flat prompt
+    cut at its ends is sent as plain text (the connector checks a key against the prompt's tokens).
+    The server must serve the checkpoint and dtype the KV was stored with (the connector checks the
+    model fingerprint; other KV is recomputed, never used).
     """
 
-    backend = "vllm"
+    name = "vllm"
 
-    def __init__(self, rag, client: VllmClient, check_layers: Sequence[int] = (1,), save: bool = True):
-        self.rag = rag
+    def __init__(self, client: VllmClient, check_layers: Sequence[int] = (1,), save: bool = True):
         self.client = client
         self.check_layers = tuple(check_layers)
         self.save = save
 
-    # ---- what stays local: the RAG's model (tokenizer), index, store and settings -----------------
-    model = _local("model", "the model: tokenizer for token-id prompts, chunk KV at ingest")
-    index = _local("index", "the chunk index")
-    store = _local("store", "the chunk KV store the server reads")
-    mode = _local("mode", "default prefill mode")
-    ratio = _local("ratio", "default blend recompute ratio")
-    top_k = _local("top_k", "chunks retrieved per question")
-    counters = _local("counters", "the RAG's chunk hit / miss counters")
-    instruction = _local("instruction", "prompt instruction")
-    question_template = _local("question_template", "prompt question template")
+    def kv_transfer_params(self, job) -> dict | None:
+        """The connector's parameters for ``job`` (None: nothing to reuse, a plain completion)."""
+        from ragkv.rag.generation import OptionNotServedError
 
-    def retrieve(self, question: str, k: int | None = None) -> list:
-        return self.rag.retrieve(question, k)
+        whole = [c for c in job.chunks if c.lo == 0 and c.hi == len(c.token_ids)]
+        if job.mode not in ("reuse", "blend") or not whole:
+            return None
+        sched = job.schedule
+        ratio = sched.target_ratio if sched is not None else job.ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise OptionNotServedError(f"ratio must be a number for vLLM serving, got {ratio!r}")
+        opts = {"check_layers": self.check_layers}
+        if sched is not None:
+            opts = {
+                "check_layers": tuple(sched.check_layers),
+                "deviation": sched.deviation,
+                "fresh_check_kv": sched.fresh_check_kv,
+            }
+        refs = tuple(ChunkRef(c.key, c.start, len(c.token_ids)) for c in whole)
+        params = BlendParams(refs, mode=job.mode, ratio=float(ratio), save=self.save or job.save, **opts)
+        return params.to_kv_transfer_params()
 
-    def prompt_parts(self, question: str) -> tuple[list[int], list[int]]:
-        return self.rag.prompt_parts(question)
+    def stream(self, rag, job) -> Iterator:
+        """Token events as the server streams them, then a :class:`ragkv.rag.generation.Generated`."""
+        from ragkv.blend import UnknownModeError
+        from ragkv.rag.generation import Generated
 
-    def chunks_by_id(self, chunk_ids: list[int]) -> list:
-        return self.rag.chunks_by_id(chunk_ids)
-
-    def fit_chunks(self, recs: list, other_tokens: int) -> list:
-        return self.rag.fit_chunks(recs, other_tokens)
-
-    def ingest(self, docs, show_progress: bool = True):
-        return self.rag.ingest(docs, show_progress=show_progress)
-
-    def delete_document(self, doc_id: str) -> None:
-        self.rag.delete_document(doc_id)
-
-    def flush(self) -> None:
-        self.rag.flush()
+        if job.mode not in SERVED_MODES:
+            raise UnknownModeError(f"unknown mode {job.mode!r}; use one of {SERVED_MODES}")
+        kv = self.kv_transfer_params(job)
+        if job.params.max_new_tokens == 0:
+            yield TokenEvent(None, "", 0, "length")
+            yield Generated("", [], "length", job.mode, {"backend": "vllm"})
+            return
+        out: list[int] = []
+        for item in self.client.stream(job.prompt_ids, kv, **served_params(job.params)):
+            if not isinstance(item, Completion):
+                if item.is_token:
+                    out.append(item.token_id)
+                yield item
+                continue
+            counters = rag.counters  # a server that reports its chunk hits (ragkv's) feeds ours
+            for name in ("kv_hits", "kv_misses", "kv_recomputed_bad"):
+                if isinstance(item.ragkv.get(name), int) and name in counters:
+                    counters[name] += item.ragkv[name]
+            stats = {
+                **item.ragkv,
+                "num_tokens": item.prompt_tokens,
+                "completion_tokens": item.completion_tokens,
+                "finish_reason": item.finish_reason,
+                "backend": "vllm",
+                "server_model": item.raw.get("model"),
+            }
+            yield Generated(
+                item.text,
+                out,
+                item.finish_reason,
+                str(item.ragkv.get("mode") or job.mode),
+                stats,
+                kv_fetch_s=float(item.ragkv.get("t_load_wait_s", 0.0)),
+                timings={"server_s": item.seconds},
+            )
 
     def close(self) -> None:
-        self.rag.close()
-
-    # ---- generation on the server -------------------------------------------------------------------
-    @staticmethod
-    def _check(mode: str, ratio) -> tuple[str, float]:
-        """A served mode and a numeric ratio (``"auto"``, the loading controller's, is in-process only)."""
-        if mode not in SERVED_MODES:
-            from ragkv.blend import UnknownModeError
-
-            raise UnknownModeError(f"unknown mode {mode!r}; use one of {SERVED_MODES}")
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-            raise ValueError(f"ratio must be a number for vLLM serving, got {ratio!r}")
-        return mode, float(ratio)
-
-    def stream_prompt(
-        self,
-        prefix: list[int],
-        pairs: list[tuple[str, list[int]]],
-        suffix: list[int],
-        mode: str,
-        ratio: float,
-        params: SamplingParams,
-    ) -> Iterator[TokenEvent | Completion]:
-        """Generate on the server for ``prefix + chunks + suffix`` (chunks as ``(store key, token ids)``)."""
-        self.model.check_length(
-            len(prefix) + sum(len(t) for _, t in pairs) + len(suffix), params.max_new_tokens
-        )
-        reuse = mode in ("reuse", "blend") and bool(pairs)
-        prompt, kv = build_prompt(
-            prefix,
-            pairs,
-            suffix,
-            mode=mode if reuse else "blend",
-            ratio=ratio,
-            check_layers=self.check_layers,
-            save=self.save,
-        )
-        if params.max_new_tokens == 0:
-            yield TokenEvent(None, "", 0, "length")
-            yield Completion("", "length", len(prompt), 0, 0.0, ttft_s=0.0)
-            return
-        for item in self.client.stream(prompt, kv if reuse else None, **served_params(params)):
-            if isinstance(
-                item, Completion
-            ):  # a server that reports its chunk hits (ragkv's) feeds our counters
-                for name in ("kv_hits", "kv_misses", "kv_recomputed_bad"):
-                    if isinstance(item.ragkv.get(name), int) and name in self.counters:
-                        self.counters[name] += item.ragkv[name]
-            yield item
-
-    def stream_parts(
-        self,
-        prefix: list[int],
-        chunks: list[list[int]],
-        suffix: list[int],
-        mode: str,
-        ratio: float,
-        params: SamplingParams,
-    ) -> Iterator:
-        """Token events then a ``RagAnswer`` (no sources) for token-id parts; chunk keys from their content."""
-        from ragkv.rag import RagAnswer
-
-        mode, ratio = self._check(mode, ratio)
-        fp = self.model.fingerprint
-        pairs = [(chunk_key(list(c), fp), list(c)) for c in chunks]
-        t0 = time.perf_counter()
-        for item in self.stream_prompt(prefix, pairs, suffix, mode, ratio, params):
-            if isinstance(item, Completion):
-                yield RagAnswer(item.text, [], self._mode(item, mode), *self._report(item, t0, 0.0))
-            else:
-                yield item
-
-    def answer_stream(
-        self,
-        question: str,
-        k: int | None = None,
-        mode: str | None = None,
-        ratio: float | str | None = None,
-        params: SamplingParams | None = None,
-        chunks: list | None = None,
-        **sampling,
-    ) -> Iterator:
-        """Like ``RAG.answer_stream``: ``TokenEvent``s as the server streams them, then a ``RagAnswer``."""
-        from ragkv.rag import RagAnswer
-
-        rag = self.rag
-        mode, ratio = self._check(mode or rag.mode, rag.ratio if ratio is None else ratio)
-        params = params or SamplingParams(**sampling)
-        t0 = time.perf_counter()
-        rp = rag.prompt(question, k, chunks, params.max_new_tokens)
-        prefix, recs, suffix, t_ret = rp.prefix, rp.chunks, rp.suffix, rp.seconds
-        pairs = [(r.kv_key, list(r.token_ids)) for r in recs]
-        for item in self.stream_prompt(prefix, pairs, suffix, mode, ratio, params):
-            if isinstance(item, Completion):
-                yield RagAnswer(item.text, recs, self._mode(item, mode), *self._report(item, t0, t_ret))
-            else:
-                yield item
-
-    def answer(
-        self,
-        question: str,
-        k: int | None = None,
-        mode: str | None = None,
-        ratio: float | str | None = None,
-        params: SamplingParams | None = None,
-        chunks: list | None = None,
-        **sampling,
-    ):
-        """Like ``RAG.answer``: retrieve (unless ``chunks`` are given) and answer on the server."""
-        ans = None
-        for item in self.answer_stream(question, k, mode, ratio, params, chunks, **sampling):
-            ans = item
-        return ans
-
-    @staticmethod
-    def _mode(c: Completion, mode: str) -> str:
-        return str(c.ragkv.get("mode") or mode)
-
-    @staticmethod
-    def _report(c: Completion, t0: float, t_ret: float) -> tuple[dict, dict]:
-        """``(timings, stats)`` of a served answer: client-side times, the server's usage and, when the
-        server is ragkv's own, its reuse statistics (``kv_hits``, ``num_reused_rows`` ...)."""
-        total = time.perf_counter() - t0
-        timings = {
-            "retrieval_s": t_ret,
-            "kv_fetch_s": float(c.ragkv.get("t_load_wait_s", 0.0)),
-            "ttft_s": t_ret + (c.ttft_s if c.ttft_s is not None else c.seconds),
-            "total_s": total,
-            "server_s": c.seconds,
-        }
-        stats = {
-            **c.ragkv,
-            "num_tokens": c.prompt_tokens,
-            "completion_tokens": c.completion_tokens,
-            "finish_reason": c.finish_reason,
-            "backend": "vllm",
-            "server_model": c.raw.get("model"),
-        }
-        return timings, stats
+        pass

@@ -324,11 +324,13 @@ class ChunkResolver:
         """A flat prompt as ``(prefix, items, suffix)`` with the stored chunks found inside it as
         (slices of) their stored KV and the text around them as token lists; None when none is found
         (or no locator is set). Boundary tokens that tokenized differently stay text (computed)."""
+        found = self.find(prompt_ids)
+        return self.pieces(prompt_ids, found) if found else None
+
+    def find(self, prompt_ids: Sequence[int]) -> list[Located]:
+        """The stored chunks inside ``prompt_ids`` (none when no locator is set); see :meth:`locate`."""
         loc = self.locator() if self.locator is not None else None
-        found = loc.find(prompt_ids) if loc is not None else []
-        if not found:
-            return None
-        return self.pieces(prompt_ids, found)
+        return loc.find(prompt_ids) if loc is not None else []
 
     def pieces(
         self,

@@ -126,12 +126,14 @@ class RequestHandle:
     def request_id(self) -> str:
         return self.request.request_id
 
-    def _next(self, timeout: float | None):
+    def _next(self, timeout: float | None, poll: Callable[[], None] | None = None):
         while True:
             try:
                 return self._events.get_nowait()
             except queue.Empty:
                 pass
+            if poll is not None:
+                poll()
             if self._engine.background_running:
                 try:
                     return self._events.get(timeout=0.05 if timeout is None else timeout)
@@ -142,10 +144,13 @@ class RequestHandle:
             if not self._engine.step():
                 self._engine.wait_for_work(0.005)
 
-    def stream(self, timeout: float | None = None) -> Iterator[TokenEvent]:
-        """Yield tokens as they are produced; raises :class:`RequestFailedError` if the request failed."""
+    def stream(
+        self, timeout: float | None = None, poll: Callable[[], None] | None = None
+    ) -> Iterator[TokenEvent]:
+        """Yield tokens as they are produced; raises :class:`RequestFailedError` if the request failed.
+        ``poll()`` runs while waiting (every 50 ms at most): a cancellation check may raise from it."""
         while True:
-            ev = self._next(timeout)
+            ev = self._next(timeout, poll)
             if isinstance(ev, RequestOutput):
                 if ev.finish_reason == "error":
                     raise RequestFailedError(

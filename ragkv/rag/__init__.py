@@ -1,7 +1,14 @@
 """Retriever-aware KV layer: ingest (split, embed, index, precompute KV), retrieve, answer."""
 
-from ragkv.rag.backend import RagBackend
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
+from ragkv.rag.generation import (
+    EngineGenerator,
+    Generated,
+    Generator,
+    OptionNotServedError,
+    PromptJob,
+    ThreadGenerator,
+)
 from ragkv.rag.index import ChunkIndex, ChunkRecord
 from ragkv.rag.pipeline import (
     RAG,
@@ -24,10 +31,15 @@ __all__ = [
     "ChunkRecord",
     "Document",
     "Embedder",
+    "EngineGenerator",
+    "Generated",
+    "Generator",
+    "OptionNotServedError",
+    "PromptJob",
+    "ThreadGenerator",
     "IngestCancelled",
     "IngestReport",
     "RagAnswer",
-    "RagBackend",
     "RagPrompt",
     "TextChunk",
     "WarnThrottle",

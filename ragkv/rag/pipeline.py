@@ -3,6 +3,7 @@ and answer with the retrieved chunks' stored KV blended (or any other prefill mo
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import random
@@ -17,13 +18,14 @@ from tqdm.auto import tqdm
 
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.controller import LoadingController
-from ragkv.blend.locate import ChunkLocator
+from ragkv.blend.locate import ChunkLocator, Located
 from ragkv.blend.prefill import MODES, UnknownModeError
 from ragkv.blend.resolver import ChunkResolver, WarnThrottle
-from ragkv.generate import SamplingParams, stream
+from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.llm import LLM
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
+from ragkv.rag.generation import Generated, Generator, PromptJob, ThreadGenerator
 from ragkv.rag.index import ChunkIndex, ChunkRecord, PendingDocument, text_sha
 from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
 from ragkv.rag.splitter import split_tokens
@@ -82,6 +84,14 @@ class RagAnswer:
     stats: dict
 
 
+@dataclass
+class _Corpus:
+    """What changes with the indexed corpus: its version and the chunk locator built for a version."""
+
+    version: int = 0
+    locator: tuple[int, ChunkLocator] | None = None
+
+
 class RAG:
     """Ingest -> retrieve -> answer with reused chunk KV; everything persists under ``data_dir``."""
 
@@ -107,6 +117,7 @@ class RAG:
         system: str | None = None,
         examples: Sequence[tuple[str, str]] = (),
         collect_garbage_on_open: bool = False,
+        generator: Generator | None = None,
     ):
         from ragkv.store import default_store_url, store_from_url
 
@@ -155,9 +166,12 @@ class RAG:
         # orders "is this key still used?" + store write (write-back) against index change + store delete
         self._kv_lock = threading.Lock()
         self._warn = WarnThrottle(log)
-        self._corpus_version = 0  # bumped by every commit and delete: the locator is rebuilt after
-        self._locator: tuple[int, ChunkLocator] | None = None
+        #: corpus version (bumped by every commit and delete: the locator is rebuilt after) and the
+        #: locator of that version; one mutable record, so views (:meth:`using`) share it
+        self._corpus = _Corpus()
         self.resolver.locator = self.chunk_locator
+        #: what generates once a prompt is built (:mod:`ragkv.rag.generation`): threads by default
+        self.generator: Generator = generator or ThreadGenerator()
         if hasattr(store, "pinned"):  # a size bound evicts KV no chunk references first
             store.pinned = self.index.references
         self._settle()  # KV left unreferenced by a crash (an uncommitted ingest, an unfinished delete)
@@ -232,7 +246,7 @@ class RAG:
         if pending:
             with self._kv_lock:
                 self.index.commit(list(pending.values()))
-                self._corpus_version += 1
+                self._corpus.version += 1
             rep.documents_added = len(pending)
             rep.chunks_added = sum(len(p.chunks) for p in pending.values())
         rep.seconds = time.perf_counter() - t0
@@ -252,11 +266,12 @@ class RAG:
 
     def chunk_locator(self) -> ChunkLocator | None:
         """The locator of this corpus's chunks inside flat prompts (built once per corpus version)."""
-        v = self._corpus_version
-        cached = self._locator
+        corpus = self._corpus
+        v = corpus.version
+        cached = corpus.locator
         if cached is None or cached[0] != v:
             loc = ChunkLocator((r.kv_key, r.token_ids) for r in self.index.all_chunks())
-            cached = self._locator = (v, loc)
+            cached = corpus.locator = (v, loc)
         return cached[1]
 
     def collect_garbage(self, dry_run: bool = False) -> dict:
@@ -304,7 +319,7 @@ class RAG:
         with self._ingest_lock:
             with self._kv_lock:
                 self.resolver.forget(self.index.delete_document(doc_id))
-                self._corpus_version += 1
+                self._corpus.version += 1
             self._settle()
 
     # ---- retrieve ------------------------------------------------------------------------------
@@ -391,51 +406,106 @@ class RAG:
         **sampling,
     ) -> Iterator:
         """Yield ``TokenEvent``s as they are generated, then the final :class:`RagAnswer`."""
-        mode = mode or self.mode
-        if mode not in MODES:
-            raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
         params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
         rp = self.prompt(question, k, chunks, params.max_new_tokens)
-        prefix, recs, suffix, t_retrieval = rp.prefix, rp.chunks, rp.suffix, rp.seconds
-        t1 = time.perf_counter()
-        items = self._chunk_items(recs, mode)
-        n_cached = sum(
-            len(r.token_ids) for r, it in zip(recs, items, strict=True) if not isinstance(it, list)
-        )
-        n_total = len(prefix) + sum(len(r.token_ids) for r in recs) + len(suffix)
-        self.model.check_length(n_total, params.max_new_tokens)
-        decision = None
+        ids, found = list(rp.prefix), []
+        for r in rp.chunks:
+            found.append(Located(r.kv_key, tuple(r.token_ids), len(ids), 0, len(r.token_ids)))
+            ids += r.token_ids
+        ids += rp.suffix
+        job = self.job(ids, found, mode, ratio, params)
+        yield from self._answer(job, rp.chunks, t0, rp.seconds)
+
+    def stream_parts(
+        self,
+        prefix: Sequence[int],
+        chunks: Sequence[Sequence[int]],
+        suffix: Sequence[int],
+        mode: str | None = None,
+        ratio: float | str | None = None,
+        params: SamplingParams | None = None,
+    ) -> Iterator:
+        """Complete token-id ``prefix + chunks + suffix`` (a framework's prompt): token events, then a
+        :class:`RagAnswer` without sources. Chunk KV is found by content; with no chunks given, the
+        stored chunks inside the prompt are located (transparent reuse of a flat prompt)."""
+        params = params or SamplingParams()
+        t0 = time.perf_counter()
+        ids, found = [int(t) for t in prefix], []
+        for c in chunks:
+            toks = tuple(int(t) for t in c)
+            found.append(Located(chunk_key(toks, self.model.fingerprint), toks, len(ids), 0, len(toks)))
+            ids += toks
+        ids += [int(t) for t in suffix]
+        job = self.job(ids, found, mode, ratio, params)
+        if not found and job.mode in ("reuse", "blend"):
+            job.chunks = self.resolver.find(ids)
+        yield from self._answer(job, [], t0, 0.0)
+
+    def job(
+        self,
+        prompt_ids: Sequence[int],
+        chunks: Sequence[Located],
+        mode: str | None = None,
+        ratio: float | str | None = None,
+        params: SamplingParams | None = None,
+        **options,
+    ) -> PromptJob:
+        """A checked :class:`PromptJob` with this RAG's defaults (mode, ratio) for what is not given."""
+        mode = mode or self.mode
+        if mode not in MODES:
+            raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
+        params = params or SamplingParams()
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("empty prompt")
+        self.model.check_length(len(ids), params.max_new_tokens)
         ratio = self.ratio if ratio is None else ratio
-        if ratio == "auto":
-            if self.controller is None:
-                raise ValueError("ratio='auto' needs a LoadingController (RAG(controller=...))")
-            decision = self.controller.choose_ratio(n_total, n_cached, self._store_name())
-            ratio = decision.ratio
-        ratio = float(ratio)
-        t_lookup = time.perf_counter() - t1
-        res = self.resolver.prefill(prefix, items, suffix, mode, ratio, prefix_cache=self.llm.prefix_cache)
-        first = True
-        text_parts: list[str] = []
+        return PromptJob(ids, list(chunks), mode, ratio, params, **options)
+
+    def using(self, generator: Generator) -> RAG:
+        """A view of this RAG that generates with ``generator``: e.g. one RAG answering both in process
+        and on a vLLM server, or a service's engine over a RAG its caller keeps using. The view shares
+        the index, store, resolver and corpus state; its settings (mode, ratio, prompt...) are this
+        RAG's at the time of the call. Closing the view closes ``generator`` only."""
+        view = copy.copy(self)
+        view.generator = generator
+        view.close = generator.close
+        return view
+
+    def generate(self, job: PromptJob) -> Iterator[TokenEvent | Generated]:
+        """Complete ``job`` with this RAG's generator: token events, then one :class:`Generated`."""
+        return self.generator.stream(self, job)
+
+    def _answer(self, job: PromptJob, sources: list[ChunkRecord], t0: float, t_retrieval: float) -> Iterator:
         ttft = None
-        for ev in stream(self.model, res, params, attention=self.llm.attention):
-            if first:
-                ttft = time.perf_counter() - t0
-                first = False
-            text_parts.append(ev.text)
-            yield ev
-        total = time.perf_counter() - t0
-        timings = {
-            "retrieval_s": t_retrieval,
-            "kv_fetch_s": t_lookup + res.stats.get("t_load_wait_s", 0.0),
-            "ttft_s": ttft if ttft is not None else total,
-            "total_s": total,
-        }
-        stats = dict(res.stats)
-        if decision is not None:
-            stats["controller"] = decision.as_dict()
-        stats["kv_hits"] = getattr(items, "hits", 0)
-        yield RagAnswer("".join(text_parts), recs, stats["mode"], timings, stats)
+        for item in self.generate(job):
+            if isinstance(item, Generated):
+                total = time.perf_counter() - t0
+                timings = {
+                    "retrieval_s": t_retrieval,
+                    "kv_fetch_s": item.kv_fetch_s,
+                    "ttft_s": ttft if ttft is not None else total,
+                    "total_s": total,
+                    **item.timings,
+                }
+                stats = {**item.stats, "kv_hits": item.stats.get("kv_hits", 0)}
+                yield RagAnswer(item.text, sources, item.mode, timings, stats)
+            else:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                yield item
+
+    def choose_ratio(self, job: PromptJob, items) -> tuple[float, object | None]:
+        """``job``'s recompute ratio as a number: ``"auto"`` asks the loading controller (its decision
+        is returned too), from the prompt's length and the rows that will come from chunk KV."""
+        if job.ratio != "auto":
+            return float(job.ratio), None
+        if self.controller is None:
+            raise ValueError("ratio='auto' needs a LoadingController (RAG(controller=...))")
+        n_cached = sum(c.hi - c.lo for c in job.chunks) if items else 0
+        decision = self.controller.choose_ratio(len(job.prompt_ids), n_cached, self._store_name())
+        return decision.ratio, decision
 
     def fit_chunks(self, recs: list[ChunkRecord], other_tokens: int) -> list[ChunkRecord]:
         """Drop the lowest-scored chunks until they fit the context next to ``other_tokens`` (order kept)."""
@@ -459,12 +529,6 @@ class RAG:
         """Chunk-KV counters of every query path: hits, misses, recomputed after a failed load..."""
         return self.resolver.counters
 
-    def _chunk_items(self, recs: list[ChunkRecord], mode: str) -> list:
-        """Prefill items: stored KV loaded lazily; missing KV computed now (and written back)."""
-        if mode not in ("reuse", "blend"):
-            return [list(r.token_ids) for r in recs]
-        return self.resolver.items([(list(r.token_ids), r.kv_key) for r in recs])
-
     def _write_back(self, kv: ChunkKV) -> bool | None:
         """Store computed KV only while a chunk uses it (a deleted document's KV stays deleted); None
         when no chunk does (nothing to store)."""
@@ -485,6 +549,7 @@ class RAG:
     def close(self) -> None:
         """Finish write-backs, snapshot the index, close the store, release the data folder's writer
         lock if this RAG holds one (``apps.service.build_rag(writer=True)``)."""
+        self.generator.close()
         self.resolver.close()
         self.index.close()
         self.store.close()

@@ -57,18 +57,18 @@ def ingest(args) -> int:
 
 
 def query(args) -> int:
-    from integrations.vllm.client import VllmClient, VllmRAG
+    from integrations.vllm.client import VllmClient, VllmGenerator
     from ragkv.metrics import max_over_golds, token_f1
 
     rag = _rag(args, "cpu")
-    served = VllmRAG(rag, VllmClient(args.url, timeout=600))
+    rag.generator = VllmGenerator(VllmClient(args.url, timeout=600))
     rows = []
     for item in _items(args):
         q, golds = item["question"], item["answers"]
         chunks = rag.retrieve(q, args.k)
         res = {}
         for mode in ("full", "blend"):
-            ans = served.answer(
+            ans = rag.answer(
                 q, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=args.max_new_tokens
             )
             f1 = max_over_golds(token_f1, ans.text, golds)
