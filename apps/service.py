@@ -532,6 +532,7 @@ class Service:
             "documents_unchanged": rep.documents_unchanged,
             "chunks_added": rep.chunks_added,
             "kv_computed": rep.kv_computed,
+            "kv_not_stored": rep.kv_not_stored,
             "seconds": rep.seconds,
         }
 

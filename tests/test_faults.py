@@ -625,3 +625,63 @@ def test_bench_ingest_load_runs_and_reports_sane_fields():
     assert 0 < res["idle_p50_ms"] <= res["idle_p99_ms"] and 0 < res["load_p50_ms"] <= res["load_p99_ms"]
     assert res["p99_ratio"] > 0 and res["healthz_polls_during_load"] >= 20 and res["healthz_max_ms"] > 0
     assert res["ingest_running_at_end"] and res["documents_unchanged_after_cut"]  # cut: nothing committed
+
+
+# ---- disk full during KV writes -----------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 256 KiB filesystem (tmpfs): the kernel answers writes past it with ENOSPC."""
+    import subprocess
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode(errors='replace').strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_kv_writes_leaves_documents_indexed_and_answerable(
+    tmp_path, small_disk, embedder, one_thread
+):
+    """ENOSPC from the kernel while chunk KV is written: the ingest still indexes every document,
+    reports the KV it could not store (not a 500), leaves no partial file, and questions over the
+    documents whose KV did not fit are answered (their KV recomputed)."""
+    from fastapi.testclient import TestClient
+
+    from apps.server import create_app
+
+    store = LocalDirStore(small_disk, max_bytes=None)  # no cap of ours: the disk is the limit
+    rag = _rag(tmp_path / "data", embedder, store=store)
+    s = Settings(max_new_tokens=4, allowed_hosts=["testserver"])
+    svc = Service(s, rag)
+    svc.start()
+    client = TestClient(create_app(s, svc), base_url="http://testserver")
+    try:
+        words = ["kite", "cat", "tower", "boat", "tree", "ball", "dog", "moon"]
+        docs = [
+            {"id": f"d{i}", "text": f"Sam saw a {w} by the river. It was big and red. " * 12}
+            for i, w in enumerate(words)
+        ]
+        r = client.post("/v1/documents", json={"documents": docs})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["documents_added"] == len(docs) and body["kv_not_stored"] > 0
+        assert body["kv_not_stored"] < body["kv_computed"]  # some fitted before the disk filled
+        assert store.stats()["put_errors"] >= body["kv_not_stored"]
+        assert set(rag.index.document_ids()) == {d["id"] for d in docs}
+        assert not list(small_disk.rglob("*.tmp"))  # a failed write leaves no partial blob
+        missing = [c for c in rag.index.all_chunks() if not store.contains(c.kv_key)]
+        assert missing
+        r = client.post(
+            "/v1/query", json={"question": "What did Sam see?", "chunk_ids": [missing[0].chunk_id]}
+        )
+        assert r.status_code == 200, r.text
+        assert (
+            r.json()["sources"][0]["doc_id"] == missing[0].doc_id
+            and r.json()["usage"]["completion_tokens"] > 0
+        )
+    finally:
+        client.close()
+        rag.close()

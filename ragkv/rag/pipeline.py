@@ -60,6 +60,8 @@ class IngestReport:
     chunks_added: int = 0
     kv_computed: int = 0
     kv_already_stored: int = 0
+    #: computed but not stored (store full, down, disk full): indexed and answerable, recomputed when used
+    kv_not_stored: int = 0
     seconds: float = 0.0
 
 
@@ -259,6 +261,7 @@ class RAG:
             rep.kv_already_stored += 1
             return
         if not self.resolver.compute_into_store(token_ids):
+            rep.kv_not_stored += 1
             self._warn.warning(
                 "ingest-put", "could not store KV of chunk %s; it will be recomputed when retrieved", key[:16]
             )
