@@ -201,7 +201,7 @@ class Engine:
     def submit(self, prefix=(), chunks=(), question=(), params=None, **kw) -> RequestHandle:
         """Queue a request ``prefix + chunks + question`` and return its handle (stream / result / cancel).
 
-        ``chunks`` items: text (tokenized), token-id lists, :class:`~ragkv.engine.provider.ChunkRef`
+        ``chunks`` items: text (tokenized), token-id lists, :class:`~ragkv.blend.spans.ChunkRef`
         of stored chunks, or ``ChunkKV``. Raises ``EngineBusyError``, ``PromptTooLongError``,
         ``RequestTooLargeError``, ``UnknownModeError`` or ``ValueError`` without queueing anything.
         """

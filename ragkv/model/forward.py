@@ -11,7 +11,7 @@ in *which rows go on* (an optional row selector, CacheBlend's HKVD):
 * the static (CUDA-graph) decoder (:class:`ragkv.model.static_decode.StaticDecoder`): fixed buffers;
 * the engine's batched decode (:func:`ragkv.engine.paged_cache.batched_decode_step`): paged blocks;
 * every prefill mode, CacheBlend included (:func:`ragkv.blend.core.selective_prefill`), and the
-  vLLM hook's layer replay (:func:`ragkv.blend.spans.blend_rows`): a
+  vLLM hook's layer replay (``integrations/vllm/rows.py``'s ``blend_rows``): a
   :class:`~ragkv.blend.core.BlendKV` (stored, engine-held and computed rows) whose ``select`` is
   HKVD, both through :func:`ragkv.blend.core.blend_layers`.
 
