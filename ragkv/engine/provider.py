@@ -53,14 +53,12 @@ def normalize_item(item):
 
 class KVFetcher:
     """Background fetching (KVFetcher §3.3.1) of the engine's chunk KV through its owner's
-    :class:`~ragkv.blend.resolver.ChunkResolver`: a standalone thread pool, FCFS over requests."""
+    :class:`~ragkv.blend.resolver.ChunkResolver`: a standalone thread, FCFS over requests."""
 
-    def __init__(self, resolver: ChunkResolver, workers: int = 1, compute_missing: bool = True):
-        if workers < 1:
-            raise ValueError("fetch workers must be >= 1")
+    def __init__(self, resolver: ChunkResolver, compute_missing: bool = True):
         self.resolver = resolver
         self.compute_missing = compute_missing
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragkv-fetch")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-fetch")
 
     def _key(self, item) -> str:
         return item.key if isinstance(item, ChunkRef) else self.resolver.key(item)
