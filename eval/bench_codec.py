@@ -56,16 +56,16 @@ import torch
 import zstandard
 
 from eval.prompts import DATA_DIR, TINY_MODEL
-from ragkv.store.codecs import get_codec
-from ragkv.store.codecs.video import VideoCodec, nvdec
-from ragkv.store.codecs.video.adaptive import (
+from eval.video_adaptive import (
     DecodeProfile,
     TokenBucket,
     profile_decode,
     simulate_fetch,
 )
+from eval.video_search import search_tiling
+from ragkv.store.codecs import get_codec
+from ragkv.store.codecs.video import VideoCodec, nvdec
 from ragkv.store.codecs.video.allocate import allocate_layer_steps
-from ragkv.store.codecs.video.search import search_tiling
 
 REPO = Path(__file__).resolve().parents[1]
 KL_BAR, AGREE_BAR = 0.01, 0.99
