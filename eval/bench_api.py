@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from eval.harness import free_port
 from eval.prompts import DATA_DIR, TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,9 +57,7 @@ def start_server(
 ) -> tuple[subprocess.Popen, str, Path]:
     """``python -m apps.server`` on a free loopback port (``env_extra``: more ``RAGKV_*`` settings);
     returns (process, base URL, log path)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),

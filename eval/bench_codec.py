@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import zstandard
 
+from eval.harness import median_time
 from eval.prompts import DATA_DIR, TINY_MODEL
 from eval.video_adaptive import (
     DecodeProfile,
@@ -77,16 +78,6 @@ def musique() -> list[dict]:
 
 def zstd19(b: bytes) -> int:
     return len(zstandard.ZstdCompressor(level=19).compress(b))
-
-
-def median_time(fn, runs: int) -> float:
-    fn()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 # ---- sources ------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from eval.harness import free_port
 from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.blend.spans import MAX_CHUNK_REFS
 
@@ -36,9 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def start_server(data_dir: Path) -> tuple[subprocess.Popen, str]:
     """The service on a free loopback port with the tiny model and default limits."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {
         **os.environ,
         "RAGKV_MODEL": str(TINY_MODEL),
