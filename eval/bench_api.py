@@ -25,21 +25,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from eval.harness import launch_server
 from eval.prompts import DATA_DIR, TINY_MODEL
 
-REPO = Path(__file__).resolve().parents[1]
 MODES = ("blend", "full")
 
 
@@ -57,12 +54,7 @@ def start_server(
 ) -> tuple[subprocess.Popen, str, Path]:
     """``python -m apps.server`` on a free loopback port (``env_extra``: more ``RAGKV_*`` settings);
     returns (process, base URL, log path)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
         "RAGKV_DATA_DIR": str(data_dir),
         "RAGKV_MODEL": args.model,
         "RAGKV_TOP_K": str(args.top_k),
@@ -77,29 +69,9 @@ def start_server(
     if args.chunk_tokens:
         env["RAGKV_CHUNK_TOKENS"] = str(args.chunk_tokens)
     env.update(env_extra or {})
-    env.pop("RAGKV_CONFIG", None)
     log_path = data_dir.parent / "server.log"
-    with open(log_path, "w") as log:  # the child has its own copy of the descriptor
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "apps.server", "--port", str(port)],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                return proc, base, log_path
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start within 300 s")
+    proc, base = launch_server(env, log_path)
+    return proc, base, log_path
 
 
 def ingest(base: str, samples: list[dict], passages: int) -> dict:

@@ -55,17 +55,18 @@ import numpy as np
 import torch
 import zstandard
 
+from eval.harness import median_time
 from eval.prompts import DATA_DIR, TINY_MODEL
-from ragkv.store.codecs import get_codec
-from ragkv.store.codecs.video import VideoCodec, nvdec
-from ragkv.store.codecs.video.adaptive import (
+from eval.video_adaptive import (
     DecodeProfile,
     TokenBucket,
     profile_decode,
     simulate_fetch,
 )
+from eval.video_search import search_tiling
+from ragkv.store.codecs import get_codec
+from ragkv.store.codecs.video import VideoCodec, nvdec
 from ragkv.store.codecs.video.allocate import allocate_layer_steps
-from ragkv.store.codecs.video.search import search_tiling
 
 REPO = Path(__file__).resolve().parents[1]
 KL_BAR, AGREE_BAR = 0.01, 0.99
@@ -77,16 +78,6 @@ def musique() -> list[dict]:
 
 def zstd19(b: bytes) -> int:
     return len(zstandard.ZstdCompressor(level=19).compress(b))
-
-
-def median_time(fn, runs: int) -> float:
-    fn()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 # ---- sources ------------------------------------------------------------------------------------

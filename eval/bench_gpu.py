@@ -323,9 +323,9 @@ def bench_loading(args, device: torch.device) -> dict:
 
 def bench_graph(args, device: torch.device) -> dict:
     """Decode tokens/s at batch 1: CUDA graph vs eager static step vs the growing-cache decode."""
+    from eval.static_decode import StaticDecoder
     from ragkv.blend import prefill
     from ragkv.generate import SamplingParams, generate
-    from ragkv.model.static_decode import StaticDecoder
 
     out = {}
     models = (

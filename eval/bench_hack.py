@@ -37,12 +37,12 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from eval.harness import median_time
 from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.attention.hack_cache import HackConfig, HackKVCache
 from ragkv.attention.hack_ref import (
@@ -56,16 +56,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
-def median_time(fn, runs: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from eval.bench_prefill import bench_model
+from eval.harness import free_port
 from ragkv.blend import BlendSchedule, prefill
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.pipeline import StoredChunk, pipelined_factory
@@ -39,12 +40,7 @@ def _start_redis(tmp: Path) -> tuple[subprocess.Popen | None, str | None]:
     exe = shutil.which("redis-server")
     if not exe:
         return None, None
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     proc = subprocess.Popen(
         [
             exe,

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,42 +25,20 @@ from pathlib import Path
 
 import httpx
 
+from eval.harness import launch_server
 from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.blend.spans import MAX_CHUNK_REFS
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def start_server(data_dir: Path) -> tuple[subprocess.Popen, str]:
     """The service on a free loopback port with the tiny model and default limits."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {
-        **os.environ,
         "RAGKV_MODEL": str(TINY_MODEL),
         "RAGKV_DATA_DIR": str(data_dir),
         "RAGKV_TORCH_THREADS": "1",
         "RAGKV_LOG_LEVEL": "warning",
-        "PYTHONPATH": str(REPO),
     }
-    log = open(data_dir.parent / "server.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "apps.server", "--port", str(port)], cwd=REPO, env=env, stdout=log, stderr=log
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited; see {data_dir.parent / 'server.log'}")
-        try:
-            if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("server did not start in 300 s")
+    return launch_server(env, data_dir.parent / "server.log")
 
 
 def timed(base: str, send: Callable[[], httpx.Response]) -> tuple[int, float, float]:

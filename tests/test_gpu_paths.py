@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eval.static_decode import StaticDecoder
 from ragkv.blend import BlendSchedule, prefill
 from ragkv.blend.pipeline import PinnedStaging, PipelinedSource
 from ragkv.blend.source import LayerSource
 from ragkv.generate import SamplingParams, decode_step, generate, load_prompt, make_cache
 from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
-from ragkv.model.static_decode import StaticDecoder
 from tests.helpers import stories_model, stories_path, top2_margin, ulps
 
 HAVE_STORIES = stories_path().exists()

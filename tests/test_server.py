@@ -5,9 +5,7 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -16,7 +14,8 @@ import httpx
 import pytest
 
 from apps.config import ConfigError, Settings, load_settings
-from tests.helpers import REPO, check_stop_strings, musique_samples, stories_path
+from eval.harness import launch_server
+from tests.helpers import check_stop_strings, musique_samples, stories_path
 
 NEW = 8
 LIMITS = {  # small limits keep every request (and the schemathesis run) cheap on 2 cores
@@ -39,49 +38,25 @@ LIMITS = {  # small limits keep every request (and the schemathesis run) cheap o
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(data: Path, **env_extra: str):
     """``python -m apps.server`` on a free loopback port with a fresh data directory; yields its base URL."""
-    port = _free_port()
-    env = {**os.environ, **LIMITS, **env_extra, "RAGKV_DATA_DIR": str(data / "data"), "PYTHONPATH": str(REPO)}
-    env.pop("RAGKV_CONFIG", None)
     log_path = data / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "apps.server", "--port", str(port)],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+    try:
+        proc, base = launch_server(
+            {**LIMITS, **env_extra, "RAGKV_DATA_DIR": str(data / "data")}, log_path, 180
         )
-        base = f"http://127.0.0.1:{port}"
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    try:
+        yield base
+    finally:
+        proc.terminate()
         try:
-            deadline = time.time() + 180
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"server exited: {log_path.read_text()[-3000:]}")
-                try:
-                    if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.time() > deadline:
-                    pytest.fail("server did not start in time")
-                time.sleep(0.3)
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
 
 

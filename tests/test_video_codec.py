@@ -11,10 +11,7 @@ import torch
 
 av = pytest.importorskip("av")
 
-from ragkv.store.codecs import get_codec  # noqa: E402
-from ragkv.store.codecs.base import CodecError  # noqa: E402
-from ragkv.store.codecs.video import VideoCodec, backends, container, nvdec  # noqa: E402
-from ragkv.store.codecs.video.adaptive import (  # noqa: E402
+from eval.video_adaptive import (  # noqa: E402
     DecodeProfile,
     TokenBucket,
     VersionProfile,
@@ -22,11 +19,14 @@ from ragkv.store.codecs.video.adaptive import (  # noqa: E402
     profile_decode,
     simulate_fetch,
 )
+from eval.video_search import cached_tiling, search_tiling, tune_tiling  # noqa: E402
+from ragkv.store.codecs import get_codec  # noqa: E402
+from ragkv.store.codecs.base import CodecError  # noqa: E402
+from ragkv.store.codecs.video import VideoCodec, backends, container, nvdec  # noqa: E402
 from ragkv.store.codecs.video.allocate import allocate_layer_steps, predicted_kl  # noqa: E402
 from ragkv.store.codecs.video.layout import Tiling, candidate_tilings, default_tiling  # noqa: E402
 from ragkv.store.codecs.video.order import greedy_chain, pack_orders, unpack_orders  # noqa: E402
 from ragkv.store.codecs.video.quantize import QuantConfig, QuantizeError, quantize, scale_from_code  # noqa: E402
-from ragkv.store.codecs.video.search import cached_tiling, search_tiling, tune_tiling  # noqa: E402
 
 from .helpers import stories_model, stories_path  # noqa: E402
 

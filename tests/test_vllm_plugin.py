@@ -19,21 +19,11 @@ import pytest
 import torch
 
 from integrations.vllm.params import BlendParams, KVParamsError
+from integrations.vllm.rows import blend_rows, blocks_of_rows, plan_rows, slot_mapping
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, selective_prefill
+from ragkv.blend.resolver import PieceSlice
 from ragkv.blend.source import LayerSource
-from ragkv.blend.spans import (
-    ChunkRef,
-    ChunkSpan,
-    PieceSlice,
-    SpanError,
-    blend_rows,
-    blocks_of_rows,
-    check_spans,
-    find_subsequence,
-    locate_chunks,
-    plan_rows,
-    slot_mapping,
-)
+from ragkv.blend.spans import ChunkRef, ChunkSpan, SpanError, check_spans, find_occurrences, locate_chunks
 from ragkv.kv import chunk_key, compute_chunk_kv
 from tests.helpers import stories_model, stories_path
 
@@ -96,12 +86,9 @@ class TestParams:
 
 
 class TestSpans:
-    def test_find_subsequence(self):
+    def test_find_occurrences(self):
         hay = [5, 1, 2, 1, 2, 3, 9]
-        assert find_subsequence(hay, [1, 2, 3]) == 3
-        assert find_subsequence(hay, [1, 2], 2) == 3
-        assert find_subsequence(hay, [4]) is None
-        assert find_subsequence(hay, []) is None
+        assert find_occurrences(hay, [[1, 2, 3], [1, 2], [4], [], None]) == [[3], [1, 3], [], [], []]
 
     def test_locate_in_order(self):
         prompt = [1, 7, 8, 9, 4, 7, 8, 9, 5, 6, 2]

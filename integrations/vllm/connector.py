@@ -51,20 +51,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from integrations.vllm.params import BlendParams, KVParamsError
+from integrations.vllm.rows import RowPlan, blend_rows, blocks_of_rows, plan_rows, slot_mapping
 from ragkv.blend.pipeline import ChunkLoadError, PipelinedSource, StoredChunk
-from ragkv.blend.spans import (
-    MAX_CHUNK_REFS,
-    ChunkSpan,
-    PieceSlice,
-    RowPlan,
-    SpanError,
-    blend_rows,
-    blocks_of_rows,
-    check_spans,
-    locate_chunks,
-    plan_rows,
-    slot_mapping,
-)
+from ragkv.blend.resolver import PieceSlice
+from ragkv.blend.spans import MAX_CHUNK_REFS, ChunkSpan, SpanError, check_spans, locate_chunks
 from ragkv.kv import compute_chunk_kv
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, chunk_key
 

@@ -22,7 +22,6 @@ _LAZY = {
     "HackTailError": "ragkv.attention.hack_paged",
     "PagedLayout": "ragkv.attention.hack_paged",
     "TailPool": "ragkv.attention.hack_paged",
-    "dequant_attention": "ragkv.attention.hack_ref",
     "hack_attention": "ragkv.attention.hack_ref",
 }
 

@@ -310,16 +310,3 @@ def dequant_attention_parts(
         return _gqa_pv(pd, vd)
 
     return _attend(view, q, q_pos, scale, sliding_window, scores, pv)
-
-
-def dequant_attention(
-    view: HackLayerView,
-    q: Tensor,
-    q_pos: Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    qp_bits: int = 8,
-) -> Tensor:
-    """Dequantize-then-attend output ``[n, Hq, D]`` (fp32)."""
-    return dequant_attention_parts(view, q, q_pos, scale, sliding_window=sliding_window, qp_bits=qp_bits).out

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ragkv.attention.hack_quant import HackError, packed_width
+from ragkv.attention.hack_quant import HackError
 from ragkv.attention.hack_ref import HackLayerView
 
 try:  # triton is an optional dependency (extra "gpu"); the CPU reference is used without it
@@ -314,96 +314,6 @@ class HackBatch:
     dense_len: Tensor  # long [B]
     k_shift: Tensor | None  # fp32 [B, Hkv, D]
     q_mul: Tensor | None  # fp32 [B, Hkv, D]
-
-    @classmethod
-    def from_views(cls, views: list[HackLayerView], device: torch.device | str | None = None) -> HackBatch:
-        """Copy per-sequence views into one contiguous pool (sequence b's blocks are consecutive)."""
-        if not views:
-            raise HackError("empty batch")
-        v0 = views[0]
-        for v in views:
-            if (v.bits, v.k_part, v.v_part, v.head_dim, v.num_kv_heads) != (
-                v0.bits,
-                v0.k_part,
-                v0.v_part,
-                v0.head_dim,
-                v0.num_kv_heads,
-            ):
-                raise HackError("all sequences of a batch need the same HACK geometry")
-        dev = torch.device(device) if device is not None else v0.k_packed.device
-        pi, d, hkv = v0.v_part, v0.head_dim, v0.num_kv_heads
-        pw, nkp = packed_width(d, v0.bits), d // v0.k_part
-        nblk = [math.ceil(v.num_quant_k / pi) for v in views]
-        total = max(1, sum(nblk))
-        k_packed = torch.zeros(total, pi, hkv, pw, dtype=torch.uint8, device=dev)
-        k_scale = torch.zeros(total, pi, hkv, nkp, dtype=torch.float16, device=dev)
-        k_min = torch.zeros_like(k_scale)
-        k_sum = torch.zeros(total, pi, hkv, nkp, dtype=v0.k_sum.dtype, device=dev)
-        v_packed = torch.zeros(total, pi, hkv, pw, dtype=torch.uint8, device=dev)
-        v_scale = torch.zeros(total, hkv, d, dtype=torch.float16, device=dev)
-        v_min = torch.zeros_like(v_scale)
-        v_sum = torch.zeros(total, hkv, d, dtype=v0.v_sum.dtype, device=dev)
-        v_tail = torch.zeros(len(views), pi, hkv, d, dtype=torch.float16, device=dev)
-        tdmax = max(1, max(int(v.dense_pos.numel()) for v in views))
-        dense_k = torch.zeros(len(views), tdmax, hkv, d, dtype=torch.float16, device=dev)
-        dense_v = torch.zeros_like(dense_k)
-        bt = torch.zeros(len(views), max(1, max(nblk)), dtype=torch.int32, device=dev)
-        start = 0
-        for b, v in enumerate(views):
-            t = v.num_quant_k
-            kb = slice(start, start + nblk[b])
-
-            def fill(pool: Tensor, rows: Tensor, kb: slice = kb, t: int = t) -> None:
-                flat = pool[kb].reshape(-1, *pool.shape[2:])
-                flat[:t] = rows.to(dev)
-
-            fill(k_packed, v.k_packed)
-            fill(k_scale, v.k_scale)
-            fill(k_min, v.k_min)
-            fill(k_sum, v.k_sum)
-            nq = v.num_v_parts * pi
-            if nq:
-                v_packed[start : start + v.num_v_parts] = v.v_packed.to(dev).view(v.num_v_parts, pi, hkv, pw)
-                v_scale[start : start + v.num_v_parts] = v.v_scale.to(dev)
-                v_min[start : start + v.num_v_parts] = v.v_min.to(dev)
-                v_sum[start : start + v.num_v_parts] = v.v_sum.to(dev)
-            v_tail[b, : v.v_tail.shape[0]] = v.v_tail.to(dev)
-            nd = int(v.dense_pos.numel())
-            dense_k[b, :nd] = v.dense_k.to(dev)
-            dense_v[b, :nd] = v.dense_v.to(dev)
-            bt[b, : nblk[b]] = torch.arange(start, start + nblk[b], dtype=torch.int32, device=dev)
-            start += nblk[b]
-
-        def stack(xs: list[Tensor | None], fill: float) -> Tensor | None:
-            # sequences without K-smoothing statistics (yet) use the identity: shift 0, multiplier 1
-            if all(x is None for x in xs):
-                return None
-            return torch.stack(
-                [torch.full((hkv, d), fill, device=dev) if x is None else x.to(dev) for x in xs]
-            )
-
-        return cls(
-            bits=v0.bits,
-            k_part=v0.k_part,
-            v_part=pi,
-            head_dim=d,
-            block_table=bt,
-            tq=torch.tensor([v.num_quant_k for v in views], dtype=torch.int32, device=dev),
-            k_packed=k_packed,
-            k_scale=k_scale,
-            k_min=k_min,
-            k_sum=k_sum,
-            v_packed=v_packed,
-            v_scale=v_scale,
-            v_min=v_min,
-            v_sum=v_sum,
-            v_tail=v_tail,
-            dense_k=dense_k,
-            dense_v=dense_v,
-            dense_len=torch.tensor([int(v.dense_pos.numel()) for v in views], device=dev),
-            k_shift=stack([v.k_shift for v in views], 0.0),
-            q_mul=stack([v.q_mul for v in views], 1.0),
-        )
 
     @property
     def batch(self) -> int:

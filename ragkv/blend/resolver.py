@@ -19,10 +19,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from ragkv.blend.core import DEFAULT_RATIO, PrefillResult
 from ragkv.blend.locate import ChunkLocator, Located
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory, prefill_with_recovery
-from ragkv.blend.spans import PieceSlice
 from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.kv.compute import compute_chunk_kv
 
@@ -39,6 +40,32 @@ class ChunkNotFoundError(LookupError):
 def store_always(store) -> WritePolicy:
     """A bare model's policy: computed KV goes to its store (a cache its owner manages)."""
     return lambda kv: bool(store.put(kv))
+
+
+class PieceSlice:
+    """Rows ``[lo, hi)`` of a per-layer KV piece (a stored chunk partly covered by the engine's cache)."""
+
+    def __init__(self, piece, lo: int, hi: int):
+        self.piece, self.lo, self.hi = piece, lo, hi
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def token_ids(self) -> list[int]:
+        ids = self.piece.token_ids
+        return [int(t) for t in ids[self.lo : self.hi]]
+
+    @property
+    def key(self) -> str | None:
+        return getattr(self.piece, "key", None)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.piece.layer_kv(layer)
+        if self.lo == 0 and self.hi == k.shape[0]:
+            return k, v
+        return k[self.lo : self.hi], v[self.lo : self.hi]
 
 
 class Resolved(list):

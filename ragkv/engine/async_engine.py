@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from ragkv.engine.engine import Engine, EngineConfig
-from ragkv.engine.request import Request, RequestFailedError, RequestOutput
+from ragkv.engine.request import Request, RequestOutput
 from ragkv.generate import TokenEvent
 
 
@@ -26,11 +26,7 @@ class AsyncRequestHandle:
     async def stream(self) -> AsyncIterator[TokenEvent]:
         while True:
             ev = await self._queue.get()
-            if isinstance(ev, RequestOutput):
-                if ev.finish_reason == "error":
-                    raise RequestFailedError(
-                        f"request {ev.request_id} failed: {ev.error}"
-                    ) from self.request.error
+            if self.request.ends_stream(ev):
                 return
             yield ev
 

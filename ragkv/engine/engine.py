@@ -63,11 +63,7 @@ class EngineConfig:
     share_prefix_blocks: bool = True
     bff: FusionConfig | None = None
     cff: FusionConfig | None = None
-    bff_short_first: bool = False  # Remark 1: put requests with fewer blocks on the left of the tree
-    fetch_workers: int = 1
     compute_missing: bool = True
-    chunk_cache_bytes: int = 1 << 30
-    prefix_cache_bytes: int = 256 << 20
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -112,9 +108,9 @@ class Engine:
         self.scheduler = Scheduler(cfg.scheduler, self.pool.manager, cfg.block_size, c.num_layers)
         #: chunk KV: the owner's resolver (a RAG's writes back only what its index holds), else one
         #: over ``store`` that stores what it computes
-        self.resolver = resolver or ChunkResolver(model, store, cache_bytes=cfg.chunk_cache_bytes)
-        self.fetcher = KVFetcher(self.resolver, cfg.fetch_workers, cfg.compute_missing)
-        self.prefix_cache = PrefixCache(max_bytes=cfg.prefix_cache_bytes)
+        self.resolver = resolver or ChunkResolver(model, store)
+        self.fetcher = KVFetcher(self.resolver, cfg.compute_missing)
+        self.prefix_cache = PrefixCache(max_bytes=256 << 20)
         self.bff_stats = FusionStats("bff")
         self.cff_stats = FusionStats("cff")
         self._salt = f"{model.fingerprint}|{cfg.attention}"
@@ -201,7 +197,7 @@ class Engine:
     def submit(self, prefix=(), chunks=(), question=(), params=None, **kw) -> RequestHandle:
         """Queue a request ``prefix + chunks + question`` and return its handle (stream / result / cancel).
 
-        ``chunks`` items: text (tokenized), token-id lists, :class:`~ragkv.engine.provider.ChunkRef`
+        ``chunks`` items: text (tokenized), token-id lists, :class:`~ragkv.blend.spans.ChunkRef`
         of stored chunks, or ``ChunkKV``. Raises ``EngineBusyError``, ``PromptTooLongError``,
         ``RequestTooLargeError``, ``UnknownModeError`` or ``ValueError`` without queueing anything.
         """
@@ -416,10 +412,7 @@ class Engine:
         self._group = [r for r in self._group if r.finish_reason is None]
         idle = self.scheduler.num_queued == 0 and not self._inbox
         if len(self._group) >= bff.every or (transition and idle and len(self._group) >= bff.min_group):
-            group = self._group
-            if self.config.bff_short_first:
-                group = sorted(group, key=lambda r: r.seq.length)
-            joint.bff(self.pool, [r.seq for r in group], bff, self.bff_stats)
+            joint.bff(self.pool, [r.seq for r in self._group], bff, self.bff_stats)
             self._seal(self._group)
             self._group = []
         elif transition and idle and self.pool.hack is not None:

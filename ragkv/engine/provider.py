@@ -5,8 +5,9 @@ A request names each retrieved chunk by one of:
 
 * a token-id list: its KV is looked up by content key (memory, then the store) and computed when
   missing (``compute_missing``), then stored;
-* a :class:`ChunkRef` of a chunk already in the store: its token ids and KV
-  come from the store; a miss is an error (there is nothing to recompute from);
+* a :class:`~ragkv.blend.spans.ChunkRef` of a chunk already in the store (by ``key``; a span it
+  may carry is not used here): its token ids and KV come from the store; a miss is an error (there
+  is nothing to recompute from);
 * a :class:`~ragkv.kv.ChunkKV` already in hand.
 
 ``ready_now`` answers without I/O; everything else goes through ``fetch``, which the engine runs on
@@ -17,21 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from ragkv.blend.resolver import ChunkNotFoundError, ChunkResolver
+from ragkv.blend.spans import ChunkRef
 from ragkv.kv.chunk import ChunkKV
 
 __all__ = ["ChunkNotFoundError", "ChunkRef", "KVFetcher", "as_tokens", "normalize_item"]
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    """A chunk stored under ``key`` (``ChunkKV.key``) in the engine's chunk store."""
-
-    key: str
 
 
 def as_tokens(item) -> list[int] | None:
@@ -59,14 +53,12 @@ def normalize_item(item):
 
 class KVFetcher:
     """Background fetching (KVFetcher §3.3.1) of the engine's chunk KV through its owner's
-    :class:`~ragkv.blend.resolver.ChunkResolver`: a standalone thread pool, FCFS over requests."""
+    :class:`~ragkv.blend.resolver.ChunkResolver`: a standalone thread, FCFS over requests."""
 
-    def __init__(self, resolver: ChunkResolver, workers: int = 1, compute_missing: bool = True):
-        if workers < 1:
-            raise ValueError("fetch workers must be >= 1")
+    def __init__(self, resolver: ChunkResolver, compute_missing: bool = True):
         self.resolver = resolver
         self.compute_missing = compute_missing
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragkv-fetch")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-fetch")
 
     def _key(self, item) -> str:
         return item.key if isinstance(item, ChunkRef) else self.resolver.key(item)

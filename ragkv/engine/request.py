@@ -98,6 +98,15 @@ class Request:
         if self.sink is not None:
             self.sink(event)
 
+    def ends_stream(self, ev) -> bool:
+        """Whether ``ev`` (a token event or this request's output) ends its stream; raises
+        :class:`RequestFailedError` when the output says it failed."""
+        if not isinstance(ev, RequestOutput):
+            return False
+        if ev.finish_reason == "error":
+            raise RequestFailedError(f"request {ev.request_id} failed: {ev.error}") from self.error
+        return True
+
     def output(self) -> RequestOutput:
         return RequestOutput(
             self.request_id,
@@ -151,11 +160,7 @@ class RequestHandle:
         ``poll()`` runs while waiting (every 50 ms at most): a cancellation check may raise from it."""
         while True:
             ev = self._next(timeout, poll)
-            if isinstance(ev, RequestOutput):
-                if ev.finish_reason == "error":
-                    raise RequestFailedError(
-                        f"request {ev.request_id} failed: {ev.error}"
-                    ) from self.request.error
+            if self.request.ends_stream(ev):
                 return
             yield ev
 

@@ -8,10 +8,10 @@ in *which rows go on* (an optional row selector, CacheBlend's HKVD):
   the rows' own K/V, causal;
 * generate's decode (:func:`ragkv.generate.decode_step`): a dense or HACK
   :class:`~ragkv.attention.kvcache.KVCache`;
-* the static (CUDA-graph) decoder (:class:`ragkv.model.static_decode.StaticDecoder`): fixed buffers;
+* the static (CUDA-graph) decoder of the GPU benchmark (``eval/static_decode.py``): fixed buffers;
 * the engine's batched decode (:func:`ragkv.engine.paged_cache.batched_decode_step`): paged blocks;
 * every prefill mode, CacheBlend included (:func:`ragkv.blend.core.selective_prefill`), and the
-  vLLM hook's layer replay (:func:`ragkv.blend.spans.blend_rows`): a
+  vLLM hook's layer replay (``integrations/vllm/rows.py``'s ``blend_rows``): a
   :class:`~ragkv.blend.core.BlendKV` (stored, engine-held and computed rows) whose ``select`` is
   HKVD, both through :func:`ragkv.blend.core.blend_layers`.
 

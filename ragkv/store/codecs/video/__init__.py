@@ -5,7 +5,7 @@ See docs/VIDEO_CODEC.md for the format, the layout and the measurements behind t
 """
 
 from ragkv.store.codecs.base import register_codec
-from ragkv.store.codecs.video.codec import DEFAULT_VERSIONS, VideoCodec, iter_decode_groups
+from ragkv.store.codecs.video.codec import DEFAULT_VERSIONS, VideoCodec
 from ragkv.store.codecs.video.hevc_cpu import HAVE_PYAV, HevcError
 from ragkv.store.codecs.video.layout import FrameLayout, Tiling, candidate_tilings, default_tiling
 from ragkv.store.codecs.video.quantize import QuantConfig, QuantizeError, quantize
@@ -25,6 +25,5 @@ __all__ = [
     "VideoCodec",
     "candidate_tilings",
     "default_tiling",
-    "iter_decode_groups",
     "quantize",
 ]

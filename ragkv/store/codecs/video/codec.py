@@ -586,19 +586,6 @@ class VideoCodec(KVCodec):
         return stats, np.ascontiguousarray(_expand_orders(stored, hdr.order, g, t))
 
 
-def iter_decode_groups(
-    codec: VideoCodec,
-    segments: Iterable[bytes | memoryview],
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Decode a chunk's segments one layer group at a time: yields ``(layer_start, k, v)`` as each finishes."""
-    for data in segments:
-        hdr = codec.header(data)
-        k, v = codec.decode(data, device=device, dtype=dtype)
-        yield hdr.layer_start, k, v
-
-
 _NVENC_NOTED: set[str] = set()
 
 

@@ -1,0 +1,68 @@
+"""Small helpers the benchmarks (and the server tests) share: a median wall time, a free loopback
+port, and the HTTP service started on one."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def median_time(fn, runs: int) -> float:
+    """Median seconds of ``runs`` calls of ``fn`` after one warm-up call."""
+    fn()  # warm-up
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (for a server the benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(
+    env: dict[str, str], log_path: Path, timeout_s: float = 300
+) -> tuple[subprocess.Popen, str]:
+    """``python -m apps.server`` on a free loopback port, with ``env`` (``RAGKV_*`` settings) over this
+    process's environment (a ``RAGKV_CONFIG`` file is not used) and its output in ``log_path``.
+
+    Returns (process, base URL) once ``/healthz`` answers; RuntimeError (with the log's tail) if the
+    server exits first or is not up within ``timeout_s``."""
+    import httpx
+
+    port = free_port()
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    full_env.pop("RAGKV_CONFIG", None)
+    with open(log_path, "w") as log:  # the child has its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "apps.server", "--port", str(port)],
+            cwd=REPO,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"server did not start within {timeout_s:g} s:\n{log_path.read_text()[-3000:]}")
