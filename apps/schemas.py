@@ -54,8 +54,9 @@ class IngestResponse(BaseModel):
     chunks_added: int
     kv_computed: int
     kv_not_stored: int = Field(
-        0, description="chunk KV computed but not stored (store full or down, disk full): the documents are "
-        "indexed and answerable, and the KV is recomputed when used"
+        0,
+        description="chunk KV computed but not stored (store full or down, disk full): the documents are "
+        "indexed and answerable, and the KV is recomputed when used",
     )
     seconds: float
 

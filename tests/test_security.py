@@ -368,16 +368,15 @@ def test_duplicate_refs_read_each_header_once_and_locate_in_linear_time(tmp_path
 
 def test_chunk_search_and_recompute_stop_when_cancelled(tmp_path):
     """Finding: a request's chunk work was not stopped by a disconnect. Inside a cancel scope that
-    says stop, prefill_stored_spans raises SearchCancelled before computing anything."""
-    from ragkv.blend.resolver import ChunkResolver
-    from ragkv.blend.spans import ChunkRef, SearchCancelled, cancel_scope, prefill_stored_spans
+    says stop, the chunk search of ``/v1/completions`` raises SearchCancelled before reading anything."""
+    from ragkv.blend.spans import ChunkRef, SearchCancelled, cancel_scope, request_spans
     from tests.helpers import stories_model
 
     model = stories_model()
     store = LocalDirStore(tmp_path)
     refs = [ChunkRef(f"{i:064x}") for i in range(50)]
     with cancel_scope(lambda: True), pytest.raises(SearchCancelled):
-        prefill_stored_spans(ChunkResolver(model, store), [1, 2, 3, 4], refs)
+        request_spans([1, 2, 3, 4], refs, store, model.fingerprint)
     assert store.stats()["bytes_read"] == 0
 
 

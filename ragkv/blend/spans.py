@@ -1,4 +1,4 @@
-"""Span planning: which rows of a prompt are which stored chunk, and the in-process prefill of such a prompt.
+"""Span planning: which rows of a prompt are which stored chunk.
 
 * Chunk references (:class:`ChunkRef`: a store key and, when known, a span). The wire formats that
   carry them are parsed at the edges (vLLM's ``kv_transfer_params`` in ``integrations/vllm/params.py``,
@@ -6,7 +6,9 @@
 * Chunk spans: where each chunk sits in the prompt's token ids (given, or found by content in one
   linear pass: :func:`find_occurrences`, :func:`locate_chunks`), checked by :func:`check_spans` and
   gathered for a request by :func:`request_spans`.
-* :func:`prefill_stored_spans`: the prompt prefilled in process with those rows taken from the store.
+
+The prefill of such a prompt is the RAG's generator's (:mod:`ragkv.rag.generation`, through the
+chunk resolver's ``pieces``), whatever generates.
 
 A paged engine's row plan and block addressing are the vLLM connector's (``integrations/vllm/rows.py``).
 """
@@ -18,10 +20,7 @@ import contextlib
 import secrets
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-
-from ragkv.blend.core import BlendSchedule
-from ragkv.kv.chunk import ChunkKV
+from dataclasses import dataclass
 
 
 class SpanError(ValueError):
@@ -71,7 +70,7 @@ _CANCEL: ContextVar[Callable[[], bool] | None] = ContextVar("ragkv_span_cancel",
 
 @contextlib.contextmanager
 def cancel_scope(cancelled: Callable[[], bool]):
-    """Within this block (same thread), :func:`prefill_stored_spans` and :func:`find_occurrences`
+    """Within this block (same thread), :func:`request_spans`, :func:`find_occurrences`
     raise :class:`SearchCancelled` at their next step once ``cancelled()`` is true."""
     token = _CANCEL.set(cancelled)
     try:
@@ -198,26 +197,6 @@ def check_spans(spans: Sequence[ChunkSpan], prompt_len: int) -> list[ChunkSpan]:
 
 
 # ---- in-process prefill of a prompt whose spans are stored chunks ------------------------------------
-@dataclass
-class SpanPrefill:
-    """What :func:`prefill_stored_spans` did: the prefill result and what happened to each chunk."""
-
-    result: object  # ragkv.blend.core.PrefillResult
-    spans: list[ChunkSpan]
-    kv_hits: int = 0  # chunks whose stored KV was used
-    kv_misses: int = 0  # absent, of another model / text, or not found in the prompt: computed alone
-    kv_recomputed_bad: int = 0  # stored KV that failed to load mid-prefill (corrupt, store down)
-    computed: list[ChunkKV] = field(default_factory=list)  # KV computed here (to save when asked)
-
-    def stats(self) -> dict:
-        return {
-            **self.result.stats,
-            "kv_hits": self.kv_hits,
-            "kv_misses": self.kv_misses,
-            "kv_recomputed_bad": self.kv_recomputed_bad,
-        }
-
-
 def request_spans(
     prompt_ids: Sequence[int], chunks: Sequence[ChunkRef], store, fingerprint: str
 ) -> list[ChunkSpan]:
@@ -256,66 +235,3 @@ def expect_model(store, model) -> None:
     expect = getattr(store, "expect_geometry", None)
     if expect is not None:
         expect(model.fingerprint, KVGeometry.of(model.config))
-
-
-def prefill_stored_spans(
-    resolver,
-    prompt_ids: Sequence[int],
-    chunks: Sequence[ChunkRef],
-    schedule: BlendSchedule | None = None,
-    *,
-    mode: str = "blend",
-    prefix_cache=None,
-) -> SpanPrefill:
-    """Prefill ``prompt_ids`` in process, taking the rows of ``chunks`` from ``resolver``'s store.
-
-    The in-process counterpart of the vLLM connector, with ragkv's own recovery
-    (:class:`ragkv.blend.resolver.ChunkResolver`): a chunk is reused only if its key is
-    ``chunk_key(its prompt tokens, model fingerprint)`` and its stored header has that fingerprint and
-    those tokens; otherwise, or when a layer fails to load, its KV is computed alone (chunk
-    convention) and used instead (listed in ``computed``; nothing is written back here: the caller
-    decides, e.g. :meth:`ChunkResolver.save`). Text before, between and after the chunks is
-    computed. Inside a :func:`cancel_scope` it stops with :class:`SearchCancelled` between chunks once
-    the caller gives up. ``mode`` is "blend" (HKVD with ``schedule``, default :class:`BlendSchedule`)
-    or "reuse" (stored KV as is). No chunks: a full prefill.
-    """
-    from ragkv.blend.locate import Located  # it builds on this module's hashing
-    from ragkv.blend.prefill import prefill
-
-    model = resolver.model
-    ids = [int(t) for t in prompt_ids]
-    if not ids:
-        raise ValueError("empty prompt")
-    if mode not in ("blend", "reuse"):
-        raise ValueError(f"mode must be 'blend' or 'reuse', got {mode!r}")
-    if not chunks:
-        res = prefill(model, ids, [], [], "full", prefix_cache=prefix_cache)
-        return SpanPrefill(res, [])
-    expect_model(resolver.store, model)
-    spans = request_spans(ids, chunks, resolver.store, model.fingerprint)
-    if not spans:  # none of the key-only chunks is in the prompt: nothing to reuse
-        res = prefill(model, ids, [], [], "full", prefix_cache=prefix_cache)
-        return SpanPrefill(res, [], kv_misses=len(chunks))
-    found = [Located(s.key, tuple(ids[s.start : s.stop]), s.start, 0, s.stop - s.start) for s in spans]
-    prefix, items, suffix = resolver.pieces(ids, found, write_back=False, check=check_cancelled)
-    out = SpanPrefill(None, spans, kv_misses=len(chunks) - items.hits)
-
-    def recompute(_toks: list[int]) -> None:
-        check_cancelled()
-        out.kv_recomputed_bad += 1
-
-    schedule = (schedule or BlendSchedule()) if mode == "blend" else None
-    out.result = resolver.prefill(
-        prefix,
-        items,
-        suffix,
-        mode,
-        schedule.target_ratio if schedule is not None else 0.0,
-        write_back=False,
-        on_recompute=recompute,
-        schedule=schedule,
-        prefix_cache=prefix_cache,
-    )
-    out.kv_hits, out.computed = items.hits, items.computed
-    out.result.stats["num_chunks"] = len(spans)  # text between chunks is not a chunk
-    return out
