@@ -12,14 +12,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from eval.harness import free_port
+
 REDIS_BIN = shutil.which("redis-server")
 NO_REDIS_REASON = "redis-server binary not found on PATH (install it, e.g. `apt-get install redis-server`)"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
@@ -28,7 +24,7 @@ class RedisServer:
     def __init__(self, port: int | None = None) -> None:
         if REDIS_BIN is None:
             pytest.skip(NO_REDIS_REASON)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="ragkv-redis-")
         self.proc: subprocess.Popen | None = None
         self.start()

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from eval.harness import free_port
 from integrations.common import format_docs
 from integrations.vllm.client import (
     VllmClient,
@@ -30,7 +31,7 @@ from ragkv import LLM, compute_chunk_kv
 from ragkv.generate import TokenEvent
 from ragkv.rag import RAG, Embedder, RagAnswer
 from tests.helpers import REPO, musique_samples, stories_model
-from tests.test_server import LIMITS, _free_port
+from tests.test_server import LIMITS
 
 NEW = 8
 
@@ -40,7 +41,7 @@ class Server:
 
     def __init__(self, folder: Path, **env: str):
         folder.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = folder / "server.log"
         full = {
@@ -357,7 +358,7 @@ def test_app_with_vllm_backend_serves_query(servers, rag, samples):
 
 def test_server_down_is_a_typed_error_and_503(servers, rag, samples):
     dead = rag.using(
-        VllmGenerator(VllmClient(f"http://127.0.0.1:{_free_port()}", model="m", connect_timeout=2))
+        VllmGenerator(VllmClient(f"http://127.0.0.1:{free_port()}", model="m", connect_timeout=2))
     )
     with pytest.raises(VllmUnavailableError):
         dead.answer(samples[0]["question"], max_new_tokens=2)

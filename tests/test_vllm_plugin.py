@@ -12,12 +12,12 @@ import importlib.util
 import inspect
 import os
 import pickle
-import socket
 import sys
 
 import pytest
 import torch
 
+from eval.harness import free_port
 from integrations.vllm.params import BlendParams, KVParamsError
 from integrations.vllm.rows import blend_rows, blocks_of_rows, plan_rows, slot_mapping
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, selective_prefill
@@ -435,12 +435,6 @@ class TestVllmContract:
 
 
 # ---- vLLM model and connector on CPU ----------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory):
     """A real vLLM LlamaForCausalLM of stories260k on CPU (fp32), and a VllmConfig with our connector."""
@@ -480,7 +474,7 @@ def vllm_env(tmp_path_factory):
             world_size=1,
             rank=0,
             local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
             backend="gloo",
         )
         initialize_model_parallel(1, 1)
