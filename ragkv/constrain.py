@@ -92,6 +92,8 @@ def compile_schema(schema: Any) -> str:
         raise ConstraintError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
     try:
         text = json.dumps(schema)
+    except RecursionError:
+        raise ConstraintError("the JSON schema is nested too deeply") from None
     except (TypeError, ValueError) as e:
         raise ConstraintError(f"the JSON schema is not JSON: {e}") from None
     llg = _llguidance()
@@ -99,6 +101,8 @@ def compile_schema(schema: Any) -> str:
         grammar = llg.LLMatcher.grammar_from_json_schema(
             json.dumps(close_objects(json.loads(text))), defaults=JSON_OPTIONS
         )
+    except RecursionError:
+        raise ConstraintError("the JSON schema is nested too deeply") from None
     except (ValueError, RuntimeError) as e:
         raise ConstraintError(f"invalid JSON schema: {e}") from None
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
