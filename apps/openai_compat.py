@@ -34,12 +34,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from apps.config import Settings
-from apps.schemas import MAX_INT
+from apps.schemas import MAX_INT, MAX_TOP_LOGPROBS, ResponseFormat
 from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
 from apps.service import ServiceError
 from ragkv.blend import DEFAULT_RATIO, BlendSchedule
 from ragkv.blend.locate import Located
 from ragkv.blend.spans import ChunkRef, SpanError, expect_model, request_spans
+from ragkv.constrain import ConstraintError, JsonConstraint, json_constraint, token_bytes
 from ragkv.defaults import COMPLETIONS_MAX_TOKENS, COMPLETIONS_TEMPERATURE
 from ragkv.generate import SamplingParams, TokenEvent, request_params
 from ragkv.rag.generation import Generated
@@ -129,7 +130,15 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
         n: _only(1) | None = Field(None, description="only 1")
         best_of: _only(1) | None = Field(None, description="only 1")
         echo: _only(False) | None = Field(None, description="not supported")
-        logprobs: _refused("logprobs are") = Field(None, description="not supported")
+        logprobs: int | None = Field(
+            None,
+            ge=0,
+            le=MAX_TOP_LOGPROBS,
+            description="each token's log-probability and this many alternatives",
+        )
+        response_format: ResponseFormat | None = Field(
+            None, description="text, json_object or json_schema: the completion is JSON (matching the schema)"
+        )
         suffix: _refused("suffix is") = Field(None, description="not supported")
         presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
         frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0")
@@ -241,7 +250,9 @@ def blend_params(raw: Any) -> BlendRequest | None:
 
 def sampling(req, model) -> SamplingParams:
     """ragkv sampling of an OpenAI request (OpenAI's defaults: temperature 1, top_p 1, 16 tokens);
-    ``stop_token_ids`` stop in addition to the model's EOS, as in vLLM."""
+    ``stop_token_ids`` stop in addition to the model's EOS, as in vLLM; ``response_format`` and
+    ``logprobs`` as the library takes them (400 naming them when refused)."""
+    constraint = response_constraint(req.response_format, req.stop)
     return request_params(
         req.max_tokens,
         req.temperature,
@@ -250,6 +261,8 @@ def sampling(req, model) -> SamplingParams:
         req.seed,
         req.stop,
         req.stop_token_ids or None,
+        constraint=constraint,
+        logprobs=req.logprobs,
         default_max_tokens=COMPLETIONS_MAX_TOKENS,
         default_temperature=COMPLETIONS_TEMPERATURE,
         eos_token_ids=model.config.eos_token_ids,
@@ -265,6 +278,8 @@ class Done:
     prompt_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
+    #: the token events (with their log-probabilities) when the request asked for logprobs
+    events: list[TokenEvent] = field(default_factory=list)
 
     @property
     def usage(self) -> dict:
@@ -303,8 +318,11 @@ def completion_events(
         write_back=False,
         save=bool(blend is not None and blend.save),
     )
+    events: list[TokenEvent] = []  # kept for the response's logprobs
     for item in rag.generate(job):
         if not isinstance(item, Generated):
+            if item.is_token and params.logprobs is not None:
+                events.append(item)
             yield item
             continue
         stats = dict(item.stats)
@@ -319,19 +337,23 @@ def completion_events(
             ids,
             item.finish_reason,
             jsonable_encoder({k: stats[k] for k in STAT_KEYS if k in stats}),
+            events,
         )
 
 
-def _choice(text: str, finish: str | None, token_ids: list[int] | None) -> dict:
-    c: dict = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+def _choice(text: str, finish: str | None, token_ids: list[int] | None, logprobs: dict | None = None) -> dict:
+    c: dict = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": None}
     if token_ids is not None:
         c["token_ids"] = token_ids
     return c
 
 
-def completion_response(cid: str, created: int, model: str, done: Done, return_token_ids: bool) -> dict:
-    """vLLM's ``CompletionResponse`` of a finished completion (plus ``ragkv``: reuse statistics)."""
-    choice = _choice(done.text, done.finish_reason, done.token_ids if return_token_ids else None)
+def completion_response(
+    cid: str, created: int, model: str, done: Done, return_token_ids: bool, logprobs: dict | None = None
+) -> dict:
+    """vLLM's ``CompletionResponse`` of a finished completion (plus ``ragkv``: reuse statistics);
+    ``logprobs``: :func:`completion_logprobs` of its tokens when asked for."""
+    choice = _choice(done.text, done.finish_reason, done.token_ids if return_token_ids else None, logprobs)
     if return_token_ids:
         choice["prompt_token_ids"] = done.prompt_ids
     return {
@@ -353,6 +375,7 @@ def completion_chunk(
     text: str,
     finish: str | None = None,
     token_ids: list[int] | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     """vLLM's ``CompletionStreamResponse`` with one choice."""
     return {
@@ -360,7 +383,7 @@ def completion_chunk(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [_choice(text, finish, token_ids)],
+        "choices": [_choice(text, finish, token_ids, logprobs)],
     }
 
 
@@ -416,7 +439,7 @@ OPENAI_ERRORS: dict[int | str, dict] = {
         408: "the request body arrived too slowly",
         413: "request body too large",
         429: "busy: the queue is full, retry later",
-        502: "backend 'vllm': the vLLM server answered with an error",
+        502: "generation 'vllm': the vLLM server answered with an error",
         503: "waited too long for a worker, shutting down, or vLLM down",
     }.items()
 }
@@ -530,24 +553,96 @@ def unsupported(param: str, message: str) -> RequestValidationError:
     )
 
 
+def invalid_value(param: str, message: str) -> RequestValidationError:
+    """A 400 naming ``param`` with OpenAI's ``invalid_value`` code."""
+    return RequestValidationError(
+        [{"type": "value_error", "loc": ("body", param), "msg": message, "input": None}]
+    )
+
+
 def check_chat_options(req) -> None:
-    """Refuse the chat options ragkv does not serve: ``tools`` / ``tool_choice`` (no tool calling),
-    ``response_format`` other than text (no constrained decoding), ``logprobs`` / ``top_logprobs``."""
+    """Refuse the chat options ragkv does not serve: ``tools`` / ``tool_choice`` (no tool calling)."""
     if getattr(req, "tools", None):
         raise unsupported("tools", "tool calling is not supported by this server; send no tools")
     choice = getattr(req, "tool_choice", None)
     if choice not in (None, "none"):
         raise unsupported("tool_choice", 'tool calling is not supported; tool_choice may only be "none"')
+
+
+def check_generation_options(req, generation: str) -> None:
+    """Structured output and logprobs are computed where tokens are sampled: in this process (threads
+    or the engine), not on a vLLM server (the client does not forward them), so with generation
+    'vllm' they are refused, never ignored."""
+    if generation != "vllm":
+        return
     fmt = getattr(req, "response_format", None)
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1):
-        raise unsupported(
-            "response_format",
-            'structured output is not supported; response_format may only be {"type": "text"}',
-        )
-    if getattr(req, "logprobs", None):
-        raise unsupported("logprobs", "logprobs are not supported by this server; send logprobs: false")
-    if getattr(req, "top_logprobs", None):
-        raise unsupported("top_logprobs", "logprobs are not supported by this server; send no top_logprobs")
+    if fmt is not None and fmt.type != "text":
+        raise unsupported("response_format", "structured output is not available with generation 'vllm'")
+    if getattr(req, "logprobs", None) or getattr(req, "top_logprobs", None) is not None:
+        raise unsupported("logprobs", "logprobs are not available with generation 'vllm'")
+
+
+def response_constraint(fmt, stop=None) -> JsonConstraint | None:
+    """The constraint of a ``response_format`` (None for text). An invalid or unsupported schema, or
+    stop strings beside it (they would cut the JSON), is a 400 naming the parameter."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if stop:
+        raise invalid_value("stop", "stop sequences cannot be combined with a JSON response_format")
+    try:
+        if fmt.type == "json_object":
+            return json_constraint()
+        return json_constraint(fmt.json_schema.schema_)
+    except ConstraintError as e:
+        raise invalid_value("response_format", str(e)) from None
+
+
+def chat_logprobs(req) -> int | None:
+    """The number of alternatives per token a chat request asks for (None: no logprobs); 400 for
+    ``top_logprobs`` without ``logprobs: true``, as OpenAI answers."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid_value("top_logprobs", "top_logprobs needs logprobs: true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _token_text(model, token_id: int) -> tuple[str, list[int]]:
+    """A token's text and its bytes (a token may hold part of a character: its text has U+FFFD there)."""
+    raw = token_bytes(model, token_id)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprob_content(model, events: list[TokenEvent]) -> list[dict]:
+    """OpenAI's ``logprobs.content`` of token events: ``{token, logprob, bytes, top_logprobs}``."""
+    out = []
+    for ev in events:
+        if ev.logprob is None:
+            continue
+        token, raw = _token_text(model, ev.token_id)
+        top = []
+        for tid, lp in ev.top_logprobs or ():
+            t, b = _token_text(model, tid)
+            top.append({"token": t, "logprob": lp, "bytes": b})
+        out.append({"token": token, "logprob": ev.logprob, "bytes": raw, "top_logprobs": top})
+    return out
+
+
+def completion_logprobs(model, events: list[TokenEvent], offset: int = 0) -> dict:
+    """The legacy ``logprobs`` of ``/v1/completions`` (vLLM's): ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (token text -> logprob; the chosen token included) and ``text_offset`` (each token's
+    start in the completion text, from ``offset``: the text already streamed)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for ev in events:
+        if ev.logprob is None:
+            continue
+        token = _token_text(model, ev.token_id)[0]
+        top = {_token_text(model, tid)[0]: lp for tid, lp in ev.top_logprobs or ()}
+        top.setdefault(token, ev.logprob)
+        tokens.append(token)
+        lps.append(ev.logprob)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def cached_tokens(stats: dict) -> int | None:

@@ -149,6 +149,65 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# ---- structured output and log-probabilities (OpenAI's shapes) -------------------------------------
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    """Any JSON object (OpenAI's JSON mode)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    """``response_format.json_schema``: the schema the output must match (checked when the request
+    arrives: an invalid or unsupported schema is a 400 naming ``response_format``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="a JSON schema (default: any object)"
+    )
+    strict: bool | None = Field(
+        None, description="accepted; the output always matches the schema (unsupported keywords are refused)"
+    )
+
+
+class JsonSchemaFormat(BaseModel):
+    """Output matching a JSON schema (OpenAI's Structured Outputs)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+#: ``response_format`` of the chat and completions routes
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+#: most ``top_logprobs`` (chat) / ``logprobs`` (completions) a request may ask for
+MAX_TOP_LOGPROBS = 20
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """``choices[].logprobs`` of a chat completion: one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -157,6 +216,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -293,12 +353,19 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         seed: int | None = Field(None, ge=0, le=MAX_INT)
         user: str | None = Field(None, max_length=256)
         ragkv: RagkvOptions | None = None
+        response_format: ResponseFormat | None = Field(
+            None, description="text, json_object (any JSON object) or json_schema (JSON matching the schema)"
+        )
+        logprobs: bool | None = Field(None, description="each output token's log-probability")
+        top_logprobs: int | None = Field(
+            None,
+            ge=0,
+            le=MAX_TOP_LOGPROBS,
+            description="the most likely tokens at each position (needs logprobs)",
+        )
         # OpenAI options ragkv does not serve: declared so that they are refused (400), not ignored
         tools: list[Any] | None = Field(None, description="not supported: only null or []")
         tool_choice: Any = Field(None, description='not supported: only null or "none"')
-        response_format: Any = Field(None, description='only {"type": "text"}')
-        logprobs: bool | None = Field(None, description="not supported: only false")
-        top_logprobs: int | None = Field(None, description="not supported: only 0")
 
         @field_validator("stop")
         @classmethod

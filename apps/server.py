@@ -69,7 +69,10 @@ ERRORS = {
     415: {"model": sc.ErrorResponse, "description": "a POST body not declared JSON (or NDJSON for uploads)"},
     422: {"model": sc.ErrorResponse, "description": "invalid input"},
     429: {"model": sc.ErrorResponse, "description": "busy: the queue is full, retry later"},
-    502: {"model": sc.ErrorResponse, "description": "backend 'vllm': the vLLM server answered with an error"},
+    502: {
+        "model": sc.ErrorResponse,
+        "description": "generation 'vllm': the vLLM server answered with an error",
+    },
     503: {
         "model": sc.ErrorResponse,
         "description": "waited too long for a worker, shutting down, or vLLM down",
@@ -439,6 +442,20 @@ def _sse(data: dict | str, event: str | None = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
 
 
+async def _answer_events(svc: Service, spec: QuerySpec, disconnected) -> tuple[str, Final, list]:
+    """``svc.answer`` keeping the token events (their log-probabilities): text, :class:`Final`, events."""
+    parts, events, final = [], [], None
+    async for item in svc.stream(spec, disconnected):
+        if isinstance(item, Final):
+            final = item
+        else:
+            parts.append(item.text)
+            if item.is_token:
+                events.append(item)
+    assert final is not None
+    return "".join(parts), final, events
+
+
 async def _start_stream(it: AsyncIterator) -> tuple[object | None, bool]:
     """The first item of a stream (errors surface here, before any byte is sent) and whether there is one."""
     try:
@@ -562,9 +579,18 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     can_read = [Depends(auth_dependency(settings, "read"))] if keys else []
     caller_scope = auth_dependency(settings, "read") if keys else _open_scope
 
-    def sampling(max_tokens, temperature, top_p, seed, stop) -> SamplingParams:
+    def sampling(
+        max_tokens, temperature, top_p, seed, stop, constraint=None, logprobs=None
+    ) -> SamplingParams:
         return request_params(
-            max_tokens, temperature, top_p, seed=seed, stop=stop, default_max_tokens=settings.max_new_tokens
+            max_tokens,
+            temperature,
+            top_p,
+            seed=seed,
+            stop=stop,
+            constraint=constraint,
+            logprobs=logprobs,
+            default_max_tokens=settings.max_new_tokens,
         )
 
     # -- documents
@@ -719,7 +745,10 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     async def chat_completions(req: S.ChatCompletionRequest, request: Request):
         """The last user message is the question (earlier turns are prepended to it). Retrieval is
         automatic unless ``ragkv.chunk_ids`` names the chunks or ``ragkv.retrieve`` is false."""
-        oc.check_chat_options(req)  # tools, response_format, logprobs: refused (400), never ignored
+        oc.check_chat_options(req)  # tools: refused (400), never ignored
+        oc.check_generation_options(req, settings.generation)
+        constraint = oc.response_constraint(req.response_format, req.stop)  # 400 for a refused schema
+        logprobs = oc.chat_logprobs(req)
         pairs = [(m.role, m.text()) for m in req.messages]
         if not any(r == "user" and t.strip() for r, t in pairs):
             raise InvalidRequestError("messages must contain a user message with text")
@@ -728,13 +757,26 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
             raise InvalidRequestError(f"conversation longer than {settings.max_question_chars} characters")
         o = req.ragkv or S.RagkvOptions()
         params = sampling(
-            req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.seed, req.stop
+            req.max_completion_tokens or req.max_tokens,
+            req.temperature,
+            req.top_p,
+            req.seed,
+            req.stop,
+            constraint,
+            logprobs,
         )
         spec = QuerySpec(question, o.chunk_ids, o.retrieve, o.top_k, o.mode, o.ratio, params)
         cid = "chatcmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
+
+        def logprobs_of(events: list) -> dict | None:
+            """``choices[].logprobs`` of these token events (None when not asked for)."""
+            if logprobs is None:
+                return None
+            return {"content": oc.chat_logprob_content(svc.rag.model, events), "refusal": None}
+
         if not req.stream:
-            text, f = await svc.answer(spec, request.is_disconnected)
+            text, f, events = await _answer_events(svc, spec, request.is_disconnected)
             return {
                 "id": cid,
                 "object": "chat.completion",
@@ -744,6 +786,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
+                        "logprobs": logprobs_of(events),
                         "finish_reason": f.finish_reason,
                     }
                 ],
@@ -754,14 +797,15 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         it = svc.stream(spec)
         first, more = await _start_stream(it)
 
-        def chunk(delta: dict, finish=None, **extra) -> str:
+        def chunk(delta: dict, finish=None, lp: dict | None = None, **extra) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             return _sse(
                 {
                     "id": cid,
                     "object": "chat.completion.chunk",
                     "created": created,
                     "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    "choices": [choice],
                     **extra,
                 }
             )
@@ -769,7 +813,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         def render(item) -> Iterator[str]:
             if not isinstance(item, Final):
                 if item.is_token or item.text:  # a closing event only when it releases text
-                    yield chunk({"content": item.text})
+                    yield chunk({"content": item.text}, lp=logprobs_of([item] if item.is_token else []))
                 return
             yield chunk({}, item.finish_reason, ragkv=_ragkv_info(item))
             if include_usage:
@@ -810,6 +854,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         KV of chunks computed here) needs a write key when keys are configured."""
         if req.model and req.model != model_name:
             raise NotFoundError(f"The model `{req.model}` does not exist.")
+        oc.check_generation_options(req, settings.generation)
         rag = svc.rag
         blend = oc.blend_params(req.kv_transfer_params)
         if blend is not None and (
@@ -844,14 +889,24 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                 await it.aclose()
             svc.answers.inc(item.stats.get("mode", "full"))
             svc.tokens.inc(n=len(item.token_ids))
-            return oc.completion_response(cid, created, model_name, item, tids)
+            lp = oc.completion_logprobs(rag.model, item.events) if params.logprobs is not None else None
+            return oc.completion_response(cid, created, model_name, item, tids, lp)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        streamed = [0]  # characters of token text reported so far: the next text_offset
+
+        def token_logprobs(item) -> dict | None:
+            if params.logprobs is None:
+                return None
+            lp = oc.completion_logprobs(rag.model, [item] if item.is_token else [], streamed[0])
+            streamed[0] += sum(len(t) for t in lp["tokens"])
+            return lp
 
         def render(item) -> Iterator[str]:
             if not isinstance(item, oc.Done):
                 if item.is_token or item.text:  # a closing event only when it releases text
                     tok = ([item.token_id] if item.is_token else []) if tids else None
-                    yield _sse(oc.completion_chunk(cid, created, model_name, item.text, None, tok))
+                    lp = token_logprobs(item)
+                    yield _sse(oc.completion_chunk(cid, created, model_name, item.text, None, tok, lp))
                 return
             svc.answers.inc(item.stats.get("mode", "full"))
             svc.tokens.inc(n=len(item.token_ids))

@@ -13,3 +13,6 @@ COMPLETIONS_TEMPERATURE = 1.0
 
 #: temperatures below this sample greedily (dividing logits by ~1e-300 overflows to NaN probabilities)
 MIN_TEMPERATURE = 1e-4
+
+#: most alternatives a token's log-probabilities may list (OpenAI's ``top_logprobs`` limit)
+MAX_LOGPROBS = 20

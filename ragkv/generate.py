@@ -1,4 +1,5 @@
-"""Token generation after any prefill mode: greedy or sampled, stop strings/tokens, streaming."""
+"""Token generation after any prefill mode: greedy or sampled, constrained (JSON schema), stop
+strings/tokens, log-probabilities, streaming."""
 
 from __future__ import annotations
 
@@ -10,13 +11,21 @@ import torch
 
 from ragkv.attention.kvcache import DenseKVCache, KVCache
 from ragkv.blend.core import PrefillResult
-from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MIN_TEMPERATURE
+from ragkv.constrain import ConstraintError, GrammarState, JsonConstraint
+from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_LOGPROBS, MIN_TEMPERATURE
 from ragkv.model.forward import run_layers
 
 
 @dataclass
 class SamplingParams:
-    """Decoding settings; ``temperature == 0`` means greedy."""
+    """Decoding settings; ``temperature == 0`` means greedy.
+
+    ``constraint``: the output must be JSON of a schema (:mod:`ragkv.constrain`); it cannot be combined
+    with ``stop`` strings (a stop string inside the JSON would cut it). ``logprobs``: None for none,
+    ``k`` (0 to :data:`MAX_LOGPROBS`) for each token's log-probability and the ``k`` most likely
+    tokens' (the model's log-softmax: before temperature, top-k/top-p and the constraint's mask, as
+    OpenAI and vLLM report them).
+    """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -25,6 +34,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS ids
+    constraint: JsonConstraint | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -37,6 +48,12 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.constraint is not None and any(self.stop):
+            raise ValueError(
+                "stop strings cannot be combined with structured output (they would cut the JSON)"
+            )
 
 
 def request_params(
@@ -48,6 +65,8 @@ def request_params(
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     *,
+    constraint: JsonConstraint | None = None,
+    logprobs: int | None = None,
     default_max_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     default_temperature: float = 0.0,
     eos_token_ids: Sequence[int] = (),
@@ -70,6 +89,8 @@ def request_params(
         seed=seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stop_token_ids=stop_ids,
+        constraint=constraint,
+        logprobs=logprobs,
     )
 
 
@@ -88,6 +109,10 @@ class TokenEvent:
     text: str
     index: int
     finish_reason: str | None = None
+    #: with ``SamplingParams.logprobs``, on token events: the token's log-probability and the most
+    #: likely tokens' ``(token_id, logprob)``, best first
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
     @property
     def is_token(self) -> bool:
@@ -107,12 +132,13 @@ def held_stop_prefix(text: str, stops: tuple[str, ...]) -> int:
 
 
 class Detokenizer:
-    """One generation's output, token by token: stop tokens, stop strings, incremental text.
+    """One generation's output, token by token: the token choice, stop tokens, stop strings, incremental text.
 
-    The one stop/detokenize step of :func:`stream` and of the engine (``Engine._accept``).
-    :meth:`accept` takes a sampled token and returns the event to emit (its text may be empty; a
-    stop token gives a closing event, ``token_id`` None) and the finish reason ("stop", "length",
-    or None to go on), which the event carries too.
+    The one sampling and stop/detokenize step of :func:`stream` and of the engine (``Engine._accept``):
+    :meth:`step` turns a step's logits into the next token (the constraint's mask, the sampling rule,
+    the log-probabilities) and accepts it. :meth:`accept` takes a chosen token and returns the event
+    to emit (its text may be empty; a stop token gives a closing event, ``token_id`` None) and the
+    finish reason ("stop", "length", or None to go on), which the event carries too.
     No part of a stop string is ever emitted: text that may be the start of one is held back until
     it cannot be (then released) or the generation ends on a stop token or the length (then flushed).
     A token that completes a stop string is kept (as vLLM keeps it); the text ends before the stop
@@ -125,6 +151,10 @@ class Detokenizer:
         self.stop = tuple(s for s in params.stop if s)
         ids = params.stop_token_ids if params.stop_token_ids is not None else model.config.eos_token_ids
         self.stop_ids = frozenset(ids)
+        self.params = params
+        self.grammar: GrammarState | None = (
+            params.constraint.start(model) if params.constraint is not None else None
+        )
         self.ids: list[int] = []
         self.text = ""  # the text emitted so far (the whole output once finished)
         self._full = ""  # decode(ids): emitted text plus what is held back
@@ -133,6 +163,29 @@ class Detokenizer:
     def done(self) -> bool:
         """No more tokens may be generated (``max_new_tokens`` reached)."""
         return len(self.ids) >= self.max_new_tokens
+
+    def step(
+        self, logits: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[TokenEvent, str | None]:
+        """Choose the next token from ``logits`` and :meth:`accept` it: the constraint's mask (a
+        finished JSON value with no stop token to end on ends the generation: "stop"), the sampling
+        rule, and the token's log-probabilities on its event."""
+        logp = torch.log_softmax(logits.float(), -1) if self.params.logprobs is not None else None
+        if self.grammar is not None:
+            ok = self.grammar.allowed(self.stop_ids)
+            if not bool(ok.any()):
+                if not self.grammar.complete:  # only a stop token (of the request's) would continue
+                    raise ConstraintError("no token can continue the JSON: a stop token is the only way on")
+                return self._emit(None, self._full, "stop")
+            logits = logits.masked_fill(~ok.to(logits.device), float("-inf"))
+        tok = sample(logits, self.params, generator)
+        ev, reason = self.accept(tok)
+        if ev.is_token:
+            if self.grammar is not None and reason is None:
+                self.grammar.advance(tok)
+            if logp is not None:
+                ev.logprob, ev.top_logprobs = token_logprobs(logp, tok, self.params.logprobs)
+        return ev, reason
 
     def accept(self, tok: int) -> tuple[TokenEvent, str | None]:
         """``(event, finish reason)`` after sampling ``tok``; the event has the reason too."""
@@ -218,6 +271,15 @@ def continuation_nll(model, result: PrefillResult, token_ids) -> list[float]:
     return [float(-lp[t]) for lp, t in zip(logps, ids, strict=True)]
 
 
+def token_logprobs(logp: torch.Tensor, tok: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``tok``'s log-probability in ``logp`` (a log-softmax) and the ``k`` most likely ``(id, logprob)``."""
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        vals, ids = torch.topk(logp, min(k, logp.numel()))
+        top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+    return float(logp[tok]), top
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Pick the next token: argmax, or temperature / top-k / top-p sampling."""
     if params.temperature < MIN_TEMPERATURE:
@@ -258,12 +320,11 @@ def stream(
         return
     logits = result.logits
     while True:
-        tok = sample(logits, params, gen)
-        ev, reason = out.accept(tok)
+        ev, reason = out.step(logits, gen)
         yield ev
         if reason is not None:
             return
-        logits = decode_step(model, cache, tok, n_prompt + ev.index)
+        logits = decode_step(model, cache, ev.token_id, n_prompt + ev.index)
 
 
 def generate(

