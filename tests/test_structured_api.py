@@ -235,11 +235,13 @@ def test_chat_logprobs_streamed_and_not(client):
     assert "".join(t.token for t in content).strip() == out.choices[0].message.content.strip()
     chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
     streamed = [t for c in chunks if c.logprobs for t in c.logprobs.content]
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    # two runs of the same prefill may differ in the last float bits (kernel reduction order)
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
     plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
     zero = client.chat.completions.create(**{**kw, "top_logprobs": 0}).choices[0].logprobs.content
-    assert [t.logprob for t in zero] == [t.logprob for t in content] and all(
+    assert [t.logprob for t in zero] == pytest.approx([t.logprob for t in content], abs=1e-4) and all(
         t.top_logprobs == [] for t in zero
     )
 
