@@ -325,9 +325,12 @@ def test_engine_generation_serves_structured_output_and_logprobs(tmp_path, clien
         chunks = [c.choices[0] for c in _chat(eng, case, stream=True) if c.choices]
     assert got.finish_reason == "stop" and got.message.content == want.message.content
     check_output(got.message.content, case["schema"])
-    assert [(t.token, round(t.logprob, 3)) for t in got.logprobs.content] == [
-        (t.token, round(t.logprob, 3)) for t in want.logprobs.content
-    ]
+    assert [t.token for t in got.logprobs.content] == [t.token for t in want.logprobs.content]
+    # the engine's batched prefill and the threads' differ in the last float bits (rounding to 3
+    # decimals still flipped at a boundary: -7.3705 vs -7.3704): compare within a tolerance
+    assert [t.logprob for t in got.logprobs.content] == pytest.approx(
+        [t.logprob for t in want.logprobs.content], abs=1e-3
+    )
     assert "".join(c.delta.content or "" for c in chunks) == want.message.content
 
 
