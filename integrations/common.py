@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ragkv.constrain import JsonConstraint, json_constraint
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.generate import SamplingParams, TokenEvent, request_params
 from ragkv.kv.chunk import chunk_key
@@ -431,14 +432,36 @@ class RagkvRunner:
 
 
 def make_params(sampling: dict) -> SamplingParams:
-    """SamplingParams from framework kwargs (``max_tokens`` is accepted for ``max_new_tokens``)."""
+    """SamplingParams from framework kwargs (``max_tokens`` is accepted for ``max_new_tokens``;
+    ``constraint``: a :class:`~ragkv.constrain.JsonConstraint`, see :func:`format_constraint`)."""
     s = {k: v for k, v in sampling.items() if v is not None}
     if "max_tokens" in s:
         s.setdefault("max_new_tokens", s.pop("max_tokens"))
+    constraint = s.pop("constraint", None)
     unknown = set(s) - set(SAMPLING_KEYS)
     if unknown:
         raise TypeError(f"unknown generation options {sorted(unknown)}; use {SAMPLING_KEYS}")
-    return request_params(*(s.get(k) for k in SAMPLING_KEYS))  # request_params' order
+    return request_params(*(s.get(k) for k in SAMPLING_KEYS), constraint=constraint)  # request_params' order
+
+
+def format_constraint(response_format: Any) -> JsonConstraint | None:
+    """The constraint of a call's ``response_format``, in OpenAI's shape (``{"type": "text"}``: none;
+    ``{"type": "json_object"}``: any JSON object; ``{"type": "json_schema", "json_schema": {"schema":
+    ...}}``: JSON matching the schema), or a ready :class:`~ragkv.constrain.JsonConstraint`.
+    ValueError (a :class:`~ragkv.constrain.ConstraintError`) for anything else or a refused schema."""
+    if response_format is None or isinstance(response_format, JsonConstraint):
+        return response_format
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_constraint()
+    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
+        return json_constraint(response_format["json_schema"].get("schema"))
+    raise ValueError(
+        'response_format must be {"type": "text" | "json_object"} or {"type": "json_schema", '
+        f'"json_schema": {{"schema": ...}}}}, got {response_format!r}'
+    )
 
 
 def _jsonable(v: Any) -> bool:
@@ -517,7 +540,17 @@ async def aiter_in_thread(make_iter):
         stop.set()
 
 
-CALL_KEYS = ("chunks", "chunk_ids", "mode", "ratio", "k", "retrieve", "max_tokens", *SAMPLING_KEYS)
+CALL_KEYS = (
+    "chunks",
+    "chunk_ids",
+    "mode",
+    "ratio",
+    "k",
+    "retrieve",
+    "max_tokens",
+    "response_format",
+    *SAMPLING_KEYS,
+)
 DEFAULT_KEYS = ("mode", "ratio", "k", "retrieve", *SAMPLING_KEYS)
 
 
@@ -531,7 +564,8 @@ def call_events(
 ) -> Iterator[TokenEvent | Completion]:
     """One framework call: per-call ``kwargs`` over the wrapper's ``defaults``; answers over chunks
     (``chunks`` / ``chunk_ids`` / ``retrieve``) with ``question or prompt`` as the question, else
-    completes ``prompt``. Raises TypeError on an unknown option."""
+    completes ``prompt``; ``response_format`` constrains the output (:func:`format_constraint`).
+    Raises TypeError on an unknown option."""
     opts = {k: v for k, v in kwargs.items() if not k.startswith("ls_")}  # LangChain tracing hints
     unknown = set(opts) - set(CALL_KEYS)
     if unknown:
@@ -543,6 +577,9 @@ def call_events(
     sampling = {k: o[k] for k in SAMPLING_KEYS}
     if stop:
         sampling["stop"] = tuple(stop)
+    constraint = format_constraint(opts.get("response_format"))
+    if constraint is not None:  # a generator that cannot serve it (vLLM) refuses it: OptionNotServedError
+        sampling["constraint"] = constraint
     runner = RagkvRunner(rag)
     chunks, chunk_ids = opts.get("chunks"), opts.get("chunk_ids")
     if chunks is not None or chunk_ids is not None:

@@ -1,6 +1,7 @@
 """ragkv: retrieval-augmented generation that never prefills the same retrieved text twice."""
 
 from ragkv.blend import BlendSchedule, PrefixCache, prefill
+from ragkv.constrain import ConstraintError, JsonConstraint, json_constraint
 from ragkv.generate import SamplingParams
 from ragkv.kv import ChunkKV, KVMismatchError, compute_chunk_kv
 from ragkv.llm import LLM, Answer
@@ -14,12 +15,15 @@ __all__ = [
     "Answer",
     "BlendSchedule",
     "ChunkKV",
+    "ConstraintError",
+    "JsonConstraint",
     "KVMismatchError",
     "Model",
     "PrefixCache",
     "PromptTooLongError",
     "SamplingParams",
     "compute_chunk_kv",
+    "json_constraint",
     "load_model",
     "prefill",
     "random_model",

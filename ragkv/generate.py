@@ -174,8 +174,10 @@ class Detokenizer:
         if self.grammar is not None:
             ok = self.grammar.allowed(self.stop_ids)
             if not bool(ok.any()):
-                if not self.grammar.complete:  # only a stop token (of the request's) would continue
-                    raise ConstraintError("no token can continue the JSON: a stop token is the only way on")
+                if not self.grammar.complete:  # e.g. only a stop token (of the request's) would continue
+                    raise ConstraintError(
+                        "no token can continue the JSON: the only ones the schema allows here are stop tokens"
+                    )
                 return self._emit(None, self._full, "stop")
             logits = logits.masked_fill(~ok.to(logits.device), float("-inf"))
         tok = sample(logits, self.params, generator)

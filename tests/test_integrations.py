@@ -380,3 +380,38 @@ def test_langchain_stop_strings_never_leak(rag, samples):
     check_stop_strings(pieces, STOP_MAX, chat)
     pieces = list(RagkvLLM(rag=rag, max_tokens=STOP_MAX).stream(q, retrieve=True))
     check_stop_strings(pieces, STOP_MAX, llm)
+
+
+def test_langchain_structured_output_over_chunks_and_its_formats(rag, samples):
+    """``with_structured_output`` over chunks (the RAG prompt, stored KV reused): a Pydantic object, a
+    streamed dict; ``response_format`` per call in OpenAI's shape; refused formats and schemas."""
+    pytest.importorskip("llguidance")
+    from pydantic import BaseModel, Field
+
+    from integrations.common import format_constraint
+    from ragkv.constrain import ConstraintError, JsonConstraint
+
+    class Answer(BaseModel):
+        answer: str = Field(max_length=60)
+        sure: bool
+
+    chat = ChatRagkv(rag=rag, retrieve=True, k=2, max_tokens=100)
+    q = samples[0]["question"]
+    out = chat.with_structured_output(Answer).invoke(q)
+    assert isinstance(out, Answer)
+    parts = list(chat.with_structured_output(Answer.model_json_schema()).stream(q))
+    assert parts[-1] == out.model_dump() and all(isinstance(p, dict) for p in parts)
+    raw = chat.invoke(q, response_format={"type": "json_object"})
+    assert raw.content.startswith("{") and raw.response_metadata["ragkv"]["num_reused_rows"] > 0
+    assert format_constraint({"type": "text"}) is None and format_constraint(None) is None
+    assert isinstance(
+        format_constraint({"type": "json_schema", "json_schema": {"schema": {}}}), JsonConstraint
+    )
+    with pytest.raises(ValueError, match="response_format must be"):
+        format_constraint({"type": "xml"})
+    with pytest.raises(ConstraintError, match="objectx"):
+        chat.invoke(
+            q, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}
+        )
+    with pytest.raises(ValueError, match="stop strings"):
+        chat.invoke(q, stop=["}"], response_format={"type": "json_object"})

@@ -1,7 +1,8 @@
 """LangChain's own standard test suite (``langchain-tests``) on ragkv's LangChain classes: the chat
 model (plain, and answering over retrieved chunks), the retriever and the embeddings, with the tiny
-trained model. Features ragkv does not have (tool calling, structured output, multimodal input) are
-declared unsupported the suite's way, so those tests skip rather than fail."""
+trained model. Structured output (``with_structured_output``: ``json_schema`` and ``json_mode``, by
+constrained decoding) runs the suite's tests; features ragkv does not have (tool calling, multimodal
+input) are declared unsupported the suite's way, so those tests skip rather than fail."""
 
 from __future__ import annotations
 
@@ -68,6 +69,14 @@ class _ChatParams:
     @property
     def supports_image_inputs(self) -> bool:
         return False
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True  # ChatRagkv.with_structured_output: constrained decoding, no tool calling
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
 
 
 class TestChatRagkvUnit(_ChatParams, ChatModelUnitTests):

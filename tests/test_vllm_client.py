@@ -304,6 +304,9 @@ def test_langchain_over_vllm_backend(rag, vrag, samples):
     assert flat.text == local.invoke(prompt) and flat.generation_info["ragkv"]["num_chunks"] == 3
     with pytest.raises(ValueError, match="not a ragkv RAG"):
         RagkvLLM(rag=object())
+    # structured output is computed in process: the vLLM generator refuses it, never drops it
+    with pytest.raises(ValueError, match="structured output"):
+        chat.invoke(q, chunk_ids=ids, response_format={"type": "json_object"})
 
 
 def test_llama_index_over_vllm_backend(rag, vrag, samples):

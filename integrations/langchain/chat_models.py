@@ -5,18 +5,27 @@ With ``chunks=docs`` / ``chunk_ids=[...]`` / ``retrieve=True`` the last user mes
 them the conversation is rendered with the model's chat template (``Role: text`` lines when it has
 none) and completed; ``CHUNK_SEPARATOR`` markers in it still split out chunks. The reply's
 ``response_metadata["ragkv"]`` has the reuse statistics (``kv_hits``, ``num_reused_rows`` ...).
+
+``with_structured_output(schema)`` constrains the generation itself to JSON matching the schema
+(``response_format``, :mod:`ragkv.constrain`): methods ``"json_schema"`` (the default) and
+``"json_mode"``; no tool calling.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
 from integrations.common import Completion, aiter_in_thread, fold_messages, render_chat
@@ -130,6 +139,58 @@ class ChatRagkv(RagkvParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         return _result([c async for c in self._astream(messages, stop, run_manager, **kwargs)])
+
+    def with_structured_output(
+        self,
+        schema: dict | type | None = None,
+        *,
+        method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False,
+        **kwargs: Any,
+    ) -> Runnable:
+        """This model with its output constrained to JSON matching ``schema`` and parsed: into the
+        Pydantic class when ``schema`` is one, else into a dict (streamed as growing partial dicts).
+
+        ``schema``: a Pydantic class (v2 or v1), a TypedDict or a JSON schema with a ``title``.
+        ``method="json_schema"`` (default) constrains decoding to the schema; ``"json_mode"`` to any JSON
+        object, or to the schema when one is given (ragkv can always enforce it); ``"function_calling"``
+        is taken as ``"json_schema"`` (ragkv has no tool calls: the same object comes from constrained
+        JSON). ``strict`` is accepted: the output always matches the schema. ``include_raw``: a dict
+        ``{"raw", "parsed", "parsing_error"}`` instead, as LangChain's chat models give it."""
+        if kwargs.pop("strict", None) not in (None, True, False):
+            raise ValueError("strict must be a bool")
+        if kwargs:
+            raise ValueError(f"unexpected arguments {sorted(kwargs)}")
+        if method not in ("json_schema", "json_mode", "function_calling"):
+            raise ValueError(
+                f"unknown method {method!r}; use 'json_schema', 'json_mode' or 'function_calling'"
+            )
+        if schema is None and method != "json_mode":
+            raise ValueError(f"method {method!r} needs a schema")
+        json_schema = convert_to_json_schema(schema) if schema is not None else None
+        fmt = (
+            {
+                "type": "json_schema",
+                "json_schema": {"name": json_schema.get("title", "output"), "schema": json_schema},
+            }
+            if json_schema is not None
+            else {"type": "json_object"}
+        )
+        bound = self.bind(
+            response_format=fmt,
+            ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
+        )
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser: Runnable = (
+            RunnableLambda(PydanticOutputParser(pydantic_object=schema).invoke)
+            if pydantic
+            else JsonOutputParser()
+        )
+        if not include_raw:
+            return bound | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=bound) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
 
 
 def _result(chunks: list[ChatGenerationChunk]) -> ChatResult:
