@@ -132,6 +132,28 @@ def test_ingest_pauses_between_small_steps(tmp_path, embedder, musique):
     rag.close()
 
 
+def test_default_store_is_the_applications_and_reads_their_data_folder(tmp_path, embedder, musique):
+    """``RAG(llm, data_dir)`` stores chunk KV as ``ragkv ingest`` and the service do (the compact
+    default codec, raw blobs still decoded), so a data folder one of them wrote is all hits here.
+    Before: the RAG's default was a raw-only store, every stepz blob a miss, recomputed and rewritten."""
+    from ragkv.store import default_store, default_store_url
+    from ragkv.store.codecs import DEFAULT_CODEC
+
+    rag = _rag(tmp_path, embedder)
+    assert rag.store.codec.name == DEFAULT_CODEC and "raw" in rag.store.allowed_codecs
+    rag.close()
+    # what the service builds over the same folder (apps/service.py)
+    url = default_store_url(tmp_path / "data")
+    served = _rag(tmp_path, embedder, store=default_store(url, model=stories_model()))
+    served.ingest(_docs(musique[:1]), show_progress=False)
+    served.close()
+    reader = _rag(tmp_path, embedder)
+    ans = reader.answer(musique[0]["question"], max_new_tokens=4)
+    assert ans.stats["kv_hits"] == len(ans.sources) > 0
+    assert reader.counters["kv_recomputed_bad"] == 0 and reader.store.stats()["puts"] == 0
+    reader.close()
+
+
 @pytest.mark.slow
 def test_ingest_retrieve_answer_idempotent_and_persistent(tmp_path, embedder, musique):
     rag = _rag(tmp_path, embedder)
