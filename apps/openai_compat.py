@@ -298,7 +298,8 @@ def completion_events(
     Runs in a worker thread. A chunk is reused only where its key is ``chunk_key(its prompt tokens,
     model fingerprint)`` and its stored header agrees (:func:`ragkv.blend.spans.request_spans`);
     others are computed. Nothing computed here is stored unless ``save`` asks (a writer's request).
-    No ``kv_transfer_params``: a full prefill, as vLLM does.
+    No ``kv_transfer_params``: the stored chunks inside the prompt are located and reused with the
+    service's mode and ratio (transparent reuse); ``{"ragkv": {"chunks": []}}`` asks for a full prefill.
     """
     refs = blend.chunk_refs() if blend is not None else []
     spans = []
@@ -309,15 +310,19 @@ def completion_events(
         except SpanError as e:
             raise BadRequestError(f"kv_transfer_params: {e}") from None
     found = [Located(s.key, tuple(ids[s.start : s.stop]), s.start, 0, s.length) for s in spans]
-    job = rag.job(
-        ids,
-        found,
-        blend.mode if found else "full",
-        params=params,
-        schedule=blend.schedule() if found and blend.mode == "blend" else None,
-        write_back=False,
-        save=bool(blend is not None and blend.save),
-    )
+    if blend is None:  # no chunks named: the stored ones inside the prompt, the service's mode
+        job = rag.job(ids, [], params=params, write_back=False)
+    else:
+        job = rag.job(
+            ids,
+            found,
+            blend.mode if found else "full",
+            params=params,
+            locate=False,
+            schedule=blend.schedule() if found and blend.mode == "blend" else None,
+            write_back=False,
+            save=blend.save,
+        )
     events: list[TokenEvent] = []  # kept for the response's logprobs
     for item in rag.generate(job):
         if not isinstance(item, Generated):

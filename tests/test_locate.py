@@ -98,3 +98,38 @@ def test_a_langchain_llm_given_a_flat_prompt_reuses_the_stored_chunks(rag):
     info = llm.generate([_flat(rag)]).generations[0][0].generation_info["ragkv"]
     recs = [r for r in rag.index.all_chunks() if len(r.token_ids) >= 8]
     assert info["num_reused_rows"] >= 0.9 * sum(len(r.token_ids) for r in recs), info
+
+
+def test_the_locator_follows_ingest_replace_and_delete_without_a_rebuild(tmp_path):
+    """Built once, then updated by every commit and delete (O(changed chunks)): an ingest never
+    makes the next query rebuild it, and a deleted or replaced document's chunks are not found."""
+    r = RAG(LLM(stories_model()), tmp_path, embedder=Embedder(), chunk_tokens=48)
+    r.ingest([{"id": "a", "text": DOCS[0]}], show_progress=False)
+    enc = r.model.encode
+    loc = r.chunk_locator()
+    view = r.using(r.generator)
+    assert view.chunk_locator() is loc and len(loc.find(enc(DOCS[0]))) >= 1
+    assert loc.find(enc(DOCS[1])) == []
+    r.ingest([{"id": "b", "text": DOCS[1]}], show_progress=False)
+    assert r.chunk_locator() is loc and len(loc.find(enc(DOCS[1]))) >= 1
+    r.ingest([{"id": "a", "text": DOCS[2]}], show_progress=False)  # "a" replaced
+    assert loc.find(enc(DOCS[0])) == [] and len(loc.find(enc(DOCS[2]))) >= 1
+    r.delete_document("b")
+    assert loc.find(enc(DOCS[1])) == []
+    # the same index reopened builds a locator that finds the same
+    r.close()
+    again = RAG(LLM(stories_model()), tmp_path, embedder=Embedder(), chunk_tokens=48)
+    fresh = again.chunk_locator()
+    assert fresh.num_chunks == loc.num_chunks and len(fresh.find(enc(DOCS[2]))) >= 1
+    again.close()
+
+
+def test_a_question_that_quotes_a_stored_passage_reuses_it(rag):
+    """``RAG.answer`` locates stored chunks in the rows outside the retrieved ones too (a passage
+    pasted into the question); ``mode="full"`` reuses nothing."""
+    rec = max(rag.index.all_chunks(), key=lambda r: len(r.token_ids))
+    q = f"Read this: {rec.text} What is it about?"
+    ans = rag.answer(q, chunks=[], max_new_tokens=2)
+    assert ans.stats["kv_hits"] == 1 and ans.stats["num_reused_rows"] >= 0.8 * len(rec.token_ids)
+    full = rag.answer(q, chunks=[], mode="full", max_new_tokens=2)
+    assert full.stats["num_reused_rows"] == 0

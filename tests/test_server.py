@@ -284,6 +284,44 @@ def test_openai_client_chat_completions(server, ingested, samples):
         )
 
 
+def test_a_clients_own_rag_prompt_reuses_the_stored_chunks_inside_it(server, ingested, samples):
+    """Transparent reuse on the standard endpoints: a prompt the client formatted itself (documents
+    joined by blank lines, no ragkv option) reuses the stored KV of the documents inside it, on
+    ``/v1/completions`` and on chat with retrieval off; ``usage`` reports the reused rows. Naming no
+    chunks (``kv_transfer_params`` with ``chunks: []``) is an exact full prefill."""
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    docs = _docs(samples)[:2]  # the test model has 512 positions
+    n_chunks = sum(len(d["chunk_ids"]) for d in ingested if d["id"] in {x["id"] for x in docs})
+    prompt = (
+        "Context:\n\n"
+        + "\n\n".join(d["text"] for d in docs)
+        + f"\n\nQuestion: {samples[0]['question']}\nAnswer:"
+    )
+    out = oc.completions.create(model="stories260k", prompt=prompt, max_tokens=NEW)
+    stats = out.model_extra["ragkv"]
+    assert stats["mode"] == "blend" and stats["kv_hits"] == n_chunks
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0.5 * out.usage.prompt_tokens
+    full = oc.completions.create(
+        model="stories260k",
+        prompt=prompt,
+        max_tokens=NEW,
+        extra_body={"kv_transfer_params": {"ragkv": {"chunks": []}}},
+    )
+    assert full.model_extra["ragkv"]["mode"] == "full"
+    assert full.model_extra["ragkv"]["num_reused_rows"] == 0
+    assert not (full.usage.prompt_tokens_details and full.usage.prompt_tokens_details.cached_tokens)
+    one_doc = next(d for d in ingested if d["id"] == docs[0]["id"])
+    chat = oc.chat.completions.create(  # this server caps a message at 400 characters: one document
+        model="stories260k",
+        messages=[{"role": "user", "content": docs[0]["text"] + "\n\nWho?"}],
+        max_tokens=NEW,
+        extra_body={"ragkv": {"retrieve": False}},
+    )
+    assert chat.model_extra["ragkv"]["stats"]["kv_hits"] == len(one_doc["chunk_ids"])
+    assert chat.usage.prompt_tokens_details.cached_tokens > 0
+
+
 # ---- bad input --------------------------------------------------------------------------------------------
 def test_bad_inputs_get_4xx_with_a_message(client, ingested):
     post = client.post

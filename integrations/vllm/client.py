@@ -397,11 +397,16 @@ class VllmGenerator:
         self.save = save
 
     def kv_transfer_params(self, job) -> dict | None:
-        """The connector's parameters for ``job`` (None: nothing to reuse, a plain completion)."""
+        """The connector's parameters for ``job``: its chunks; none named for modes that reuse
+        nothing (``full``, ``prefix``: an exact prefill, where a ragkv server would otherwise locate
+        stored chunks in the prompt); None when a reusing job has no whole chunk (the server may
+        locate them itself)."""
         from ragkv.rag.generation import OptionNotServedError
 
+        if job.mode not in ("reuse", "blend"):
+            return BlendParams((), save=False).to_kv_transfer_params()
         whole = [c for c in job.chunks if c.lo == 0 and c.hi == len(c.token_ids)]
-        if job.mode not in ("reuse", "blend") or not whole:
+        if not whole:
             return None
         sched = job.schedule
         ratio = sched.target_ratio if sched is not None else job.ratio

@@ -7,8 +7,9 @@ just inside its start (``margin`` tokens in, because the first tokens of a chunk
 differently next to the text before it), rolls that hash over the prompt, verifies every hit token
 by token and extends it both ways as far as the tokens agree. A match is a slice ``[lo, hi)`` of the
 chunk's rows: the boundary tokens that tokenized differently stay outside it and are computed as
-fresh rows by the blend. Built once per corpus version (O(chunks)), so a prompt with no stored
-chunk costs one rolling hash over its tokens.
+fresh rows by the blend. Built once (O(chunks)) and then kept in step with the corpus by
+:meth:`ChunkLocator.add` / :meth:`ChunkLocator.remove` (O(changed chunks)), so a prompt with no
+stored chunk costs one rolling hash over its tokens and an ingest never rebuilds it.
 """
 
 from __future__ import annotations
@@ -50,16 +51,42 @@ class ChunkLocator:
 
     def __init__(self, chunks: Iterable[tuple[str, Sequence[int]]], margin: int = 2, min_share: float = 0.5):
         self.margin, self.min_share = margin, min_share
-        self._anchors: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
-        self.num_chunks = 0
+        #: anchor hash -> the chunks anchored there; a bucket is replaced, never mutated, so a
+        #: :meth:`find` running in another thread sees the old or the new bucket, whole
+        self._anchors: dict[int, tuple[tuple[str, tuple[int, ...]], ...]] = {}
+        self._hash_of: dict[str, int] = {}  # key -> its anchor hash (one entry per distinct key)
+        self._lead = pow(_HASH_BASE, ANCHOR_TOKENS - 1, _HASH_MOD)  # the leaving token's weight
+        self.add(chunks)
+
+    @property
+    def num_chunks(self) -> int:
+        """Distinct stored chunks this locator can find."""
+        return len(self._hash_of)
+
+    def add(self, chunks: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """Make ``(key, token ids)`` chunks findable (a key already known, or too short, is skipped)."""
         for key, toks in chunks:
+            if key in self._hash_of:
+                continue
             toks = tuple(int(t) for t in toks)
             a = self._anchor_at(len(toks))
             if a is None:
                 continue
-            self._anchors.setdefault(_hash(toks[a : a + ANCHOR_TOKENS]), []).append((key, toks))
-            self.num_chunks += 1
-        self._lead = pow(_HASH_BASE, ANCHOR_TOKENS - 1, _HASH_MOD)  # the leaving token's weight
+            h = _hash(toks[a : a + ANCHOR_TOKENS])
+            self._anchors[h] = (*self._anchors.get(h, ()), (key, toks))
+            self._hash_of[key] = h
+
+    def remove(self, keys: Iterable[str]) -> None:
+        """Forget the chunks with these keys (KV no indexed chunk references any more)."""
+        for key in keys:
+            h = self._hash_of.pop(key, None)
+            if h is None:
+                continue
+            rest = tuple(e for e in self._anchors.get(h, ()) if e[0] != key)
+            if rest:
+                self._anchors[h] = rest
+            else:
+                self._anchors.pop(h, None)
 
     def _anchor_at(self, n: int) -> int | None:
         """Where a chunk of ``n`` tokens is anchored (None: too short to locate reliably)."""

@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -354,10 +355,24 @@ class ChunkResolver:
         found = self.find(prompt_ids)
         return self.pieces(prompt_ids, found) if found else None
 
-    def find(self, prompt_ids: Sequence[int]) -> list[Located]:
-        """The stored chunks inside ``prompt_ids`` (none when no locator is set); see :meth:`locate`."""
+    def find(self, prompt_ids: Sequence[int], given: Sequence[Located] = ()) -> list[Located]:
+        """The stored chunks inside ``prompt_ids`` (none when no locator is set; see :meth:`locate`)
+        in prompt order; with ``given`` (non-overlapping, in prompt order: chunks the caller placed),
+        those are kept and the others are looked for only in the rows between them."""
         loc = self.locator() if self.locator is not None else None
-        return loc.find(prompt_ids) if loc is not None else []
+        if loc is None:
+            return list(given)
+        ids = [int(t) for t in prompt_ids]
+        out: list[Located] = []
+        pos = 0
+        for g in [*given, None]:
+            end = g.start if g is not None else len(ids)
+            if end > pos:  # one linear pass over each gap: the whole prompt costs one pass in all
+                out += [replace(f, start=f.start + pos) for f in loc.find(ids[pos:end])]
+            if g is not None:
+                out.append(g)
+                pos = g.stop
+        return out
 
     def pieces(
         self,

@@ -88,10 +88,10 @@ class RagAnswer:
 
 @dataclass
 class _Corpus:
-    """What changes with the indexed corpus: its version and the chunk locator built for a version."""
+    """What views of one RAG share about its corpus: the chunk locator, built on first use and then
+    updated by every commit and delete (under the RAG's KV lock)."""
 
-    version: int = 0
-    locator: tuple[int, ChunkLocator] | None = None
+    locator: ChunkLocator | None = None
 
 
 class RAG:
@@ -252,8 +252,10 @@ class RAG:
         step()
         if pending:
             with self._kv_lock:
-                self.index.commit(list(pending.values()))
-                self._corpus.version += 1
+                _, freed = self.index.commit(list(pending.values()))
+                if (loc := self._corpus.locator) is not None:
+                    loc.remove(freed)
+                    loc.add((key, toks) for p in pending.values() for (_, _, toks, key) in p.chunks)
             rep.documents_added = len(pending)
             rep.chunks_added = sum(len(p.chunks) for p in pending.values())
         rep.seconds = time.perf_counter() - t0
@@ -273,14 +275,14 @@ class RAG:
         rep.kv_computed += 1
 
     def chunk_locator(self) -> ChunkLocator | None:
-        """The locator of this corpus's chunks inside flat prompts (built once per corpus version)."""
+        """The locator of this corpus's chunks inside flat prompts: built on first use (O(chunks),
+        under the KV lock so no commit is missed), then kept in step by ingest and delete."""
         corpus = self._corpus
-        v = corpus.version
-        cached = corpus.locator
-        if cached is None or cached[0] != v:
-            loc = ChunkLocator((r.kv_key, r.token_ids) for r in self.index.all_chunks())
-            cached = corpus.locator = (v, loc)
-        return cached[1]
+        if corpus.locator is None:
+            with self._kv_lock:
+                if corpus.locator is None:
+                    corpus.locator = ChunkLocator((r.kv_key, r.token_ids) for r in self.index.all_chunks())
+        return corpus.locator
 
     def collect_garbage(self, dry_run: bool = False) -> dict:
         """Delete every stored blob no chunk of this index references (KV of deleted documents, of
@@ -326,8 +328,10 @@ class RAG:
         background write-back can store it again (it checks, under the same lock, that a chunk uses it)."""
         with self._ingest_lock:
             with self._kv_lock:
-                self.resolver.forget(self.index.delete_document(doc_id))
-                self._corpus.version += 1
+                freed = self.index.delete_document(doc_id)
+                self.resolver.forget(freed)
+                if (loc := self._corpus.locator) is not None:
+                    loc.remove(freed)
             self._settle()
 
     # ---- retrieve ------------------------------------------------------------------------------
@@ -435,8 +439,8 @@ class RAG:
         params: SamplingParams | None = None,
     ) -> Iterator:
         """Complete token-id ``prefix + chunks + suffix`` (a framework's prompt): token events, then a
-        :class:`RagAnswer` without sources. Chunk KV is found by content; with no chunks given, the
-        stored chunks inside the prompt are located (transparent reuse of a flat prompt)."""
+        :class:`RagAnswer` without sources. Chunk KV is found by content; stored chunks inside the
+        rest of the prompt are located (transparent reuse of a flat prompt, :meth:`job`)."""
         params = params or SamplingParams()
         t0 = time.perf_counter()
         ids, found = [int(t) for t in prefix], []
@@ -446,8 +450,6 @@ class RAG:
             ids += toks
         ids += [int(t) for t in suffix]
         job = self.job(ids, found, mode, ratio, params)
-        if not found and job.mode in ("reuse", "blend"):
-            job.chunks = self.resolver.find(ids)
         yield from self._answer(job, [], t0, 0.0)
 
     def job(
@@ -457,9 +459,14 @@ class RAG:
         mode: str | None = None,
         ratio: float | str | None = None,
         params: SamplingParams | None = None,
+        locate: bool = True,
         **options,
     ) -> PromptJob:
-        """A checked :class:`PromptJob` with this RAG's defaults (mode, ratio) for what is not given."""
+        """A checked :class:`PromptJob` with this RAG's defaults (mode, ratio) for what is not given.
+
+        ``locate``: in modes that reuse KV, stored chunks found in the prompt's rows outside
+        ``chunks`` (a document pasted into a question, a framework's own context format) are reused
+        too (transparent reuse, :meth:`ChunkResolver.find`); False keeps exactly ``chunks``."""
         mode = mode or self.mode
         if mode not in MODES:
             raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
@@ -469,7 +476,10 @@ class RAG:
             raise ValueError("empty prompt")
         self.model.check_length(len(ids), params.max_new_tokens)
         ratio = self.ratio if ratio is None else ratio
-        return PromptJob(ids, list(chunks), mode, ratio, params, **options)
+        chunks = list(chunks)
+        if locate and mode in ("reuse", "blend"):
+            chunks = self.resolver.find(ids, chunks)
+        return PromptJob(ids, chunks, mode, ratio, params, **options)
 
     def using(self, generator: Generator) -> RAG:
         """A view of this RAG that generates with ``generator``: e.g. one RAG answering both in process
