@@ -565,13 +565,61 @@ def invalid_value(param: str, message: str) -> RequestValidationError:
     )
 
 
-def check_chat_options(req) -> None:
-    """Refuse the chat options ragkv does not serve: ``tools`` / ``tool_choice`` (no tool calling)."""
-    if getattr(req, "tools", None):
-        raise unsupported("tools", "tool calling is not supported by this server; send no tools")
+@dataclass(frozen=True)
+class ForcedCall:
+    """A chat request's forced function call: the function's name and its arguments' constraint."""
+
+    name: str
+    constraint: JsonConstraint
+
+
+def chat_tool_call(req) -> ForcedCall | None:
+    """The function call a chat request forces (``tool_choice`` naming a function, or ``"required"``
+    with one tool), generated as JSON arguments constrained by its ``parameters`` schema (vLLM's
+    named function calling), or None (no tools, or ``tool_choice: "none"``: plain text).
+    ``"auto"`` (the default beside tools) would need the model to decide whether to call: refused
+    with 400, never ignored; so are several tools under ``"required"`` and ``response_format`` beside a call."""
+    tools = getattr(req, "tools", None) or []
     choice = getattr(req, "tool_choice", None)
-    if choice not in (None, "none"):
-        raise unsupported("tool_choice", 'tool calling is not supported; tool_choice may only be "none"')
+    if not tools:
+        if choice not in (None, "none"):
+            raise invalid_value("tool_choice", "tool_choice needs tools")
+        return None
+    if choice == "none":
+        return None
+    if choice in (None, "auto"):
+        raise unsupported(
+            "tool_choice",
+            'this server calls a tool only when tool_choice names it ({"type": "function", "function": '
+            '{"name": ...}}) or is "required" with one tool; "auto" (the default beside tools) is not served',
+        )
+    by_name = {t.function.name: t.function for t in tools}
+    if choice == "required":
+        if len(tools) != 1:
+            raise unsupported("tool_choice", '"required" is served with one tool; name the function to call')
+        fn = tools[0].function
+    else:
+        fn = by_name.get(choice.function.name)
+        if fn is None:
+            raise invalid_value("tool_choice", f"no tool named {choice.function.name!r} in tools")
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        raise invalid_value(
+            "response_format", "a forced tool call's arguments are its JSON: send no response_format"
+        )
+    if getattr(req, "stop", None):
+        raise invalid_value(
+            "stop", "stop sequences cannot be combined with a tool call (they would cut its JSON)"
+        )
+    try:
+        return ForcedCall(fn.name, json_constraint(fn.parameters or {"type": "object"}))
+    except ConstraintError as e:
+        raise invalid_value("tools", f"function {fn.name!r}: {e}") from None
+
+
+def tool_call_message(call: ForcedCall, call_id: str, arguments: str) -> list[dict]:
+    """``message.tool_calls`` of a forced call (the streamed deltas carry ``index`` too)."""
+    return [{"id": call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}}]
 
 
 def check_generation_options(req, generation: str) -> None:
@@ -585,6 +633,10 @@ def check_generation_options(req, generation: str) -> None:
         raise unsupported("response_format", "structured output is not available with generation 'vllm'")
     if getattr(req, "logprobs", None) or getattr(req, "top_logprobs", None) is not None:
         raise unsupported("logprobs", "logprobs are not available with generation 'vllm'")
+    if getattr(req, "tools", None) and getattr(req, "tool_choice", None) not in (None, "none"):
+        raise unsupported(
+            "tools", "tool calls (constrained arguments) are not available with generation 'vllm'"
+        )
 
 
 def response_constraint(fmt, stop=None) -> JsonConstraint | None:

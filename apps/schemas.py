@@ -185,6 +185,37 @@ class JsonSchemaFormat(BaseModel):
     json_schema: JsonSchemaSpec
 
 
+class FunctionSpec(BaseModel):
+    """``tools[].function``: a function the model may be made to call (its arguments' JSON schema)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=4096)
+    parameters: dict[str, Any] | None = Field(
+        None, description="JSON schema of the arguments (default: any object)"
+    )
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function to call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
 #: ``response_format`` of the chat and completions routes
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 #: most ``top_logprobs`` (chat) / ``logprobs`` (completions) a request may ask for
@@ -208,9 +239,24 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text, matching the function's parameters")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="the answer; null when the message is a forced tool call")
+    tool_calls: list[ToolCallOut] | None = Field(
+        None,
+        description="the forced function call (tool_choice naming a function, or 'required' with one tool)",
+    )
 
 
 class ChatChoice(BaseModel):
@@ -363,9 +409,15 @@ def build_schemas(s: Settings) -> SimpleNamespace:
             le=MAX_TOP_LOGPROBS,
             description="the most likely tokens at each position (needs logprobs)",
         )
-        # OpenAI options ragkv does not serve: declared so that they are refused (400), not ignored
-        tools: list[Any] | None = Field(None, description="not supported: only null or []")
-        tool_choice: Any = Field(None, description='not supported: only null or "none"')
+        tools: list[ToolSpec] | None = Field(
+            None,
+            max_length=32,
+            description="functions; one is called when tool_choice names it (or is 'required' with one tool)",
+        )
+        tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+            None,
+            description='"none", "required" (one tool) or {"type": "function", "function": {"name"}}; "auto" is refused',
+        )
 
         @field_validator("stop")
         @classmethod

@@ -745,9 +745,11 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     async def chat_completions(req: S.ChatCompletionRequest, request: Request):
         """The last user message is the question (earlier turns are prepended to it). Retrieval is
         automatic unless ``ragkv.chunk_ids`` names the chunks or ``ragkv.retrieve`` is false."""
-        oc.check_chat_options(req)  # tools: refused (400), never ignored
+        call = oc.chat_tool_call(req)  # a forced function call; what is not served: 400, never ignored
         oc.check_generation_options(req, settings.generation)
-        constraint = oc.response_constraint(req.response_format, req.stop)  # 400 for a refused schema
+        # 400 for a refused schema
+        constraint = call.constraint if call else oc.response_constraint(req.response_format, req.stop)
+        call_id = "call_" + uuid.uuid4().hex[:24]
         logprobs = oc.chat_logprobs(req)
         pairs = [(m.role, m.text()) for m in req.messages]
         if not any(r == "user" and t.strip() for r, t in pairs):
@@ -785,7 +787,13 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": text},
+                        "message": {"role": "assistant", "content": text}
+                        if call is None
+                        else {
+                            "role": "assistant",
+                            "content": None,
+                            "tool_calls": oc.tool_call_message(call, call_id, text),
+                        },
                         "logprobs": logprobs_of(events),
                         "finish_reason": f.finish_reason,
                     }
@@ -810,10 +818,15 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                 }
             )
 
+        def delta(text: str) -> dict:
+            if call is None:
+                return {"content": text}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+
         def render(item) -> Iterator[str]:
             if not isinstance(item, Final):
                 if item.is_token or item.text:  # a closing event only when it releases text
-                    yield chunk({"content": item.text}, lp=logprobs_of([item] if item.is_token else []))
+                    yield chunk(delta(item.text), lp=logprobs_of([item] if item.is_token else []))
                 return
             yield chunk({}, item.finish_reason, ragkv=_ragkv_info(item))
             if include_usage:
@@ -828,7 +841,11 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
                     }
                 )
 
-        head = [chunk({"role": "assistant", "content": ""})]
+        if call is None:
+            head = [chunk({"role": "assistant", "content": ""})]
+        else:  # the call's id and name first, then its arguments as they are generated
+            (opening,) = oc.tool_call_message(call, call_id, "")
+            head = [chunk({"role": "assistant", "content": None, "tool_calls": [{"index": 0, **opening}]})]
         return StreamingResponse(
             _openai_events(it, first, more, render, head), media_type="text/event-stream", headers=SSE_HEADERS
         )

@@ -15,6 +15,21 @@ import torch
 from eval.harness import free_port
 
 REDIS_BIN = shutil.which("redis-server")
+#: modules whose async tests share one event loop (a client bound to its first loop, like ChatOpenAI's)
+SHARED_LOOP_MODULES = ("test_chatopenai_standard.py",)
+
+
+def pytest_collection_modifyitems(items):
+    """Async tests of :data:`SHARED_LOOP_MODULES` run on one module-scoped loop (a marker on the sync
+    tests would only warn, so it goes on the coroutines alone)."""
+    import inspect
+
+    for item in items:
+        fn = getattr(item, "function", None)
+        if item.path.name in SHARED_LOOP_MODULES and fn is not None and inspect.iscoroutinefunction(fn):
+            item.add_marker(pytest.mark.asyncio(loop_scope="module"), append=False)
+
+
 NO_REDIS_REASON = "redis-server binary not found on PATH (install it, e.g. `apt-get install redis-server`)"
 
 

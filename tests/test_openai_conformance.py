@@ -110,12 +110,21 @@ def test_langchain_chat_openai_raises_context_overflow_error(server, chunk_ids):
 
 def test_unsupported_options_are_refused_not_ignored(server):
     tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
-    for body, param in (
-        ({"tools": [tool]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+    two = [tool, {"type": "function", "function": {"name": "sub"}}]
+    for body, param, code, says in (
+        ({"tools": [tool]}, "tool_choice", "unsupported_parameter", '"auto"'),  # auto: the default
+        ({"tools": [tool], "tool_choice": "auto"}, "tool_choice", "unsupported_parameter", "not served"),
+        ({"tools": two, "tool_choice": "required"}, "tool_choice", "unsupported_parameter", "one tool"),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_value", "needs tools"),
+        (
+            {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+            "tool_choice",
+            "invalid_value",
+            "no tool named 'mul'",
+        ),
     ):
-        msg = _openai_error(_chat(server, max_tokens=2, **body), 400, param, "unsupported_parameter")
-        assert "not supported" in msg
+        msg = _openai_error(_chat(server, max_tokens=2, **body), 400, param, code)
+        assert says in msg, msg
     ok = _chat(
         server,
         max_tokens=2,
@@ -213,3 +222,53 @@ def test_langchain_chat_openai_stop_strings_never_leak(server, chunk_ids):
     pieces = [c.content for c in chunks[1 : ends[0]]]  # the tokens: after the role chunk, before the end
     assert len(pieces) == n_max
     check_stop_strings(pieces, n_max, chat)
+
+
+def test_forced_function_calls_return_arguments_matching_the_schema(server, client):
+    """``tool_choice`` naming a function (or ``"required"`` with one tool): the call's arguments are
+    generated under its parameters' schema (vLLM's named function calling), streamed as OpenAI's
+    ``tool_calls`` deltas; ``ChatOpenAI.with_structured_output(method="function_calling")`` works."""
+    import json
+
+    params = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "days": {"type": "integer", "minimum": 1, "maximum": 30},
+        },
+        "required": ["city", "days"],
+    }
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": params}}]
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}],
+        max_tokens=48,
+        tools=tools,
+        extra_body={"ragkv": {"retrieve": False}},
+    )
+    for choice in ({"type": "function", "function": {"name": "forecast"}}, "required"):
+        out = client.chat.completions.create(**kw, tool_choice=choice)
+        msg = out.choices[0].message
+        assert msg.content is None and out.choices[0].finish_reason == "stop"
+        (call,) = msg.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "forecast" and call.id.startswith("call_")
+        assert set(args) == {"city", "days"} and isinstance(args["days"], int)
+    parts = list(client.chat.completions.create(**kw, tool_choice="required", stream=True))
+    deltas = [p.choices[0].delta.tool_calls for p in parts if p.choices and p.choices[0].delta.tool_calls]
+    assert deltas[0][0].id.startswith("call_") and deltas[0][0].function.name == "forecast"
+    assert json.loads("".join(d[0].function.arguments or "" for d in deltas)) == args  # greedy: the same call
+    lc_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: str = Field(max_length=20)
+        days: int = Field(ge=1, le=30)
+
+    chat = lc_openai.ChatOpenAI(
+        base_url=server + "/v1", api_key="unused", model=MODEL, max_retries=0, max_tokens=48, temperature=0
+    )
+    got = chat.with_structured_output(Forecast, method="function_calling").invoke(
+        "Weather in Paris for 3 days?", extra_body={"ragkv": {"retrieve": False}}
+    )
+    assert isinstance(got, Forecast)
