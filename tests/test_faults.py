@@ -175,6 +175,7 @@ def _settings(**kw) -> Settings:
     return Settings(**{"queue_timeout_s": 0.5, "shutdown_timeout_s": 0.5, **kw})
 
 
+@pytest.mark.slow  # fault injection
 def test_queue_deadline_is_enforced_while_waiting_and_the_work_is_dropped():
     svc = Service(_settings())
     ran = []
@@ -241,6 +242,7 @@ def test_shutdown_is_bounded_even_if_work_does_not_stop():
 
 
 # ---- a store outage: answers go on, warnings are throttled ------------------------------------------
+@pytest.mark.slow  # fault injection
 def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, make_redis_server, caplog):
     """Redis killed under queries, OpenAI-compatible completions (``save``) and an ingest: every chunk
     fails to load and to store, every answer still comes, and each kind of warning is logged once per

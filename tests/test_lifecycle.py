@@ -71,7 +71,9 @@ class World:
         assert set(self.rag.store.keys()) <= referenced, "stored KV that no document references"
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(
+    "seed", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
+)
 def test_random_operations_keep_stored_kv_referenced_and_never_serve_deleted(tmp_path, embedder, seed):
     rng = random.Random(seed)
     w = World(tmp_path, embedder, stories_model())

@@ -18,6 +18,8 @@ from tests.test_server import _docs, running_server
 
 openai = pytest.importorskip("openai")
 
+pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
+
 NEW = 8
 MODEL = "stories260k"
 

@@ -262,6 +262,7 @@ def test_redis_killed_mid_run_still_answers(tmp_path, embedder, musique, make_re
     rag.close()
 
 
+@pytest.mark.slow  # two processes
 def test_two_processes_share_one_redis_store(redis_server, tmp_path):
     """Another process computes and stores chunk KV; this one reuses it without recomputing."""
     url = redis_server.url + "?prefix=ragkv:twoproc:"

@@ -38,6 +38,7 @@ def real_llm(real_dir):
     return ragkv.LLM(DEFAULT_MODEL)
 
 
+@pytest.mark.slow  # a whole-checkpoint conversion, twice
 def test_gguf_conversion_matches_transformers_gguf_loader(real_dir, one_thread):
     """Our dequantization (gguf library + q/k un-permutation) gives transformers' own GGUF logits."""
     pytest.importorskip("accelerate")  # transformers' GGUF model loader needs it

@@ -156,6 +156,7 @@ KINDS = [
 ]
 
 
+@pytest.mark.slow  # a live server
 def test_random_corruptions_never_reach_attention_nor_a_5xx(keyed):
     """Findings "stored KV is trusted": 56 random corruptions of real blobs (bit flips, truncation,
     header edits, sha256-tagged injected KV, foreign codecs, wrong head layout, headers that lie about
@@ -199,6 +200,7 @@ def test_random_corruptions_never_reach_attention_nor_a_5xx(keyed):
     assert corrupt and float(corrupt[0].split()[-1]) >= len(rounds) // 2, corrupt
 
 
+@pytest.mark.slow  # a live server
 def test_bad_blob_is_repaired_by_a_write_not_a_500_forever(keyed):
     """Finding: a blob with the right key and the wrong head layout gave a 500 on every query and
     was never marked corrupt. Now: 200, recomputed; a completion with save (write key) rewrites it,
@@ -221,6 +223,7 @@ def test_bad_blob_is_repaired_by_a_write_not_a_500_forever(keyed):
     )
 
 
+@pytest.mark.slow  # a live server
 def test_every_route_but_healthz_needs_a_key(keyed):
     """Finding "reads are open": with keys configured a keyless client listed every document and read
     any chunk's text by id. Now 401 everywhere but /healthz."""
@@ -389,6 +392,7 @@ def open_server(tmp_path_factory):
         yield c, root / "data"
 
 
+@pytest.mark.slow  # a live server
 def test_completions_do_not_write_unless_asked(open_server):
     """Finding "a read route writes": /v1/completions saved the KV of every chunk it computed
     (save defaulted to true). Now nothing is stored unless save is true."""
@@ -407,6 +411,7 @@ def test_completions_do_not_write_unless_asked(open_server):
     assert r.json()["ragkv"]["kv_saved"] == 0 and set(_blobs(data)) == before
 
 
+@pytest.mark.slow  # a live server
 def test_json_routes_need_a_json_content_type(open_server):
     """Finding "cross-site ingest": POST /v1/documents with no Content-Type was parsed as JSON, so a
     web page could write into a local keyless service. Now 415 for anything but JSON (or NDJSON)."""
@@ -426,6 +431,7 @@ def test_json_routes_need_a_json_content_type(open_server):
     assert "csrf" not in c.get("/v1/documents").json()["ids"]
 
 
+@pytest.mark.slow  # a live server
 def test_bounded_request_lists(open_server):
     """Every request list has a bound: 4 stop strings, MAX_CHUNK_REFS chunk refs (4,096 refs took
     1.37 s and were served), check layers of the model only."""
@@ -451,6 +457,7 @@ def test_bounded_request_lists(open_server):
     assert r.status_code == 400, r.text
 
 
+@pytest.mark.slow  # a live server
 def test_long_ndjson_line_does_not_stall_the_server(open_server):
     """Finding: one long NDJSON line was assembled quadratically on the event loop (32 MiB: 8.5 s with
     every request stalled). A 36 MiB line now streams in linearly (0.4 s here; the old code 6.0 s),
@@ -489,6 +496,7 @@ def test_long_ndjson_line_does_not_stall_the_server(open_server):
     assert r.status_code == 413 and "line 1 longer" in r.json()["error"]["message"], r.text[:300]
 
 
+@pytest.mark.slow  # a live server
 def test_second_writer_on_a_data_dir_fails_clearly(open_server):
     """One writer per data folder: a second server on the same data_dir exits with a clear message."""
     _, data = open_server

@@ -17,6 +17,8 @@ from apps.config import ConfigError, Settings, load_settings
 from eval.harness import launch_server
 from tests.helpers import check_stop_strings, musique_samples, stories_path
 
+pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
+
 NEW = 8
 LIMITS = {  # small limits keep every request (and the schemathesis run) cheap on 2 cores
     "RAGKV_MODEL": str(stories_path()),  # the tiny test model (the default is the real one)

@@ -556,6 +556,7 @@ def test_tiered_write_through(tmp_path):
 
 
 # -- Redis: processes and outages ------------------------------------------------------------------
+@pytest.mark.slow  # two processes
 def test_two_processes_share_one_redis_store(redis_server):
     from ragkv.store.redis_store import RedisStore
 

@@ -20,6 +20,8 @@ jsonschema = pytest.importorskip("jsonschema")
 from tests.test_constrain import check_output, schema_set  # noqa: E402
 from tests.test_server import running_server  # noqa: E402
 
+pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
+
 MODEL = "stories260k"
 LONG = {"RAGKV_MAX_NEW_TOKENS": "120", "RAGKV_MAX_NEW_TOKENS_LIMIT": "200"}
 NO_RAG = {"ragkv": {"retrieve": False}}

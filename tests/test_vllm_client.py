@@ -33,6 +33,8 @@ from ragkv.rag import RAG, Embedder, RagAnswer
 from tests.helpers import REPO, musique_samples, stories_model
 from tests.test_server import LIMITS
 
+pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
+
 NEW = 8
 
 
