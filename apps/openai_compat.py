@@ -578,7 +578,11 @@ def chat_tool_call(req) -> ForcedCall | None:
     with one tool), generated as JSON arguments constrained by its ``parameters`` schema (vLLM's
     named function calling), or None (no tools, or ``tool_choice: "none"``: plain text).
     ``"auto"`` (the default beside tools) would need the model to decide whether to call: refused
-    with 400, never ignored; so are several tools under ``"required"`` and ``response_format`` beside a call."""
+    with 400, never ignored; so are several tools under ``"required"`` and ``response_format`` beside a call.
+
+    The function's name and description are not added to the prompt (this model's chat template has
+    no tool section): a system line "Reply with the JSON arguments of the function ..." was tried and
+    made SmolLM2-135M loop inside a string until ``max_tokens`` on the standard suite's Joke schema."""
     tools = getattr(req, "tools", None) or []
     choice = getattr(req, "tool_choice", None)
     if not tools:
