@@ -142,6 +142,12 @@ def test_default_store_is_the_applications_and_reads_their_data_folder(tmp_path,
     rag = _rag(tmp_path, embedder)
     assert rag.store.codec.name == DEFAULT_CODEC and "raw" in rag.store.allowed_codecs
     rag.close()
+    as_dict = _rag(tmp_path / "d", embedder, store={"url": "memory://"})  # a config dict: the same default
+    assert as_dict.store.codec.name == DEFAULT_CODEC
+    as_dict.close()
+    raw = _rag(tmp_path / "r", embedder, store={"url": "memory://", "codec": "raw"})
+    assert raw.store.codec.name == "raw"
+    raw.close()
     # what the service builds over the same folder (apps/service.py)
     url = default_store_url(tmp_path / "data")
     served = _rag(tmp_path, embedder, store=default_store(url, model=stories_model()))

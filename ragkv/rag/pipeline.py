@@ -121,19 +121,24 @@ class RAG:
         collect_garbage_on_open: bool = False,
         generator: Generator | None = None,
     ):
-        from ragkv.store import default_store, default_store_url, store_from_url
+        from ragkv.store import default_store, default_store_url
 
         self.llm = llm if isinstance(llm, LLM) else LLM(llm)
         self.model = self.llm.model
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if store is None or isinstance(store, (str, Path)):
+        if store is None or isinstance(store, (str, Path, dict)):
             # the applications' default (the CLI's and the service's): the compact codec unless the
             # URL names one, and blobs of the earlier raw default still decode, so a data folder
             # written by `ragkv serve` / `ragkv ingest` is read here, not recomputed
-            store = default_store(str(store or default_store_url(self.data_dir)), model=self.model)
-        elif isinstance(store, dict):
-            store = store_from_url(store)
+            spec = (
+                dict(store)
+                if isinstance(store, dict)
+                else {"url": str(store or default_store_url(self.data_dir))}
+            )
+            if "url" not in spec:
+                raise ValueError(f"store config needs a 'url' key, got {sorted(spec)}")
+            store = default_store(str(spec.pop("url")), model=self.model, **spec)
         self.store = store
         self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder)
         if self.model.tokenizer is None:
