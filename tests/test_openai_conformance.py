@@ -119,6 +119,15 @@ def test_unsupported_options_are_refused_not_ignored(server):
         ({"tools": two, "tool_choice": "required"}, "tool_choice", "unsupported_parameter", "one tool"),
         ({"tool_choice": "required"}, "tool_choice", "invalid_value", "needs tools"),
         (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+            "invalid_value",
+            "objectx",
+        ),
+        (
             {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
             "tool_choice",
             "invalid_value",
