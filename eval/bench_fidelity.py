@@ -26,7 +26,8 @@ Method names: ``full``, ``reuse``, or ``SELECTOR[+OPTION...]@RATIO`` with SELECT
 (AgentKVShift offsets), ``w-one``/``w-cap``/``w-norm`` (offset weights), ``seamN`` (N rows per
 chunk start), ``deep`` (qpass scored on layers 21-25), ``last`` (qpass scored on the last layer),
 ``mixF`` (share F of the budget by question attention), ``minpN`` (offsets only for chunks with N probes), ``fresh`` (fresh check-layer KV),
-``check2`` (check layer 2). ``default`` is the library's default blend.
+``check2`` (check layer 2), ``T0.8``/``S0.9`` (APE's temperature / scale on the question's and the
+decoded tokens' attention to the reused rows). ``default`` is the library's default blend.
 
 Records go to ``OUT/records.jsonl`` as they finish; a rerun skips finished (sample, method) pairs.
 The summary has paired-bootstrap 95% intervals; the last line is one JSON object.
@@ -128,6 +129,10 @@ def parse_method(name: str) -> Method:
             kw["mix"] = float(opt[3:])
         elif opt == "fresh":
             kw["fresh_check_kv"] = True
+        elif re.fullmatch(r"T[0-9.]+", opt):
+            kw["ape_temperature"] = float(opt[1:])
+        elif re.fullmatch(r"S[0-9.]+", opt):
+            kw["ape_scale"] = float(opt[1:])
         elif opt.startswith("check"):
             check = int(opt[5:])
         else:

@@ -240,6 +240,12 @@ def make_cache(model, attention: str = "fp16", capacity: int = 256, **hack_optio
 def load_prompt(cache: KVCache, result: PrefillResult) -> None:
     """Write a prefill's KV into a decode cache."""
     kv = result.kv
+    if result.temper is not None:
+        if not isinstance(cache, DenseKVCache):
+            raise ValueError(
+                "a prefill with APE tempering decodes on the dense cache only (attention='fp16')"
+            )
+        cache.temper = result.temper
     for layer in range(kv.k.shape[0]):
         cache.write(layer, kv.positions, kv.k[layer], kv.v[layer])
 

@@ -248,3 +248,80 @@ def test_a_load_failure_during_the_question_pass_closes_the_source():
     with pytest.raises(ChunkLoadError):
         prefill(m, pre, items, suf, "blend", schedule=BlendSchedule.single(0.2), source_factory=factory)
     assert sources and sources[0]._pool._shutdown  # the loader thread pool was shut down
+
+
+def _ape_reference(q, k, v, ctx, scale, T, S):
+    """APE's merge written as its paper does: a softmax per block, blocks weighted by their LSE."""
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1])
+    for i in range(q.shape[0]):
+        n = i + k.shape[0] - q.shape[0] + 1  # causal: query i sees keys [0, n)
+        for h in range(q.shape[1]):
+            z = (k[:n, h] @ q[i, h]) * scale
+            c, o = ctx[:n], ~ctx[:n]
+            lse_c = torch.logsumexp(z[c] / T, 0)
+            w = torch.softmax(
+                torch.stack([T * lse_c + torch.log(torch.tensor(S)), torch.logsumexp(z[o], 0)]), 0
+            )
+            out[i, h] = (
+                w[0] * torch.softmax(z[c] / T, 0) @ v[:n][c, h] + w[1] * torch.softmax(z[o], 0) @ v[:n][o, h]
+            )
+    return out
+
+
+def test_tempered_attention_is_apes_block_merge_and_plain_attention_at_one():
+    from ragkv.attention.dense import ContextTemper, attention, tempered_attention
+
+    g = torch.Generator().manual_seed(0)
+    n_k, n_q = 12, 3
+    k, v = torch.randn(n_k, 2, 8, generator=g), torch.randn(n_k, 2, 8, generator=g)
+    q = torch.randn(n_q, 2, 8, generator=g)
+    k_pos, q_pos = torch.arange(n_k), torch.arange(n_k - n_q, n_k)
+    ctx = torch.zeros(n_k, dtype=torch.bool)
+    ctx[2:8] = True
+    plain = attention(q, k, v, q_pos, k_pos, 0.35)
+    same = tempered_attention(q, k, v, q_pos, k_pos, 0.35, ContextTemper(1.0, 1.0, ctx))
+    torch.testing.assert_close(same, plain, rtol=1e-5, atol=1e-6)
+    got = tempered_attention(q, k, v, q_pos, k_pos, 0.35, ContextTemper(0.6, 0.7, ctx))
+    torch.testing.assert_close(got, _ape_reference(q, k, v, ctx, 0.35, 0.6, 0.7), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, plain, atol=1e-3)
+    # a query that sees no context key (the context lies after it) is plain attention
+    early = tempered_attention(q[:1], k, v, torch.tensor([1]), k_pos, 0.35, ContextTemper(0.6, 0.7, ctx))
+    torch.testing.assert_close(early, attention(q[:1], k, v, torch.tensor([1]), k_pos, 0.35))
+
+
+def test_ape_tempers_the_question_and_the_decode_and_is_off_at_ratio_one():
+    m = random_model(seed=11, init_std=0.1, num_hidden_layers=4)
+    pre, chunks, suf = _prompt(m)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    full = prefill(m, pre, kvs, suf, "full")
+    ape = {"ape_temperature": 0.6, "ape_scale": 0.8}
+    b1 = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(1.0, **ape))
+    assert b1.temper is None  # nothing reused stays stale: nothing to temper, blend@1 == full
+    _close(b1.logits, full.logits)
+    plain = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.3))
+    tempered = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.3, **ape))
+    assert tempered.temper is not None and plain.temper is None
+    n_pre = len(pre)
+    n_ctx = sum(len(c) for c in chunks)
+    assert tempered.temper.context.nonzero().flatten().tolist() == list(range(n_pre, n_pre + n_ctx))
+    # chunk rows are not tempered: only the question's rows (and what follows them) change
+    _close(tempered.kv.k[:, : n_pre + n_ctx], plain.kv.k[:, : n_pre + n_ctx])
+    assert not torch.allclose(tempered.logits, plain.logits, atol=1e-4)
+    # the decode keeps tempering: teacher-forced NLL equals the decode loop's, and differs from plain
+    answer = [5, 9, 13]
+    nll = continuation_nll(m, tempered, answer)
+    cache = make_cache(m, capacity=tempered.kv.num_tokens + 8)
+    load_prompt(cache, tempered)
+    assert cache.temper is tempered.temper
+    logits, ref, pos = tempered.logits, [], tempered.kv.num_tokens
+    for t in answer:
+        ref.append(float(-torch.log_softmax(logits, -1)[t]))
+        logits = decode_step(m, cache, t, pos)
+        pos += 1
+    assert nll == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    assert nll != pytest.approx(continuation_nll(m, plain, answer), rel=1e-3)
+    with pytest.raises(ValueError, match="dense"):
+        load_prompt(make_cache(m, "hack"), tempered)
+    for bad in ({"ape_temperature": 0.0}, {"ape_temperature": 2.5}, {"ape_scale": 0.0}):
+        with pytest.raises(ValueError, match="ape_"):
+            BlendSchedule.single(0.15, **bad)

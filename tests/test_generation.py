@@ -12,6 +12,7 @@ from apps.config import Settings
 from apps.service import QuerySpec, Service
 from ragkv import LLM
 from ragkv.blend.core import BlendSchedule
+from ragkv.blend.locate import Located
 from ragkv.blend.spans import SearchCancelled, cancel_scope
 from ragkv.engine import Engine, EngineConfig
 from ragkv.generate import SamplingParams
@@ -85,6 +86,23 @@ def test_engine_refuses_what_it_cannot_honour(rag, engine_rag):
         list(engine_rag.generate(job))
     job.schedule = BlendSchedule.single(0.3)  # a ratio alone is served
     assert list(engine_rag.generate(job))[-1].finish_reason == "length"
+    job.schedule = BlendSchedule.single(0.3, ape_temperature=0.8)
+    with pytest.raises(OptionNotServedError, match="APE"):
+        list(engine_rag.generate(job))
+
+
+def test_vllm_generator_refuses_ape_tempering(rag):
+    """The vLLM hook decodes on its own pages: an APE schedule is refused there, not silently dropped."""
+    from integrations.vllm.client import VllmClient, VllmGenerator
+
+    ids = rag.model.encode("Tom flew a kite.", add_bos=True)
+    job = rag.job(ids, [Located("k", tuple(ids[1:]), 1, 0, len(ids) - 1)], "blend", params=SamplingParams())
+    gen = VllmGenerator(VllmClient("http://127.0.0.1:9", model="m"))
+    job.schedule = BlendSchedule.single(0.3, selector="kdev")
+    assert gen.kv_transfer_params(job)["ragkv"]["chunks"]
+    job.schedule = BlendSchedule.single(0.3, selector="kdev", ape_scale=0.8)
+    with pytest.raises(OptionNotServedError, match="APE"):
+        gen.kv_transfer_params(job)
 
 
 def test_engine_request_is_cancelled_when_the_caller_gives_up(rag, engine_rag):

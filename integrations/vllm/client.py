@@ -413,6 +413,8 @@ class VllmGenerator:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
             raise OptionNotServedError(f"ratio must be a number for vLLM serving, got {ratio!r}")
         opts = {"check_layers": self.check_layers}
+        if sched is not None and (sched.ape_temperature, sched.ape_scale) != (1.0, 1.0):
+            raise OptionNotServedError("APE tempering (ape_temperature/ape_scale) is not served by vLLM")
         if sched is not None:
             opts = {
                 "check_layers": tuple(sched.check_layers),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -95,3 +98,62 @@ def attention_probs(
     mask = position_mask(q_pos, k_pos, sliding_window)
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     return torch.softmax(scores, dim=-1)
+
+
+@dataclass(frozen=True)
+class ContextTemper:
+    """APE's temperature ``T`` and scale ``S`` on the attention that query-side rows pay to context rows.
+
+    ``context [N]`` marks the key positions of reused chunks (position ``i`` -> ``context[i]``; later
+    positions are not context). For a query row, the context block's logits are divided by ``T`` inside
+    the block and the block's total weight becomes ``S * (sum_j exp(z_j / T)) ** T`` against the other
+    keys (APE, arXiv 2502.05431, section 3): per key ``z_j' = z_j / T + log S + (T - 1) * LSE(z_C / T)``.
+    ``T = S = 1`` is plain attention.
+    """
+
+    temperature: float
+    scale: float
+    context: torch.Tensor  # bool [n_positions]
+
+    def __post_init__(self):
+        if not 0.0 < self.temperature <= 2.0 or self.scale <= 0.0:
+            raise ValueError("APE temperature must be in (0, 2] and its scale > 0")
+
+    @property
+    def is_identity(self) -> bool:
+        return self.temperature == 1.0 and self.scale == 1.0
+
+    def context_keys(self, k_pos: torch.Tensor) -> torch.Tensor:
+        """Bool ``[N]``: which keys (by position) are context rows."""
+        ctx = self.context.to(k_pos.device)
+        inside = k_pos < ctx.numel()
+        return inside & ctx[k_pos.clamp(max=max(ctx.numel() - 1, 0))]
+
+
+def tempered_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    temper: ContextTemper,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """:func:`attention` of query-side rows with :class:`ContextTemper` on the context keys (explicit, fp32).
+
+    For the few query-side rows only (the question, each decode step): scores are materialized.
+    """
+    groups = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(groups, dim=1) if groups > 1 else k
+    vv = v.repeat_interleave(groups, dim=1) if groups > 1 else v
+    z = torch.einsum("nhd,mhd->hnm", q.float(), kk.float()) * scale  # [H, n, N]
+    allowed = position_mask(q_pos, k_pos, sliding_window)[None]  # [1, n, N]
+    ctx = temper.context_keys(k_pos)[None, None, :] & allowed
+    zc = (z / temper.temperature).masked_fill(~ctx, float("-inf"))
+    # a query with no context key: its LSE is -inf; clamped so that masked entries stay -inf (not NaN)
+    lse = torch.logsumexp(zc, dim=-1, keepdim=True).clamp(min=-1e30)
+    adjusted = zc + math.log(temper.scale) + (temper.temperature - 1.0) * lse
+    z = torch.where(ctx, adjusted, z.masked_fill(~allowed, float("-inf")))
+    probs = torch.softmax(z, dim=-1)
+    return torch.einsum("hnm,mhd->nhd", probs, vv.float()).to(q.dtype)

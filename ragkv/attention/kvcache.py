@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ragkv.attention.dense import attention, layer_windows
+from ragkv.attention.dense import ContextTemper, attention, layer_windows, tempered_attention
 
 
 class KVCache(ABC):
@@ -59,6 +59,8 @@ class DenseKVCache(KVCache):
         self._v = torch.empty_like(self._k)
         self._pos = torch.empty(num_layers, capacity, dtype=torch.long, device=device)
         self._len = [0] * num_layers
+        #: APE tempering of the attention to a blended prompt's reused rows (set by ``load_prompt``)
+        self.temper: ContextTemper | None = None
 
     @classmethod
     def for_model(cls, model, capacity: int = 256) -> DenseKVCache:
@@ -96,6 +98,9 @@ class DenseKVCache(KVCache):
 
     def attend(self, layer, q, q_pos):
         n = self._len[layer]
+        if self.temper is not None:
+            k, v, pos = self.layer_kv(layer)
+            return tempered_attention(q, k, v, q_pos, pos, self.scale, self.temper, self.windows[layer])
         return attention(
             q,
             self._k[layer, :n],

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.attention.dense import attention_probs
+from ragkv.attention.dense import ContextTemper, attention_probs, tempered_attention
 from ragkv.model.forward import run_layers
 
 COMPUTED, EXACT, REUSED = 0, 1, 2
@@ -82,6 +82,10 @@ class BlendSchedule:
     offset_min_probes: int = 4
     #: rows at the start of every reused chunk always recomputed (seam rows, EPIC's LegoLink-k), in the budget
     seam: int = 0
+    #: APE: temperature T and scale S of the question's (and each decoded token's) attention to the
+    #: reused chunks' rows (1, 1: off). Applied only while some reused row is not recomputed (ratio < 1)
+    ape_temperature: float = 1.0
+    ape_scale: float = 1.0
 
     def __post_init__(self):
         if len(self.check_layers) != len(self.ratios) or not self.check_layers:
@@ -113,6 +117,14 @@ class BlendSchedule:
             )
         if self.score_layers is not None and not 0 <= self.score_layers[0] < self.score_layers[1]:
             raise ValueError("score_layers must be (lo, hi) with 0 <= lo < hi")
+        if not 0.0 < self.ape_temperature <= 2.0 or self.ape_scale <= 0.0:
+            raise ValueError("ape_temperature must be in (0, 2] and ape_scale > 0")
+
+    def temper(self, context: torch.Tensor) -> ContextTemper | None:
+        """APE's tempering of the attention to ``context`` rows (bool [n]); None when off or at ratio 1."""
+        if (self.ape_temperature, self.ape_scale) == (1.0, 1.0) or self.target_ratio >= 1.0:
+            return None
+        return ContextTemper(self.ape_temperature, self.ape_scale, context)
 
     @classmethod
     def single(
@@ -147,6 +159,8 @@ class PrefillResult:
     kv: PromptKV
     stats: dict = field(default_factory=dict)
     attn_probs: list[torch.Tensor] | None = None  # per layer [P, Hq, N] for probe rows
+    #: APE tempering the decode must keep applying to the reused rows (None: plain attention)
+    temper: ContextTemper | None = None
 
 
 class BlendKV:
@@ -214,6 +228,8 @@ class BlendKV:
         self.segment, self.seg_pos, self.n_segments = _segments(self.n, self.stored_rows, stored, rc, dev)
         self.stored_seg = self.segment[self.stored_rows]
         self.offset = self.schedule.offset if self.schedule is not None else "none"
+        self.temper = self.schedule.temper(self.reused_mask) if self.schedule is not None else None
+        self.question = _question_rows(self.reused_mask, self.stored_index, self.n) if self.temper else None
         self.offset_oracle = offset_oracle if blending else None
         #: per stored row, the weight of its chunk's offset (set at the check layer; 1 without one)
         self.stored_w = torch.ones(self.stored_rows.numel(), dtype=torch.float32, device=dev)
@@ -418,7 +434,7 @@ class BlendKV:
                 q[local], K, self.mass_rows, self.pos, self.model.scale, self.model.config.window(layer)
             )
             self.mass.append(probs.sum(dim=(0, 1)))
-        return self.model.attend(
+        out = self.model.attend(
             layer,
             q,
             K,
@@ -428,6 +444,20 @@ class BlendKV:
             contiguous=full,
             position_blocks=0 if full else POSITION_BLOCKS,
         )
+        if self.temper is not None and self.question.numel():
+            # APE: the question rows' attention to the reused chunks, tempered (chunk rows are not)
+            local = torch.searchsorted(rows, self.question)
+            out[local] = tempered_attention(
+                q[local],
+                K,
+                V,
+                self.question,
+                self.pos,
+                self.model.scale,
+                self.temper,
+                self.model.config.window(layer),
+            )
+        return out
 
     def stats(self) -> dict:
         """Rows recomputed per layer and time spent selecting / waiting for stored KV."""
@@ -672,4 +702,5 @@ def selective_prefill(
     if kv.final_rows is not None:
         stats["recomputed_rows_last_layer"] = kv.final_rows
     pos = torch.arange(n, device=dev)
-    return PrefillResult(logits, PromptKV(out_k, out_v, pos, token_ids.to(dev), kv.k_pre), stats, kv.probes)
+    prompt_kv = PromptKV(out_k, out_v, pos, token_ids.to(dev), kv.k_pre)
+    return PrefillResult(logits, prompt_kv, stats, kv.probes, kv.temper)

@@ -25,7 +25,7 @@ from ragkv.blend.spans import check_cancelled
 from ragkv.generate import SamplingParams, TokenEvent, stream
 
 if TYPE_CHECKING:
-    from ragkv.blend.schedule import BlendSchedule
+    from ragkv.blend.core import BlendSchedule
     from ragkv.rag.pipeline import RAG
 
 
@@ -176,7 +176,8 @@ class EngineGenerator:
         if job.schedule is not None:
             if job.schedule != type(job.schedule).single(job.schedule.target_ratio):
                 raise OptionNotServedError(
-                    "the engine blends with its own schedule: send only a ratio (no check_layers)"
+                    "the engine blends with its own schedule: send only a ratio (no check_layers, "
+                    "selector, offsets or APE options)"
                 )
             ratio = job.schedule.target_ratio
         prefix, pieces, suffix = job.parts()
