@@ -9,7 +9,7 @@ selective recompute (``mode: "blend"``) or reused as is (``"reuse"``). A chunk w
 missing, of another model, or fails to load is computed alone and used instead (and saved when
 ``save`` is set): never silently wrong KV. Without ``kv_transfer_params`` the prompt is fully
 prefilled. Responses and streamed chunks follow vLLM's shapes; ragkv adds a ``ragkv`` field with
-the reuse statistics. The route itself is in :mod:`apps.server`; the logic is here.
+the reuse statistics. The route itself is in :mod:`apps.routes.completions`; the logic is here.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from ragkv.rag.generation import Generated
 log = logging.getLogger("ragkv.server")
 #: one warning per kind and interval, with the count held back (a store outage fails every chunk)
 
+#: most stop strings a completion may carry (each is searched in the text after every token)
+MAX_STOPS = 4
 STAT_KEYS = (*SERVICE_STAT_KEYS, "kv_misses", "kv_recomputed_bad", "kv_saved")
 
 
@@ -116,7 +118,9 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
         top_p: float | None = Field(None, gt=0.0, le=1.0)
         top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
         seed: int | None = Field(None, ge=0, le=MAX_INT)
-        stop: Stop | list[Stop] | None = Field(None)
+        stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = Field(
+            None, description=f"at most {MAX_STOPS} stop strings"
+        )
         stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=16)
         stream: bool | None = False
         stream_options: StreamOptions | None = None
@@ -190,7 +194,7 @@ class BlendRequest(BaseModel):
     ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
     check_layers: list[Annotated[int, Field(ge=0)]] = [1]
     deviation: Literal["k", "v", "kv"] = BlendSchedule.deviation
-    # security (issue 24): a read must not write; save=true needs a write key (apps/server.py)
+    # security (issue 24): a read must not write; save=true needs a write key (apps/routes/completions.py)
     save: bool = False
     fresh_check_kv: bool = False
 
