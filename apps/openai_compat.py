@@ -27,9 +27,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationError,
-    field_validator,
-    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -37,9 +34,9 @@ from apps.config import Settings
 from apps.schemas import MAX_INT, MAX_TOP_LOGPROBS, ResponseFormat
 from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
 from apps.service import ServiceError
-from ragkv.blend import DEFAULT_RATIO, BlendSchedule
+from integrations.vllm.params import BlendParams, KVParamsError
 from ragkv.blend.locate import Located
-from ragkv.blend.spans import ChunkRef, SpanError, expect_model, request_spans
+from ragkv.blend.spans import SpanError, expect_model, request_spans
 from ragkv.constrain import ConstraintError, JsonConstraint, json_constraint, token_bytes
 from ragkv.defaults import COMPLETIONS_MAX_TOKENS, COMPLETIONS_TEMPERATURE
 from ragkv.generate import SamplingParams, TokenEvent, request_params
@@ -166,90 +163,19 @@ def prompt_ids(model, prompt) -> list[int]:
     return ids
 
 
-#: a chunk's store key as the vLLM connector accepts it
-ChunkKey = Annotated[str, Field(pattern=r"^[0-9A-Za-z_.:-]{1,200}$")]
-
-
-class ChunkParam(BaseModel):
-    """One chunk of ``kv_transfer_params["ragkv"]["chunks"]``: a key, with its span when known."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    key: ChunkKey
-    start: int | None = Field(None, ge=0)
-    length: int | None = Field(None, gt=0)
-
-    @model_validator(mode="after")
-    def _span_whole(self):
-        if (self.start is None) != (self.length is None):
-            raise ValueError("give both 'start' and 'length' or neither")
-        return self
-
-
-class BlendRequest(BaseModel):
-    """``kv_transfer_params["ragkv"]``, the ragkv vLLM connector's format (integrations/vllm/README.md)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    chunks: list[ChunkParam] = Field(max_length=4096, description="{key, start?, length?} objects or keys")
-    mode: Literal["blend", "reuse"] = "blend"
-    ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
-    check_layers: list[Annotated[int, Field(ge=0)]] = [1]
-    deviation: Literal["k", "v", "kv"] = BlendSchedule.deviation
-    # security (issue 24): a read must not write; save=true needs a write key (apps/routes/completions.py)
-    save: bool = False
-    fresh_check_kv: bool = False
-
-    @field_validator("chunks", mode="before")
-    @classmethod
-    def _keys_as_chunks(cls, v):
-        return [{"key": c} if isinstance(c, str) else c for c in v] if isinstance(v, list) else v
-
-    def chunk_refs(self) -> list[ChunkRef]:
-        """The chunks as the library takes them."""
-        return [ChunkRef(c.key, c.start, c.length) for c in self.chunks]
-
-    def schedule(self) -> BlendSchedule:
-        """The blend schedule (mode "blend"): the library's default at ``ratio`` (what ragkv does in
-        process, so a served answer equals a local one), or, when the request asks for other check
-        layers, deviation or fresh check-layer KV, ``ratio`` at every check layer (CacheBlend's
-        check-layer selection, with the default offsets)."""
-        default = BlendSchedule()
-        if (tuple(self.check_layers), self.deviation, self.fresh_check_kv) == (
-            default.check_layers,
-            default.deviation,
-            default.fresh_check_kv,
-        ):
-            return BlendSchedule.single(self.ratio)
-        n = len(self.check_layers)
-        return BlendSchedule(
-            tuple(self.check_layers), (self.ratio,) * n, self.deviation, self.fresh_check_kv, selector="kdev"
-        )
-
-
-def _reason(e: ValidationError) -> str:
-    err = e.errors(include_url=False)[0]
-    where = ".".join(str(x) for x in ("ragkv", *err["loc"]) if "[" not in str(x))  # no validator names
-    if err["type"] == "extra_forbidden":
-        return f"unknown field {where}"
-    return f"{where}: {err['msg']}"
-
-
-def blend_params(raw: Any) -> BlendRequest | None:
-    """The ragkv part of ``kv_transfer_params`` (None: no chunks to reuse); 400 with the reason if malformed."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise BadRequestError(f"kv_transfer_params must be a dict, got {type(raw).__name__}")
-    body = raw.get("ragkv")
-    if body is None:
-        return None
+def blend_params(raw: Any, num_layers: int) -> BlendParams | None:
+    """The ragkv part of ``kv_transfer_params`` in its one wire format (:mod:`integrations.vllm.params`;
+    None: no chunks to reuse); 400 with the reason when malformed or naming layers the model lacks.
+    ``save`` defaults to false here: a read must not write (issue 24; save=true needs a write key)."""
     try:
-        req = BlendRequest.model_validate(body)
-        req.schedule()
-    except ValidationError as e:
-        raise BadRequestError(f"kv_transfer_params: {_reason(e)}") from None
-    except ValueError as e:  # BlendSchedule's own checks (e.g. check layers not increasing)
-        raise BadRequestError(f"kv_transfer_params: invalid blend schedule: {e}") from None
-    return req
+        blend = BlendParams.from_kv_transfer_params(raw, save_default=False)
+    except KVParamsError as e:
+        raise BadRequestError(f"kv_transfer_params: {e}") from None
+    if blend is not None and any(layer >= num_layers for layer in blend.check_layers):
+        raise BadRequestError(
+            f"kv_transfer_params: check_layers must be layers of the model (< {num_layers})"
+        )
+    return blend
 
 
 def sampling(req, model) -> SamplingParams:
@@ -294,7 +220,7 @@ class Done:
 
 
 def completion_events(
-    rag, ids: list[int], blend: BlendRequest | None, params: SamplingParams
+    rag, ids: list[int], blend: BlendParams | None, params: SamplingParams
 ) -> Iterator[TokenEvent | Done]:
     """Complete ``ids`` through the RAG's generator (:meth:`ragkv.rag.RAG.generate`, whatever its
     generation setting) with ``blend``'s stored chunks: token events, then :class:`Done`.
@@ -305,7 +231,7 @@ def completion_events(
     No ``kv_transfer_params``: the stored chunks inside the prompt are located and reused with the
     service's mode and ratio (transparent reuse); ``{"ragkv": {"chunks": []}}`` asks for a full prefill.
     """
-    refs = blend.chunk_refs() if blend is not None else []
+    refs = list(blend.chunks) if blend is not None else []
     spans = []
     if refs:
         expect_model(rag.store, rag.model)
@@ -323,7 +249,7 @@ def completion_events(
             blend.mode if found else "full",
             params=params,
             locate=False,
-            schedule=blend.schedule() if found and blend.mode == "blend" else None,
+            schedule=blend.schedule(question_pass=True) if found else None,
             write_back=False,
             save=blend.save,
         )

@@ -45,14 +45,7 @@ def router(limits: Settings, auth: Auth) -> APIRouter:
             raise NotFoundError(f"The model `{req.model}` does not exist.")
         oc.check_generation_options(req, settings.generation)
         rag = svc.rag
-        blend = oc.blend_params(req.kv_transfer_params)
-        if blend is not None and (
-            len(blend.check_layers) > rag.model.config.num_layers
-            or any(layer >= rag.model.config.num_layers for layer in blend.check_layers)
-        ):
-            raise oc.BadRequestError(
-                f"kv_transfer_params: check_layers must be layers of the model (< {rag.model.config.num_layers})"
-            )
+        blend = oc.blend_params(req.kv_transfer_params, rag.model.config.num_layers)
         if blend is not None and blend.save and scope == "read":
             raise ForbiddenError(
                 "kv_transfer_params save=true writes to the chunk store: it needs a write key"
