@@ -2,7 +2,7 @@
 
 from fastapi.encoders import jsonable_encoder
 
-from apps.service import STAT_KEYS, Final, QuerySpec, Service
+from apps.service import STAT_KEYS, Final
 
 
 def source(r) -> dict:
@@ -61,17 +61,3 @@ def query_body(rid: str, text: str, f: Final) -> dict:
         "stats": stats(f),
         "usage": usage(f),
     }
-
-
-async def answer_events(svc: Service, spec: QuerySpec, disconnected) -> tuple[str, Final, list]:
-    """``svc.answer`` keeping the token events (their log-probabilities): text, :class:`Final`, events."""
-    parts, events, final = [], [], None
-    async for item in svc.stream(spec, disconnected):
-        if isinstance(item, Final):
-            final = item
-        else:
-            parts.append(item.text)
-            if item.is_token:
-                events.append(item)
-    assert final is not None
-    return "".join(parts), final, events

@@ -26,21 +26,18 @@ from ragkv.model import PromptTooLongError
 log = logging.getLogger("ragkv.server")
 #: the error statuses of ragkv's own routes, for their OpenAPI schema
 ERRORS = {
-    401: {"model": sc.ErrorResponse, "description": "API keys are configured: missing or unknown key"},
-    403: {"model": sc.ErrorResponse, "description": "the key has no write scope"},
-    404: {"model": sc.ErrorResponse, "description": "unknown document or chunk id"},
-    413: {"model": sc.ErrorResponse, "description": "request body, or prompt + max_tokens, too large"},
-    415: {"model": sc.ErrorResponse, "description": "a POST body not declared JSON (or NDJSON for uploads)"},
-    422: {"model": sc.ErrorResponse, "description": "invalid input"},
-    429: {"model": sc.ErrorResponse, "description": "busy: the queue is full, retry later"},
-    502: {
-        "model": sc.ErrorResponse,
-        "description": "generation 'vllm': the vLLM server answered with an error",
-    },
-    503: {
-        "model": sc.ErrorResponse,
-        "description": "waited too long for a worker, shutting down, or vLLM down",
-    },
+    status: {"model": sc.ErrorResponse, "description": text}
+    for status, text in {
+        401: "API keys are configured: missing or unknown key",
+        403: "the key has no write scope",
+        404: "unknown document or chunk id",
+        413: "request body, or prompt + max_tokens, too large",
+        415: "a POST body not declared JSON (or NDJSON for uploads)",
+        422: "invalid input",
+        429: "busy: the queue is full, retry later",
+        502: "generation 'vllm': the vLLM server answered with an error",
+        503: "waited too long for a worker, shutting down, or vLLM down",
+    }.items()
 }
 
 

@@ -283,6 +283,11 @@ def _choice(text: str, finish: str | None, token_ids: list[int] | None, logprobs
     return c
 
 
+def openai_object(kind: str, cid: str, created: int, model: str, choices: list, **extra) -> dict:
+    """An OpenAI response or stream chunk: ``{id, object, created, model, choices, **extra}``."""
+    return {"id": cid, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+
+
 def completion_response(
     cid: str, created: int, model: str, done: Done, return_token_ids: bool, logprobs: dict | None = None
 ) -> dict:
@@ -291,16 +296,16 @@ def completion_response(
     choice = _choice(done.text, done.finish_reason, done.token_ids if return_token_ids else None, logprobs)
     if return_token_ids:
         choice["prompt_token_ids"] = done.prompt_ids
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": done.usage,
-        "kv_transfer_params": None,
-        "ragkv": done.stats,
-    }
+    return openai_object(
+        "text_completion",
+        cid,
+        created,
+        model,
+        [choice],
+        usage=done.usage,
+        kv_transfer_params=None,
+        ragkv=done.stats,
+    )
 
 
 def completion_chunk(
@@ -313,25 +318,12 @@ def completion_chunk(
     logprobs: dict | None = None,
 ) -> dict:
     """vLLM's ``CompletionStreamResponse`` with one choice."""
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [_choice(text, finish, token_ids, logprobs)],
-    }
+    return openai_object("text_completion", cid, created, model, [_choice(text, finish, token_ids, logprobs)])
 
 
 def usage_chunk(cid: str, created: int, model: str, done: Done) -> dict:
     """The last streamed chunk when ``stream_options.include_usage``: no choices, the usage."""
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": done.usage,
-    }
+    return openai_object("text_completion", cid, created, model, [], usage=done.usage)
 
 
 # ---- OpenAI conformance of the OpenAI routes: errors, unsupported options, usage details ----------------

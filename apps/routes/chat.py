@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from apps import openai_compat as oc
 from apps import schemas as sc
-from apps.answers import answer_events, ragkv_info, usage
+from apps.answers import ragkv_info, usage
 from apps.deps import Auth, ServiceDep, SettingsDep
 from apps.routes.query import sampling
 from apps.service import Final, InvalidRequestError, QuerySpec
@@ -74,37 +74,23 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
             return {"content": oc.chat_logprob_content(svc.rag.model, events), "refusal": None}
 
         if not req.stream:
-            text, f, events = await answer_events(svc, spec, request.is_disconnected)
+            events: list = []
+            text, f = await svc.answer(spec, request.is_disconnected, events)
             choice = {
                 "index": 0,
                 "message": _message(call, call_id, text),
                 "logprobs": logprobs_of(events),
                 "finish_reason": f.finish_reason,
             }
-            return {
-                "id": cid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model_name,
-                "choices": [choice],
-                "usage": oc.usage_with_details(usage(f), f.answer.stats),
-                "ragkv": ragkv_info(f),
-            }
+            return oc.openai_object(
+                "chat.completion", cid, created, model_name, [choice], usage=_usage(f), ragkv=ragkv_info(f)
+            )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         it = svc.stream(spec)
         first, more = await start_stream(it)
 
         def chunk(choices: list, **extra) -> str:
-            return sse(
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model_name,
-                    "choices": choices,
-                    **extra,
-                }
-            )
+            return sse(oc.openai_object("chat.completion.chunk", cid, created, model_name, choices, **extra))
 
         def choice(delta: dict, finish=None, lp: dict | None = None) -> list:
             return [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]
@@ -121,7 +107,7 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
                 return
             yield chunk(choice({}, item.finish_reason), ragkv=ragkv_info(item))
             if include_usage:
-                yield chunk([], usage=oc.usage_with_details(usage(item), item.answer.stats))
+                yield chunk([], usage=_usage(item))
 
         if call is None:
             opening = {"role": "assistant", "content": ""}
@@ -138,3 +124,8 @@ def _message(call: oc.ForcedCall | None, call_id: str, text: str) -> dict:
     if call is None:
         return {"role": "assistant", "content": text}
     return {"role": "assistant", "content": None, "tool_calls": oc.tool_call_message(call, call_id, text)}
+
+
+def _usage(f: Final) -> dict:
+    """OpenAI's ``usage`` with ``prompt_tokens_details.cached_tokens``."""
+    return oc.usage_with_details(usage(f), f.answer.stats)
