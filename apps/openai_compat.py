@@ -9,7 +9,7 @@ selective recompute (``mode: "blend"``) or reused as is (``"reuse"``). A chunk w
 missing, of another model, or fails to load is computed alone and used instead (and saved when
 ``save`` is set): never silently wrong KV. Without ``kv_transfer_params`` the prompt is fully
 prefilled. Responses and streamed chunks follow vLLM's shapes; ragkv adds a ``ragkv`` field with
-the reuse statistics. The route itself is in :mod:`apps.server`; the logic is here.
+the reuse statistics. The route itself is in :mod:`apps.routes.completions`; the logic is here.
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    ValidationError,
-    field_validator,
-    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -37,9 +34,9 @@ from apps.config import Settings
 from apps.schemas import MAX_INT, MAX_TOP_LOGPROBS, ResponseFormat
 from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
 from apps.service import ServiceError
-from ragkv.blend import DEFAULT_RATIO, BlendSchedule
+from integrations.vllm.params import BlendParams, KVParamsError
 from ragkv.blend.locate import Located
-from ragkv.blend.spans import ChunkRef, SpanError, expect_model, request_spans
+from ragkv.blend.spans import SpanError, expect_model, request_spans
 from ragkv.constrain import ConstraintError, JsonConstraint, json_constraint, token_bytes
 from ragkv.defaults import COMPLETIONS_MAX_TOKENS, COMPLETIONS_TEMPERATURE
 from ragkv.generate import SamplingParams, TokenEvent, request_params
@@ -48,6 +45,8 @@ from ragkv.rag.generation import Generated
 log = logging.getLogger("ragkv.server")
 #: one warning per kind and interval, with the count held back (a store outage fails every chunk)
 
+#: most stop strings a completion may carry (each is searched in the text after every token)
+MAX_STOPS = 4
 STAT_KEYS = (*SERVICE_STAT_KEYS, "kv_misses", "kv_recomputed_bad", "kv_saved")
 
 
@@ -116,7 +115,9 @@ def build_completion_request(s: Settings) -> type[BaseModel]:
         top_p: float | None = Field(None, gt=0.0, le=1.0)
         top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
         seed: int | None = Field(None, ge=0, le=MAX_INT)
-        stop: Stop | list[Stop] | None = Field(None)
+        stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = Field(
+            None, description=f"at most {MAX_STOPS} stop strings"
+        )
         stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=16)
         stream: bool | None = False
         stream_options: StreamOptions | None = None
@@ -162,90 +163,19 @@ def prompt_ids(model, prompt) -> list[int]:
     return ids
 
 
-#: a chunk's store key as the vLLM connector accepts it
-ChunkKey = Annotated[str, Field(pattern=r"^[0-9A-Za-z_.:-]{1,200}$")]
-
-
-class ChunkParam(BaseModel):
-    """One chunk of ``kv_transfer_params["ragkv"]["chunks"]``: a key, with its span when known."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    key: ChunkKey
-    start: int | None = Field(None, ge=0)
-    length: int | None = Field(None, gt=0)
-
-    @model_validator(mode="after")
-    def _span_whole(self):
-        if (self.start is None) != (self.length is None):
-            raise ValueError("give both 'start' and 'length' or neither")
-        return self
-
-
-class BlendRequest(BaseModel):
-    """``kv_transfer_params["ragkv"]``, the ragkv vLLM connector's format (integrations/vllm/README.md)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    chunks: list[ChunkParam] = Field(max_length=4096, description="{key, start?, length?} objects or keys")
-    mode: Literal["blend", "reuse"] = "blend"
-    ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
-    check_layers: list[Annotated[int, Field(ge=0)]] = [1]
-    deviation: Literal["k", "v", "kv"] = BlendSchedule.deviation
-    # security (issue 24): a read must not write; save=true needs a write key (apps/server.py)
-    save: bool = False
-    fresh_check_kv: bool = False
-
-    @field_validator("chunks", mode="before")
-    @classmethod
-    def _keys_as_chunks(cls, v):
-        return [{"key": c} if isinstance(c, str) else c for c in v] if isinstance(v, list) else v
-
-    def chunk_refs(self) -> list[ChunkRef]:
-        """The chunks as the library takes them."""
-        return [ChunkRef(c.key, c.start, c.length) for c in self.chunks]
-
-    def schedule(self) -> BlendSchedule:
-        """The blend schedule (mode "blend"): the library's default at ``ratio`` (what ragkv does in
-        process, so a served answer equals a local one), or, when the request asks for other check
-        layers, deviation or fresh check-layer KV, ``ratio`` at every check layer (CacheBlend's
-        check-layer selection, with the default offsets)."""
-        default = BlendSchedule()
-        if (tuple(self.check_layers), self.deviation, self.fresh_check_kv) == (
-            default.check_layers,
-            default.deviation,
-            default.fresh_check_kv,
-        ):
-            return BlendSchedule.single(self.ratio)
-        n = len(self.check_layers)
-        return BlendSchedule(
-            tuple(self.check_layers), (self.ratio,) * n, self.deviation, self.fresh_check_kv, selector="kdev"
-        )
-
-
-def _reason(e: ValidationError) -> str:
-    err = e.errors(include_url=False)[0]
-    where = ".".join(str(x) for x in ("ragkv", *err["loc"]) if "[" not in str(x))  # no validator names
-    if err["type"] == "extra_forbidden":
-        return f"unknown field {where}"
-    return f"{where}: {err['msg']}"
-
-
-def blend_params(raw: Any) -> BlendRequest | None:
-    """The ragkv part of ``kv_transfer_params`` (None: no chunks to reuse); 400 with the reason if malformed."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise BadRequestError(f"kv_transfer_params must be a dict, got {type(raw).__name__}")
-    body = raw.get("ragkv")
-    if body is None:
-        return None
+def blend_params(raw: Any, num_layers: int) -> BlendParams | None:
+    """The ragkv part of ``kv_transfer_params`` in its one wire format (:mod:`integrations.vllm.params`;
+    None: no chunks to reuse); 400 with the reason when malformed or naming layers the model lacks.
+    ``save`` defaults to false here: a read must not write (issue 24; save=true needs a write key)."""
     try:
-        req = BlendRequest.model_validate(body)
-        req.schedule()
-    except ValidationError as e:
-        raise BadRequestError(f"kv_transfer_params: {_reason(e)}") from None
-    except ValueError as e:  # BlendSchedule's own checks (e.g. check layers not increasing)
-        raise BadRequestError(f"kv_transfer_params: invalid blend schedule: {e}") from None
-    return req
+        blend = BlendParams.from_kv_transfer_params(raw, save_default=False)
+    except KVParamsError as e:
+        raise BadRequestError(f"kv_transfer_params: {e}") from None
+    if blend is not None and any(layer >= num_layers for layer in blend.check_layers):
+        raise BadRequestError(
+            f"kv_transfer_params: check_layers must be layers of the model (< {num_layers})"
+        )
+    return blend
 
 
 def sampling(req, model) -> SamplingParams:
@@ -290,7 +220,7 @@ class Done:
 
 
 def completion_events(
-    rag, ids: list[int], blend: BlendRequest | None, params: SamplingParams
+    rag, ids: list[int], blend: BlendParams | None, params: SamplingParams
 ) -> Iterator[TokenEvent | Done]:
     """Complete ``ids`` through the RAG's generator (:meth:`ragkv.rag.RAG.generate`, whatever its
     generation setting) with ``blend``'s stored chunks: token events, then :class:`Done`.
@@ -301,7 +231,7 @@ def completion_events(
     No ``kv_transfer_params``: the stored chunks inside the prompt are located and reused with the
     service's mode and ratio (transparent reuse); ``{"ragkv": {"chunks": []}}`` asks for a full prefill.
     """
-    refs = blend.chunk_refs() if blend is not None else []
+    refs = list(blend.chunks) if blend is not None else []
     spans = []
     if refs:
         expect_model(rag.store, rag.model)
@@ -319,7 +249,7 @@ def completion_events(
             blend.mode if found else "full",
             params=params,
             locate=False,
-            schedule=blend.schedule() if found and blend.mode == "blend" else None,
+            schedule=blend.schedule(question_pass=True) if found else None,
             write_back=False,
             save=blend.save,
         )
@@ -353,6 +283,11 @@ def _choice(text: str, finish: str | None, token_ids: list[int] | None, logprobs
     return c
 
 
+def openai_object(kind: str, cid: str, created: int, model: str, choices: list, **extra) -> dict:
+    """An OpenAI response or stream chunk: ``{id, object, created, model, choices, **extra}``."""
+    return {"id": cid, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+
+
 def completion_response(
     cid: str, created: int, model: str, done: Done, return_token_ids: bool, logprobs: dict | None = None
 ) -> dict:
@@ -361,16 +296,16 @@ def completion_response(
     choice = _choice(done.text, done.finish_reason, done.token_ids if return_token_ids else None, logprobs)
     if return_token_ids:
         choice["prompt_token_ids"] = done.prompt_ids
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": done.usage,
-        "kv_transfer_params": None,
-        "ragkv": done.stats,
-    }
+    return openai_object(
+        "text_completion",
+        cid,
+        created,
+        model,
+        [choice],
+        usage=done.usage,
+        kv_transfer_params=None,
+        ragkv=done.stats,
+    )
 
 
 def completion_chunk(
@@ -383,25 +318,12 @@ def completion_chunk(
     logprobs: dict | None = None,
 ) -> dict:
     """vLLM's ``CompletionStreamResponse`` with one choice."""
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [_choice(text, finish, token_ids, logprobs)],
-    }
+    return openai_object("text_completion", cid, created, model, [_choice(text, finish, token_ids, logprobs)])
 
 
 def usage_chunk(cid: str, created: int, model: str, done: Done) -> dict:
     """The last streamed chunk when ``stream_options.include_usage``: no choices, the usage."""
-    return {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": done.usage,
-    }
+    return openai_object("text_completion", cid, created, model, [], usage=done.usage)
 
 
 # ---- OpenAI conformance of the OpenAI routes: errors, unsupported options, usage details ----------------

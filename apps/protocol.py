@@ -7,7 +7,7 @@ closes a connection whose request head has not arrived ``header_timeout`` second
 after its previous response), and keeps at most ``max_pending`` connections in that state: one more
 closes the oldest of them. So half-open sockets never fill uvicorn's connection cap
 (``limit_concurrency``, which answers 503 beyond it) and a client that sends its request at once
-(``/healthz``, any real client) is served. Body reads are timed by ``apps.server.BodyLimitMiddleware``.
+(``/healthz``, any real client) is served. Body reads are timed by ``apps.middleware.BodyLimitMiddleware``.
 """
 
 from __future__ import annotations

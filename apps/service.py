@@ -451,8 +451,11 @@ class Service:
         except OptionNotServedError as e:
             raise InvalidRequestError(str(e)) from None
 
-    async def answer(self, spec: QuerySpec, disconnected: Disconnected | None = None) -> tuple[str, Final]:
-        """The whole answer (text, :class:`Final`); work is dropped if ``disconnected()`` turns true."""
+    async def answer(
+        self, spec: QuerySpec, disconnected: Disconnected | None = None, events: list | None = None
+    ) -> tuple[str, Final]:
+        """The whole answer (text, :class:`Final`); work is dropped if ``disconnected()`` turns true.
+        ``events``: a list that collects the token events (their log-probabilities)."""
         parts = []
         final = None
         async for item in self.stream(spec, disconnected):
@@ -460,6 +463,8 @@ class Service:
                 final = item
             else:
                 parts.append(item.text)
+                if events is not None and item.is_token:
+                    events.append(item)
         assert final is not None
         return "".join(parts), final
 

@@ -34,7 +34,7 @@ from ragkv.store.codecs.base import CodecError, KVCodec, get_codec
 
 log = logging.getLogger("ragkv.store")
 
-_KEY_RE = re.compile(r"^[0-9A-Za-z_.:-]{1,200}$")
+_KEY_RE = re.compile(r"[0-9A-Za-z_.:-]{1,200}")
 R = TypeVar("R")
 
 
@@ -52,7 +52,7 @@ class FingerprintMismatch(BlobError):
 
 def check_key(key: str) -> str:
     """Validate a chunk key (content keys are hex; anything path- or glob-unsafe is refused)."""
-    if not isinstance(key, str) or not _KEY_RE.match(key) or key.startswith("."):
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key) or key.startswith("."):
         raise ValueError(f"invalid chunk key {key!r}: expected 1-200 chars of [0-9A-Za-z_.:-]")
     return key
 
