@@ -383,13 +383,14 @@ def test_blended_blocks_are_never_shared(model, chunks):
 
 
 # ---- HACK ------------------------------------------------------------------------------------------------------
-def test_hack_engine_matches_hack_cache_and_fuses_before_quantizing(model, chunks):
+def test_hack_engine_matches_hack_cache_and_fuses_quantized_blocks(model, chunks):
     reqs = _reqs(model, chunks, 3, max_new=12)
     refs = []
     for r in reqs:
         res = prefill(model, r["prefix"], r["chunks"], r["question"], "full")
         refs.append(generate(model, res, r["params"], attention="hack", partition=16).token_ids)
-    with Engine(model, EngineConfig(num_blocks=600, attention="hack")) as eng:
+    paper = {"preset": "paper"}  # HACK's own scheme: what HackKVCache does by default
+    with Engine(model, EngineConfig(num_blocks=600, attention="hack", hack=paper)) as eng:
         assert [o.token_ids for o in eng.generate(reqs)] == refs
         hack_peak = eng.metrics().kv_bytes_peak
     with Engine(model, EngineConfig(num_blocks=600)) as dense:
@@ -402,11 +403,10 @@ def test_hack_engine_matches_hack_cache_and_fuses_before_quantizing(model, chunk
         hs = [eng.submit(**r) for r in reqs]
         while eng.bff_stats.runs == 0:
             eng.step()
-        hack = eng.pool.hack
-        for r in eng.scheduler.running:  # everything sealed once fused: full blocks 2-bit
+        assert eng.pool.k.numel() == 0  # no fp16 blocks: fusion read and wrote quantized pages
+        for r in eng.scheduler.running:  # fused entries are sealed blocks
             s = r.seq
-            for layer in range(s.num_layers):
-                assert all(hack.v_sealed[b] for b in s.tables[layer][: s.full_blocks(layer)])
+            assert all(j < s.hack_state.sealed for layer in range(s.num_layers) for j in s.fused[layer])
         assert eng.bff_stats.blocks_freed > 0
         assert all(h.result().finish_reason == "length" for h in hs)
 
