@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ragkv.attention.hack_paged import PagedLayout, PageViews
+from ragkv.attention.hack_paged import PagedLayout, PageViews, page_views
 from ragkv.attention.hack_quant import unpack_codes_float
 from ragkv.attention.hack_ref import quantize_p, quantize_q
 
@@ -57,12 +57,32 @@ def _gqa(x: Tensor, h: int) -> Tensor:
     return x.view(x.shape[0], h, x.shape[1] // h, *x.shape[2:])
 
 
+def _gather(pages: Tensor, lay: PagedLayout, table: Tensor) -> PageViews:
+    """Field views ``[B, NB, ...]`` of the pages ``table [B, NB]`` (one gather of whole pages)."""
+    b, nb = table.shape
+    g = page_views(pages[table.reshape(-1)], lay)
+
+    def split(x: Tensor) -> Tensor:
+        return x.view(b, nb, *x.shape[1:]) if x.is_contiguous() else x.unflatten(0, (b, nb))
+
+    return PageViews(*(split(getattr(g, f)) for f in PageViews.__dataclass_fields__))
+
+
+def _codes(packed: Tensor, lay: PagedLayout) -> Tensor:
+    """Gathered packed rows ``[B, NB, bs, H, PW]`` -> fp32 codes ``[B, H, NB * bs, D]`` (bytes moved first)."""
+    b, nb, bs, h, pw = packed.shape
+    return unpack_codes_float(
+        packed.permute(0, 3, 1, 2, 4).reshape(b, h, nb * bs, pw), lay.bits, lay.head_dim
+    )
+
+
 def _page_scores(
     q: Tensor, views: PageViews, lay: PagedLayout, batch: HackDecodeBatch, qp_bits: int
 ) -> Tensor:
     """True ``q . k`` of every page row ``[B, H, G, NB * bs]`` (homomorphic, 8-bit Q)."""
     b, hq, d = q.shape
     h, pk, nkp = lay.num_kv_heads, lay.k_partition, lay.num_k_parts
+    g = hq // h
     tab = batch.table
     t = tab.shape[1] * lay.block_size
     qs = q.float()
@@ -70,20 +90,24 @@ def _page_scores(
         qs = (_gqa(qs, h) * batch.q_mul[None, :, None, :]).view(b, hq, d)
     qq = quantize_q(qs, pk, qp_bits)  # codes [B, Hq, nkp, pk], scale/min [B, Hq, nkp]
     qc = _gqa(qq.codes.float(), h)  # [B, H, G, nkp, pk]
-    kc = unpack_codes_float(views.k_packed[tab], lay.bits, d).view(b, t, h, nkp, pk)
-    dot = torch.einsum("bhgpk,bthpk->bhgpt", qc, kc)
+    kc = _codes(views.k_packed, lay).view(b, h, t, nkp, pk)
+    if nkp == 1:  # one partition per row (Pk = D): a plain batched matmul
+        dot = torch.matmul(qc[:, :, :, 0], kc[:, :, :, 0].transpose(-1, -2)).unsqueeze(3)
+    else:
+        dot = torch.einsum("bhgpk,bhtpk->bhgpt", qc, kc)
 
     def k_meta(x: Tensor) -> Tensor:  # [B, NB, bs, H, nkp] -> [B, H, 1, nkp, T]
         return x.float().reshape(b, t, h, nkp).permute(0, 2, 3, 1).unsqueeze(2)
 
-    ks, km, ksum = k_meta(views.k_scale[tab]), k_meta(views.k_min[tab]), k_meta(views.k_sum[tab])
+    ks, km, ksum = k_meta(views.k_scale), k_meta(views.k_min), k_meta(views.k_sum)
     qs_, qm = _gqa(qq.scale.float(), h).unsqueeze(-1), _gqa(qq.minv.float(), h).unsqueeze(-1)
     rq = qc.sum(-1, keepdim=True)
-    s = (qs_ * ks * dot + qs_ * km * rq + qm * ks * ksum + pk * qm * km).sum(3)  # [B, H, G, T]
+    s = (qs_ * (ks * dot + km * rq) + qm * (ks * ksum + pk * km)).sum(3)  # [B, H, G, T]
     if batch.k_shift is not None:
         s = s + torch.einsum("bhgd,hd->bhg", _gqa(q.float(), h), batch.k_shift).unsqueeze(-1)
     if batch.k_norm is not None:
         s = s * batch.k_norm.repeat_interleave(lay.block_size, 1)[:, None, None, :]
+    del g
     return s
 
 
@@ -102,26 +126,29 @@ def _page_pv(p: Tensor, views: PageViews, lay: PagedLayout, batch: HackDecodeBat
     if batch.v_norm is not None:
         p = p * batch.v_norm[:, None, None, :, None]
     pq = quantize_p(p.reshape(b, h * g, t), bs, qp_bits)  # codes [B, Hq, NB, bs], scale/min [B, Hq, NB]
-    pc = _gqa(pq.codes.float(), h)  # [B, H, G, NB, bs]
-    vc = unpack_codes_float(views.v_packed[tab], lay.bits, d)  # [B, NB, bs, H, D]
-    dot = torch.einsum("bhgjs,bjshd->bhgjd", pc, vc)
+    pc = _gqa(pq.codes.float(), h).transpose(2, 3)  # [B, H, NB, G, bs]
+    vc = _codes(views.v_packed, lay).view(b, h, nb, bs, d)
+    dot = torch.matmul(pc, vc)  # [B, H, NB, G, D]: integer products per block
 
-    def v_meta(x: Tensor) -> Tensor:  # [B, NB, H, D] -> [B, H, 1, NB, D]
-        return x.float().permute(0, 2, 1, 3).unsqueeze(2)
+    def v_meta(x: Tensor) -> Tensor:  # [B, NB, H, D] -> [B, H, NB, 1, D]
+        return x.float().permute(0, 2, 1, 3).unsqueeze(3)
 
-    vs, vm, vsum = v_meta(views.v_scale[tab]), v_meta(views.v_min[tab]), v_meta(views.v_sum[tab])
-    ps, pm = _gqa(pq.scale.float(), h).unsqueeze(-1), _gqa(pq.minv.float(), h).unsqueeze(-1)
+    vs, vm, vsum = v_meta(views.v_scale), v_meta(views.v_min), v_meta(views.v_sum)
+    ps = _gqa(pq.scale.float(), h).transpose(2, 3).unsqueeze(-1)  # [B, H, NB, G, 1]
+    pm = _gqa(pq.minv.float(), h).transpose(2, 3).unsqueeze(-1)
     rp = pc.sum(-1, keepdim=True)
-    return (ps * vs * dot + ps * vm * rp + pm * vs * vsum + bs * pm * vm).sum(3)
+    return (ps * (vs * dot + vm * rp) + pm * (vs * vsum + bs * vm)).sum(2)
 
 
 def hack_decode(
-    q: Tensor, views: PageViews, lay: PagedLayout, batch: HackDecodeBatch, scale: float, qp_bits: int = 8
+    q: Tensor, pages: Tensor, lay: PagedLayout, batch: HackDecodeBatch, scale: float, qp_bits: int = 8
 ) -> Tensor:
     """HACK attention of one query row per batch entry ``q [B, Hq, D]`` (post-RoPE); fp32 ``[B, Hq, D]``.
 
+    ``pages``: a layer cache in :class:`PagedLayout` (uint8 ``[num_blocks, Hkv, bs, token_bytes]``).
     A row that sees no key gets a zero output (as the reference).
     """
+    views = _gather(pages, lay, batch.table) if batch.table.shape[1] else None
     b, hq, d = q.shape
     h, bs = lay.num_kv_heads, lay.block_size
     no = batch.open_block.shape[1]

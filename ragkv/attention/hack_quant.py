@@ -10,6 +10,7 @@ fp32 metadata (they never leave the attention step, so their metadata dtype cost
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -255,27 +256,25 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
 
 
-_LUTS: dict[tuple[int, str], Tensor] = {}
-
-
 def unpack_codes_float(packed: Tensor, bits: int, n: int) -> Tensor:
-    """:func:`unpack_codes` straight to fp32 codes (a byte -> codes lookup table for 2 and 4 bits).
+    """:func:`unpack_codes` straight to fp32 codes; 2 and 4 bits shift whole int32 words.
 
-    One gather per packed byte instead of a shift pass per code position: the batched decode's hot path.
+    The batched decode's hot path: 4 packed bytes are one little-endian int32 word whose codes sit
+    at bit offsets ``bits * i`` in order, so one broadcast shift unpacks them (measured on CPU: 0.4 ms
+    vs 0.9 ms shifting bytes, for a 3.4 MB result).
     """
     if bits not in (2, 4) or packed.dtype != torch.uint8:
         return unpack_codes(packed, bits, n).float()
     if packed.shape[-1] != packed_width(n, bits):
         raise HackQuantError(f"packed width {packed.shape[-1]} does not hold {n} codes of {bits} bits")
-    key = (bits, str(packed.device))
-    lut = _LUTS.get(key)
-    if lut is None:
-        per = 8 // bits
-        byte = torch.arange(256, dtype=torch.int64)
-        shifts = torch.arange(per, dtype=torch.int64) * bits
-        lut = ((byte[:, None] >> shifts) & ((1 << bits) - 1)).float().to(packed.device)
-        _LUTS[key] = lut
-    out = torch.nn.functional.embedding(packed.long(), lut)  # [..., PW, per]
+    mask = (1 << bits) - 1
+    if sys.byteorder == "little" and packed.shape[-1] % 4 == 0:
+        words = packed.contiguous().view(torch.int32)
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+        out = ((words.unsqueeze(-1) >> shifts) & mask).float()
+    else:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        out = ((packed.unsqueeze(-1) >> shifts) & mask).float()
     return out.reshape(*packed.shape[:-1], -1)[..., :n]
 
 

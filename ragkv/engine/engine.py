@@ -47,9 +47,11 @@ from ragkv.generate import Detokenizer, SamplingParams, TokenEvent
 log = logging.getLogger("ragkv.engine")
 
 
-#: HACK in the engine: the ``accurate`` preset (fp16 sinks and recent window, K smoothing, clip
-#: search) with 64-channel K partitions (capped at head_dim); ``hack={"preset": "paper"}`` is HACK's own scheme
-HACK_DEFAULTS = {"preset": "accurate", "k_partition": 64}
+#: HACK in the engine: the ``accurate`` preset (fp16 sinks, K smoothing, clip search) with a 32-row
+#: fp16 recent window (16 left KL 0.35 on SmolLM2-135M's chat prompts, 32: 0.02; docs/BENCHMARKS.md)
+#: and 64-channel K partitions (capped at head_dim). ``hack={"preset": "paper"}`` (any named preset
+#: replaces these defaults) is HACK's own scheme
+HACK_DEFAULTS = {"preset": "accurate", "k_partition": 64, "recent_window": 32}
 
 
 @dataclass
@@ -101,7 +103,9 @@ class Engine:
         if cfg.attention == "hack":
             from ragkv.attention.hack_cache import HackConfig
 
-            hack_cfg = HackConfig.from_options(**{**HACK_DEFAULTS, "partition": cfg.block_size, **cfg.hack})
+            # a named preset replaces the engine's defaults (the page layout's K partition stays)
+            base = HACK_DEFAULTS if "preset" not in cfg.hack else {"k_partition": 64}
+            hack_cfg = HackConfig.from_options(**{**base, "partition": cfg.block_size, **cfg.hack})
         if hack_cfg is None:
             elem = torch.empty(0, dtype=model.dtype).element_size()
             block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * elem

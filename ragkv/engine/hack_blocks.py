@@ -48,7 +48,7 @@ from ragkv.attention.hack_quant import (
 
 
 class SlotPool:
-    """fp16 K/V slots of one shape with a free list, grown by doubling (physical bytes = capacity)."""
+    """fp16 K/V slots of one shape with a free list, grown on demand (physical bytes = capacity)."""
 
     def __init__(self, shape: tuple[int, ...], device: torch.device):
         self.shape = shape
@@ -71,7 +71,7 @@ class SlotPool:
     def take(self) -> int:
         if not self.free:
             n = self.capacity
-            m = max(4, 2 * n)
+            m = n + max(4, n // 4)  # grow by a quarter: capacity stays near the peak in use
             k = torch.zeros(m, *self.shape, dtype=torch.float16, device=self.k.device)
             v = torch.zeros_like(k)
             k[:n], v[:n] = self.k, self.v
@@ -135,6 +135,10 @@ class HackPages:
         if self.sinks is not None:
             out += self.sinks.in_use * self.sinks.slot_bytes
         return out
+
+    def staging_nbytes(self) -> int:
+        """Physical bytes of the fp16 staging (open-block and sink slots: their capacity)."""
+        return self.stage.nbytes() + (self.sinks.nbytes() if self.sinks is not None else 0)
 
     def nbytes(self) -> int:
         """Physical bytes: every page, the staging capacity, the smoothing statistics."""

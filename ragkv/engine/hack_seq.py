@@ -205,7 +205,7 @@ class HackAttendPlan:
             k_shift=hp.k_shift[layer] if hp.k_shift is not None else None,
             q_mul=hp.k_div[layer] if hp.k_div is not None else None,
         )
-        out = hack_decode(q, hp.views, hp.layout, batch, pool.scale, qp_bits=hp.cfg.qp_bits)
+        out = hack_decode(q, hp.pages, hp.layout, batch, pool.scale, qp_bits=hp.cfg.qp_bits)
         return out.to(q.dtype)
 
 
@@ -261,12 +261,20 @@ class HackStep:
         lengths = pos + 1
         kq = (lengths - w).clamp(min=0)
         self.kq_after, self.sealed_after = kq, kq // bs
-        sealed_before = [s.hack_state.sealed for s in seqs]
-        opens = [
-            s.hack_state.open[sa - sb :]
-            for s, sa, sb in zip(seqs, self.sealed_after.tolist(), sealed_before, strict=True)
-        ]
-        self.plan = HackAttendPlan(pool, seqs, pos, kq, self.sealed_after, lengths, opens)
+        # W > 0: the row leaving the window is quantized after the step, for every layer in one call
+        # (this step still sees it in fp16); W = 0 (HACK's scheme): at once, layer by layer
+        self.defer = w > 0
+        if self.defer:
+            kq = torch.tensor([s.hack_state.kq for s in seqs], dtype=torch.long, device=dev)
+            sealed = torch.tensor([s.hack_state.sealed for s in seqs], dtype=torch.long, device=dev)
+            opens = [s.hack_state.open for s in seqs]
+        else:
+            sealed = self.sealed_after
+            opens = [
+                s.hack_state.open[sa - s.hack_state.sealed :]
+                for s, sa in zip(seqs, sealed.tolist(), strict=True)
+            ]
+        self.plan = HackAttendPlan(pool, seqs, pos, kq, sealed, lengths, opens)
 
     def write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
         hp, tabs = self.hp, self.plan.tables[layer]
@@ -278,6 +286,8 @@ class HackStep:
             hp.sinks.k[slots, layer, self.pos[sel]] = k[sel].to(torch.float16)
             hp.sinks.v[slots, layer, self.pos[sel]] = v[sel].to(torch.float16)
         bs = self.pool.block_size
+        if self.defer:
+            return
         if self.q_idx.numel():
             off = self.q_row % bs
             rows = hp.stage.k[self.q_slot, layer, off]
@@ -290,9 +300,33 @@ class HackStep:
     def attend(self, layer: int, q: Tensor, q_pos: Tensor) -> Tensor:
         return self.plan.attend(layer, q)
 
+    def _quantize_all_layers(self) -> None:
+        """The rows that left the window (K) and the blocks they complete (V), every layer at once."""
+        hp, bs, tabs = self.hp, self.pool.block_size, self.plan.tables  # tabs [L, B, NB]
+        L = tabs.shape[0]
+        lay = torch.arange(L, device=tabs.device)
+        if self.q_idx.numel():
+            m = self.q_idx.numel()
+            off = self.q_row % bs
+            rows = hp.stage.k[self.q_slot, :, off]  # [M, L, H, D]
+            pages = tabs[:, self.q_idx, self.q_row // bs].T  # [M, L]
+            hp.quantize_k(
+                pages.reshape(-1),
+                off.repeat_interleave(L),
+                lay.repeat(m),
+                rows.reshape(m * L, *rows.shape[2:]),
+            )
+        if self.v_idx.numel():
+            m = self.v_idx.numel()
+            pages = tabs[:, self.v_idx, self.v_blk].T.reshape(-1)
+            v = hp.stage.v[self.v_slot].reshape(m * L, *hp.stage.v.shape[2:])
+            hp.seal_v(pages, v, (self.v_blk == 0).repeat_interleave(L))
+
     def finish(self) -> None:
         """Every layer holds the new rows: advance each sequence and free the sealed blocks' slots."""
         hp = self.hp
+        if self.defer:
+            self._quantize_all_layers()
         for s, p, kq, sa in zip(
             self.seqs, self.pos_list, self.kq_after.tolist(), self.sealed_after.tolist(), strict=True
         ):
