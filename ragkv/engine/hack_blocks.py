@@ -71,7 +71,7 @@ class SlotPool:
     def take(self) -> int:
         if not self.free:
             n = self.capacity
-            m = n + max(4, n // 4)  # grow by a quarter: capacity stays near the peak in use
+            m = n + max(1, n // 8)  # small steps: the capacity (physical bytes) stays near the peak in use
             k = torch.zeros(m, *self.shape, dtype=torch.float16, device=self.k.device)
             v = torch.zeros_like(k)
             k[:n], v[:n] = self.k, self.v
