@@ -374,16 +374,11 @@ def gpu_bench(contexts: list[int], batches: list[int], runs: int) -> list[dict] 
 
 
 # ---- part 5: the three HACK storage layouts ----------------------------------------------------------
-def _tensor_bytes(obj) -> int:
-    """Bytes of every tensor attribute of ``obj`` (its physical allocation)."""
-    return sum(t.numel() * t.element_size() for t in vars(obj).values() if isinstance(t, torch.Tensor))
-
-
 def layouts(
     contexts: list[int], runs: int, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 16
 ) -> list[dict]:
     """The same 2-bit codes in each layout: the decode cache (``HackKVCache``), the engine's paged blocks
-    (``KVPool`` + ``HackBlockStore``) and the vLLM pages (``hack_paged``): bytes per token and the CPU
+    (``KVPool`` + ``HackPages``: the vLLM page layout plus fp16 staging) and the vLLM pages (``hack_paged``): bytes per token and the CPU
     reference decode step of one sequence (one layer), with the outputs' largest difference."""
     out = []
     for t in contexts:
@@ -429,12 +424,12 @@ def layout_row(t: int, runs: int, hq: int, hkv: int, d: int, bs: int) -> dict:
         "vllm_pages": lambda: decode_attention(pages, tails, q, table, [t], scale, use_triton=False),
     }
     outs = [fn().float() for fn in steps.values()]
-    accounted = sum(pool.hack.block_bytes(b, min(bs, t - b * bs), pool.row_bytes) for b in range(nb))
+    accounted = pool.manager.num_used * pool.block_bytes + pool.hack.staging_bytes_in_use()
     return {
         "context": t,
         "bytes_per_token_decode_cache": dense.nbytes() / t,
         "bytes_per_token_engine_accounted": accounted / t,
-        "bytes_per_token_engine_physical": (pool.k.nbytes + pool.v.nbytes + _tensor_bytes(pool.hack)) / t,
+        "bytes_per_token_engine_physical": pool.nbytes() / t,
         "bytes_per_token_vllm_pages": (pages.nbytes + tails.nbytes()) / t,
         "bytes_per_token_fp16": 2 * hkv * d * 2,
         **{f"t_{name}_ms": 1e3 * median_time(fn, runs) for name, fn in steps.items()},

@@ -154,9 +154,12 @@ def bff_run(
     fusion: FusionConfig | None,
     attention: str = "fp16",
     layers: list[int] | None = None,
+    decode_steps: int = 0,
 ) -> dict:
     """Prefill the batch, let the engine fuse it, then one decode step; logits + block counts
-    (distinct physical blocks of ``layers``: by default the layers ``fusion`` fuses)."""
+    (distinct physical blocks of ``layers``: by default the layers ``fusion`` fuses), then
+    ``decode_steps`` more greedy batched decode steps, timed (``step_s``), and the KV bytes of the
+    used blocks: as stored (``kv_bytes``: HACK pages + fp16 staging capacity) and in fp16."""
     n = len(reqs)
     longest = max(len(r["prefix"]) + sum(map(len, r["chunks"])) + len(r["question"]) for r in reqs)
     per_seq = max(
@@ -181,12 +184,33 @@ def bff_run(
         phys = {layer: len({b for r in run for b in r.seq.tables[layer]}) for layer in layers}
         used = eng.pool.manager.num_used
         order = {h.request_id: i for i, h in enumerate(hs)}
-        logits = batched_decode_step(model, [r.seq for r in run], [r.next_token for r in run])
+        seqs = [r.seq for r in run]
+        logits = batched_decode_step(model, seqs, [r.next_token for r in run])
         out = torch.empty_like(logits)
         for r, lg in zip(run, logits, strict=True):
             out[order[r.request_id]] = lg
+        t0 = time.perf_counter()
+        toks = logits.argmax(-1).tolist()
+        for _ in range(decode_steps):
+            toks = batched_decode_step(model, seqs, toks).argmax(-1).tolist()
+        step_s = (time.perf_counter() - t0) / max(1, decode_steps)
+        pool, c = eng.pool, model.config
+        blocks = pool.manager.num_used
+        fp16_bytes = blocks * 2 * pool.block_size * c.num_kv_heads * c.head_dim * 2
+        # dense: model-dtype blocks; HACK: its pages plus the fp16 staging capacity
+        kv_bytes = blocks * pool.block_bytes + (pool.hack.staging_nbytes() if pool.hack else 0)
         st = eng.bff_stats
-        return dict(logits=out, phys=phys, used=used, freed=st.blocks_freed, stats=st.as_dict())
+        return dict(
+            logits=out,
+            phys=phys,
+            used=used,
+            freed=st.blocks_freed,
+            stats=st.as_dict(),
+            step_s=step_s,
+            kv_bytes=kv_bytes,
+            fp16_bytes=fp16_bytes,
+            tokens=sum(s.length for s in seqs),
+        )
     finally:
         eng.shutdown()
 
@@ -265,7 +289,17 @@ def part1(args) -> dict:
     arg = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=other)))
     rep = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=mm, attention="replicate")))
     hack = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=mm), attention="hack"))
-    hack0 = fidelity(base_e, bff_run(model, resolver, evalb, None, attention="hack", layers=layers))
+    steps = args.decode_steps
+    dense_run = bff_run(model, resolver, evalb, None, layers=layers, decode_steps=steps)
+    hack_run = bff_run(model, resolver, evalb, None, attention="hack", layers=layers, decode_steps=steps)
+    hack0 = fidelity(base_e, hack_run)
+    hack_mem = dict(
+        physical_bytes_over_fp16=hack_run["kv_bytes"] / hack_run["fp16_bytes"],
+        bytes_per_token=hack_run["kv_bytes"] / hack_run["tokens"],
+        fp16_bytes_per_token=hack_run["fp16_bytes"] / hack_run["tokens"],
+        decode_step_s=hack_run["step_s"],
+        fp16_decode_step_s=dense_run["step_s"],
+    )
     print(
         f"chosen: threshold {thr}, multi-match {mm} (highest CR with calibration KL <= {budget}); evaluation batch:"
     )
@@ -284,7 +318,10 @@ def part1(args) -> dict:
     )
     print(
         f"  HACK 2-bit decode vs fp16: KL {hack0['kl']:.4f} (agreement {hack0['agreement']:.2f}) alone, "
-        f"{hack['kl']:.4f} ({hack['agreement']:.2f}) with BFF"
+        f"{hack['kl']:.4f} ({hack['agreement']:.2f}) with BFF; KV {hack_mem['bytes_per_token']:.0f} B/token "
+        f"physically vs fp16 {hack_mem['fp16_bytes_per_token']:.0f} "
+        f"({hack_mem['physical_bytes_over_fp16']:.3f}x); batched decode step of {len(evalb)}: "
+        f"{hack_mem['decode_step_s']:.3f} s vs fp16 engine {hack_mem['fp16_decode_step_s']:.3f} s"
     )
     # every mode's fidelity on the trained model: first token vs full prefill, first decode step vs blend
     pc = PrefixCache()
@@ -318,6 +355,7 @@ def part1(args) -> dict:
         tokens=ntok,
         multi_match=mm,
         hack_alone=hack0,
+        hack_mem=hack_mem,
         threshold=thr,
         eval=res,
         argmax=arg,
@@ -515,6 +553,15 @@ def part2(args, threshold: float, multi_match: str) -> dict:
     return dict(summary=summary, slo_s=slo, cap_full=cap_full, model=model_name, tokens=ntok)
 
 
+def hack_tpot_ratio(summary: dict) -> float | None:
+    """Saturation TPOT p50 of blend+BFF+HACK over the same engine without HACK (blend+BFF, else blend)."""
+    hack = summary.get("blend+bff+hack")
+    dense = summary.get("blend+bff") or summary.get("blend")
+    if not hack or not dense or not dense["tpot_p50"]:
+        return None
+    return hack["tpot_p50"] / dense["tpot_p50"]
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run (~1 min)")
@@ -532,6 +579,9 @@ def main(argv=None) -> dict:
         "--multi-match", type=lambda s: s.split(","), default=["paper"], help="modes swept in calibration"
     )
     ap.add_argument("--kl-budget", type=float, default=0.01)
+    ap.add_argument(
+        "--decode-steps", type=int, default=4, help="part 1: timed batched decode steps, fp16 vs HACK"
+    )
     ap.add_argument("--calib-margin", type=float, default=0.5)
     ap.add_argument("--layers", type=int, default=12, help="random model (part 2 without --model)")
     ap.add_argument("--hidden", type=int, default=256)
@@ -605,7 +655,13 @@ def main(argv=None) -> dict:
         bff_blocks_used_before_after=[p1["eval"]["used_before"], p1["eval"]["used_after"]],
         bff_multi_match=p1["multi_match"],
         bff_other_multi_match_cr_kl=[p1["argmax"]["cr"], p1["argmax"]["kl"]],
-        hack_decode_kl=[p1["hack_alone"]["kl"], p1["hack"]["kl"]],
+        hack_decode_kl=p1["hack_alone"]["kl"],
+        hack_decode_agreement=p1["hack_alone"]["agreement"],
+        hack_bff_decode_kl=p1["hack"]["kl"],
+        hack_physical_bytes_over_fp16=p1["hack_mem"]["physical_bytes_over_fp16"],
+        hack_bytes_per_token=p1["hack_mem"]["bytes_per_token"],
+        hack_tpot_over_fp16=hack_tpot_ratio(s),
+        hack_decode_step_over_fp16=p1["hack_mem"]["decode_step_s"] / p1["hack_mem"]["fp16_decode_step_s"],
         modes={
             k: {
                 kk: (round(vv, 4) if isinstance(vv, float) else vv)

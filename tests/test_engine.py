@@ -22,6 +22,7 @@ from ragkv.engine import (
     RequestFailedError,
     RequestTooLargeError,
     SchedulerConfig,
+    batched_decode_step,
 )
 from ragkv.fusion import FusionConfig
 from ragkv.generate import SamplingParams, generate, stream
@@ -383,13 +384,14 @@ def test_blended_blocks_are_never_shared(model, chunks):
 
 
 # ---- HACK ------------------------------------------------------------------------------------------------------
-def test_hack_engine_matches_hack_cache_and_fuses_before_quantizing(model, chunks):
+def test_hack_engine_matches_hack_cache_and_fuses_quantized_blocks(model, chunks):
     reqs = _reqs(model, chunks, 3, max_new=12)
     refs = []
     for r in reqs:
         res = prefill(model, r["prefix"], r["chunks"], r["question"], "full")
         refs.append(generate(model, res, r["params"], attention="hack", partition=16).token_ids)
-    with Engine(model, EngineConfig(num_blocks=600, attention="hack")) as eng:
+    paper = {"preset": "paper"}  # HACK's own scheme: what HackKVCache does by default
+    with Engine(model, EngineConfig(num_blocks=600, attention="hack", hack=paper)) as eng:
         assert [o.token_ids for o in eng.generate(reqs)] == refs
         hack_peak = eng.metrics().kv_bytes_peak
     with Engine(model, EngineConfig(num_blocks=600)) as dense:
@@ -402,13 +404,144 @@ def test_hack_engine_matches_hack_cache_and_fuses_before_quantizing(model, chunk
         hs = [eng.submit(**r) for r in reqs]
         while eng.bff_stats.runs == 0:
             eng.step()
-        hack = eng.pool.hack
-        for r in eng.scheduler.running:  # everything sealed once fused: full blocks 2-bit
+        assert eng.pool.k.numel() == 0  # no fp16 blocks: fusion read and wrote quantized pages
+        for r in eng.scheduler.running:  # fused entries are sealed blocks
             s = r.seq
-            for layer in range(s.num_layers):
-                assert all(hack.v_sealed[b] for b in s.tables[layer][: s.full_blocks(layer)])
+            assert all(j < s.hack_state.sealed for layer in range(s.num_layers) for j in s.fused[layer])
         assert eng.bff_stats.blocks_freed > 0
         assert all(h.result().finish_reason == "length" for h in hs)
+
+
+def _hack_pool(layers=1, hkv=3, d=64, blocks=400, **hack):
+    from ragkv.attention.hack_cache import HackConfig
+
+    cfg = HackConfig.preset("accurate", partition=16, k_partition=64, **hack)
+    return KVPool(blocks, 16, layers, hkv, d, d**-0.5, hack_config=cfg)
+
+
+def _kv(layers, n, hkv, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(layers, n, hkv, d, generator=g) * 1.5 + torch.randn(layers, 1, hkv, d, generator=g) * 3
+    return k, torch.randn(layers, n, hkv, d, generator=g)
+
+
+def test_hack_pages_hold_no_fp16_shadow_and_staging_stays_bounded():
+    """Byte accounting: the pool's physical KV is the quantized pages plus bounded fp16 staging."""
+    pool = _hack_pool(layers=2, recent_window=32)
+    hp = pool.hack
+    assert pool.k.numel() == 0 and pool.v.numel() == 0  # no fp16 copy of any block
+    assert pool.block_bytes == hp.layout.page_bytes < 0.23 * (2 * 16 * 3 * 64 * 2)
+    seqs = []
+    for i, n in enumerate((700, 650, 801)):
+        s = PagedSequence(pool)
+        s.load_prompt(*_kv(2, n, 3, 64, i))
+        seqs.append(s)
+        # open blocks: rows [sealed * bs, n) with sealed = (n - W) // bs: at most 47 rows, 3 blocks
+        st = s.hack_state
+        assert st.kq == n - 32 and st.sealed == (n - 32) // 16 and len(st.open) == -(-n // 16) - st.sealed
+    fp16 = sum(len(t) for s in seqs for t in s.tables) * 2 * 16 * 3 * 64 * 2
+    physical = pool.manager.num_used * pool.block_bytes + hp.staging_nbytes()
+    assert pool.nbytes() == hp.pages.nbytes + hp.staging_nbytes() + 2 * 2 * 2 * 3 * 64  # + smoothing stats
+    # ~700-token sequences: pages 0.227x fp16 + 3 staging slots and 4 sink rows per sequence (0.31x measured)
+    assert physical / fp16 < 0.33
+    for s in seqs:
+        s.release()
+    assert hp.stage.in_use == 0 and hp.sinks.in_use == 0 and pool.manager.num_used == 0
+
+
+def test_hack_batched_decode_equals_the_per_sequence_reference():
+    """One batched call (sinks, window, K smoothing, clip search) = hack_attention on each sequence's view."""
+    from ragkv.attention.hack_ref import HackLayerView, hack_attention
+    from ragkv.engine.hack_seq import HackAttendPlan
+
+    pool = _hack_pool(layers=1, recent_window=8)
+    hp, lay, bs = pool.hack, pool.hack.layout, 16
+    seqs = []
+    for i, n in enumerate((5, 40, 71, 130)):  # sinks only; open + sealed blocks; misaligned lengths
+        s = PagedSequence(pool)
+        s.load_prompt(*_kv(1, n, 3, 64, 10 + i))
+        seqs.append(s)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(len(seqs), 9, 64, generator=g)
+    sts = [s.hack_state for s in seqs]
+    lens = torch.tensor([s.length for s in seqs])
+    plan = HackAttendPlan(
+        pool,
+        seqs,
+        lens - 1,
+        torch.tensor([st.kq for st in sts]),
+        torch.tensor([st.sealed for st in sts]),
+        lens,
+        [st.open for st in sts],
+    )
+    out = plan.attend(0, q)
+    v = hp.views
+    for b, (s, hs) in enumerate(zip(seqs, sts, strict=True)):
+        n, tab = s.length, torch.tensor(s.tables[0])
+        r = torch.arange(hs.kq)
+        rb, ro = tab[r // bs], r % bs
+        kpos = torch.where(r < hp.sink_tokens, torch.full_like(r, 10**9), r)  # sink rows: read in fp16
+        sealed = tab[: hs.sealed]
+        orows = torch.arange(hs.sealed * bs, n)
+        slot = torch.tensor(hs.open)[(orows - hs.sealed * bs) // bs]
+        ok, ov = hp.stage.k[slot, 0, orows % bs], hp.stage.v[slot, 0, orows % bs]
+        tail = orows < hs.kq
+        ns = min(hp.sink_tokens, n)
+        view = HackLayerView(
+            bits=lay.bits,
+            k_part=lay.k_partition,
+            v_part=bs,
+            head_dim=64,
+            k_packed=v.k_packed[rb, ro],
+            k_scale=v.k_scale[rb, ro],
+            k_min=v.k_min[rb, ro],
+            k_sum=v.k_sum[rb, ro],
+            k_pos=kpos,
+            v_packed=v.v_packed[sealed].reshape(-1, 3, lay.packed_width),
+            v_scale=v.v_scale[sealed],
+            v_min=v.v_min[sealed],
+            v_sum=v.v_sum[sealed],
+            v_tail=ov[tail],
+            dense_k=torch.cat([hp.sinks.k[hs.sink, 0, :ns], ok[~tail & (orows >= ns)]]),
+            dense_v=torch.cat([hp.sinks.v[hs.sink, 0, :ns], ov[~tail & (orows >= ns)]]),
+            dense_pos=torch.cat([torch.arange(ns), orows[~tail & (orows >= ns)]]),
+            k_shift=hp.k_shift[0],
+            q_mul=hp.k_div[0],
+        )
+        ref = hack_attention(view, q[b : b + 1], torch.tensor([n - 1]), pool.scale)[0]
+        assert torch.allclose(out[b].float(), ref, atol=2e-4, rtol=2e-4), (n, (out[b] - ref).abs().max())
+
+
+def test_hack_error_controls_lower_the_kl_against_fp16(model, chunks):
+    """On the trained tiny model: the accurate preset's controls on pages cut the first-step KL vs fp16."""
+    from ragkv.attention.hack_cache import HackConfig
+
+    reqs = _reqs(model, chunks, 3)
+    kl = {
+        name: _first_step_kl_cfg(model, reqs, cfg)
+        for name, cfg in (
+            ("paper", HackConfig(partition=16)),
+            ("accurate", HackConfig.preset("accurate", partition=16, recent_window=32)),
+        )
+    }
+    assert kl["accurate"] < kl["paper"] / 5, kl
+
+
+def _first_step_kl_cfg(model, reqs, cfg) -> float:
+    """Mean KL of the first decode step's next-token distribution: HACK pages (``cfg``) vs dense blocks."""
+    from ragkv.metrics import first_token_kl
+
+    kls = []
+    for r in reqs:
+        res = prefill(model, r["prefix"], r["chunks"], r["question"], "full")
+        tok = int(res.logits.argmax())
+        out = []
+        for c in (None, cfg):
+            s = PagedSequence(KVPool.for_model(model, 200, 16, hack_config=c))
+            s.load_prompt(res.kv.k, res.kv.v)
+            out.append(batched_decode_step(model, [s], [tok])[0])
+        kls.append(first_token_kl(out[0], out[1]))
+    return sum(kls) / len(kls)
 
 
 # ---- block accounting under random admit / cancel / finish ------------------------------------------------------

@@ -48,6 +48,24 @@ from ragkv.attention.kvcache import KVCache
 K_SMOOTH_MODES = ("none", "mean", "mean_scale")
 
 
+def smooth_stats(rows: Tensor, mode: str) -> tuple[Tensor | None, Tensor | None]:
+    """K smoothing statistics ``(shift, div)`` ``[Hkv, D]`` of K rows ``[T, Hkv, D]`` (see the module docstring).
+
+    fp32 tensors holding fp16 values (they are stored in fp16); ``div`` is None unless ``"mean_scale"``.
+    The one definition shared by :class:`HackKVCache` and the engine's paged HACK blocks.
+    """
+    if mode not in K_SMOOTH_MODES:
+        raise HackConfigError(f"k_smooth must be one of {K_SMOOTH_MODES}, got {mode!r}")
+    if mode == "none":
+        return None, None
+    rows = rows.float()
+    shift = rows.mean(0).half().float()
+    if mode != "mean_scale":
+        return shift, None
+    amax = (rows - shift).abs().amax(0)
+    return shift, torch.where(amax > 1e-3, amax, torch.ones_like(amax)).half().float()
+
+
 class HackCacheError(HackError):
     """Bad input to the HACK cache (shapes, dtypes, positions, layer index)."""
 
@@ -275,14 +293,9 @@ class HackKVCache(KVCache):
 
     def _smooth_stats(self, st: _LayerStore, k_new: Tensor) -> None:
         """Fix the layer's K smoothing statistics from every row seen so far (first quantization only)."""
-        mode = self.config.k_smooth
-        if mode == "none" or st.k_shift is not None:
+        if self.config.k_smooth == "none" or st.k_shift is not None:
             return
-        rows = torch.cat([st.sink_k, st.win_k, k_new]).float()
-        st.k_shift = rows.mean(0).half().float()
-        if mode == "mean_scale":
-            amax = (rows - st.k_shift).abs().amax(0)
-            st.k_div = torch.where(amax > 1e-3, amax, torch.ones_like(amax)).half().float()
+        st.k_shift, st.k_div = smooth_stats(torch.cat([st.sink_k, st.win_k, k_new]), self.config.k_smooth)
 
     def _smoothed(self, st: _LayerStore, k16: Tensor) -> Tensor:
         """K rows in the smoothing basis (fp32); identity without smoothing."""

@@ -37,7 +37,7 @@ from ragkv.blend import (
 )
 from ragkv.engine import joint
 from ragkv.engine.metrics import EngineMetrics, FusionStats
-from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step, block_bytes, block_keys
+from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step, block_keys
 from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
@@ -45,6 +45,13 @@ from ragkv.fusion.bff import FusionConfig
 from ragkv.generate import Detokenizer, SamplingParams, TokenEvent
 
 log = logging.getLogger("ragkv.engine")
+
+
+#: HACK in the engine: the ``accurate`` preset (fp16 sinks, K smoothing, clip search) with a 32-row
+#: fp16 recent window (16 left KL 0.35 on SmolLM2-135M's chat prompts, 32: 0.02; docs/BENCHMARKS.md)
+#: and 64-channel K partitions (capped at head_dim). ``hack={"preset": "paper"}`` (any named preset
+#: replaces these defaults) is HACK's own scheme
+HACK_DEFAULTS = {"preset": "accurate", "k_partition": 64, "recent_window": 32}
 
 
 @dataclass
@@ -58,7 +65,8 @@ class EngineConfig:
     ratio: float = DEFAULT_RATIO
     schedule: BlendSchedule | None = None
     attention: str = "fp16"  # "fp16" (dense, model dtype) or "hack" (2-bit, HACK attention)
-    hack: dict = field(default_factory=dict)  # HackConfig options; partition defaults to block_size
+    #: HackConfig options over the engine's defaults (:data:`HACK_DEFAULTS`, partition = block_size)
+    hack: dict = field(default_factory=dict)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     share_prefix_blocks: bool = True
     bff: FusionConfig | None = None
@@ -95,14 +103,17 @@ class Engine:
         if cfg.attention == "hack":
             from ragkv.attention.hack_cache import HackConfig
 
-            hack_cfg = HackConfig.from_options(**{"partition": cfg.block_size, **cfg.hack})
+            # a named preset replaces the engine's defaults (the page layout's K partition stays)
+            base = HACK_DEFAULTS if "preset" not in cfg.hack else {"k_partition": 64}
+            hack_cfg = HackConfig.from_options(**{**base, "partition": cfg.block_size, **cfg.hack})
         if hack_cfg is None:
             elem = torch.empty(0, dtype=model.dtype).element_size()
             block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * elem
-        else:  # a byte budget buys more blocks when they are stored 2-bit
-            from ragkv.engine.hack_blocks import sealed_block_bytes
+        else:  # a byte budget buys more blocks when they are stored 2-bit (one page each)
+            from ragkv.attention.hack_paged import PagedLayout
 
-            block = sealed_block_bytes(cfg.block_size, c.num_kv_heads, c.head_dim, hack_cfg)
+            kp = hack_cfg.k_part(c.head_dim)
+            block = PagedLayout(cfg.block_size, c.num_kv_heads, c.head_dim, hack_cfg.bits, kp).page_bytes
         num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // block)
         self.pool = KVPool.for_model(model, num_blocks, cfg.block_size, hack_cfg)
         self.scheduler = Scheduler(cfg.scheduler, self.pool.manager, cfg.block_size, c.num_layers)
@@ -336,8 +347,6 @@ class Engine:
                 prefix_cache=self.prefix_cache,
             )
             seq = PagedSequence(self.pool)
-            hack = self.pool.hack is not None
-            seq.quantize_now = not (hack and (cfg.bff is not None or cfg.cff is not None))
             n = res.kv.num_tokens
             keys = None
             if cfg.share_prefix_blocks:
@@ -356,9 +365,6 @@ class Engine:
             self.scheduler.running.append(r)
             if cfg.cff is not None:
                 joint.cff(self.pool, seq, cfg.cff, self.cff_stats)
-            if cfg.bff is None:
-                seq.quantize_now = True
-                seq.seal()
             self._accept(r, res.logits)
             if r.finish_reason is None and cfg.bff is not None:
                 self._group.append(r)
@@ -418,16 +424,7 @@ class Engine:
         idle = self.scheduler.num_queued == 0 and not self._inbox
         if len(self._group) >= bff.every or (transition and idle and len(self._group) >= bff.min_group):
             joint.bff(self.pool, [r.seq for r in self._group], bff, self.bff_stats)
-            self._seal(self._group)
             self._group = []
-        elif transition and idle and self.pool.hack is not None:
-            self._seal(self._group)  # HACK: nobody to fuse with now; quantize rather than stay fp16
-            self._group = []
-
-    def _seal(self, reqs: list[Request]) -> None:
-        for r in reqs:
-            r.seq.quantize_now = True
-            r.seq.seal()
 
     # ---- ending requests ----------------------------------------------------------------------------
     def _finish(self, r: Request, reason: str) -> None:
@@ -543,19 +540,16 @@ class Engine:
 
     # ---- metrics ------------------------------------------------------------------------------------
     def kv_bytes_used(self) -> int:
-        """Bytes of KV held in used blocks (dense blocks whole; HACK blocks by their codes + fp16 rows)."""
+        """Bytes of KV held now: used blocks (dense blocks, or HACK pages) + HACK's fp16 staging in use."""
         pool = self.pool
-        if pool.hack is None:
-            return pool.manager.num_used * pool.block_bytes
-        rows: dict[int, int] = {}
-        bs = pool.block_size
-        for r in self.scheduler.running:
-            s = r.seq
-            for layer in range(s.num_layers):
-                n = s.layer_length(layer)
-                for j, b in enumerate(s.tables[layer]):
-                    rows[b] = max(rows.get(b, 0), min(bs, n - j * bs))
-        return sum(block_bytes(pool, b, n) for b, n in rows.items())
+        used = pool.manager.num_used * pool.block_bytes
+        if pool.hack is not None:
+            used += pool.hack.staging_bytes_in_use()
+        return used
+
+    def kv_physical_bytes(self) -> int:
+        """Bytes the KV storage occupies physically (every block, and HACK's staging capacity)."""
+        return self.pool.nbytes()
 
     def _track_peak(self) -> None:
         """Peak KV bytes: exact for dense blocks (the allocator's peak); sampled at step ends for HACK."""

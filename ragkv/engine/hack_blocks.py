@@ -1,216 +1,244 @@
-"""HACK 2-bit storage of paged KV blocks, and the per-sequence view that HACK attention runs on.
+"""HACK storage of the engine's paged KV: quantized pages only, plus small bounded fp16 staging.
 
-Layout per physical block (``block_size`` rows, one layer), mirroring ``HackKVCache``:
+**Pages.** One uint8 tensor ``[num_blocks, Hkv, block_size, token_bytes]`` in the vLLM backend's
+page layout (:class:`ragkv.attention.hack_paged.PagedLayout`: K codes per token, V codes per channel
+over the block, fp16 scale/min and code sums). A page holds one layer's block; there is no fp16
+copy of it anywhere.
 
-* K is quantized per token along head_dim as soon as its row is *sealed* (the paper quantizes every
-  new K immediately; a sequence whose blocks still wait for BFF keeps them fp16 until fused, so
-  that fusion runs on fp16 and the shared blocks are quantized once);
-* V is quantized per channel over the block's ``block_size`` tokens once the block is full, so
-  HACK's V partition Pi equals the block size (digest D.3: fusion boundaries must align with V
-  partitions); until then the block's V rows are the fp16 tail (requantization elimination).
+**fp16 staging** (bounded per running sequence, freed as rows get quantized):
 
-Fused blocks hold the unit direction ``u``; a member's norms fold into the quantization metadata
-(digest D.3): its K rows use ``n_K * scale`` and ``n_K * min``, its V partition ``n_V * scale`` and
-``n_V * min``; codes and code sums are shared unchanged.
+* *open blocks*: a sequence's newest block(s), whose rows are still in the recent window or whose V
+  partition is not full yet: one slot ``[L, block_size, Hkv, D]`` (K and V, every layer) per open
+  block, ``ceil((W + block_size - 1) / block_size)`` slots at most per sequence;
+* *sinks*: the first ``sink_tokens`` rows of every layer, one slot ``[L, S, Hkv, D]`` per sequence.
+
+Slots come from :class:`SlotPool`, grown on demand; its physical bytes are its capacity.
+
+**Row life** (the accurate preset's recent window, HACK's requantization elimination): K of row ``r``
+is quantized into its page once ``r < length - W``; V of a block is quantized (sealed) once all of
+its rows' K are. ``W = 0`` is HACK's own scheme: K quantized at once, the partial block's V fp16,
+exactly :class:`~ragkv.attention.hack_cache.HackKVCache` (tested: same greedy tokens). Sink rows
+are read from their fp16 slot; in the page they are masked, and block 0's V partition is
+quantized with them replaced by the mean of the other rows (sinks are outliers; HackKVCache keeps
+them out of its partitions too).
+
+**K smoothing** (``k_smooth``): one ``(shift, div)`` per layer for the whole pool, fixed from the
+first prompt written (:func:`ragkv.attention.hack_cache.smooth_stats`), so blocks shared between
+sequences (prefix sharing, BFF) are all in one basis.
+
+**Fusion** (BFF/CFF) reads sealed blocks dequantized from the pages and writes representatives back
+quantized (:meth:`HackPages.read_blocks` / :meth:`HackPages.write_blocks`); a fused block is stored
+as its home member's reconstruction ``n_home * u`` so it stays in K's range (smoothing, fp16 metadata).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from ragkv.attention.hack_cache import HackConfig
+from ragkv.attention.hack_cache import HackConfig, smooth_stats
+from ragkv.attention.hack_paged import PagedLayout, page_views
 from ragkv.attention.hack_quant import (
     HackConfigError,
-    packed_width,
+    Quantized,
     quantize_k_rows,
     quantize_v_partitions,
-    sum_dtype,
+    unpack_codes_float,
 )
-from ragkv.attention.hack_ref import HackLayerView, hack_attention
 
 
-def _row_and_block_bytes(block_size: int, hkv: int, d: int, cfg: HackConfig) -> tuple[int, int]:
-    """Bytes of one quantized K row and of one sealed V block (codes + fp16 scale/min + sums)."""
-    pk = cfg.k_part(d)
-    pw = packed_width(d, cfg.bits)
-    ks = torch.empty(0, dtype=sum_dtype(cfg.bits, pk)).element_size()
-    vs = torch.empty(0, dtype=sum_dtype(cfg.bits, block_size)).element_size()
-    k_row = hkv * (pw + (d // pk) * (2 + 2 + ks))
-    v_block = hkv * (block_size * pw + d * (2 + 2 + vs))
-    return k_row, v_block
+class SlotPool:
+    """fp16 K/V slots of one shape with a free list, grown on demand (physical bytes = capacity)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device):
+        self.shape = shape
+        self.k = torch.zeros(0, *shape, dtype=torch.float16, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.free: list[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self.free)
+
+    @property
+    def slot_bytes(self) -> int:
+        return 2 * self.k[0].numel() * 2 if self.capacity else 2 * 2 * _numel(self.shape)
+
+    def take(self) -> int:
+        if not self.free:
+            n = self.capacity
+            m = n + max(1, n // 8)  # small steps: the capacity (physical bytes) stays near the peak in use
+            k = torch.zeros(m, *self.shape, dtype=torch.float16, device=self.k.device)
+            v = torch.zeros_like(k)
+            k[:n], v[:n] = self.k, self.v
+            self.k, self.v = k, v
+            self.free.extend(range(m - 1, n - 1, -1))
+        return self.free.pop()
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
 
 
-def sealed_block_bytes(block_size: int, hkv: int, d: int, cfg: HackConfig) -> int:
-    """Bytes of a full, sealed (2-bit K and V) block: what a KV byte budget is divided by in HACK mode."""
-    k_row, v_block = _row_and_block_bytes(block_size, hkv, d, cfg)
-    return block_size * k_row + v_block
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
-class HackBlockStore:
-    """Quantized codes and metadata for every block of a :class:`~ragkv.engine.paged_cache.KVPool`."""
+class HackPages:
+    """Quantized pages, fp16 staging slots and K smoothing statistics of a HACK :class:`KVPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int, hkv: int, d: int, cfg: HackConfig, device):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        hkv: int,
+        d: int,
+        cfg: HackConfig,
+        device: torch.device,
+    ):
         if cfg.partition != block_size:
             raise HackConfigError(
                 f"the engine's HACK V partition must equal the KV block size ({block_size}), got {cfg.partition}"
             )
-        if cfg.sink_tokens or cfg.recent_window or cfg.k_smooth != "none":
-            raise HackConfigError(
-                "the paged engine supports HACK without sink tokens, recent window or K smoothing"
-            )
         self.cfg = cfg
-        self.bs, self.hkv, self.d = block_size, hkv, d
-        self.pk = cfg.k_part(d)
-        pw = packed_width(d, cfg.bits)
-        ksd, vsd = sum_dtype(cfg.bits, self.pk), sum_dtype(cfg.bits, block_size)
-        n, g = num_blocks, d // self.pk
-        self.k_packed = torch.zeros(n, block_size, hkv, pw, dtype=torch.uint8, device=device)
-        self.k_scale = torch.zeros(n, block_size, hkv, g, dtype=torch.float16, device=device)
-        self.k_min = torch.zeros_like(self.k_scale)
-        self.k_sum = torch.zeros(n, block_size, hkv, g, dtype=ksd, device=device)
-        self.v_packed = torch.zeros(n, block_size, hkv, pw, dtype=torch.uint8, device=device)
-        self.v_scale = torch.zeros(n, hkv, d, dtype=torch.float16, device=device)
-        self.v_min = torch.zeros_like(self.v_scale)
-        self.v_sum = torch.zeros(n, hkv, d, dtype=vsd, device=device)
-        self.k_rows = [0] * n  # leading rows of the block whose K is quantized
-        self.v_sealed = [False] * n
-        self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.k_row_bytes, self.v_block_bytes = _row_and_block_bytes(block_size, hkv, d, cfg)
+        self.layout = PagedLayout(block_size, hkv, d, cfg.bits, cfg.k_part(d))
+        self.pages = self.layout.allocate(num_blocks, device)
+        self.views = page_views(self.pages, self.layout)
+        self.bs, self.hkv, self.d, self.num_layers = block_size, hkv, d, num_layers
+        self.sink_tokens, self.window = cfg.sink_tokens, cfg.recent_window
+        self.stage = SlotPool((num_layers, block_size, hkv, d), device)
+        self.sinks = SlotPool((num_layers, cfg.sink_tokens, hkv, d), device) if cfg.sink_tokens else None
+        self.k_shift: Tensor | None = None  # fp32 [L, Hkv, D] (K smoothing), fixed by the first prompt
+        self.k_div: Tensor | None = None
+        self.gen = torch.Generator().manual_seed(cfg.seed) if cfg.stochastic else None
+        self.device = device
 
-    def reset(self, block: int) -> None:
-        """The block was freed: forget its quantization state."""
-        self.k_rows[block] = 0
-        self.v_sealed[block] = False
+    # ---- bytes ------------------------------------------------------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (one layer's block, every head)."""
+        return self.layout.page_bytes
 
-    def seal_k(self, block: int, upto: int, k16: torch.Tensor) -> None:
-        """Quantize K rows ``[k_rows[block], upto)`` of ``block`` from its fp16 rows ``k16 [bs, Hkv, D]``."""
-        lo = self.k_rows[block]
-        if upto <= lo:
+    def staging_bytes_in_use(self) -> int:
+        """fp16 bytes of the staging slots held by sequences now."""
+        out = self.stage.in_use * self.stage.slot_bytes
+        if self.sinks is not None:
+            out += self.sinks.in_use * self.sinks.slot_bytes
+        return out
+
+    def staging_nbytes(self) -> int:
+        """Physical bytes of the fp16 staging (open-block and sink slots: their capacity)."""
+        return self.stage.nbytes() + (self.sinks.nbytes() if self.sinks is not None else 0)
+
+    def nbytes(self) -> int:
+        """Physical bytes: every page, the staging capacity, the smoothing statistics."""
+        out = self.pages.nbytes + self.stage.nbytes()
+        if self.sinks is not None:
+            out += self.sinks.nbytes()
+        return out + sum(2 * t.numel() for t in (self.k_shift, self.k_div) if t is not None)
+
+    # ---- K smoothing --------------------------------------------------------------------------------
+    def fix_stats(self, k: Tensor) -> None:
+        """Fix the pool's K smoothing statistics from a prompt's K ``[L, N, Hkv, D]`` (first call only)."""
+        if self.cfg.k_smooth == "none" or self.k_shift is not None:
             return
-        cfg = self.cfg
+        stats = [smooth_stats(k[layer], self.cfg.k_smooth) for layer in range(k.shape[0])]
+        self.k_shift = torch.stack([s for s, _ in stats]).to(self.device)
+        if stats[0][1] is not None:
+            self.k_div = torch.stack([dv for _, dv in stats]).to(self.device)
+
+    def _smooth(self, k: Tensor, layers: Tensor) -> Tensor:
+        """K rows ``[M, ..., Hkv, D]`` of ``layers [M]`` in the smoothing basis (fp32)."""
+        out = k.float()
+        if self.k_shift is None:
+            return out
+        shape = (-1,) + (1,) * (out.dim() - 3) + (self.hkv, self.d)
+        out = out - self.k_shift[layers].view(shape)
+        if self.k_div is not None:
+            out = out / self.k_div[layers].view(shape)
+        return out
+
+    def _unsmooth(self, k: Tensor, layers: Tensor) -> Tensor:
+        if self.k_shift is None:
+            return k
+        shape = (-1,) + (1,) * (k.dim() - 3) + (self.hkv, self.d)
+        if self.k_div is not None:
+            k = k * self.k_div[layers].view(shape)
+        return k + self.k_shift[layers].view(shape)
+
+    # ---- quantizing into pages ---------------------------------------------------------------------
+    def quantize_k(self, pages: Tensor, offs: Tensor, layers: Tensor, k: Tensor) -> None:
+        """Quantize K rows ``k [M, Hkv, D]`` into row ``offs[i]`` of page ``pages[i]`` (layer ``layers[i]``)."""
+        if not pages.numel():
+            return
+        cfg, v = self.cfg, self.views
         packed, scale, mn, sums = quantize_k_rows(
-            k16[lo:upto].float(),
+            self._smooth(k.half(), layers),
             cfg.bits,
-            self.pk,
+            self.layout.k_partition,
             stochastic=cfg.stochastic,
-            generator=self.gen if cfg.stochastic else None,
+            generator=self.gen,
             clip_ratios=cfg.clip_ratios,
         )
-        self.k_packed[block, lo:upto] = packed
-        self.k_scale[block, lo:upto] = scale
-        self.k_min[block, lo:upto] = mn
-        self.k_sum[block, lo:upto] = sums
-        self.k_rows[block] = upto
+        v.k_packed[pages, offs] = packed
+        v.k_scale[pages, offs] = scale
+        v.k_min[pages, offs] = mn
+        v.k_sum[pages, offs] = sums
 
-    def seal_v(self, block: int, v16: torch.Tensor) -> None:
-        """Quantize the full block's V ``v16 [bs, Hkv, D]`` as one partition per channel."""
-        if self.v_sealed[block]:
+    def seal_v(self, pages: Tensor, v: Tensor, first: Tensor) -> None:
+        """Quantize full blocks' V ``[M, bs, Hkv, D]`` into ``pages``; ``first[i]``: block 0 (holds the sinks)."""
+        if not pages.numel():
             return
-        cfg = self.cfg
-        packed, scale, mn, sums = quantize_v_partitions(
-            v16.float(),
+        cfg, s, bs = self.cfg, self.sink_tokens, self.bs
+        v = v.half().float()
+        if s and 0 < s < bs and bool(first.any()):
+            v = v.clone()
+            v[first, :s] = v[first, s:].mean(1, keepdim=True)
+        vp, vs, vm, vsum = quantize_v_partitions(
+            v.reshape(-1, self.hkv, self.d),
             cfg.bits,
-            self.bs,
+            bs,
             stochastic=cfg.stochastic,
-            generator=self.gen if cfg.stochastic else None,
+            generator=self.gen,
             clip_ratios=cfg.clip_ratios,
         )
-        self.v_packed[block] = packed
-        self.v_scale[block] = scale[0]
-        self.v_min[block] = mn[0]
-        self.v_sum[block] = sums[0]
-        self.v_sealed[block] = True
+        w = self.views
+        w.v_packed[pages] = vp.view(pages.numel(), bs, self.hkv, -1)
+        w.v_scale[pages] = vs
+        w.v_min[pages] = vm
+        w.v_sum[pages] = vsum
 
-    def block_bytes(self, block: int, rows: int, fp16_row_bytes: int) -> int:
-        """Bytes ``block`` holds for its first ``rows`` rows (quantized parts + fp16 rows)."""
-        kq = self.k_rows[block]
-        k = kq * self.k_row_bytes + (rows - kq) * fp16_row_bytes
-        v = self.v_block_bytes if self.v_sealed[block] else rows * fp16_row_bytes
-        return k + v
-
-    def attend(
-        self,
-        k16: torch.Tensor,
-        v16: torch.Tensor,
-        table: list[int],
-        k_norm: list[float],
-        v_norm: list[float],
-        length: int,
-        q: torch.Tensor,
-        q_pos: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """HACK attention of ``q`` over one sequence-layer's blocks (views built per call)."""
-        view = self.view(k16, v16, table, k_norm, v_norm, length)
-        out = hack_attention(
-            view,
-            q,
-            q_pos.to(q.device),
-            scale,
-            sliding_window=sliding_window,
-            qp_bits=self.cfg.qp_bits,
-            backend=self.cfg.backend,
+    def write_blocks(self, pages: Tensor, layers: Tensor, k: Tensor, v: Tensor, first: Tensor) -> None:
+        """Quantize whole blocks ``k, v [M, bs, Hkv, D]`` (every row's K and the V partition) into ``pages``."""
+        m, bs = pages.numel(), self.bs
+        if not m:
+            return
+        rows = torch.arange(bs, device=pages.device)
+        self.quantize_k(
+            pages.repeat_interleave(bs),
+            rows.repeat(m),
+            layers.repeat_interleave(bs),
+            k.reshape(m * bs, self.hkv, self.d),
         )
-        return out.to(q.dtype)
+        self.seal_v(pages, v, first)
 
-    def view(self, k16, v16, table, k_norm, v_norm, length) -> HackLayerView:
-        """The sequence-layer as a :class:`HackLayerView` with its norms folded into scale and min.
-
-        Row order: blocks with sealed V first (their K rows all quantized), then quantized-K rows whose
-        V is still fp16 (the tail), then fully fp16 rows; softmax does not care about key order.
-        """
-        bs, dev = self.bs, k16.device
-        sealed, tail_rows, dense_rows = [], [], []  # (block index in table), (block, slot, j) ...
-        for j, b in enumerate(table):
-            rows = min(bs, length - j * bs)
-            if rows <= 0:
-                break
-            if self.v_sealed[b] and rows == bs:
-                sealed.append(j)
-                continue
-            kq = min(self.k_rows[b], rows)
-            tail_rows += [(j, s) for s in range(kq)]
-            dense_rows += [(j, s) for s in range(kq, rows)]
-        tab = torch.tensor(table, dtype=torch.long, device=dev)
-        kn = torch.tensor(k_norm, dtype=torch.float32, device=dev)
-        vn = torch.tensor(v_norm, dtype=torch.float32, device=dev)
-        sj = torch.tensor(sealed, dtype=torch.long, device=dev)
-        sb = tab[sj]
-        tj = torch.tensor([r[0] for r in tail_rows], dtype=torch.long, device=dev)
-        ts = torch.tensor([r[1] for r in tail_rows], dtype=torch.long, device=dev)
-        tb = tab[tj]
-        dj = torch.tensor([r[0] for r in dense_rows], dtype=torch.long, device=dev)
-        ds = torch.tensor([r[1] for r in dense_rows], dtype=torch.long, device=dev)
-        db = tab[dj]
-        slots = torch.arange(bs, device=dev)
-        g = self.k_scale.shape[-1]
-        pw = self.k_packed.shape[-1]
-        hkv, d = self.hkv, self.d
-        # quantized-K rows: sealed blocks (all rows) then tail rows
-        kpk = torch.cat([self.k_packed[sb].reshape(-1, hkv, pw), self.k_packed[tb, ts]])
-        kfold = torch.cat([kn[sj].repeat_interleave(bs), kn[tj]])[:, None, None]
-        ksc = torch.cat([self.k_scale[sb].reshape(-1, hkv, g), self.k_scale[tb, ts]]).float() * kfold
-        kmn = torch.cat([self.k_min[sb].reshape(-1, hkv, g), self.k_min[tb, ts]]).float() * kfold
-        ksm = torch.cat([self.k_sum[sb].reshape(-1, hkv, g), self.k_sum[tb, ts]])
-        kpos = torch.cat([(sj[:, None] * bs + slots[None, :]).reshape(-1), tj * bs + ts])
-        vfold = vn[sj][:, None, None]
-        return HackLayerView(
-            bits=self.cfg.bits,
-            k_part=self.pk,
-            v_part=bs,
-            head_dim=d,
-            k_packed=kpk,
-            k_scale=ksc,
-            k_min=kmn,
-            k_sum=ksm,
-            k_pos=kpos,
-            v_packed=self.v_packed[sb].reshape(-1, hkv, pw),
-            v_scale=self.v_scale[sb].float() * vfold,
-            v_min=self.v_min[sb].float() * vfold,
-            v_sum=self.v_sum[sb],
-            v_tail=(v16[tb, ts].float() * vn[tj][:, None, None]).to(torch.float16),
-            dense_k=(k16[db, ds].float() * kn[dj][:, None, None]).to(torch.float16),
-            dense_v=(v16[db, ds].float() * vn[dj][:, None, None]).to(torch.float16),
-            dense_pos=dj * bs + ds,
-        )
+    def read_blocks(self, pages: Tensor, layers: Tensor) -> tuple[Tensor, Tensor]:
+        """Dequantized K (unsmoothed) and V of sealed blocks: fp32 ``[M, bs, Hkv, D]`` each."""
+        lay, w = self.layout, self.views
+        m, bs, h, d, pk = pages.numel(), self.bs, self.hkv, self.d, lay.k_partition
+        kc = unpack_codes_float(w.k_packed[pages], lay.bits, d).view(m, bs, h, d // pk, pk)
+        k = kc * w.k_scale[pages].float().unsqueeze(-1) + w.k_min[pages].float().unsqueeze(-1)
+        k = self._unsmooth(k.view(m, bs, h, d), layers)
+        vc = unpack_codes_float(w.v_packed[pages], lay.bits, d).permute(0, 2, 3, 1)  # [M, H, D, bs]
+        v = Quantized(vc, w.v_scale[pages], w.v_min[pages]).dequantize().permute(0, 3, 1, 2)
+        return k, v.contiguous()

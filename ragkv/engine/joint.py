@@ -24,7 +24,7 @@ from ragkv.fusion.cff import cff_plan
 def eligible_blocks(seq: PagedSequence, layer: int, lo: int = 0, hi: int | None = None) -> list[int]:
     """Table indices in ``[lo, hi)`` of ``layer`` that may be fused (full, unshared, not fused yet)."""
     mgr = seq.pool.manager
-    full = seq.full_blocks(layer)
+    full = seq.fusable_blocks(layer)
     hi = full if hi is None else min(hi, full)
     t = seq.tables[layer]
     return [j for j in range(lo, hi) if mgr.ref_count(t[j]) == 1 and j not in seq.fused[layer]]
@@ -42,8 +42,8 @@ def fuse_refs(
     if sum(1 for s in item_sizes if s) < 2:
         return None
     phys = torch.tensor([s.tables[layer][j] for s, j in refs], dtype=torch.long, device=pool.device)
-    k = pool.k[phys].reshape(len(refs), -1)
-    v = pool.v[phys].reshape(len(refs), -1)
+    k, v = pool.read_blocks(phys, layer)
+    k, v = k.reshape(len(refs), -1), v.reshape(len(refs), -1)
     thr = cfg.threshold_for(k, v, item_sizes)
     res = fast_fusion(k, v, item_sizes, thr, cfg.multi_match)
     stats.add_layer(layer, res.num_blocks, res.num_reps)
@@ -56,7 +56,7 @@ def apply_fusion(
     pool: KVPool, layer: int, refs: list[tuple[PagedSequence, int]], res: FusionResult, attention: str
 ) -> int:
     """Rewrite blocks and tables per ``res``; returns how many blocks went back to the free list."""
-    shape = pool.k.shape[1:]
+    shape = (1, pool.block_size, pool.num_kv_heads, pool.head_dim)
     mgr = pool.manager
     fused = res.members > 1
     if not bool(fused.any()):
@@ -70,34 +70,39 @@ def apply_fusion(
             b = s.tables[layer][j]
             r = int(res.rep_of[i])
             mgr.unregister(b)
-            if pool.hack is not None:
-                pool.hack.reset(b)  # new content: quantized again when its sequence is sealed
-            pool.k[b] = (res.k_rep[r] * kn[i]).view(shape).to(pool.dtype)
-            pool.v[b] = (res.v_rep[r] * vn[i]).view(shape).to(pool.dtype)
+            pb = torch.tensor([b], device=pool.device)
+            pool.write_blocks(
+                pb, layer, (res.k_rep[r] * kn[i]).view(shape), (res.v_rep[r] * vn[i]).view(shape)
+            )
             s.fused[layer].add(j)
         return 0
     homes = res.home.tolist()
     home_phys = {}
+    # HACK stores a representative as its home member's reconstruction n_home * u (in K's range, which
+    # K smoothing and fp16 metadata need); members' norms are then relative to the home's
+    scaled = pool.hack is not None
     for r in fused.nonzero().flatten().tolist():
         s, j = refs[homes[r]]
         b = s.tables[layer][j]
         mgr.unregister(b)  # its content changes: it no longer matches its prefix key
-        if pool.hack is not None:
-            pool.hack.reset(b)  # quantized again (once, shared) when the group is sealed
-        pool.k[b] = res.k_rep[r].view(shape).to(pool.dtype)
-        pool.v[b] = res.v_rep[r].view(shape).to(pool.dtype)
-        home_phys[r] = b
+        h = homes[r]
+        ks = kn[h] if scaled and kn[h] > 0 else 1.0
+        vs = vn[h] if scaled and vn[h] > 0 else 1.0
+        pb = torch.tensor([b], device=pool.device)
+        pool.write_blocks(pb, layer, (res.k_rep[r] * ks).view(shape), (res.v_rep[r] * vs).view(shape))
+        home_phys[r] = (b, ks, vs)
     freed = 0
     for i in idx:
         s, j = refs[i]
         r = int(res.rep_of[i])
-        s.k_norm[layer][j] = kn[i]
-        s.v_norm[layer][j] = vn[i]
+        hb, ks, vs = home_phys[r]
+        s.k_norm[layer][j] = kn[i] / ks
+        s.v_norm[layer][j] = vn[i] / vs
         s.fused[layer].add(j)
         if i != homes[r]:
             old = s.tables[layer][j]
-            mgr.incref(home_phys[r])
-            s.tables[layer][j] = home_phys[r]
+            mgr.incref(hb)
+            s.tables[layer][j] = hb
             before = mgr.num_free
             pool.free(old)
             freed += mgr.num_free - before

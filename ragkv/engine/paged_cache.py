@@ -4,8 +4,9 @@ The pool holds ``num_blocks`` physical blocks of ``block_size`` rows ``[Hkv, D]`
 block belongs to one layer of one or more sequences; each sequence keeps one block table per layer
 (BFF/CFF may fuse different blocks in different layers) and, per table entry, the norms ``n_K, n_V``
 that rescale a fused representative for this member (1.0 for an ordinary block). Rows sit at
-positions ``0 .. length-1`` in table order. With ``attention="hack"`` a :class:`HackBlockStore`
-keeps the 2-bit codes next to the fp16 rows (see ``hack_blocks``).
+positions ``0 .. length-1`` in table order. With ``attention="hack"`` the pool holds no fp16 blocks:
+:class:`~ragkv.engine.hack_blocks.HackPages` keeps quantized pages plus bounded fp16 staging, and
+sequences and decode steps go through ``hack_seq``.
 """
 
 from __future__ import annotations
@@ -56,14 +57,15 @@ class KVPool:
         self.device = torch.device(device)
         self.hack = None
         if hack_config is not None:
-            from ragkv.engine.hack_blocks import HackBlockStore
+            from ragkv.engine.hack_blocks import HackPages
 
             dtype = torch.float16  # HACK keeps its unquantized rows in fp16, as HackKVCache does
-            self.hack = HackBlockStore(
-                num_blocks, block_size, num_kv_heads, head_dim, hack_config, self.device
+            self.hack = HackPages(
+                num_blocks, block_size, num_layers, num_kv_heads, head_dim, hack_config, self.device
             )
         self.dtype = dtype
-        self.k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+        shape = (0 if self.hack else num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # HACK: empty (no fp16 blocks)
         self.v = torch.zeros_like(self.k)
         self.manager = BlockManager(num_blocks)
         self.row_bytes = num_kv_heads * head_dim * self.k.element_size()  # one row of K (or V)
@@ -86,13 +88,36 @@ class KVPool:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one dense block (K and V)."""
+        """Bytes of one block: dense K and V, or one HACK page."""
+        if self.hack is not None:
+            return self.hack.page_bytes
         return 2 * self.block_size * self.row_bytes
 
+    def nbytes(self) -> int:
+        """Physical bytes of the pool's KV storage (HACK: pages, staging capacity, smoothing stats)."""
+        if self.hack is not None:
+            return self.hack.nbytes()
+        return self.k.nbytes + self.v.nbytes
+
     def free(self, block: int) -> None:
-        """Drop one reference; a block that becomes free loses its quantization state."""
-        if self.manager.free(block) and self.hack is not None:
-            self.hack.reset(block)
+        """Drop one reference (a freed HACK page is simply overwritten when next sealed)."""
+        self.manager.free(block)
+
+    def read_blocks(self, phys: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of blocks ``phys`` of ``layer``: ``[n, bs, Hkv, D]`` (HACK: dequantized sealed pages)."""
+        if self.hack is None:
+            return self.k[phys], self.v[phys]
+        return self.hack.read_blocks(phys, torch.full_like(phys, layer))
+
+    def write_blocks(self, phys: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Overwrite whole blocks ``phys`` of ``layer`` with ``k, v [n, bs, Hkv, D]`` (HACK: quantized)."""
+        if self.hack is None:
+            self.k[phys] = k.to(self.dtype)
+            self.v[phys] = v.to(self.dtype)
+            return
+        self.hack.write_blocks(
+            phys, torch.full_like(phys, layer), k, v, torch.zeros_like(phys, dtype=torch.bool)
+        )
 
 
 def block_keys(
@@ -127,8 +152,11 @@ class PagedSequence(KVCache):
         self._len = [0] * self.num_layers
         self.on_alloc = on_alloc
         self.allocated = 0  # blocks this sequence took from the free list (for reservations)
-        #: False while the blocks wait for BFF in HACK mode (fuse in fp16, quantize once afterwards)
-        self.quantize_now = True
+        self.hack_state = None
+        if pool.hack is not None:
+            from ragkv.engine.hack_seq import HackSeqState
+
+            self.hack_state = HackSeqState()
         #: per layer, the table entries that are fused members (never fused again)
         self.fused: list[set[int]] = [set() for _ in range(self.num_layers)]
         self._fused_cache: dict[int, tuple] = {}
@@ -153,8 +181,14 @@ class PagedSequence(KVCache):
 
     # ---- KVCache ---------------------------------------------------------------------------------
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append rows at the next positions of ``layer`` (paged rows are contiguous from 0)."""
+        """Append rows at the next positions of ``layer`` (paged rows are contiguous from 0).
+
+        HACK pools take rows through :meth:`load_prompt` and :func:`batched_decode_step` only (their
+        state is per sequence, all layers alike).
+        """
         self._check_layer(layer)
+        if self.pool.hack is not None:
+            raise PagedCacheError("HACK pages are written by load_prompt and batched_decode_step")
         n = int(k.shape[0])
         start = self._len[layer]
         want = torch.arange(start, start + n)
@@ -173,8 +207,6 @@ class PagedSequence(KVCache):
             self.pool.v[b, s : s + take] = v[row : row + take].to(self.pool.dtype)
             row += take
         self._len[layer] = start + n
-        if self.pool.hack is not None and self.quantize_now:
-            self._seal_layer(layer, start // bs)
 
     def attend(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         self._check_layer(layer)
@@ -184,18 +216,9 @@ class PagedSequence(KVCache):
         p = self.pool
         table = self.tables[layer]
         if p.hack is not None:
-            return p.hack.attend(
-                p.k,
-                p.v,
-                table,
-                self.k_norm[layer],
-                self.v_norm[layer],
-                n,
-                q,
-                q_pos,
-                p.scale,
-                p.windows[layer],
-            )
+            from ragkv.engine.hack_seq import attend_one
+
+            return attend_one(self, layer, q, q_pos)
         idx = torch.tensor(table, dtype=torch.long, device=p.device)
         k_pos = torch.arange(len(table) * p.block_size, device=p.device)
         k_pos = torch.where(k_pos < n, k_pos, torch.full_like(k_pos, -1))
@@ -219,12 +242,18 @@ class PagedSequence(KVCache):
         return self._len[layer]
 
     def nbytes(self) -> int:
-        """Bytes of the blocks this sequence references, each shared block split among its holders."""
+        """Bytes of the blocks this sequence references, each shared block split among its holders
+        (HACK: plus its fp16 staging and sink slots)."""
         total = 0.0
+        mgr = self.pool.manager
         for layer in range(self.num_layers):
-            for j, b in enumerate(self.tables[layer]):
-                rows = min(self.pool.block_size, self._len[layer] - j * self.pool.block_size)
-                total += block_bytes(self.pool, b, rows) / self.pool.manager.ref_count(b)
+            for b in self.tables[layer]:
+                total += self.pool.block_bytes / mgr.ref_count(b)
+        hp = self.pool.hack
+        if hp is not None:
+            total += len(self.hack_state.open) * hp.stage.slot_bytes
+            if hp.sinks is not None:
+                total += hp.sinks.slot_bytes
         return int(total)
 
     # ---- prompt loading, sealing, release ----------------------------------------------------------
@@ -246,6 +275,10 @@ class PagedSequence(KVCache):
             raise PagedCacheError(f"prompt KV has {L} layers, the pool {self.num_layers}")
         bs, mgr = self.pool.block_size, self.pool.manager
         keys = keys or []
+        if self.pool.hack is not None:
+            from ragkv.engine import hack_seq
+
+            return hack_seq.load_prompt(self, k, v, keys)
         shared = 0
         for layer in range(L):
             j = 0
@@ -265,28 +298,7 @@ class PagedSequence(KVCache):
             self.write(layer, pos, k[layer, j * bs :], v[layer, j * bs :])
             for jj in range(j, min(len(keys), n // bs)):
                 mgr.register((keys[jj], layer), self.tables[layer][jj])
-        if self.pool.hack is not None and self.quantize_now:
-            self.seal()  # shared head blocks too, so the whole prompt is quantized as HackKVCache does
         return shared
-
-    def seal(self, layers: list[int] | None = None) -> None:
-        """HACK: quantize every K row written so far and the V of every full block (idempotent)."""
-        if self.pool.hack is None:
-            return
-        for layer in layers if layers is not None else range(self.num_layers):
-            self._seal_layer(layer, 0)
-
-    def _seal_layer(self, layer: int, first_block: int) -> None:
-        hack, bs = self.pool.hack, self.pool.block_size
-        n = self._len[layer]
-        for j in range(first_block, len(self.tables[layer])):
-            b = self.tables[layer][j]
-            rows = min(bs, n - j * bs)
-            if rows <= 0:
-                break
-            hack.seal_k(b, rows, self.pool.k[b])
-            if rows == bs:
-                hack.seal_v(b, self.pool.v[b])
 
     def fused_norms(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(table indices, n_K, n_V) of the fused entries of ``layer``, cached until more are fused."""
@@ -305,6 +317,12 @@ class PagedSequence(KVCache):
     def full_blocks(self, layer: int) -> int:
         return self._len[layer] // self.pool.block_size
 
+    def fusable_blocks(self, layer: int) -> int:
+        """Leading blocks BFF/CFF may fuse: full ones (HACK: sealed ones, quantized in their pages)."""
+        if self.hack_state is not None:
+            return self.hack_state.sealed
+        return self.full_blocks(layer)
+
     def references(self) -> Counter:
         """How many times this sequence references each physical block (all layers)."""
         return Counter(b for t in self.tables for b in t)
@@ -313,6 +331,10 @@ class PagedSequence(KVCache):
         """Drop every block reference (idempotent)."""
         if self.released:
             return
+        if self.hack_state is not None:
+            from ragkv.engine.hack_seq import release
+
+            release(self)
         for layer in range(self.num_layers):
             for b in self.tables[layer]:
                 self.pool.free(b)
@@ -322,19 +344,12 @@ class PagedSequence(KVCache):
         self.released = True
 
 
-def block_bytes(pool: KVPool, block: int, rows: int) -> int:
-    """Bytes block ``block`` occupies: a whole dense block, or HACK's codes + fp16 rows."""
-    if pool.hack is None:
-        return pool.block_bytes
-    return pool.hack.block_bytes(block, max(0, rows), pool.row_bytes)
-
-
 class PagedBatchKV:
     """The K/V of one decode step of a batch of paged sequences (a ``LayerKV`` for ``run_layers``).
 
-    Dense pools: each new row is written into its sequence's current block and attention is one
-    padded, norm-aware batch over the block tables (masks per distinct window, built once per step).
-    HACK pools: rows go through each sequence's own ``write`` / ``attend`` (its quantized pages).
+    Each new row is written into its sequence's current block and attention is one padded,
+    norm-aware batch over the block tables (masks per distinct window, built once per step). HACK
+    pools use :class:`ragkv.engine.hack_seq.HackStep` instead (same batching over quantized pages).
     """
 
     def __init__(self, seqs: list[PagedSequence], positions: list[int], device):
@@ -342,8 +357,6 @@ class PagedBatchKV:
         pool, bs = self.pool, self.pool.block_size
         self.pos_list = positions
         self.lengths = torch.tensor(positions, dtype=torch.long, device=device) + 1
-        if pool.hack is not None:
-            return
         for s, p in zip(seqs, positions, strict=True):  # a fresh block wherever a sequence crosses into one
             if p % bs == 0:
                 for layer in range(s.num_layers):
@@ -359,10 +372,6 @@ class PagedBatchKV:
 
     def write(self, layer, positions, k, v) -> None:
         pool = self.pool
-        if pool.hack is not None:
-            for i, s in enumerate(self.seqs):
-                s.write(layer, positions[i : i + 1], k[i : i + 1], v[i : i + 1])
-            return
         rows = [s.tables[layer] + [0] * (self.nb - len(s.tables[layer])) for s in self.seqs]
         self._tables = torch.tensor(rows, dtype=torch.long, device=self.device)
         cur = self._tables.gather(1, self.blocks[:, None]).squeeze(1)
@@ -371,10 +380,6 @@ class PagedBatchKV:
 
     def attend(self, layer, q, q_pos) -> torch.Tensor:
         pool = self.pool
-        if pool.hack is not None:
-            return torch.cat(
-                [s.attend(layer, q[i : i + 1], q_pos[i : i + 1]) for i, s in enumerate(self.seqs)]
-            )
         fused = None
         if any(s.fused[layer] for s in self.seqs):
             parts = [(i, *s.fused_norms(layer)) for i, s in enumerate(self.seqs) if s.fused[layer]]
@@ -393,10 +398,9 @@ class PagedBatchKV:
         )
 
     def finish(self) -> None:
-        """Dense pools: every layer of every sequence now holds its new row."""
-        if self.pool.hack is None:
-            for s, p in zip(self.seqs, self.pos_list, strict=True):
-                s._len = [p + 1] * s.num_layers
+        """Every layer of every sequence now holds its new row."""
+        for s, p in zip(self.seqs, self.pos_list, strict=True):
+            s._len = [p + 1] * s.num_layers
 
 
 @torch.inference_mode()
@@ -405,14 +409,20 @@ def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) 
 
     Rows run stacked through the projections and MLP (:func:`ragkv.model.forward.run_layers`); RoPE
     is applied at each sequence's own position; attention is one padded batch over the block tables
-    (norm-aware), or per sequence for HACK (:class:`PagedBatchKV`). Greedy tokens match
+    (norm-aware; :class:`PagedBatchKV`), or one HACK batch over quantized pages
+    (:class:`~ragkv.engine.hack_seq.HackStep`). Greedy tokens match
     :func:`ragkv.generate.decode_step` on each sequence alone.
     """
     if not seqs:
         raise ValueError("batched_decode_step needs at least one sequence")
     dev = model.device
     pos_list = [s.length for s in seqs]
-    kv = PagedBatchKV(seqs, pos_list, dev)
+    if seqs[0].pool.hack is not None:
+        from ragkv.engine.hack_seq import HackStep
+
+        kv = HackStep(seqs, pos_list)
+    else:
+        kv = PagedBatchKV(seqs, pos_list, dev)
     pos = torch.tensor(pos_list, dtype=torch.long, device=dev)
     h, _ = run_layers(model, model.embed(torch.tensor(token_ids, dtype=torch.long, device=dev)), pos, kv)
     kv.finish()
