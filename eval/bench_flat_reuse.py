@@ -3,9 +3,17 @@
 For each MuSiQue question, its passages are ingested (one document each), then answered three ways
 by the same ``ragkv.LLM``: ``full`` (flat prompt, everything prefilled), ``flat`` (the same flat
 prompt in blend mode: the stored chunks are found inside it, :mod:`ragkv.blend.locate`) and
-``explicit`` (the passages given as ``chunks=``). It reports the share of chunk tokens reused from
-stored KV, whether the greedy answers agree, TTFT, and the locator's own time on the flat prompt
-and on a prompt with no stored chunk (vs full prefill). Ends with one JSON line.
+``explicit`` (the same prompt *text*, with each passage's span given as a stored chunk: its tokens
+are the chunk's own, the text around them tokenized apart, through ``RAG.job(..., locate=False)``).
+``prompt_ids_equal`` says whether the flat prompt tokenized to exactly the explicit ids (it differs
+only where a token would cross a chunk's edge); where they are equal, the two prefills are the same
+job. It also reports the share of chunk tokens reused from stored KV, whether the greedy answers
+agree, TTFT, and the locator's own time on the flat prompt and on a prompt with no stored chunk (vs
+full prefill). Ends with one JSON line.
+
+Before 2026-11-24 (fourth session) ``explicit`` was ``LLM.generate(prefix, chunks=..., question)``,
+which joins the parts with its own blank lines and no separator between chunks: another prompt
+text, so its answer could equal the flat one's only by chance.
 
     python -m eval.bench_flat_reuse --questions 8 --passages 5
 """
@@ -17,12 +25,55 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 
 from eval.prompts import DATA_DIR
 from ragkv import LLM
+from ragkv.blend.locate import Located
+from ragkv.generate import SamplingParams
+from ragkv.model.chat import chat_parts
 from ragkv.rag import RAG
+from ragkv.rag.generation import Generated
+
+INSTRUCTION = "Answer the question using the passages.\n\n"
+SEPARATOR = "\n\n"  # LangChain's usual format_docs joins page contents with a blank line
+
+
+@dataclass
+class Outcome:
+    """One generation of a job: its greedy tokens, TTFT, prefill statistics and the job itself."""
+
+    token_ids: list[int]
+    ttft_s: float
+    stats: dict
+    job: object
+
+
+def run(rag: RAG, job) -> Outcome:
+    """Complete ``job`` through the RAG's one generation path; TTFT = time to the first token event."""
+    t0, ttft, done = time.perf_counter(), None, None
+    for item in rag.generate(job):
+        if isinstance(item, Generated):
+            done = item
+        elif ttft is None:
+            ttft = time.perf_counter() - t0
+    return Outcome(done.token_ids, ttft if ttft is not None else time.perf_counter() - t0, done.stats, job)
+
+
+def explicit_prompt(llm: LLM, recs, head: str, tail: str) -> tuple[list[int], list[Located]]:
+    """The flat prompt's text with each chunk's span given: the chunks' own token ids, the rest apart."""
+    pre, post = chat_parts(llm.model, head, tail)
+    sep = llm.model.encode(SEPARATOR)
+    ids, spans = list(pre), []
+    for i, r in enumerate(recs):
+        if i:
+            ids += sep
+        toks = tuple(r.token_ids)
+        spans.append(Located(r.kv_key, toks, len(ids), 0, len(toks)))
+        ids += toks
+    return ids + post, spans
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     samples = json.loads((DATA_DIR / "musique_s.json").read_text())[: args.questions]
     llm = LLM()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         rag = RAG(llm, d, chunk_tokens=512)
@@ -42,26 +94,17 @@ def main(argv: list[str] | None = None) -> int:
             texts = [f"{c['title']}\n{c['text']}" for c in s["ctxs"][: args.passages]]
             rag.ingest([{"id": f"q{i}p{j}", "text": t} for j, t in enumerate(texts)], show_progress=False)
             recs = [r for j in range(len(texts)) for r in rag.index.chunks_of(f"q{i}p{j}")]
-            context = "\n\n".join(r.text for r in recs)  # LangChain's usual format_docs
-            flat = f"Answer the question using the passages.\n\n{context}\n\nQuestion: {s['question']}"
-            out = {}
-            for name, kw in (
-                ("full", dict(prefix="", chunks=[], question=flat, mode="full")),
-                ("flat", dict(prefix="", chunks=[], question=flat, mode="blend")),
-                (
-                    "explicit",
-                    dict(
-                        prefix="Answer the question using the passages.\n\n",
-                        chunks=[r.text for r in recs],
-                        question=f"\n\nQuestion: {s['question']}",
-                        mode="blend",
-                    ),
-                ),
-            ):
-                a = llm.generate(**kw, max_new_tokens=args.max_new_tokens)
-                out[name] = a
+            context = SEPARATOR.join(r.text for r in recs)
+            flat = f"{INSTRUCTION}{context}\n\nQuestion: {s['question']}"
+            ids_flat = sum(llm.tokenize_prompt("", [], flat)[::2], [])  # the template around the flat text
+            ids_explicit, spans = explicit_prompt(llm, recs, INSTRUCTION, f"\n\nQuestion: {s['question']}")
+            out = {
+                "full": run(rag, rag.job(ids_flat, [], "full", params=params)),
+                "flat": run(rag, rag.job(ids_flat, [], "blend", params=params)),
+                "explicit": run(rag, rag.job(ids_explicit, spans, "blend", params=params, locate=False)),
+            }
             chunk_tokens = sum(len(r.token_ids) for r in recs)
-            ids = llm.model.encode(flat)
+            ids = ids_flat
             loc = rag.chunk_locator()
             t0 = time.perf_counter()
             loc.find(ids)
@@ -71,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
             t_none = time.perf_counter() - t0
             row = {
                 "question": i,
-                "prompt_tokens": out["full"].stats["num_tokens"],
-                "reused_share": out["flat"].stats["num_reused_rows"] / chunk_tokens,
-                "located_chunks": out["flat"].stats.get("located_chunks", 0),
+                "prompt_tokens": len(ids_flat),
+                "reused_share": sum(c.hi - c.lo for c in out["flat"].job.chunks) / chunk_tokens,
+                "located_chunks": len({c.key for c in out["flat"].job.chunks}),
                 "chunks": len(recs),
+                "prompt_ids_equal": ids_flat == ids_explicit,
                 "flat_same_as_explicit": out["flat"].token_ids == out["explicit"].token_ids,
                 "flat_same_as_full": out["flat"].token_ids == out["full"].token_ids,
                 "explicit_same_as_full": out["explicit"].token_ids == out["full"].token_ids,
@@ -87,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(
                 f"q{i}: {row['prompt_tokens']} tokens, reused {row['reused_share']:.2f} of chunk tokens "
-                f"({row['located_chunks']}/{row['chunks']} chunks), flat==explicit {row['flat_same_as_explicit']}, "
+                f"({row['located_chunks']}/{row['chunks']} chunks), same ids {row['prompt_ids_equal']}, flat==explicit {row['flat_same_as_explicit']}, "
                 f"flat==full {row['flat_same_as_full']}, explicit==full {row['explicit_same_as_full']}, TTFT full "
                 f"{row['ttft_full_s']:.2f} s flat {row['ttft_flat_s']:.2f} s explicit {row['ttft_explicit_s']:.2f} s",
                 flush=True,
@@ -101,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "questions": len(rows),
         "reused_share_mean": mean("reused_share"),
         "reused_share_min": min(r["reused_share"] for r in rows),
+        "prompt_ids_equal": mean("prompt_ids_equal"),
         "flat_same_as_explicit": mean("flat_same_as_explicit"),
         "flat_same_as_full": mean("flat_same_as_full"),
         "explicit_same_as_full": mean("explicit_same_as_full"),
