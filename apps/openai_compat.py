@@ -365,6 +365,7 @@ OPENAI_ERRORS: dict[int | str, dict] = {
         404: "unknown chunk id, or a model other than the served one (model_not_found)",
         408: "the request body arrived too slowly",
         413: "request body too large",
+        415: "a POST body not declared application/json (a cross-site form cannot post)",
         429: "busy: the queue is full, retry later",
         502: "generation 'vllm': the vLLM server answered with an error",
         503: "waited too long for a worker, shutting down, or vLLM down",

@@ -82,12 +82,13 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
         max_upload=settings.max_upload_bytes,
         body_timeout_s=settings.body_timeout_s,
     )
-    app.add_middleware(oc.OpenAIErrorMiddleware)  # OpenAI routes: OpenAI's error shape and statuses
     # outside the body limit: a body of the wrong type is refused before it is buffered
     posts = frozenset(
         r.path for r in flat_routes(app.routes) if "POST" in (getattr(r, "methods", None) or ())
     )
     app.add_middleware(ContentTypeMiddleware, json_paths=posts)
+    # outside the content-type check too: its 415 on an OpenAI route has OpenAI's error shape
+    app.add_middleware(oc.OpenAIErrorMiddleware)  # OpenAI routes: OpenAI's error shape and statuses
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_allow_list())
     app.add_middleware(MetricsMiddleware, service=svc)
     return app

@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +71,18 @@ DELIBERATE = [
     ("integral float for an integer (OpenAI routes)", "ST202", 400, r"Input should be a valid integer"),
     ("chat without user text (OpenAI routes)", "ST202", 400, r"must contain a user message with text"),
     ("prompt + max_tokens over the context (OpenAI routes)", "ST202", 400, r"context_length_exceeded"),
+    # OpenAI parameters this server does not serve are refused by name, never ignored (docs/API.md)
+    ("unsupported OpenAI parameter", "ST202", 400, r'"code": "unsupported_parameter"'),
+    # a parameter that only means something beside another (as OpenAI refuses them)
+    (
+        "a parameter without the one it needs",
+        "ST202",
+        400,
+        r"(tool_choice needs tools|top_logprobs needs logprobs)",
+    ),
+    # a POST not declared JSON is refused (415) before it is read, a bodyless one included: a web page
+    # cannot make a local keyless service act (CSRF guard, docs/API.md); /v1/admin/gc takes no body
+    ("POST without a JSON content type", "ST202", 415, r"unsupported content type"),
     # a body over max_body_bytes is refused (413) before it is parsed, valid or not
     ("body over max_body_bytes", "ST201", 413, r"request body larger than"),
     ("body over max_body_bytes", "ST202", 413, r"request body larger than"),
@@ -78,6 +91,12 @@ DELIBERATE = [
 _OP = re.compile(r"^_{3,} (\w+ \S+) _{3,}$")
 _CHECK = re.compile(r"^- (ST\d+|[A-Z]\w+) (.+)$")
 _STATUS = re.compile(r"^\[(\d{3})\] ")
+
+
+def schemathesis_cli() -> str:
+    """The schemathesis CLI of this interpreter's environment (a venv not activated), else from PATH."""
+    beside = Path(sys.executable).with_name("schemathesis")
+    return str(beside) if beside.exists() else shutil.which("schemathesis") or "schemathesis"
 
 
 def parse_failures(text: str) -> list[dict]:
@@ -145,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
             r.raise_for_status()
         cmd = [
-            shutil.which("schemathesis") or "schemathesis",
+            schemathesis_cli(),
             "run",
             base + "/openapi.json",
             "--checks",

@@ -84,6 +84,15 @@ def test_validation_errors_are_400_with_param_and_string_code(server, client):
     assert native.status_code == 422 and native.json()["error"]["code"] == 422
 
 
+def test_a_body_not_declared_json_is_415_in_openais_error_shape(server):
+    """schemathesis (eval.fuzz_api): the content-type guard's 415 on an OpenAI route had ragkv's error
+    shape (an integer code), outside the OpenAI error middleware."""
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        r = httpx.post(server + path, content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+        _openai_error(r, 415, None, "unsupported_media_type")
+    assert "415" in httpx.get(server + "/openapi.json").json()["paths"]["/v1/completions"]["post"]["responses"]
+
+
 def test_context_overflow_is_400_context_length_exceeded(server, client, chunk_ids):
     too_long = {"ragkv": {"chunk_ids": chunk_ids[:8]}}
     r = _chat(server, max_tokens=48, **too_long)
