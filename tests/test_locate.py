@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ragkv import LLM
-from ragkv.blend.locate import ChunkLocator
+from ragkv.blend.locate import ChunkLocator, Located
+from ragkv.generate import SamplingParams
 from ragkv.rag import RAG
 from ragkv.rag.embedder import Embedder
 from tests.helpers import stories_model
@@ -88,6 +89,30 @@ def test_locating_costs_little_on_a_prompt_with_no_stored_chunk():
     t0 = time.perf_counter()
     assert loc.find(prompt) == []
     assert time.perf_counter() - t0 < 0.02 * 19.0
+
+
+def test_a_flat_prompt_is_the_job_of_its_explicit_chunk_spans(rag):
+    """Issue 26's goal: the flat prompt's answer equals the explicit one's. Given the prompt's ids
+    without spans, the locator finds exactly the spans an explicit caller gives (chunks too short to
+    locate stay plain rows in both), so both are one job and give the same tokens. (Where a real
+    tokenizer merges across a chunk's edge, those rows are computed: eval.bench_flat_reuse measures
+    that case on SmolLM2, 8 of 8 answers equal.)"""
+    m = rag.model
+    ids, spans = m.encode("Answer the question.\n\n", add_bos=True), []
+    for i, r in enumerate(rag.index.all_chunks()):
+        if i:
+            ids += m.encode("\n\n")
+        if len(r.token_ids) >= 8:
+            spans.append(Located(r.kv_key, tuple(r.token_ids), len(ids), 0, len(r.token_ids)))
+        ids += r.token_ids
+    ids += m.encode("\n\nWhat did Tom buy?")
+    params = SamplingParams(max_new_tokens=8)
+    flat = rag.job(ids, [], "blend", params=params)
+    explicit = rag.job(ids, spans, "blend", params=params, locate=False)
+    assert [(c.key, c.start, c.lo, c.hi) for c in flat.chunks] == [
+        (c.key, c.start, c.lo, c.hi) for c in spans
+    ]
+    assert list(rag.generate(flat))[-1].token_ids == list(rag.generate(explicit))[-1].token_ids
 
 
 def test_a_langchain_llm_given_a_flat_prompt_reuses_the_stored_chunks(rag):
