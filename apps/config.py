@@ -12,19 +12,42 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+from ragkv.rag.collections import COLLECTION_PATTERN
 from ragkv.store.codecs import DEFAULT_CODEC
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 MIN_API_KEY_CHARS = 16
 #: a list setting from a config file (a list) or an env var (JSON list, or comma-separated)
 StrList = Annotated[list[str], NoDecode]
-KeyList = Annotated[list[SecretStr], NoDecode]
+#: most collections one API key may be limited to
+MAX_KEY_COLLECTIONS = 256
+
+
+class ApiKey(BaseModel):
+    """An API key, optionally limited to some collections. In settings a plain string is a key that
+    sees every collection; ``{"key": ..., "collections": [...]}`` one limited to those collections
+    (its first is where its requests go when they name none)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    key: SecretStr
+    collections: tuple[Annotated[str, Field(pattern=COLLECTION_PATTERN)], ...] | None = Field(
+        None, min_length=1, max_length=MAX_KEY_COLLECTIONS
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain(cls, v: Any) -> Any:
+        """A plain string (or secret) is an unlimited key: the settings' old form."""
+        return {"key": v} if isinstance(v, (str, SecretStr)) else v
+
+
+KeyList = Annotated[list[ApiKey], NoDecode]
 
 
 class ConfigError(ValueError):
@@ -143,10 +166,12 @@ class Settings(BaseSettings):
     api_keys: KeyList = Field(
         default_factory=list,
         description="keys with read and write scope (ingest, delete); when any key is set, writes need "
-        "one (Authorization: Bearer KEY or X-API-Key: KEY). Env: JSON list or comma-separated",
+        "one (Authorization: Bearer KEY or X-API-Key: KEY). An entry is a key (every collection) or "
+        '{"key": KEY, "collections": [NAME, ...]} (only those). Env: JSON list, or comma-separated keys',
     )
     read_api_keys: KeyList = Field(
-        default_factory=list, description="read-only keys (queries, listings): refused writes get 403"
+        default_factory=list,
+        description="read-only keys (queries, listings): refused writes get 403; entries as api_keys'",
     )
     require_key_for_reads: bool = Field(
         True,
@@ -191,8 +216,8 @@ class Settings(BaseSettings):
 
     @field_validator("api_keys", "read_api_keys")
     @classmethod
-    def _long_keys(cls, v: list[SecretStr]) -> list[SecretStr]:
-        if any(len(k.get_secret_value()) < MIN_API_KEY_CHARS for k in v):
+    def _long_keys(cls, v: list[ApiKey]) -> list[ApiKey]:
+        if any(len(k.key.get_secret_value()) < MIN_API_KEY_CHARS for k in v):
             raise ValueError(f"API keys must have at least {MIN_API_KEY_CHARS} characters")
         return v
 

@@ -220,7 +220,7 @@ class Done:
 
 
 def completion_events(
-    rag, ids: list[int], blend: BlendParams | None, params: SamplingParams
+    rag, ids: list[int], blend: BlendParams | None, params: SamplingParams, collection: str | None = None
 ) -> Iterator[TokenEvent | Done]:
     """Complete ``ids`` through the RAG's generator (:meth:`ragkv.rag.RAG.generate`, whatever its
     generation setting) with ``blend``'s stored chunks: token events, then :class:`Done`.
@@ -230,18 +230,25 @@ def completion_events(
     others are computed. Nothing computed here is stored unless ``save`` asks (a writer's request).
     No ``kv_transfer_params``: the stored chunks inside the prompt are located and reused with the
     service's mode and ratio (transparent reuse); ``{"ragkv": {"chunks": []}}`` asks for a full prefill.
+    ``collection``: only chunk KV that collection uses is reused (:meth:`ragkv.rag.RAG.kv_visible`):
+    references to other keys are dropped before the store is read (their rows are prompt text), and
+    only that collection's chunks are located; None: any stored chunk.
     """
     refs = list(blend.chunks) if blend is not None else []
     spans = []
     if refs:
         expect_model(rag.store, rag.model)
+        shown = refs
+        if collection is not None:
+            keep = rag.index.referenced_keys((r.key for r in refs), collection)
+            shown = [r for r in refs if r.key in keep]
         try:
-            spans = request_spans(ids, refs, rag.store, rag.model.fingerprint)
+            spans = request_spans(ids, shown, rag.store, rag.model.fingerprint)
         except SpanError as e:
             raise BadRequestError(f"kv_transfer_params: {e}") from None
     found = [Located(s.key, tuple(ids[s.start : s.stop]), s.start, 0, s.length) for s in spans]
     if blend is None:  # no chunks named: the stored ones inside the prompt, the service's mode
-        job = rag.job(ids, [], params=params, write_back=False)
+        job = rag.job(ids, [], params=params, write_back=False, kv_collection=collection)
     else:
         job = rag.job(
             ids,

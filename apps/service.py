@@ -32,6 +32,7 @@ from ragkv.blend.gate import gate_state
 from ragkv.blend.spans import SearchCancelled, cancel_scope, expect_model
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer
+from ragkv.rag.collections import DEFAULT_COLLECTION
 from ragkv.rag.index import text_sha
 
 log = logging.getLogger("ragkv.server")
@@ -143,7 +144,8 @@ class Final:
 
 @dataclass
 class QuerySpec:
-    """One question: chunks by id (or none, or retrieved), prefill mode and sampling."""
+    """One question: chunks by id (or none, or retrieved), prefill mode, sampling, and the collection
+    it is asked in (retrieval, chunk ids and reused chunk KV are that collection's)."""
 
     question: str
     chunk_ids: list[int] | None = None
@@ -152,6 +154,7 @@ class QuerySpec:
     mode: str | None = None
     ratio: float | None = None
     params: SamplingParams | None = None
+    collection: str = DEFAULT_COLLECTION
 
 
 class _Gate:
@@ -475,14 +478,20 @@ class Service:
         recs: list[ChunkRecord] | None = None
         if spec.chunk_ids is not None:
             try:
-                recs = rag.chunks_by_id(list(spec.chunk_ids))
-            except KeyError as e:
+                recs = rag.chunks_by_id(list(spec.chunk_ids), spec.collection)
+            except KeyError as e:  # unknown or of another collection: one message, nothing tells them apart
                 raise NotFoundError(str(e.args[0]) if e.args else "unknown chunk id") from None
         elif not spec.retrieve:
             recs = []
         n, reason = 0, None
         for item in rag.answer_stream(
-            spec.question, k=spec.top_k, mode=spec.mode, ratio=spec.ratio, params=params, chunks=recs
+            spec.question,
+            k=spec.top_k,
+            mode=spec.mode,
+            ratio=spec.ratio,
+            params=params,
+            chunks=recs,
+            collection=spec.collection,
         ):
             if isinstance(item, RagAnswer):
                 final = Final(item, n, reason, queue_s)
@@ -501,9 +510,12 @@ class Service:
         self.prompt_tokens.inc(n=f.prompt_tokens)
         self.answers.inc(f.answer.mode)
 
-    def ingest(self, docs: list[dict], cancel: threading.Event | None = None) -> dict:
-        """Ingest ``[{id?, text, metadata}]`` (all or none); per document: added / unchanged / replaced
-        and its chunk ids. Stops before committing when ``cancel`` is set or the server stops."""
+    def ingest(
+        self, docs: list[dict], cancel: threading.Event | None = None, collection: str = DEFAULT_COLLECTION
+    ) -> dict:
+        """Ingest ``[{id?, text, metadata}]`` into ``collection`` (all or none); per document: added /
+        unchanged / replaced and its chunk ids. Stops before committing when ``cancel`` is set or the
+        server stops."""
         rag = self.rag
         documents = [Document(d["text"], d.get("id"), dict(d.get("metadata") or {})) for d in docs]
         seen: dict[str, str] = {}
@@ -516,20 +528,21 @@ class Service:
                 continue
             seen[d.id] = sha
             unique.append(d)
-        before = {d.id: rag.index.document_sha(d.id) for d in unique}
+        before = {d.id: rag.index.document_sha(d.id, collection) for d in unique}
         stop = self._stopping
 
         def cancelled() -> bool:
             return stop.is_set() or (cancel is not None and cancel.is_set())
 
-        rep = rag.ingest(unique, show_progress=False, cancel=cancelled, pause=self._yield_to_queries)
+        rep = rag.ingest(
+            unique, show_progress=False, cancel=cancelled, pause=self._yield_to_queries, collection=collection
+        )
         out = []
         for d in unique:
             old = before[d.id]
             status = "added" if old is None else "unchanged" if old == seen[d.id] else "replaced"
-            out.append(
-                {"id": d.id, "status": status, "chunk_ids": [r.chunk_id for r in rag.index.chunks_of(d.id)]}
-            )
+            ids = [r.chunk_id for r in rag.index.chunks_of(d.id, collection)]
+            out.append({"id": d.id, "status": status, "chunk_ids": ids})
         self.ingested.inc(n=rep.documents_added)
         return {
             "documents": out,
@@ -550,9 +563,10 @@ class Service:
             else:
                 self.ingest_yields.inc("idle")
 
-    def delete(self, doc_id: str) -> None:
+    def delete(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> None:
+        """Delete a document of ``collection``: 404 when unknown there (the same for another's id)."""
         try:
-            self.rag.delete_document(doc_id)
+            self.rag.delete_document(doc_id, collection)
         except KeyError:
             raise NotFoundError(f"unknown document id {doc_id!r}") from None
 

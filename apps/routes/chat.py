@@ -4,8 +4,9 @@ import time
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 
 from apps import openai_compat as oc
 from apps import schemas as sc
@@ -35,10 +36,15 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
         dependencies=auth.read,
     )
     async def chat_completions(
-        req: S.ChatCompletionRequest, request: Request, svc: ServiceDep, settings: SettingsDep
+        req: S.ChatCompletionRequest,
+        request: Request,
+        svc: ServiceDep,
+        settings: SettingsDep,
+        collection: Annotated[str, Depends(auth.collection)],
     ):
         """The last user message is the question (earlier turns are prepended to it). Retrieval is
-        automatic unless ``ragkv.chunk_ids`` names the chunks or ``ragkv.retrieve`` is false."""
+        automatic unless ``ragkv.chunk_ids`` names the chunks or ``ragkv.retrieve`` is false; chunks
+        and reused KV are the request's collection's (``X-Ragkv-Collection``)."""
         call = oc.chat_tool_call(req)  # a forced function call; what is not served: 400, never ignored
         oc.check_generation_options(req, settings.generation)
         # 400 for a refused schema
@@ -62,7 +68,7 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
             constraint,
             logprobs,
         )
-        spec = QuerySpec(question, o.chunk_ids, o.retrieve, o.top_k, o.mode, o.ratio, params)
+        spec = QuerySpec(question, o.chunk_ids, o.retrieve, o.top_k, o.mode, o.ratio, params, collection)
         model_name = settings.model_name()
         cid = "chatcmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 
 from apps import openai_compat as oc
 from apps.config import Settings
-from apps.deps import Auth, ServiceDep, SettingsDep
+from apps.deps import Auth, Caller, ServiceDep, SettingsDep
 from apps.errors import ForbiddenError
 from apps.routes.chat import OPENAI_RESPONSES
 from apps.service import NotFoundError
@@ -35,18 +35,23 @@ def router(limits: Settings, auth: Auth) -> APIRouter:
         request: Request,
         svc: ServiceDep,
         settings: SettingsDep,
-        scope: Annotated[str | None, Depends(auth.scope)],
+        caller: Annotated[Caller, Depends(auth.scope)],
+        collection: Annotated[str, Depends(auth.collection)],
     ):
         """vLLM's ``/v1/completions``: a token-id or text prompt; ``kv_transfer_params["ragkv"]`` names
         stored chunks (key, start, length) whose KV is blended in (docs/API.md); ``save`` (storing the
-        KV of chunks computed here) needs a write key when keys are configured."""
+        KV of chunks computed here) needs a write key when keys are configured. A key limited to
+        collections reuses only chunk KV that the request's collection uses (other references are
+        prompt text: what happens depends on its own collection, never on what the store holds);
+        other callers reuse any stored chunk, as a vLLM server with the ragkv plugin does (this route
+        may serve another ragkv whose index is not this one's)."""
         model_name = settings.model_name()
         if req.model and req.model != model_name:
             raise NotFoundError(f"The model `{req.model}` does not exist.")
         oc.check_generation_options(req, settings.generation)
         rag = svc.rag
         blend = oc.blend_params(req.kv_transfer_params, rag.model.config.num_layers)
-        if blend is not None and blend.save and scope == "read":
+        if blend is not None and blend.save and caller.scope == "read":
             raise ForbiddenError(
                 "kv_transfer_params save=true writes to the chunk store: it needs a write key"
             )
@@ -54,10 +59,13 @@ def router(limits: Settings, auth: Auth) -> APIRouter:
         cid = "cmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
         tids = bool(req.return_token_ids)
+        kv_scope = collection if caller.collections is not None else None
         # tokenized in the worker, after admission (its length was bounded by the schema), so big text
         # prompts queue like any other work instead of running on a shared pool ahead of it
         it = svc.run_stream(
-            lambda wait: oc.completion_events(rag, oc.prompt_ids(rag.model, req.prompt), blend, params),
+            lambda wait: oc.completion_events(
+                rag, oc.prompt_ids(rag.model, req.prompt), blend, params, kv_scope
+            ),
             request.is_disconnected if not req.stream else None,
         )
         first, more = await start_stream(it)

@@ -2,8 +2,9 @@
 
 import asyncio
 from types import SimpleNamespace
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -30,6 +31,7 @@ UPLOAD_BODY = {
 def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
     """``/v1/documents`` and ``/v1/admin/gc`` with ``S``'s document model."""
     r = APIRouter(tags=["documents"])
+    Collection = Annotated[str, Depends(auth.collection)]
 
     @r.post(
         "/v1/documents",
@@ -39,9 +41,10 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
         summary="Ingest documents (idempotent; all or none)",
         dependencies=auth.write,
     )
-    async def ingest(request: Request, svc: ServiceDep, settings: SettingsDep):
+    async def ingest(request: Request, svc: ServiceDep, settings: SettingsDep, collection: Collection):
         """JSON ``{"documents": [{id?, text, metadata?}]}``, or NDJSON (one document per line, for large
-        uploads: read as it streams in). Re-sending an unchanged document changes nothing."""
+        uploads: read as it streams in), into the request's collection. Re-sending an unchanged
+        document changes nothing."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype in NDJSON:
             docs = await read_ndjson(
@@ -49,16 +52,19 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
             )
         else:  # application/json (ContentTypeMiddleware refused anything else); parsed off the loop
             docs = await asyncio.to_thread(parse_ingest_json, S.IngestRequest, await request.body())
-        return await svc.run_ingest(lambda cancel: svc.ingest(docs, cancel), request.is_disconnected)
+        return await svc.run_ingest(
+            lambda cancel: svc.ingest(docs, cancel, collection), request.is_disconnected
+        )
 
     @r.get(
         "/v1/documents",
         response_model=sc.DocumentList,
-        summary="List document ids",
+        summary="List the collection's document ids",
         dependencies=auth.read,
     )
-    async def list_documents(svc: ServiceDep):
-        ids = await asyncio.get_running_loop().run_in_executor(svc.read_pool, svc.rag.index.document_ids)
+    async def list_documents(svc: ServiceDep, collection: Collection):
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(svc.read_pool, svc.rag.list_documents, collection)
         return {"ids": ids, "total": len(ids)}
 
     @r.delete(
@@ -68,8 +74,9 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
         summary="Delete a document, its chunks and their KV",
         dependencies=auth.write,
     )
-    async def delete_document(doc_id: str, request: Request, svc: ServiceDep):
-        await svc.run_ingest(lambda cancel: svc.delete(doc_id), request.is_disconnected)
+    async def delete_document(doc_id: str, request: Request, svc: ServiceDep, collection: Collection):
+        """404 for an id that is unknown in the request's collection (another collection's too)."""
+        await svc.run_ingest(lambda cancel: svc.delete(doc_id, collection), request.is_disconnected)
         return {"id": doc_id, "deleted": True}
 
     @r.post(
@@ -77,11 +84,12 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
         response_model=sc.GarbageReport,
         responses=ERRORS,
         summary="Delete stored chunk KV that no document references",
-        dependencies=auth.write,
+        dependencies=auth.admin,
     )
     async def collect_garbage(request: Request, svc: ServiceDep):
         """Collect the chunk store: KV no chunk of the index references is deleted (runs in the
-        ingest queue, so never beside an ingest). Only for a store this service owns."""
+        ingest queue, so never beside an ingest). Only for a store this service owns; spans every
+        collection, so a key limited to collections gets 403."""
         return await svc.run_ingest(lambda cancel: svc.rag.collect_garbage(), request.is_disconnected)
 
     return r

@@ -2,8 +2,9 @@
 
 import uuid
 from types import SimpleNamespace
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 
 from apps import schemas as sc
 from apps.answers import query_body
@@ -45,9 +46,16 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
         summary="Answer a question over retrieved (or given) chunks",
         dependencies=auth.read,
     )
-    async def query(req: S.QueryRequest, request: Request, svc: ServiceDep, settings: SettingsDep):
-        """Retrieve ``top_k`` chunks (or use ``chunk_ids``) and answer with their stored KV reused
-        (``mode``); ``stream=true`` sends ``token`` events then one ``answer`` event."""
+    async def query(
+        req: S.QueryRequest,
+        request: Request,
+        svc: ServiceDep,
+        settings: SettingsDep,
+        collection: Annotated[str, Depends(auth.collection)],
+    ):
+        """Retrieve ``top_k`` chunks (or use ``chunk_ids``) of the request's collection and answer with
+        their stored KV reused (``mode``); ``stream=true`` sends ``token`` events then one ``answer``
+        event."""
         spec = QuerySpec(
             req.question,
             req.chunk_ids,
@@ -56,6 +64,7 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
             req.mode,
             req.ratio,
             sampling(settings, req.max_tokens, req.temperature, req.top_p, req.seed, req.stop),
+            collection,
         )
         rid = "q-" + uuid.uuid4().hex[:16]
         if not req.stream:

@@ -14,7 +14,7 @@ stored chunk costs one rolling hash over its tokens and an ingest never rebuilds
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ragkv.blend.spans import _HASH_BASE, _HASH_MOD, ANCHOR_TOKENS, check_cancelled
@@ -93,9 +93,20 @@ class ChunkLocator:
         a = min(self.margin, max(0, n - ANCHOR_TOKENS))
         return a if n >= ANCHOR_TOKENS else None
 
-    def find(self, prompt_ids: Sequence[int]) -> list[Located]:
-        """Non-overlapping stored chunks in ``prompt_ids``, left to right (greedy: longest at a row)."""
+    def find(self, prompt_ids: Sequence[int], visible: Callable[[str], bool] | None = None) -> list[Located]:
+        """Non-overlapping stored chunks in ``prompt_ids``, left to right (greedy: longest at a row).
+        ``visible``: only chunks whose key it accepts are candidates, so a hidden chunk never takes a
+        visible one's rows (asked once per matching key and call)."""
         ids = [int(t) for t in prompt_ids]
+        seen: dict[str, bool] = {}
+
+        def shown(key: str) -> bool:
+            if visible is None:
+                return True
+            if key not in seen:
+                seen[key] = bool(visible(key))
+            return seen[key]
+
         n, q = len(ids), ANCHOR_TOKENS
         out: list[Located] = []
         if n < q or not self._anchors:
@@ -110,7 +121,9 @@ class ChunkLocator:
             if i >= free:
                 for key, toks in self._anchors.get(h, ()):
                     m = self._match(ids, i, toks, free)
-                    if m is not None and (best is None or m[2] - m[1] > best[2] - best[1]):
+                    if m is None or not shown(key):
+                        continue
+                    if best is None or m[2] - m[1] > best[2] - best[1]:
                         best = (key, toks, *m)
             if best is not None:
                 key, toks, start, lo, hi = best

@@ -355,10 +355,16 @@ class ChunkResolver:
         found = self.find(prompt_ids)
         return self.pieces(prompt_ids, found) if found else None
 
-    def find(self, prompt_ids: Sequence[int], given: Sequence[Located] = ()) -> list[Located]:
+    def find(
+        self,
+        prompt_ids: Sequence[int],
+        given: Sequence[Located] = (),
+        visible: Callable[[str], bool] | None = None,
+    ) -> list[Located]:
         """The stored chunks inside ``prompt_ids`` (none when no locator is set; see :meth:`locate`)
         in prompt order; with ``given`` (non-overlapping, in prompt order: chunks the caller placed),
-        those are kept and the others are looked for only in the rows between them."""
+        those are kept and the others are looked for only in the rows between them. ``visible``: only
+        chunks whose key it accepts are candidates (a caller's collection; None: all)."""
         loc = self.locator() if self.locator is not None else None
         if loc is None:
             return list(given)
@@ -368,7 +374,7 @@ class ChunkResolver:
         for g in [*given, None]:
             end = g.start if g is not None else len(ids)
             if end > pos:  # one linear pass over each gap: the whole prompt costs one pass in all
-                out += [replace(f, start=f.start + pos) for f in loc.find(ids[pos:end])]
+                out += [replace(f, start=f.start + pos) for f in loc.find(ids[pos:end], visible)]
             if g is not None:
                 out.append(g)
                 pos = g.stop

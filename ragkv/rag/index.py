@@ -12,6 +12,14 @@ whole index. Leftover temporary files of an interrupted snapshot are removed at 
 The ``kv_intents`` table is the write-ahead record of chunk KV that may sit in the store without a
 chunk referencing it (KV written by an ingest that has not committed yet, KV of chunks a delete has
 just removed); :meth:`ragkv.rag.RAG` deletes those blobs once they are unreferenced, also after a crash.
+
+Collections (:mod:`ragkv.rag.collections`): every document and chunk row names its collection, and a
+document is identified by ``(collection, doc_id)``. A folder written before collections is migrated
+when opened (its documents land in the default collection; chunk ids and the id sequence are kept).
+Search within a collection passes FAISS an id selector of that collection's chunk ids (kept in
+memory): the top ``k`` is exact inside the collection, unlike over-fetching and filtering, which
+misses hits of a small collection next to a large one, and one flat index keeps one snapshot and one
+reconciliation instead of one per collection.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from ragkv.rag.collections import DEFAULT_COLLECTION
 
 log = logging.getLogger("ragkv.rag")
 
@@ -42,6 +52,7 @@ class ChunkRecord:
     kv_key: str
     metadata: dict = field(default_factory=dict)
     score: float = 0.0
+    collection: str = DEFAULT_COLLECTION
 
 
 @dataclass
@@ -53,18 +64,27 @@ class PendingDocument:
     metadata: dict
     chunks: list[tuple[int, str, list[int], str]]
     vectors: np.ndarray
+    collection: str = DEFAULT_COLLECTION
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS documents (doc_id TEXT PRIMARY KEY, text_sha TEXT NOT NULL, metadata TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS chunks (
-  chunk_id INTEGER PRIMARY KEY AUTOINCREMENT, doc_id TEXT NOT NULL, seq INTEGER NOT NULL, text TEXT NOT NULL,
-  token_ids BLOB NOT NULL, kv_key TEXT NOT NULL, vector BLOB, UNIQUE(doc_id, seq));
-CREATE INDEX IF NOT EXISTS chunks_kv ON chunks(kv_key);
+_TABLES = """
+CREATE TABLE IF NOT EXISTS {documents} (
+  collection TEXT NOT NULL DEFAULT 'default', doc_id TEXT NOT NULL, text_sha TEXT NOT NULL,
+  metadata TEXT NOT NULL, PRIMARY KEY (collection, doc_id));
+CREATE TABLE IF NOT EXISTS {chunks} (
+  chunk_id INTEGER PRIMARY KEY AUTOINCREMENT, collection TEXT NOT NULL DEFAULT 'default',
+  doc_id TEXT NOT NULL, seq INTEGER NOT NULL, text TEXT NOT NULL, token_ids BLOB NOT NULL,
+  kv_key TEXT NOT NULL, vector BLOB, UNIQUE(collection, doc_id, seq));
+"""
+_SCHEMA = (
+    _TABLES.format(documents="documents", chunks="chunks")
+    + """
+CREATE INDEX IF NOT EXISTS chunks_kv ON chunks(kv_key, collection);
 CREATE INDEX IF NOT EXISTS documents_sha ON documents(text_sha);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS kv_intents (kv_key TEXT PRIMARY KEY);
 """
+)
 
 
 def text_sha(text: str) -> str:
@@ -103,10 +123,11 @@ class ChunkIndex:
         # WAL + FULL: a committed transaction survives kill -9 and power loss; readers never see half of one
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(_SCHEMA)
         cols = {r[1] for r in self.db.execute("PRAGMA table_info(chunks)")}
-        if "vector" not in cols:  # an index written before vectors moved into SQLite
+        if cols and "vector" not in cols:  # an index written before vectors moved into SQLite
             self.db.execute("ALTER TABLE chunks ADD COLUMN vector BLOB")
+        self._migrate_collections()
+        self.db.executescript(_SCHEMA)
         want = json.dumps({"dim": dim, "metric": metric, "identity": identity}, sort_keys=True)
         row = self.db.execute("SELECT v FROM meta WHERE k='index'").fetchone()
         if row and row[0] != want:
@@ -117,12 +138,52 @@ class ChunkIndex:
         self._faiss_path = self.dir / "vectors.faiss"
         self._dirty = 0
         self.vectors, self._ids = self._load_vectors()
+        #: committed chunk ids per collection (the search's id selectors)
+        self._members: dict[str, set[int]] = {}
+        for cid, coll in self.db.execute("SELECT chunk_id, collection FROM chunks"):
+            self._members.setdefault(coll, set()).add(int(cid))
         self._n_docs = int(self.db.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
         self._n_chunks = int(self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
         if self._dirty:
             self.snapshot()
 
     # ---- start-up recovery ------------------------------------------------------------------------
+    def _migrate_collections(self) -> None:
+        """A folder from before collections: rebuild its two tables with a ``collection`` column (every
+        row in the default collection), in one transaction, keeping chunk ids and the id sequence (ids
+        are never reused: the FAISS reconciliation relies on it)."""
+        cols = {r[1] for r in self.db.execute("PRAGMA table_info(documents)")}
+        if not cols or "collection" in cols:
+            return
+        log.info("index %s: migrating to collections (existing documents: %r)", self.dir, DEFAULT_COLLECTION)
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            row = self.db.execute("SELECT seq FROM sqlite_sequence WHERE name='chunks'").fetchone()
+            # one statement at a time: executescript would commit the open transaction
+            for stmt in _TABLES.format(documents="documents_v2", chunks="chunks_v2").split(";"):
+                if stmt.strip():
+                    self.db.execute(stmt)
+            self.db.execute(
+                "INSERT INTO documents_v2 (collection, doc_id, text_sha, metadata) "
+                "SELECT ?, doc_id, text_sha, metadata FROM documents",
+                (DEFAULT_COLLECTION,),
+            )
+            self.db.execute(
+                "INSERT INTO chunks_v2 (chunk_id, collection, doc_id, seq, text, token_ids, kv_key, vector) "
+                "SELECT chunk_id, ?, doc_id, seq, text, token_ids, kv_key, vector FROM chunks",
+                (DEFAULT_COLLECTION,),
+            )
+            for old in ("documents", "chunks"):
+                self.db.execute(f"DROP TABLE {old}")
+                self.db.execute(f"ALTER TABLE {old}_v2 RENAME TO {old}")
+            if row is not None:
+                self.db.execute("DELETE FROM sqlite_sequence WHERE name='chunks'")
+                self.db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('chunks', ?)", (row[0],))
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+
     def _empty(self):
         import faiss
 
@@ -177,21 +238,23 @@ class ChunkIndex:
         """Chunks without a stored vector (an index from before vectors moved into SQLite): take the
         vector from the old FAISS file; a document whose chunks are not all there was half-written by
         a crash of that version: it is removed (listed but never retrieved otherwise), to be re-ingested."""
-        rows = self.db.execute("SELECT chunk_id, doc_id FROM chunks WHERE vector IS NULL").fetchall()
+        rows = self.db.execute(
+            "SELECT chunk_id, collection, doc_id FROM chunks WHERE vector IS NULL"
+        ).fetchall()
         if not rows:
             return
-        broken: set[str] = set()
+        broken: set[tuple[str, str]] = set()
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            for cid, doc_id in rows:
+            for cid, coll, doc_id in rows:
                 if cid in snap_ids:
                     vec = index.reconstruct(int(cid)).astype(np.float32)
                     self.db.execute("UPDATE chunks SET vector=? WHERE chunk_id=?", (vec.tobytes(), cid))
                 else:
-                    broken.add(doc_id)
-            for doc_id in sorted(broken):
+                    broken.add((coll, doc_id))
+            for coll, doc_id in sorted(broken):
                 log.warning("document %r was half-written by an earlier crash: removed, re-ingest it", doc_id)
-                _, keys, _ = self._delete_rows(doc_id)
+                _, keys, _ = self._delete_rows(doc_id, coll)
                 self._set_intents(keys, ())  # their KV (if any) is unreferenced now
             self.db.execute("COMMIT")
         except BaseException:
@@ -204,16 +267,25 @@ class ChunkIndex:
         with self._lock:
             return self.db.execute(sql, args).fetchall()
 
-    def document_sha(self, doc_id: str) -> str | None:
-        """The text hash of a committed document (None: not indexed)."""
-        rows = self._query("SELECT text_sha FROM documents WHERE doc_id=?", (doc_id,))
+    def document_sha(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> str | None:
+        """The text hash of a committed document of ``collection`` (None: not indexed there)."""
+        rows = self._query(
+            "SELECT text_sha FROM documents WHERE collection=? AND doc_id=?", (collection, doc_id)
+        )
         return rows[0][0] if rows else None
 
-    def has_document(self, doc_id: str) -> bool:
-        return self.document_sha(doc_id) is not None
+    def has_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> bool:
+        return self.document_sha(doc_id, collection) is not None
 
-    def document_ids(self) -> list[str]:
-        return [r[0] for r in self._query("SELECT doc_id FROM documents ORDER BY doc_id")]
+    def document_ids(self, collection: str = DEFAULT_COLLECTION) -> list[str]:
+        """The ids of ``collection``'s documents, sorted."""
+        rows = self._query("SELECT doc_id FROM documents WHERE collection=? ORDER BY doc_id", (collection,))
+        return [r[0] for r in rows]
+
+    def collections(self) -> list[str]:
+        """The collections that hold at least one chunk, sorted (in memory: no SQLite)."""
+        with self._lock:
+            return sorted(c for c, ids in self._members.items() if ids)
 
     @property
     def num_documents(self) -> int:
@@ -227,41 +299,48 @@ class ChunkIndex:
         metadata: dict,
         chunks: list[tuple[int, str, list[int], str]],
         vectors: np.ndarray,
+        collection: str = DEFAULT_COLLECTION,
     ) -> list[int]:
         """Insert (or replace) a document's chunks ``(seq, text, token_ids, kv_key)`` and their vectors."""
-        ids, _ = self.commit([PendingDocument(doc_id, sha, metadata, chunks, vectors)])
-        return ids[doc_id]
+        ids, _ = self.commit([PendingDocument(doc_id, sha, metadata, chunks, vectors, collection)])
+        return ids[(collection, doc_id)]
 
-    def commit(self, docs: list[PendingDocument]) -> tuple[dict[str, list[int]], list[str]]:
-        """Add or replace ``docs`` in one transaction (all or none); returns their chunk ids and the KV
-        keys that no chunk references any more (recorded as intents until the caller deletes them)."""
-        if len({d.doc_id for d in docs}) != len(docs):
+    def commit(self, docs: list[PendingDocument]) -> tuple[dict[tuple[str, str], list[int]], list[str]]:
+        """Add or replace ``docs`` in one transaction (all or none); returns their chunk ids by
+        ``(collection, doc_id)`` and the KV keys that no chunk references any more (recorded as
+        intents until the caller deletes them)."""
+        if len({(d.collection, d.doc_id) for d in docs}) != len(docs):
             raise ValueError("a commit names a document twice")
         for d in docs:
             v = np.asarray(d.vectors, dtype=np.float32)
             if v.shape != (len(d.chunks), self.dim):
                 raise ValueError(f"document {d.doc_id!r}: {v.shape} vectors for {len(d.chunks)} chunks")
         with self._lock:
-            out: dict[str, list[int]] = {}
+            out: dict[tuple[str, str], list[int]] = {}
             removed: list[int] = []
+            gone_by: list[tuple[str, list[int]]] = []
             freed: set[str] = set()
             replaced = 0
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 for d in docs:
-                    gone, keys, existed = self._delete_rows(d.doc_id)
+                    gone, keys, existed = self._delete_rows(d.doc_id, d.collection)
                     removed += gone
+                    gone_by.append((d.collection, gone))
                     freed |= keys
                     replaced += existed
                     self.db.execute(
-                        "INSERT INTO documents VALUES (?, ?, ?)", (d.doc_id, d.sha, json.dumps(d.metadata))
+                        "INSERT INTO documents (collection, doc_id, text_sha, metadata) VALUES (?, ?, ?, ?)",
+                        (d.collection, d.doc_id, d.sha, json.dumps(d.metadata)),
                     )
                     vecs = np.ascontiguousarray(d.vectors, dtype=np.float32)
                     ids = []
                     for (seq, text, tokens, key), vec in zip(d.chunks, vecs, strict=True):
                         cur = self.db.execute(
-                            "INSERT INTO chunks (doc_id, seq, text, token_ids, kv_key, vector) VALUES (?, ?, ?, ?, ?, ?)",
+                            "INSERT INTO chunks (collection, doc_id, seq, text, token_ids, kv_key, vector) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?)",
                             (
+                                d.collection,
                                 d.doc_id,
                                 seq,
                                 text,
@@ -271,7 +350,7 @@ class ChunkIndex:
                             ),
                         )
                         ids.append(int(cur.lastrowid))
-                    out[d.doc_id] = ids
+                    out[(d.collection, d.doc_id)] = ids
                 new_keys = {c[3] for d in docs for c in d.chunks}
                 freed = {k for k in freed - new_keys if not self._referenced(k)}
                 self._set_intents(freed, new_keys)
@@ -279,21 +358,29 @@ class ChunkIndex:
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
-            self._apply(removed, [(out[d.doc_id], d.vectors) for d in docs])
+            self._apply(removed, [(out[(d.collection, d.doc_id)], d.vectors) for d in docs])
+            for coll, gone in gone_by:
+                self._members.get(coll, set()).difference_update(gone)
+            for d in docs:
+                self._members.setdefault(d.collection, set()).update(out[(d.collection, d.doc_id)])
             self._n_docs += len(docs) - replaced
             self._n_chunks += sum(len(v) for v in out.values()) - len(removed)
         self._maybe_snapshot()
         return out, sorted(freed)
 
-    def delete_document(self, doc_id: str) -> list[str]:
-        """Remove a document, its chunks and vectors; returns the KV keys no other chunk uses (they are
-        recorded as intents in the same transaction, so a crash before the store deletes them is redone)."""
+    def delete_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> list[str]:
+        """Remove a document of ``collection`` (KeyError: none there), its chunks and vectors; returns
+        the KV keys no other chunk (of any collection) uses (they are recorded as intents in the same
+        transaction, so a crash before the store deletes them is redone)."""
         with self._lock:
             self.db.execute("BEGIN IMMEDIATE")
             try:
-                if not self.db.execute("SELECT 1 FROM documents WHERE doc_id=?", (doc_id,)).fetchone():
+                found = self.db.execute(
+                    "SELECT 1 FROM documents WHERE collection=? AND doc_id=?", (collection, doc_id)
+                ).fetchone()
+                if not found:
                     raise KeyError(doc_id)
-                removed, keys, _ = self._delete_rows(doc_id)
+                removed, keys, _ = self._delete_rows(doc_id, collection)
                 freed = {k for k in keys if not self._referenced(k)}
                 self._set_intents(freed, ())
                 self.db.execute("COMMIT")
@@ -301,20 +388,28 @@ class ChunkIndex:
                 self.db.execute("ROLLBACK")
                 raise
             self._apply(removed, [])
+            self._members.get(collection, set()).difference_update(removed)
             self._n_docs -= 1
             self._n_chunks -= len(removed)
         self._maybe_snapshot()
         return sorted(freed)
 
-    def _delete_rows(self, doc_id: str) -> tuple[list[int], set[str], bool]:
+    def _delete_rows(self, doc_id: str, collection: str) -> tuple[list[int], set[str], bool]:
         """Delete a document's rows inside the caller's transaction: (chunk ids, their KV keys, existed)."""
-        rows = self.db.execute("SELECT chunk_id, kv_key FROM chunks WHERE doc_id=?", (doc_id,)).fetchall()
-        had = self.db.execute("DELETE FROM documents WHERE doc_id=?", (doc_id,)).rowcount
-        self.db.execute("DELETE FROM chunks WHERE doc_id=?", (doc_id,))
+        where = (collection, doc_id)
+        rows = self.db.execute(
+            "SELECT chunk_id, kv_key FROM chunks WHERE collection=? AND doc_id=?", where
+        ).fetchall()
+        had = self.db.execute("DELETE FROM documents WHERE collection=? AND doc_id=?", where).rowcount
+        self.db.execute("DELETE FROM chunks WHERE collection=? AND doc_id=?", where)
         return [r[0] for r in rows], {r[1] for r in rows}, bool(had)
 
-    def _referenced(self, key: str) -> bool:
-        return self.db.execute("SELECT 1 FROM chunks WHERE kv_key=? LIMIT 1", (key,)).fetchone() is not None
+    def _referenced(self, key: str, collection: str | None = None) -> bool:
+        if collection is None:
+            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? LIMIT 1", (key,)
+        else:
+            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? AND collection=? LIMIT 1", (key, collection)
+        return self.db.execute(sql, args).fetchone() is not None
 
     def _set_intents(self, add, drop) -> None:
         self.db.executemany("INSERT OR IGNORE INTO kv_intents VALUES (?)", [(k,) for k in add])
@@ -334,10 +429,25 @@ class ChunkIndex:
         self._dirty += len(removed) + sum(len(i) for i, _ in added)
 
     # ---- KV intents --------------------------------------------------------------------------------
-    def references(self, kv_key: str) -> bool:
-        """Whether a committed chunk uses this KV key (a write-back must not store KV nobody uses)."""
+    def references(self, kv_key: str, collection: str | None = None) -> bool:
+        """Whether a committed chunk (of ``collection``; None: of any) uses this KV key (a write-back
+        must not store KV nobody uses; a request may reuse only its collection's KV)."""
         with self._lock:
-            return self._referenced(kv_key)
+            return self._referenced(kv_key, collection)
+
+    def referenced_keys(self, keys, collection: str) -> set[str]:
+        """The ones of ``keys`` that a committed chunk of ``collection`` uses."""
+        keys = list(dict.fromkeys(keys))
+        out: set[str] = set()
+        for lo in range(0, len(keys), 512):
+            part = keys[lo : lo + 512]
+            marks = ",".join("?" * len(part))
+            rows = self._query(
+                f"SELECT DISTINCT kv_key FROM chunks WHERE collection=? AND kv_key IN ({marks})",
+                (collection, *part),
+            )
+            out.update(r[0] for r in rows)
+        return out
 
     def add_intents(self, keys: list[str]) -> None:
         """Record, before writing them, KV keys that may end up in the store unreferenced."""
@@ -361,12 +471,13 @@ class ChunkIndex:
                 self.db.execute("DELETE FROM kv_intents WHERE kv_key=?", (key,))
         return n
 
-    def repair_document(self, doc_id: str) -> bool:
+    def repair_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> bool:
         """Whether a committed document is whole (chunks present, vectors indexed); vectors missing from
         FAISS are re-added from the chunk table. False: re-ingest it (re-ingest repairs, never trusts)."""
         with self._lock:
             rows = self.db.execute(
-                "SELECT chunk_id, vector FROM chunks WHERE doc_id=? ORDER BY seq", (doc_id,)
+                "SELECT chunk_id, vector FROM chunks WHERE collection=? AND doc_id=? ORDER BY seq",
+                (collection, doc_id),
             ).fetchall()
             if not rows or any(v is None for _, v in rows):
                 return False
@@ -379,7 +490,7 @@ class ChunkIndex:
 
     # ---- chunks ----------------------------------------------------------------------------------
     def _record(self, row, score: float = 0.0) -> ChunkRecord:
-        cid, doc_id, seq, text, tokens, key, meta = row
+        cid, doc_id, seq, text, tokens, key, meta, coll = row
         return ChunkRecord(
             cid,
             doc_id,
@@ -389,31 +500,40 @@ class ChunkIndex:
             key,
             json.loads(meta) if meta else {},
             score,
+            coll,
         )
 
     _SELECT = (
-        "SELECT c.chunk_id, c.doc_id, c.seq, c.text, c.token_ids, c.kv_key, d.metadata FROM chunks c "
-        "JOIN documents d ON d.doc_id = c.doc_id"
+        "SELECT c.chunk_id, c.doc_id, c.seq, c.text, c.token_ids, c.kv_key, d.metadata, c.collection "
+        "FROM chunks c JOIN documents d ON d.collection = c.collection AND d.doc_id = c.doc_id"
     )
 
-    def chunk(self, chunk_id: int) -> ChunkRecord | None:
+    def chunk(self, chunk_id: int, collection: str | None = None) -> ChunkRecord | None:
+        """The chunk with this id (None: no such chunk, or not in ``collection`` when one is given)."""
         if not 0 <= int(chunk_id) < 2**63:  # SQLite integers are 64-bit: anything else is unknown
             return None
         rows = self._query(self._SELECT + " WHERE c.chunk_id=?", (int(chunk_id),))
-        return self._record(rows[0]) if rows else None
+        rec = self._record(rows[0]) if rows else None
+        return rec if rec is not None and collection in (None, rec.collection) else None
 
-    def chunks_of(self, doc_id: str) -> list[ChunkRecord]:
-        rows = self._query(self._SELECT + " WHERE c.doc_id=? ORDER BY c.seq", (doc_id,))
+    def chunks_of(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> list[ChunkRecord]:
+        rows = self._query(
+            self._SELECT + " WHERE c.collection=? AND c.doc_id=? ORDER BY c.seq", (collection, doc_id)
+        )
         return [self._record(r) for r in rows]
 
-    def chunks_with_key(self, kv_key: str) -> list[ChunkRecord]:
-        """Chunks whose KV key is ``kv_key`` (the same token ids under the same model), oldest first."""
+    def chunks_with_key(self, kv_key: str, collection: str | None = None) -> list[ChunkRecord]:
+        """Chunks (of ``collection``; None: of any) whose KV key is ``kv_key`` (the same token ids
+        under the same model), oldest first."""
         rows = self._query(self._SELECT + " WHERE c.kv_key=? ORDER BY c.chunk_id", (kv_key,))
-        return [self._record(r) for r in rows]
+        return [r for r in map(self._record, rows) if collection in (None, r.collection)]
 
-    def documents_with_text(self, text: str) -> list[str]:
-        """Ids of the committed documents whose text is exactly ``text``."""
-        rows = self._query("SELECT doc_id FROM documents WHERE text_sha=? ORDER BY doc_id", (text_sha(text),))
+    def documents_with_text(self, text: str, collection: str = DEFAULT_COLLECTION) -> list[str]:
+        """Ids of ``collection``'s committed documents whose text is exactly ``text``."""
+        rows = self._query(
+            "SELECT doc_id FROM documents WHERE text_sha=? AND collection=? ORDER BY doc_id",
+            (text_sha(text), collection),
+        )
         return [r[0] for r in rows]
 
     def all_chunks(self) -> list[ChunkRecord]:
@@ -422,17 +542,29 @@ class ChunkIndex:
     def __len__(self) -> int:
         return self._n_chunks
 
-    def search(self, vector: np.ndarray, k: int) -> list[ChunkRecord]:
-        """Top-``k`` chunks by similarity (cosine: higher is closer; l2: the score is -distance)."""
+    def search(self, vector: np.ndarray, k: int, collection: str | None = None) -> list[ChunkRecord]:
+        """Top-``k`` chunks (of ``collection``; None: of all) by similarity (cosine: higher is closer;
+        l2: the score is -distance). A collection is searched through an id selector (exact; see the
+        module docstring), skipped when it holds every chunk."""
+        import faiss
+
+        query = np.asarray(vector, dtype=np.float32).reshape(1, -1)
         with self._lock:
             if self.vectors.ntotal == 0 or k <= 0:
                 return []
-            scores, ids = self.vectors.search(np.asarray(vector, dtype=np.float32).reshape(1, -1), k)
+            members = self._members.get(collection, set()) if collection is not None else None
+            if members is None or len(members) == len(self._ids):
+                scores, ids = self.vectors.search(query, k)
+            elif not members:
+                return []
+            else:
+                sel = faiss.IDSelectorBatch(np.fromiter(members, dtype=np.int64, count=len(members)))
+                scores, ids = self.vectors.search(query, k, params=faiss.SearchParameters(sel=sel))
         out = []
         for s, cid in zip(scores[0], ids[0], strict=True):
             if cid < 0:
                 continue
-            rec = self.chunk(int(cid))
+            rec = self.chunk(int(cid), collection)
             if rec is not None:
                 rec.score = float(s) if self.metric == "cosine" else -float(s)
                 out.append(rec)

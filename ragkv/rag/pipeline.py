@@ -24,6 +24,7 @@ from ragkv.blend.resolver import ChunkResolver, WarnThrottle
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.llm import LLM
+from ragkv.rag.collections import collection_name
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.rag.generation import Generated, Generator, PromptJob, ThreadGenerator
 from ragkv.rag.index import ChunkIndex, ChunkRecord, PendingDocument, text_sha
@@ -197,12 +198,14 @@ class RAG:
         show_progress: bool = True,
         cancel: Callable[[], bool] | None = None,
         pause: Callable[[], None] | None = None,
+        collection: str | None = None,
     ) -> IngestReport:
-        """Split, embed, index and precompute every chunk's KV. Idempotent: unchanged (and whole)
-        documents are skipped. All documents are committed together, or none (:class:`IngestCancelled`
-        when ``cancel()`` turns true). Both hooks run between small steps (a chunk's KV, the embedding
-        of ``embed_step`` chunks, a document's split): ``pause()`` may block to let other work (the
-        service's queries) go first."""
+        """Split, embed, index and precompute every chunk's KV, into ``collection`` (default: the
+        default collection). Idempotent: unchanged (and whole) documents are skipped. All documents
+        are committed together, or none (:class:`IngestCancelled` when ``cancel()`` turns true). Both
+        hooks run between small steps (a chunk's KV, the embedding of ``embed_step`` chunks, a
+        document's split): ``pause()`` may block to let other work (the service's queries) go first."""
+        coll = collection_name(collection)
         docs = [self._as_document(d) for d in docs]
         hold = pause or (lambda: None)
         stop = cancel or (lambda: False)
@@ -213,25 +216,28 @@ class RAG:
 
         with self._ingest_lock:
             try:
-                return self._ingest(docs, show_progress, step)
+                return self._ingest(docs, show_progress, step, coll)
             finally:
                 self._settle()  # KV of an ingest that did not commit, KV of replaced chunks
 
-    def _ingest(self, docs: list[Document], show_progress: bool, step: Callable[[], None]) -> IngestReport:
+    def _ingest(
+        self, docs: list[Document], show_progress: bool, step: Callable[[], None], coll: str
+    ) -> IngestReport:
         t0 = time.perf_counter()
         rep = IngestReport(doc_ids=list(dict.fromkeys(d.id for d in docs)))
         fp = self.model.fingerprint
         pending: dict[str, PendingDocument] = {}
+        mine: set[str] = set()  # keys this ingest computed or found stored for this collection
         for doc in tqdm(docs, desc="ingest", unit="doc", disable=not show_progress):
             sha = text_sha(doc.text)
             if doc.id in pending and pending[doc.id].sha == sha:
                 continue  # named twice in one call
-            old = self.index.document_sha(doc.id)
-            if old == sha and doc.id not in pending and self.index.repair_document(doc.id):
+            old = self.index.document_sha(doc.id, coll)
+            if old == sha and doc.id not in pending and self.index.repair_document(doc.id, coll):
                 rep.documents_unchanged += 1
-                for rec in self.index.chunks_of(doc.id):  # the store may have lost KV since
+                for rec in self.index.chunks_of(doc.id, coll):  # the store may have lost KV since
                     step()
-                    self._ensure_kv(rec.token_ids, rec.kv_key, rep)  # referenced: no intent needed
+                    self._ensure_kv(rec.token_ids, rec.kv_key, rep, coll, mine)  # referenced: no intent
                 continue
             step()
             parts = split_tokens(self.model.tokenizer, doc.text, self.chunk_tokens, self.overlap)
@@ -244,7 +250,7 @@ class RAG:
                 self.index.add_intents(missing)  # write-ahead: KV about to be stored, not yet referenced
                 for c, key in zip(batch, keys, strict=True):
                     step()
-                    self._ensure_kv(list(c.token_ids), key, rep)
+                    self._ensure_kv(list(c.token_ids), key, rep, coll, mine)
                     # tuples of atomic values only: the garbage collector stops tracking them, so a
                     # large pending ingest does not lengthen every full collection (GIL pauses)
                     rows.append((c.seq, c.text, c.token_ids, key))
@@ -253,7 +259,7 @@ class RAG:
                     step()
                     vecs.append(self.embedder.embed(texts[e : e + self.embed_step], background=True))
             vectors = np.concatenate(vecs) if vecs else np.zeros((0, self.embedder.dim), np.float32)
-            pending[doc.id] = PendingDocument(doc.id, sha, doc.metadata, rows, vectors)
+            pending[doc.id] = PendingDocument(doc.id, sha, doc.metadata, rows, vectors, coll)
         step()
         if pending:
             with self._kv_lock:
@@ -267,11 +273,19 @@ class RAG:
         log.info("ingest: %s", rep)
         return rep
 
-    def _ensure_kv(self, token_ids: list[int], key: str, rep: IngestReport) -> None:
-        """Compute and store a chunk's KV unless stored (the key is referenced or in the intents)."""
-        if self.store.contains(key):
+    def _ensure_kv(
+        self, token_ids: list[int], key: str, rep: IngestReport, coll: str, mine: set[str]
+    ) -> None:
+        """Compute and store a chunk's KV unless stored (the key is referenced or in the intents).
+
+        Stored KV counts as already there only when this collection uses it (or this ingest made it):
+        KV that only other collections use is computed again, so neither the report nor the time an
+        ingest takes tells a caller that another collection holds the same chunk text."""
+        if key in mine or (self.store.contains(key) and self.index.references(key, coll)):
+            mine.add(key)
             rep.kv_already_stored += 1
             return
+        mine.add(key)
         if not self.resolver.compute_into_store(token_ids):
             rep.kv_not_stored += 1
             self._warn.warning(
@@ -328,35 +342,62 @@ class RAG:
             return Document(d.get("text", ""), d.get("id"), dict(d.get("metadata") or {}))
         raise TypeError(f"cannot ingest {type(d).__name__}; pass Document, str or dict")
 
-    def delete_document(self, doc_id: str) -> None:
-        """Remove a document from the index; KV no other chunk shares is deleted from the store, and no
-        background write-back can store it again (it checks, under the same lock, that a chunk uses it)."""
+    def delete_document(self, doc_id: str, collection: str | None = None) -> None:
+        """Remove a document of ``collection`` (KeyError: none there) from the index; KV no other chunk
+        shares is deleted from the store, and no background write-back can store it again (it checks,
+        under the same lock, that a chunk uses it)."""
+        coll = collection_name(collection)
         with self._ingest_lock:
             with self._kv_lock:
-                freed = self.index.delete_document(doc_id)
+                freed = self.index.delete_document(doc_id, coll)
                 self.resolver.forget(freed)
                 if (loc := self._corpus.locator) is not None:
                     loc.remove(freed)
             self._settle()
 
+    def list_documents(self, collection: str | None = None) -> list[str]:
+        """The ids of ``collection``'s documents (default: the default collection), sorted."""
+        return self.index.document_ids(collection_name(collection))
+
+    def kv_visible(self, collection: str | None) -> Callable[[str], bool] | None:
+        """Which stored chunk KV a request in ``collection`` may reuse: the keys its chunks use (None
+        for ``collection`` None: any stored chunk, the library's transparent reuse).
+
+        Stored KV is content-addressed (chunk tokens + model), so collections with the same chunk text
+        share one blob. A request reuses only keys its own collection references: KV found inside a
+        prompt (transparent reuse) or named by ``kv_transfer_params`` that only another collection uses
+        is treated as not stored (computed, never loaded), so neither statistics nor timings say
+        whether another collection holds a chunk. Ingest recomputes such KV too (:meth:`_ensure_kv`)."""
+        if collection is None:
+            return None
+        coll = collection_name(collection)
+        return lambda key: self.index.references(key, coll)
+
     # ---- retrieve ------------------------------------------------------------------------------
-    def retrieve(self, question: str, k: int | None = None) -> list[ChunkRecord]:
-        """Top-k chunks, ordered by score or (as in the paper's evaluation) seeded-randomly."""
+    def retrieve(
+        self, question: str, k: int | None = None, collection: str | None = None
+    ) -> list[ChunkRecord]:
+        """Top-k chunks of ``collection`` (default: the default collection), ordered by score or (as in
+        the paper's evaluation) seeded-randomly."""
         if not question or not question.strip():
             raise ValueError("empty question")
         k = self.top_k if k is None else k
         if k < 1:
             raise ValueError("k must be >= 1")
-        recs = self.index.search(self.embedder.embed([question])[0], k)
+        coll = collection_name(collection)
+        recs = self.index.search(self.embedder.embed([question])[0], k, coll)
         if self.order == "random":
             rnd = random.Random(f"{self.seed}|{question}")
             rnd.shuffle(recs)
         return recs
 
-    def chunks_by_id(self, chunk_ids: list[int]) -> list[ChunkRecord]:
+    def chunks_by_id(self, chunk_ids: list[int], collection: str | None = None) -> list[ChunkRecord]:
+        """The chunks with these ids in ``collection`` (default: the default collection); KeyError for
+        an id that is unknown or of another collection (the same error: nothing tells them apart)."""
+        coll = collection_name(collection)
         recs = []
         for cid in chunk_ids:
-            rec = self.index.chunk(cid)
+            rec = self.index.chunk(cid, coll)
             if rec is None:
                 raise KeyError(f"unknown chunk id {cid}")
             recs.append(rec)
@@ -371,11 +412,13 @@ class RAG:
         ratio: float | str | None = None,
         params: SamplingParams | None = None,
         chunks: list[ChunkRecord] | None = None,
+        collection: str | None = None,
         **sampling,
     ) -> RagAnswer:
-        """Retrieve (unless ``chunks`` are given) and answer; timings: retrieval, kv_fetch, ttft, total."""
+        """Retrieve (unless ``chunks`` are given) and answer; timings: retrieval, kv_fetch, ttft, total.
+        ``collection``: see :meth:`answer_stream`."""
         ans = None
-        for ans in self.answer_stream(question, k, mode, ratio, params, chunks, **sampling):  # noqa: B007
+        for ans in self.answer_stream(question, k, mode, ratio, params, chunks, collection, **sampling):  # noqa: B007
             pass
         assert isinstance(ans, RagAnswer)
         return ans
@@ -397,6 +440,7 @@ class RAG:
         k: int | None = None,
         chunks: list[ChunkRecord] | None = None,
         max_new_tokens: int = 0,
+        collection: str | None = None,
     ) -> RagPrompt:
         """The prompt of ``question``: its token-id head and tail, and the chunks between them.
 
@@ -409,7 +453,8 @@ class RAG:
         if chunks is not None:
             recs = list(chunks)
         else:
-            recs = self.fit_chunks(self.retrieve(question, k), len(prefix) + len(suffix) + max_new_tokens)
+            recs = self.retrieve(question, k, collection)
+            recs = self.fit_chunks(recs, len(prefix) + len(suffix) + max_new_tokens)
         return RagPrompt(prefix, recs, suffix, time.perf_counter() - t0)
 
     def answer_stream(
@@ -420,18 +465,22 @@ class RAG:
         ratio: float | str | None = None,
         params: SamplingParams | None = None,
         chunks: list[ChunkRecord] | None = None,
+        collection: str | None = None,
         **sampling,
     ) -> Iterator:
-        """Yield ``TokenEvent``s as they are generated, then the final :class:`RagAnswer`."""
+        """Yield ``TokenEvent``s as they are generated, then the final :class:`RagAnswer`. Retrieval
+        and the stored chunks reused from inside the question are ``collection``'s (default: the
+        default collection; :meth:`kv_visible`)."""
+        coll = collection_name(collection)
         params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
-        rp = self.prompt(question, k, chunks, params.max_new_tokens)
+        rp = self.prompt(question, k, chunks, params.max_new_tokens, coll)
         ids, found = list(rp.prefix), []
         for r in rp.chunks:
             found.append(Located(r.kv_key, tuple(r.token_ids), len(ids), 0, len(r.token_ids)))
             ids += r.token_ids
         ids += rp.suffix
-        job = self.job(ids, found, mode, ratio, params)
+        job = self.job(ids, found, mode, ratio, params, kv_collection=coll)
         yield from self._answer(job, rp.chunks, t0, rp.seconds)
 
     def stream_parts(
@@ -465,13 +514,16 @@ class RAG:
         ratio: float | str | None = None,
         params: SamplingParams | None = None,
         locate: bool = True,
+        kv_collection: str | None = None,
         **options,
     ) -> PromptJob:
         """A checked :class:`PromptJob` with this RAG's defaults (mode, ratio) for what is not given.
 
         ``locate``: in modes that reuse KV, stored chunks found in the prompt's rows outside
         ``chunks`` (a document pasted into a question, a framework's own context format) are reused
-        too (transparent reuse, :meth:`ChunkResolver.find`); False keeps exactly ``chunks``."""
+        too (transparent reuse, :meth:`ChunkResolver.find`); False keeps exactly ``chunks``.
+        ``kv_collection``: only that collection's stored chunks are located (:meth:`kv_visible`;
+        None: any)."""
         mode = mode or self.mode
         if mode not in MODES:
             raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
@@ -483,7 +535,7 @@ class RAG:
         ratio = self.ratio if ratio is None else ratio
         chunks = list(chunks)
         if locate and mode in ("reuse", "blend"):
-            chunks = self.resolver.find(ids, chunks)
+            chunks = self.resolver.find(ids, chunks, self.kv_visible(kv_collection))
         return PromptJob(ids, chunks, mode, ratio, params, **options)
 
     def using(self, generator: Generator) -> RAG:
