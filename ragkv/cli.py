@@ -268,7 +268,7 @@ def _ingest(args) -> int:
         return 2
     rag = build_rag(s, writer=True)  # one writer per data folder (a running `serve` holds it)
     _set_threads(args.threads, rag.model.config.hidden_size)
-    rep = rag.ingest(docs, show_progress=not args.quiet)
+    rep = rag.ingest(docs, show_progress=not args.quiet, collection=args.collection)
     rag.close()
     print(
         f"{len(docs)} documents -> {s.data_dir}: {rep.documents_added} added, {rep.documents_unchanged} unchanged, "
@@ -298,7 +298,12 @@ def _ask(args) -> int:
     if len(rag.index) == 0:
         print(f"error: nothing ingested in {s.data_dir}; run `ragkv ingest` first", file=sys.stderr)
         return 2
-    chunks = rag.chunks_by_id(args.chunk_ids) if args.chunk_ids else rag.retrieve(args.question, args.top_k)
+    coll = args.collection
+    chunks = (
+        rag.chunks_by_id(args.chunk_ids, coll)
+        if args.chunk_ids
+        else rag.retrieve(args.question, args.top_k, coll)
+    )
     max_new = args.max_new_tokens or s.max_new_tokens
     modes = ["full", args.mode or s.mode] if args.compare else [args.mode or s.mode]
     out = {}
@@ -307,7 +312,12 @@ def _ask(args) -> int:
             print(f"{mode}: ", end="", flush=True)
             ans = None
             for ev in rag.answer_stream(
-                args.question, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=max_new
+                args.question,
+                mode=mode,
+                ratio=args.ratio,
+                chunks=chunks,
+                max_new_tokens=max_new,
+                collection=coll,
             ):
                 if hasattr(ev, "sources"):
                     ans = ev
@@ -316,7 +326,12 @@ def _ask(args) -> int:
             print()
         else:
             ans = rag.answer(
-                args.question, mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=max_new
+                args.question,
+                mode=mode,
+                ratio=args.ratio,
+                chunks=chunks,
+                max_new_tokens=max_new,
+                collection=coll,
             )
             print(f"{mode}: {ans.text.strip()}")
         out[mode] = ans
@@ -427,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--format", choices=["auto", "text", "jsonl", "json"], default="auto")
     i.add_argument("--chunk-tokens", type=int, default=None)
     i.add_argument("--limit", type=int, default=None, help="ingest at most this many documents")
+    i.add_argument("--collection", default=None, help="the collection to ingest into (default: default)")
     i.add_argument("-q", "--quiet", action="store_true")
     i.set_defaults(func=_ingest)
 
@@ -451,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--ratio", type=float, default=None)
     a.add_argument("--top-k", type=int, default=None)
     a.add_argument("--chunk-ids", type=int, nargs="+", default=None)
+    a.add_argument("--collection", default=None, help="the collection to search (default: default)")
     a.add_argument("--max-new-tokens", type=int, default=None, help="default: the settings' max_new_tokens")
     a.add_argument("--compare", action="store_true", help="also answer with full prefill and show both TTFTs")
     a.add_argument("--stream", action="store_true", help="print tokens as they come")
