@@ -122,6 +122,27 @@ def test_question_pass_recomputes_the_rows_the_question_attends_to_most_and_char
     assert res.stats["recompute_fraction"] == pytest.approx((2 * n_computed + 12) * L / (L * n))
 
 
+def test_a_question_pass_dearer_than_recomputing_the_chunks_gives_way_to_an_exact_prefill():
+    """Short chunks beside a long question: the pass (every computed row on every layer) plus its recompute
+    cost more than recomputing every reused row, which is exact. Seen as ``ragkv ask`` charging 181% of a
+    full prefill on a one-sentence document."""
+    m = random_model(seed=5, init_std=0.1, num_hidden_layers=4)
+    pre, chunks, suf = _prompt(m, seed=3, n_chunks=1, chunk_len=12)
+    suf = suf * 3  # 18 computed question rows + 6 head rows >= (1 - 0.2) * 12 reused rows
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    full = prefill(m, pre, kvs, suf, "full")
+    res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, selector="qpass", offset="k"))
+    _close(res.logits, full.logits)
+    assert res.stats["question_pass_rows"] == 0 and res.stats["recompute_fraction"] == pytest.approx(1.0)
+    # ratio 0 is still plain reuse, and a longer chunk still gets the question pass
+    b0 = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.0, selector="qpass"))
+    _close(b0.logits, prefill(m, pre, kvs, suf, "reuse").logits)
+    pre, chunks, suf = _prompt(m, seed=3, n_chunks=3, chunk_len=20)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, selector="qpass"))
+    assert res.stats["question_pass_rows"] > 0
+
+
 def test_question_attention_selector_ranks_by_the_question_rows_attention():
     m = random_model(seed=6, init_std=0.1, num_hidden_layers=3)
     pre, chunks, suf = _prompt(m, seed=3)

@@ -620,6 +620,16 @@ def question_pass_selection(
     return cand[chosen], kv.recomputed
 
 
+def _pass_costs_more(row_class: torch.Tensor, schedule: BlendSchedule) -> bool:
+    """Whether a question pass (every computed row, every layer) and its recompute cost at least a full
+    recompute of the reused rows: ``n_computed >= (1 - ratio) * n_reused`` (short chunks beside a long
+    question or an uncached head). Never at ratio 0, which stays plain reuse."""
+    ratio = schedule.target_ratio
+    n_computed = int((row_class == COMPUTED).sum())
+    n_reused = int((row_class == REUSED).sum())
+    return ratio > 0.0 and n_computed >= (1.0 - ratio) * n_reused
+
+
 @torch.inference_mode()
 def selective_prefill(
     model,
@@ -659,7 +669,15 @@ def selective_prefill(
     pass_rows: list[int] = []
     held = None
     blending = schedule is not None and bool((row_class == REUSED).any())
-    if blending and schedule.selector == "qpass" and preselected is None:
+    if (
+        blending
+        and schedule.selector == "qpass"
+        and preselected is None
+        and _pass_costs_more(row_class, schedule)
+    ):
+        # the question pass would compute more rows than recomputing every reused row: exact, and cheaper
+        preselected = (row_class == REUSED).nonzero().flatten()
+    elif blending and schedule.selector == "qpass" and preselected is None:
         held = source = HeldLayers(source)
         try:
             preselected, pass_rows = question_pass_selection(model, token_ids, row_class, source, schedule)
