@@ -308,31 +308,19 @@ def _ask(args) -> int:
     modes = ["full", args.mode or s.mode] if args.compare else [args.mode or s.mode]
     out = {}
     for mode in dict.fromkeys(modes):
-        if args.stream and not args.compare:
+        streamed = args.stream and not args.compare
+        if streamed:
             print(f"{mode}: ", end="", flush=True)
-            ans = None
-            for ev in rag.answer_stream(
-                args.question,
-                mode=mode,
-                ratio=args.ratio,
-                chunks=chunks,
-                max_new_tokens=max_new,
-                collection=coll,
-            ):
-                if hasattr(ev, "sources"):
-                    ans = ev
-                else:
-                    print(ev.text, end="", flush=True)
+        ans = None
+        kw = dict(mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=max_new, collection=coll)
+        for ev in rag.answer_stream(args.question, **kw):
+            if hasattr(ev, "sources"):
+                ans = ev
+            elif streamed:
+                print(ev.text, end="", flush=True)
+        if streamed:
             print()
         else:
-            ans = rag.answer(
-                args.question,
-                mode=mode,
-                ratio=args.ratio,
-                chunks=chunks,
-                max_new_tokens=max_new,
-                collection=coll,
-            )
             print(f"{mode}: {ans.text.strip()}")
         out[mode] = ans
         t = ans.timings
