@@ -128,12 +128,17 @@ def test_a_question_pass_dearer_than_recomputing_the_chunks_gives_way_to_an_exac
     full prefill on a one-sentence document."""
     m = random_model(seed=5, init_std=0.1, num_hidden_layers=4)
     pre, chunks, suf = _prompt(m, seed=3, n_chunks=1, chunk_len=12)
-    suf = suf * 3  # 18 computed question rows + 6 head rows >= (1 - 0.2) * 12 reused rows
+    suf = suf * 2  # 12 question rows >= (1 - 0.2) * 12 reused rows (the 6 head rows do not count)
     kvs = [compute_chunk_kv(m, c) for c in chunks]
     full = prefill(m, pre, kvs, suf, "full")
     res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, selector="qpass", offset="k"))
     _close(res.logits, full.logits)
     assert res.stats["question_pass_rows"] == 0 and res.stats["recompute_fraction"] == pytest.approx(1.0)
+    # an uncached head does not count: the same choice whether the prefix cache is warm or cold
+    long_head = prefill(
+        m, pre * 4, kvs, suf[:8], "blend", schedule=BlendSchedule.single(0.2, selector="qpass")
+    )
+    assert long_head.stats["question_pass_rows"] > 0
     # ratio 0 is still plain reuse, and a longer chunk still gets the question pass
     b0 = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.0, selector="qpass"))
     _close(b0.logits, prefill(m, pre, kvs, suf, "reuse").logits)

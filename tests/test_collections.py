@@ -167,6 +167,21 @@ def test_rag_retrieves_reads_and_reuses_only_its_collection(tmp_path, embedder):
     rag.close()
 
 
+def test_kv_another_process_stored_is_reused_by_ingest(tmp_path, embedder):
+    """A store shared with another index (a second ragkv, a vLLM connector): KV that no collection of
+    this index uses says nothing of its collections, so ingest reuses it. Before, every such chunk was
+    recomputed (test_vllm_client's shared-store ingest reported kv_computed 13, not 0)."""
+    text = musique_samples(1)[0]["ctxs"][0]["text"][:400]
+    store = f"file://{tmp_path / 'kv'}?codec=raw"
+    first = RAG(stories_model(), tmp_path / "one", store=store, embedder=embedder, chunk_tokens=48)
+    assert first.ingest([Document(text, "doc")], show_progress=False).kv_computed > 0
+    first.close()
+    second = RAG(stories_model(), tmp_path / "two", store=store, embedder=embedder, chunk_tokens=48)
+    rep = second.ingest([Document(text, "doc")], show_progress=False, collection="x")
+    assert rep.kv_computed == 0 and rep.kv_already_stored > 0
+    second.close()
+
+
 # ---- the service: keys limited to collections --------------------------------------------------------
 W_KEY = "write-all-0123456789abcdef"  # every collection
 A_KEY = "write-a-0123456789abcdef"  # collection a only

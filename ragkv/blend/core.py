@@ -621,13 +621,16 @@ def question_pass_selection(
 
 
 def _pass_costs_more(row_class: torch.Tensor, schedule: BlendSchedule) -> bool:
-    """Whether a question pass (every computed row, every layer) and its recompute cost at least a full
-    recompute of the reused rows: ``n_computed >= (1 - ratio) * n_reused`` (short chunks beside a long
-    question or an uncached head). Never at ratio 0, which stays plain reuse."""
+    """Whether the question pass costs at least a full recompute of the reused rows: ``n_question >=
+    (1 - ratio) * n_reused`` (short chunks beside a long question). Counted on the question's rows (after
+    the last reused row) only, not on an uncached head's, so a query blends the same way whether the
+    prefix cache is warm or not. Never at ratio 0, which stays plain reuse."""
     ratio = schedule.target_ratio
-    n_computed = int((row_class == COMPUTED).sum())
-    n_reused = int((row_class == REUSED).sum())
-    return ratio > 0.0 and n_computed >= (1.0 - ratio) * n_reused
+    reused = (row_class == REUSED).nonzero().flatten()
+    if ratio <= 0.0 or reused.numel() == 0:
+        return False
+    n_question = int((row_class[int(reused[-1]) + 1 :] == COMPUTED).sum())
+    return n_question >= (1.0 - ratio) * reused.numel()
 
 
 @torch.inference_mode()

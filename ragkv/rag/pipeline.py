@@ -278,10 +278,11 @@ class RAG:
     ) -> None:
         """Compute and store a chunk's KV unless stored (the key is referenced or in the intents).
 
-        Stored KV counts as already there only when this collection uses it (or this ingest made it):
-        KV that only other collections use is computed again, so neither the report nor the time an
-        ingest takes tells a caller that another collection holds the same chunk text."""
-        if key in mine or (self.store.contains(key) and self.index.references(key, coll)):
+        Stored KV that only *other collections of this index* use is computed again, so neither the
+        report nor the time an ingest takes tells a caller that another collection holds the same chunk
+        text. KV no collection of this index uses (written by another process sharing the store, e.g.
+        a vLLM connector or a second ragkv, or not yet collected) is reused: it says nothing of them."""
+        if key in mine or (self.store.contains(key) and not self._only_others_use(key, coll)):
             mine.add(key)
             rep.kv_already_stored += 1
             return
@@ -292,6 +293,10 @@ class RAG:
                 "ingest-put", "could not store KV of chunk %s; it will be recomputed when retrieved", key[:16]
             )
         rep.kv_computed += 1
+
+    def _only_others_use(self, key: str, coll: str) -> bool:
+        """Whether chunks of this index use ``key``, none of them in ``coll``."""
+        return self.index.references(key) and not self.index.references(key, coll)
 
     def chunk_locator(self) -> ChunkLocator | None:
         """The locator of this corpus's chunks inside flat prompts: built on first use (O(chunks),
