@@ -90,7 +90,9 @@ def test_a_body_not_declared_json_is_415_in_openais_error_shape(server):
     for path in ("/v1/chat/completions", "/v1/completions"):
         r = httpx.post(server + path, content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
         _openai_error(r, 415, None, "unsupported_media_type")
-    assert "415" in httpx.get(server + "/openapi.json").json()["paths"]["/v1/completions"]["post"]["responses"]
+    assert (
+        "415" in httpx.get(server + "/openapi.json").json()["paths"]["/v1/completions"]["post"]["responses"]
+    )
 
 
 def test_context_overflow_is_400_context_length_exceeded(server, client, chunk_ids):
