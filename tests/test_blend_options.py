@@ -134,6 +134,8 @@ def test_a_question_pass_dearer_than_recomputing_the_chunks_gives_way_to_an_exac
     res = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, selector="qpass", offset="k"))
     _close(res.logits, full.logits)
     assert res.stats["question_pass_rows"] == 0 and res.stats["recompute_fraction"] == pytest.approx(1.0)
+    ape = prefill(m, pre, kvs, suf, "blend", schedule=BlendSchedule.single(0.2, ape_temperature=0.8))
+    assert ape.temper is None  # every reused row recomputed: nothing stale to temper
     # an uncached head does not count: the same choice whether the prefix cache is warm or cold
     long_head = prefill(
         m, pre * 4, kvs, suf[:8], "blend", schedule=BlendSchedule.single(0.2, selector="qpass")

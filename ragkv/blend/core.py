@@ -17,8 +17,8 @@ selected rows only. See docs/DEVIATIONS.md.
 
 Beyond CacheBlend (``BlendSchedule`` fields, the same loop): the question's attention as selector
 (``qattn``/``mix``), a question-only pass that picks the rows before layer 0 (``qpass``, the default),
-per-chunk probe offsets added to the rows that are not recomputed (``offset``, on by default), and
-seam rows. Every option keeps ``ratio=1 == full`` and ``ratio=0 == reuse``.
+per-chunk probe offsets added to the rows that are not recomputed (``offset``, on by default),
+seam rows, and APE's temperature/scale on the question's attention to the reused rows (off). Every option keeps ``ratio=1 == full`` and ``ratio=0 == reuse``.
 """
 
 from __future__ import annotations
@@ -229,6 +229,8 @@ class BlendKV:
         self.stored_seg = self.segment[self.stored_rows]
         self.offset = self.schedule.offset if self.schedule is not None else "none"
         self.temper = self.schedule.temper(self.reused_mask) if self.schedule is not None else None
+        if self.preselected is not None and self.preselected.numel() >= self.n_reused:
+            self.temper = None  # every reused row recomputed: nothing stale to temper (as at ratio 1)
         self.question = _question_rows(self.reused_mask, self.stored_index, self.n) if self.temper else None
         self.offset_oracle = offset_oracle if blending else None
         #: per stored row, the weight of its chunk's offset (set at the check layer; 1 without one)
