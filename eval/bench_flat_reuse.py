@@ -1,4 +1,4 @@
-"""Transparent reuse on the real model: a flat prompt formatted the LangChain way vs ragkv's explicit chunks.
+"""Transparent reuse on the real model: a flat prompt formatted a framework's way vs ragkv's explicit chunks.
 
 For each MuSiQue question, its passages are ingested (one document each), then answered three ways
 by the same ``ragkv.LLM``: ``full`` (flat prompt, everything prefilled), ``flat`` (the same flat
@@ -15,7 +15,7 @@ Before 2026-11-24 (fourth session) ``explicit`` was ``LLM.generate(prefix, chunk
 which joins the parts with its own blank lines and no separator between chunks: another prompt
 text, so its answer could equal the flat one's only by chance.
 
-    python -m eval.bench_flat_reuse --questions 8 --passages 5
+    python -m eval.bench_flat_reuse --questions 8 --passages 5 [--format langchain|llamaindex]
 """
 
 from __future__ import annotations
@@ -62,6 +62,18 @@ def run(rag: RAG, job) -> Outcome:
     return Outcome(done.token_ids, ttft if ttft is not None else time.perf_counter() - t0, done.stats, job)
 
 
+def frame(fmt: str, question: str) -> tuple[str, str]:
+    """The text before and after the joined passages: a LangChain-style chain's, or LlamaIndex's own
+    default question-answering template (``as_query_engine``'s, nodes joined by blank lines)."""
+    if fmt == "langchain":
+        return INSTRUCTION, f"\n\nQuestion: {question}"
+    from llama_index.core.prompts.default_prompts import DEFAULT_TEXT_QA_PROMPT
+
+    mark = "\x00CONTEXT\x00"
+    head, tail = DEFAULT_TEXT_QA_PROMPT.format(context_str=mark, query_str=question).split(mark)
+    return head, tail
+
+
 def explicit_prompt(llm: LLM, recs, head: str, tail: str) -> tuple[list[int], list[Located]]:
     """The flat prompt's text with each chunk's span given: the chunks' own token ids, the rest apart."""
     pre, post = chat_parts(llm.model, head, tail)
@@ -82,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passages", type=int, default=5, help="passages per question")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--format", choices=["langchain", "llamaindex"], default="langchain", help="the framework's prompt"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     samples = json.loads((DATA_DIR / "musique_s.json").read_text())[: args.questions]
@@ -95,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             rag.ingest([{"id": f"q{i}p{j}", "text": t} for j, t in enumerate(texts)], show_progress=False)
             recs = [r for j in range(len(texts)) for r in rag.index.chunks_of(f"q{i}p{j}")]
             context = SEPARATOR.join(r.text for r in recs)
-            flat = f"{INSTRUCTION}{context}\n\nQuestion: {s['question']}"
+            head, tail = frame(args.format, s["question"])
+            flat = f"{head}{context}{tail}"
             ids_flat = sum(llm.tokenize_prompt("", [], flat)[::2], [])  # the template around the flat text
-            ids_explicit, spans = explicit_prompt(llm, recs, INSTRUCTION, f"\n\nQuestion: {s['question']}")
+            ids_explicit, spans = explicit_prompt(llm, recs, head, tail)
             out = {
                 "full": run(rag, rag.job(ids_flat, [], "full", params=params)),
                 "flat": run(rag, rag.job(ids_flat, [], "blend", params=params)),
@@ -142,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.fmean(float(r[k]) for r in rows)
 
     summary = {
+        "format": args.format,
         "questions": len(rows),
         "reused_share_mean": mean("reused_share"),
         "reused_share_min": min(r["reused_share"] for r in rows),
