@@ -52,17 +52,8 @@ def load_prompt(seq: PagedSequence, k: Tensor, v: Tensor, keys: list[str]) -> in
     shared = 0
     own: list[tuple[int, int]] = []  # (layer, block index) of sealed blocks this sequence writes
     for layer in range(L):
-        j = 0
-        while j < min(len(keys), sealed):  # only blocks this sequence seals may be shared
-            b = mgr.lookup((keys[j], layer))
-            if b is None:
-                break
-            mgr.incref(b)
-            seq.tables[layer].append(b)
-            seq.k_norm[layer].append(1.0)
-            seq.v_norm[layer].append(1.0)
-            shared += 1
-            j += 1
+        j = seq.adopt_shared(layer, keys, sealed)  # only blocks this sequence seals may be shared
+        shared += j
         own += [(layer, jj) for jj in range(j, sealed)]
         while len(seq.tables[layer]) < nblk:
             seq._new_block(layer)

@@ -281,24 +281,29 @@ class PagedSequence(KVCache):
             return hack_seq.load_prompt(self, k, v, keys)
         shared = 0
         for layer in range(L):
-            j = 0
-            while j < len(keys) and (j + 1) * bs <= n:
-                key = (keys[j], layer)
-                b = mgr.lookup(key)
-                if b is None:
-                    break
-                mgr.incref(b)
-                self.tables[layer].append(b)
-                self.k_norm[layer].append(1.0)
-                self.v_norm[layer].append(1.0)
-                shared += 1
-                j += 1
+            j = self.adopt_shared(layer, keys, n // bs)
+            shared += j
             self._len[layer] = j * bs
             pos = torch.arange(j * bs, n)
             self.write(layer, pos, k[layer, j * bs :], v[layer, j * bs :])
             for jj in range(j, min(len(keys), n // bs)):
                 mgr.register((keys[jj], layer), self.tables[layer][jj])
         return shared
+
+    def adopt_shared(self, layer: int, keys: list[str], limit: int) -> int:
+        """Append the registered blocks of ``keys[:limit]`` to ``layer``'s table (a shared prefix), up to
+        the first one not registered; returns how many were adopted."""
+        mgr, j = self.pool.manager, 0
+        while j < min(len(keys), limit):
+            b = mgr.lookup((keys[j], layer))
+            if b is None:
+                break
+            mgr.incref(b)
+            self.tables[layer].append(b)
+            self.k_norm[layer].append(1.0)
+            self.v_norm[layer].append(1.0)
+            j += 1
+        return j
 
     def fused_norms(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(table indices, n_K, n_V) of the fused entries of ``layer``, cached until more are fused."""
