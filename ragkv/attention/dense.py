@@ -92,12 +92,21 @@ def attention_probs(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Explicit attention probabilities ``[n, Hq, N]`` (fp32), for fidelity metrics only."""
-    groups = q.shape[1] // k.shape[1]
-    kk = k.repeat_interleave(groups, dim=1) if groups > 1 else k
-    scores = torch.einsum("nhd,mhd->nhm", q.float(), kk.float()) * scale
+    scores = _logits(q, k, scale)
     mask = position_mask(q_pos, k_pos, sliding_window)
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     return torch.softmax(scores, dim=-1)
+
+
+def _heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``x [N, Hkv, D]`` repeated to the query heads (GQA groups)."""
+    groups = n_heads // x.shape[1]
+    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+
+def _logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Explicit fp32 attention logits ``[n, Hq, N]`` of ``q [n, Hq, D]`` over ``k [N, Hkv, D]``."""
+    return torch.einsum("nhd,mhd->nhm", q.float(), _heads(k, q.shape[1]).float()) * scale
 
 
 @dataclass(frozen=True)
@@ -144,11 +153,8 @@ def tempered_attention(
 
     For the few query-side rows only (the question, each decode step): scores are materialized.
     """
-    groups = q.shape[1] // k.shape[1]
-    kk = k.repeat_interleave(groups, dim=1) if groups > 1 else k
-    vv = v.repeat_interleave(groups, dim=1) if groups > 1 else v
-    z = torch.einsum("nhd,mhd->hnm", q.float(), kk.float()) * scale  # [H, n, N]
-    allowed = position_mask(q_pos, k_pos, sliding_window)[None]  # [1, n, N]
+    z = _logits(q, k, scale)  # [n, H, N]
+    allowed = position_mask(q_pos, k_pos, sliding_window)[:, None, :]  # [n, 1, N]
     ctx = temper.context_keys(k_pos)[None, None, :] & allowed
     zc = (z / temper.temperature).masked_fill(~ctx, float("-inf"))
     # a query with no context key: its LSE is -inf; clamped so that masked entries stay -inf (not NaN)
@@ -156,4 +162,4 @@ def tempered_attention(
     adjusted = zc + math.log(temper.scale) + (temper.temperature - 1.0) * lse
     z = torch.where(ctx, adjusted, z.masked_fill(~allowed, float("-inf")))
     probs = torch.softmax(z, dim=-1)
-    return torch.einsum("hnm,mhd->nhd", probs, vv.float()).to(q.dtype)
+    return torch.einsum("nhm,mhd->nhd", probs, _heads(v, q.shape[1]).float()).to(q.dtype)
