@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.attention.dense import ContextTemper, attention_probs, tempered_attention
+from ragkv.attention.dense import ContextTemper, attention_probs, attention_with_mass, tempered_attention
 from ragkv.model.forward import run_layers
 
 COMPUTED, EXACT, REUSED = 0, 1, 2
@@ -431,10 +431,15 @@ class BlendKV:
                 )
             )
         if self.mass_rows is not None:
+            window = self.model.config.window(layer)
+            if self.temper is None and torch.equal(rows, self.mass_rows):
+                # a question pass over a warm head: the question's rows are every computed row, so one
+                # explicit pass gives both their attention and the mass they put on each row
+                out, mass = attention_with_mass(q, K, V, rows, self.pos, self.model.scale, window)
+                self.mass.append(mass)
+                return out
             local = torch.searchsorted(rows, self.mass_rows)
-            probs = attention_probs(
-                q[local], K, self.mass_rows, self.pos, self.model.scale, self.model.config.window(layer)
-            )
+            probs = attention_probs(q[local], K, self.mass_rows, self.pos, self.model.scale, window)
             self.mass.append(probs.sum(dim=(0, 1)))
         out = self.model.attend(
             layer,
