@@ -712,7 +712,10 @@ class ChunkIndex:
     def _maybe_snapshot(self) -> None:
         every = self.snapshot_every or max(4096, self.vectors.ntotal // 8)
         if self._dirty >= every:
-            self.snapshot()
+            try:
+                self.snapshot()
+            except OSError as e:  # disk full ...: the change is committed; start-up rebuilds from SQLite
+                log.warning("could not write the FAISS snapshot (retried after more changes): %s", e)
 
     def snapshot(self) -> None:
         """Write the FAISS snapshot (atomically: temporary file, fsync, rename); only start-up speed
@@ -724,11 +727,15 @@ class ChunkIndex:
                 data = faiss.serialize_index(self.vectors)
                 self._dirty = 0
             tmp = self._faiss_path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(memoryview(data))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._faiss_path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(memoryview(data))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self._faiss_path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk keeps no half-written snapshot
+                raise
 
     def close(self) -> None:
         """Snapshot if anything changed since the last one, and close SQLite."""

@@ -7,6 +7,7 @@ import copy
 import hashlib
 import logging
 import random
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -402,7 +403,11 @@ class RAG:
     def _settle(self) -> None:
         """Delete stored KV that the write-ahead record lists and no chunk references."""
         with self._kv_lock:
-            n = self.index.settle_intents(self.store.delete)
+            try:
+                n = self.index.settle_intents(self.store.delete)
+            except (OSError, sqlite3.Error) as e:  # a full disk: after a commit that succeeded, not an error
+                self._warn.warning("settle", "unreferenced KV not deleted now (retried later): %s", e)
+                return
         if n:
             log.info("deleted the stored KV of %d unreferenced chunk(s)", n)
 
