@@ -196,8 +196,8 @@ def test_kept_counts_match_the_chunk_table_through_random_changes(tmp_path):
     idx = ChunkIndex(tmp_path / "index", dim)
     rng = random.Random(4)
     colls = ["a", "b"]
-    for c in colls:
-        assert idx.usage(c).chunks == 0  # counted now, kept from here on
+    for c in colls:  # nothing there: zeros, and nothing kept (any name may be asked for)
+        assert idx.usage(c).chunks == 0 and c not in idx._usage
 
     def doc_chunks(n: int):
         out = []

@@ -432,6 +432,8 @@ class ChunkIndex:
         with self._lock:
             u = self._usage.get(collection)
             if u is None:
+                if not self._members.get(collection):  # nothing there (any name may be asked): not kept
+                    return CollectionCounts()
                 u = self._usage[collection] = self._count(collection)
             return replace(u)
 
