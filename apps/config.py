@@ -19,6 +19,7 @@ from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.rag.collections import COLLECTION_PATTERN
+from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, Quotas
 from ragkv.store.codecs import DEFAULT_CODEC
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -142,6 +143,26 @@ class Settings(BaseSettings):
     )
     max_documents: int = Field(1000, ge=1, description="documents per JSON ingest request")
     max_document_chars: int = Field(2_000_000, ge=1)
+    # quotas (ragkv.rag.quotas): checked before an ingest writes anything; one refusal refuses the request
+    max_document_tokens: int | None = Field(
+        DEFAULT_MAX_DOCUMENT_TOKENS,
+        ge=1,
+        description="tokens of one document (its chunks'), beyond that the ingest is refused (413); "
+        "None: unlimited",
+    )
+    max_collection_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tokens of every chunk of a collection; an ingest that would go beyond is refused "
+        "(429, quota_exceeded); None: unlimited",
+    )
+    max_collection_kv_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="stored chunk KV bytes a collection accounts for (its distinct chunks' tokens x the "
+        "store codec's measured bytes per token); an ingest that would go beyond is refused (429, "
+        "quota_exceeded); None: unlimited (the store's own byte cap still bounds it)",
+    )
     max_question_chars: int = Field(8000, ge=1)
     max_top_k: int = Field(32, ge=1)
     max_chunk_ids: int = Field(64, ge=1)
@@ -214,6 +235,19 @@ class Settings(BaseSettings):
             return [x.strip() for x in v.split(",") if x.strip()]
         return v
 
+    @field_validator("max_document_tokens", "max_collection_tokens", "max_collection_kv_bytes", mode="before")
+    @classmethod
+    def _quota(cls, v: Any, info) -> Any:
+        """Env vars and files: ``none`` / ``unlimited`` (or empty) for no limit; byte sizes as ``10GiB``."""
+        if isinstance(v, str):
+            if v.strip().lower() in ("", "none", "null", "unlimited"):
+                return None
+            if info.field_name == "max_collection_kv_bytes" and not v.strip().isdigit():
+                from ragkv.store import parse_bytes
+
+                return parse_bytes(v)
+        return v
+
     @field_validator("api_keys", "read_api_keys")
     @classmethod
     def _long_keys(cls, v: list[ApiKey]) -> list[ApiKey]:
@@ -283,6 +317,14 @@ class Settings(BaseSettings):
             return self.chunk_tokens
         room = max_position - prompt_overhead - 64 - self.max_new_tokens
         return max(16, min(512, room // self.top_k))
+
+    def quotas(self) -> Quotas:
+        """The ingest quotas of these settings (:class:`ragkv.rag.quotas.Quotas`)."""
+        return Quotas(
+            max_document_tokens=self.max_document_tokens,
+            max_collection_tokens=self.max_collection_tokens,
+            max_collection_kv_bytes=self.max_collection_kv_bytes,
+        )
 
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model.rstrip("/")).name or self.model

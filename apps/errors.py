@@ -22,6 +22,7 @@ from apps.service import ServiceError
 from integrations.vllm.client import VllmServerError, VllmUnavailableError
 from ragkv.kv import KVMismatchError
 from ragkv.model import PromptTooLongError
+from ragkv.rag.quotas import QuotaExceededError
 
 log = logging.getLogger("ragkv.server")
 #: the error statuses of ragkv's own routes, for their OpenAPI schema
@@ -217,3 +218,13 @@ class TooLargeBodyError(ServiceError):
 
     status = 413
     type = "request_too_large"
+
+
+def quota_response(exc: QuotaExceededError) -> JSONResponse:
+    """An ingest refused by a quota (nothing of it written): 413 for a document over
+    ``max_document_tokens``, 429 for a collection it would take over a limit; ``type: quota_exceeded``,
+    ``details`` the limit, its value, the usage and what was asked. No ``Retry-After``: retrying the
+    same request does not help (a delete, a smaller request or a larger limit does)."""
+    return StrictJSONResponse(
+        error_json(exc.status, str(exc), "quota_exceeded", exc.details()), status_code=exc.status
+    )

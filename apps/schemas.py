@@ -32,7 +32,9 @@ class ErrorBody(BaseModel):
     type: str
     code: int
     param: str | None = None
-    details: list[Any] | None = None
+    details: list[Any] | dict[str, Any] | None = Field(
+        None, description="validation errors (422), or a quota refusal's limit and usage (quota_exceeded)"
+    )
 
 
 class ErrorResponse(BaseModel):
@@ -73,6 +75,31 @@ class GarbageReport(BaseModel):
     unreferenced: int = Field(description="blobs no chunk of the index references")
     deleted: int
     bytes_freed: int
+
+
+class QuotaLimits(BaseModel):
+    """The ingest quotas in force (null: unlimited)."""
+
+    max_document_tokens: int | None
+    max_collection_tokens: int | None
+    max_collection_kv_bytes: int | None
+
+
+class CollectionUsage(BaseModel):
+    """What a collection holds, as its quotas count it."""
+
+    collection: str
+    documents: int
+    chunks: int
+    tokens: int = Field(description="tokens of every chunk (counted against max_collection_tokens)")
+    kv_bytes: int = Field(
+        description="stored chunk KV bytes accounted to the collection: its distinct chunks' tokens x "
+        "kv_bytes_per_token (counted against max_collection_kv_bytes)"
+    )
+    kv_bytes_per_token: int = Field(
+        description="the store codec's bytes per token, measured once on a sample chunk of the served model"
+    )
+    limits: QuotaLimits
 
 
 class DocumentList(BaseModel):

@@ -34,6 +34,7 @@ from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer
 from ragkv.rag.collections import DEFAULT_COLLECTION
 from ragkv.rag.index import text_sha
+from ragkv.rag.quotas import STATUS as QUOTA_LIMITS
 
 log = logging.getLogger("ragkv.server")
 
@@ -653,6 +654,19 @@ class Service:
                 ("state",),
             )
         )
+        r.add(
+            Gauge(
+                "ragkv_quota_refusals",
+                "ingests refused by a quota since start (ragkv.rag.quotas), by limit",
+                lambda: {(k,): getattr(self.rag, "quota_refusals", {}).get(k, 0) for k in QUOTA_LIMITS},
+                ("limit",),
+            )
+        )
+        r.add(
+            Gauge(
+                "ragkv_collections", "collections holding chunks", lambda: len(self.rag.index.collections())
+            )
+        )
         r.add(Gauge("ragkv_documents", "documents in the index", lambda: self.rag.index.num_documents))
         r.add(Gauge("ragkv_chunks", "chunks in the index", lambda: len(self.rag.index)))
         r.add(
@@ -751,6 +765,7 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
         mode=s.mode,
         ratio=s.ratio,
         ingest_batch=s.ingest_batch_chunks,
+        quotas=s.quotas(),
         **prompt,
         # the default store under data_dir is this index's alone, and the writer holds the folder's lock
         collect_garbage_on_open=(writer and s.store is None) if collect_garbage is None else collect_garbage,

@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
     extra = {
         "RAGKV_MAX_UPLOAD_BYTES": str(max(256 << 20, int(args.mb * MB * 1.1))),
         "RAGKV_MAX_DOCUMENT_CHARS": str(max(2_000_000, args.doc_chars)),
+        "RAGKV_MAX_DOCUMENT_TOKENS": "none",  # 2M-character documents: over the default token quota
         "RAGKV_INGEST_BATCH_CHUNKS": str(args.ingest_batch),
     }
     proc = None

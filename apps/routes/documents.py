@@ -4,15 +4,31 @@ import asyncio
 from types import SimpleNamespace
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from apps import schemas as sc
-from apps.deps import Auth, ServiceDep, SettingsDep
-from apps.errors import ERRORS, TooLargeBodyError
+from apps.deps import Auth, Caller, ServiceDep, SettingsDep, collection_of
+from apps.errors import ERRORS, TooLargeBodyError, quota_response
 from apps.middleware import NDJSON
 from apps.service import InvalidRequestError
+from ragkv.rag.collections import COLLECTION_PATTERN
+from ragkv.rag.quotas import QuotaExceededError
+
+#: the ingest route's error statuses: 413 and 429 are quota refusals too (type quota_exceeded)
+INGEST_ERRORS = {
+    **ERRORS,
+    413: {
+        "model": sc.ErrorResponse,
+        "description": "request body too large, or a document over max_document_tokens (quota_exceeded)",
+    },
+    429: {
+        "model": sc.ErrorResponse,
+        "description": "busy (retry later), or the collection would go over a quota (quota_exceeded: "
+        "no Retry-After)",
+    },
+}
 
 #: the ingest body as the OpenAPI schema states it (the endpoint reads the body itself)
 UPLOAD_BODY = {
@@ -36,7 +52,7 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
     @r.post(
         "/v1/documents",
         response_model=sc.IngestResponse,
-        responses=ERRORS,
+        responses=INGEST_ERRORS,
         openapi_extra=UPLOAD_BODY,
         summary="Ingest documents (idempotent; all or none)",
         dependencies=auth.write,
@@ -52,9 +68,12 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
             )
         else:  # application/json (ContentTypeMiddleware refused anything else); parsed off the loop
             docs = await asyncio.to_thread(parse_ingest_json, S.IngestRequest, await request.body())
-        return await svc.run_ingest(
-            lambda cancel: svc.ingest(docs, cancel, collection), request.is_disconnected
-        )
+        try:
+            return await svc.run_ingest(
+                lambda cancel: svc.ingest(docs, cancel, collection), request.is_disconnected
+            )
+        except QuotaExceededError as e:  # refused before anything was written: the whole request
+            return quota_response(e)
 
     @r.get(
         "/v1/documents",
@@ -78,6 +97,34 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
         """404 for an id that is unknown in the request's collection (another collection's too)."""
         await svc.run_ingest(lambda cancel: svc.delete(doc_id, collection), request.is_disconnected)
         return {"id": doc_id, "deleted": True}
+
+    @r.get(
+        "/v1/collections/{name}/usage",
+        response_model=sc.CollectionUsage,
+        responses={k: v for k, v in ERRORS.items() if k in (401, 403, 422)},
+        summary="A collection's usage and quotas",
+        dependencies=auth.read,
+    )
+    async def collection_usage(
+        name: Annotated[str, Path(pattern=COLLECTION_PATTERN)],
+        svc: ServiceDep,
+        caller: Annotated[Caller, Depends(auth.scope)],
+    ):
+        """Documents, chunks, tokens and accounted KV bytes of collection ``name``, with the quotas in
+        force (a collection with nothing in it: zeros). A key limited to collections may read only
+        its own (another: 403, existing or not)."""
+        coll = collection_of(caller, name)
+        loop = asyncio.get_running_loop()
+        u = await loop.run_in_executor(svc.read_pool, svc.rag.usage, coll)
+        return {
+            "collection": u.collection,
+            "documents": u.documents,
+            "chunks": u.chunks,
+            "tokens": u.tokens,
+            "kv_bytes": u.kv_bytes,
+            "kv_bytes_per_token": u.kv_bytes_per_token,
+            "limits": svc.rag.quotas.limits(),
+        }
 
     @r.post(
         "/v1/admin/gc",

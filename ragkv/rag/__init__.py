@@ -20,6 +20,7 @@ from ragkv.rag.pipeline import (
     WarnThrottle,
 )
 from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, PROMPT_KEYS, prompt_options, prompt_parts
+from ragkv.rag.quotas import QuotaExceededError, Quotas, Usage
 from ragkv.rag.splitter import TextChunk, split_tokens
 
 __all__ = [
@@ -38,6 +39,9 @@ __all__ = [
     "PromptJob",
     "ThreadGenerator",
     "IngestCancelled",
+    "QuotaExceededError",
+    "Quotas",
+    "Usage",
     "IngestReport",
     "RagAnswer",
     "RagPrompt",

@@ -30,7 +30,7 @@ import logging
 import os
 import sqlite3
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,17 @@ class ChunkRecord:
     metadata: dict = field(default_factory=dict)
     score: float = 0.0
     collection: str = DEFAULT_COLLECTION
+
+
+@dataclass
+class CollectionCounts:
+    """A collection's size as quotas count it: documents, chunks, tokens of every chunk, and tokens of
+    its distinct chunk KV keys (``kv_tokens``: a key two of its chunks share counts once)."""
+
+    documents: int = 0
+    chunks: int = 0
+    tokens: int = 0
+    kv_tokens: int = 0
 
 
 @dataclass
@@ -142,6 +153,8 @@ class ChunkIndex:
         self._members: dict[str, set[int]] = {}
         for cid, coll in self.db.execute("SELECT chunk_id, collection FROM chunks"):
             self._members.setdefault(coll, set()).add(int(cid))
+        #: per-collection counts (:meth:`usage`): counted on first use, then kept by commits and deletes
+        self._usage: dict[str, CollectionCounts] = {}
         self._n_docs = int(self.db.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
         self._n_chunks = int(self.db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0])
         if self._dirty:
@@ -323,6 +336,9 @@ class ChunkIndex:
             replaced = 0
             self.db.execute("BEGIN IMMEDIATE")
             try:
+                tracked = self._track(
+                    [(d.collection, d.doc_id, [(c[3], len(c[2])) for c in d.chunks]) for d in docs]
+                )
                 for d in docs:
                     gone, keys, existed = self._delete_rows(d.doc_id, d.collection)
                     removed += gone
@@ -354,10 +370,12 @@ class ChunkIndex:
                 new_keys = {c[3] for d in docs for c in d.chunks}
                 freed = {k for k in freed - new_keys if not self._referenced(k)}
                 self._set_intents(freed, new_keys)
+                deltas = self._tracked_deltas(tracked)
                 self.db.execute("COMMIT")
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
+            self._apply_usage(deltas)
             self._apply(removed, [(out[(d.collection, d.doc_id)], d.vectors) for d in docs])
             for coll, gone in gone_by:
                 self._members.get(coll, set()).difference_update(gone)
@@ -380,13 +398,16 @@ class ChunkIndex:
                 ).fetchone()
                 if not found:
                     raise KeyError(doc_id)
+                tracked = self._track([(collection, doc_id, None)])
                 removed, keys, _ = self._delete_rows(doc_id, collection)
                 freed = {k for k in keys if not self._referenced(k)}
                 self._set_intents(freed, ())
+                deltas = self._tracked_deltas(tracked)
                 self.db.execute("COMMIT")
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
+            self._apply_usage(deltas)
             self._apply(removed, [])
             self._members.get(collection, set()).difference_update(removed)
             self._n_docs -= 1
@@ -403,6 +424,125 @@ class ChunkIndex:
         had = self.db.execute("DELETE FROM documents WHERE collection=? AND doc_id=?", where).rowcount
         self.db.execute("DELETE FROM chunks WHERE collection=? AND doc_id=?", where)
         return [r[0] for r in rows], {r[1] for r in rows}, bool(had)
+
+    # ---- usage (quotas) ----------------------------------------------------------------------------
+    def usage(self, collection: str = DEFAULT_COLLECTION) -> CollectionCounts:
+        """``collection``'s counts (:class:`CollectionCounts`): counted from the chunk table the first
+        time (one pass over the collection's rows), then kept up to date by every commit and delete."""
+        with self._lock:
+            u = self._usage.get(collection)
+            if u is None:
+                if not self._members.get(collection):  # nothing there (any name may be asked): not kept
+                    return CollectionCounts()
+                u = self._usage[collection] = self._count(collection)
+            return replace(u)
+
+    def usage_after(self, collection: str, doc_ids, chunks: list[tuple[str, int]]) -> CollectionCounts:
+        """``collection``'s counts if a commit replaced (or added) the documents ``doc_ids`` with chunks
+        ``(kv_key, tokens)`` (all of theirs together), computed without changing anything: a replaced
+        document's chunks leave, and a KV key counts while any chunk of the collection still uses it."""
+        ids = set(doc_ids)
+        with self._lock:
+            now = self.usage(collection)
+            old: list[tuple[str, int]] = []
+            existing = 0
+            for doc_id in ids:
+                old += self._rows_of(collection, doc_id)
+                existing += self._has(collection, doc_id)
+            keys = dict(old)
+            keys.update(chunks)
+            before: set[str] = set()
+            outside: set[str] = set()  # keys other documents of the collection use
+            for key, doc_id in self._key_users(collection, keys):
+                before.add(key)
+                if doc_id not in ids:
+                    outside.add(key)
+            after = outside | {k for k, _ in chunks}
+            return CollectionCounts(
+                documents=now.documents + len(ids) - existing,
+                chunks=now.chunks - len(old) + len(chunks),
+                tokens=now.tokens - sum(n for _, n in old) + sum(n for _, n in chunks),
+                kv_tokens=now.kv_tokens - sum(keys[k] for k in before) + sum(keys[k] for k in after),
+            )
+
+    def _count(self, collection: str) -> CollectionCounts:
+        one = (collection,)
+        docs = self.db.execute("SELECT COUNT(*) FROM documents WHERE collection=?", one).fetchone()[0]
+        chunks, size = self.db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(length(token_ids)), 0) FROM chunks WHERE collection=?", one
+        ).fetchone()
+        kv = self.db.execute(
+            "SELECT COALESCE(SUM(n), 0) FROM (SELECT MAX(length(token_ids)) AS n FROM chunks "
+            "WHERE collection=? GROUP BY kv_key)",
+            one,
+        ).fetchone()[0]
+        return CollectionCounts(int(docs), int(chunks), int(size) // 4, int(kv) // 4)
+
+    def _rows_of(self, collection: str, doc_id: str) -> list[tuple[str, int]]:
+        """``(kv_key, tokens)`` of a document's chunks (token ids are int32: 4 bytes each)."""
+        return [
+            (k, int(n) // 4)
+            for k, n in self.db.execute(
+                "SELECT kv_key, length(token_ids) FROM chunks WHERE collection=? AND doc_id=?",
+                (collection, doc_id),
+            )
+        ]
+
+    def _has(self, collection: str, doc_id: str) -> bool:
+        sql = "SELECT 1 FROM documents WHERE collection=? AND doc_id=?"
+        return self.db.execute(sql, (collection, doc_id)).fetchone() is not None
+
+    def _key_users(self, collection: str, keys) -> list[tuple[str, str]]:
+        """``(kv_key, doc_id)`` of the chunks of ``collection`` that use one of ``keys``."""
+        keys = list(keys)
+        out: list[tuple[str, str]] = []
+        for lo in range(0, len(keys), 500):
+            part = keys[lo : lo + 500]
+            marks = ",".join("?" * len(part))
+            out += self.db.execute(
+                f"SELECT kv_key, doc_id FROM chunks WHERE collection=? AND kv_key IN ({marks})",
+                (collection, *part),
+            ).fetchall()
+        return out
+
+    def _kv_tokens(self, collection: str, keys: dict[str, int]) -> int:
+        """The tokens of those of ``keys`` (key -> tokens) that a chunk of ``collection`` uses."""
+        return sum(keys[k] for k in {k for k, _ in self._key_users(collection, keys)})
+
+    def _track(self, changes: list[tuple[str, str, list[tuple[str, int]] | None]]) -> dict:
+        """Inside a commit's or delete's transaction, before it changes anything: for each collection
+        whose counts are kept (:meth:`usage`), what ``changes`` ((collection, doc_id, new chunks as
+        ``(kv_key, tokens)``, None for a delete)) add and remove, and the KV keys they touch."""
+        out: dict[str, list] = {}
+        for coll, doc_id, new in changes:
+            if coll not in self._usage:
+                continue
+            delta, keys, _ = out.setdefault(coll, [CollectionCounts(), {}, 0])
+            old = self._rows_of(coll, doc_id)
+            delta.documents += (new is not None) - self._has(coll, doc_id)
+            new = new or []
+            delta.chunks += len(new) - len(old)
+            delta.tokens += sum(n for _, n in new) - sum(n for _, n in old)
+            keys.update(old)
+            keys.update(new)
+        for coll, entry in out.items():
+            entry[2] = self._kv_tokens(coll, entry[1])
+        return out
+
+    def _tracked_deltas(self, tracked: dict) -> dict[str, CollectionCounts]:
+        """After the changes (still inside the transaction): the count deltas of :meth:`_track`'s collections."""
+        for coll, (delta, keys, before) in tracked.items():
+            delta.kv_tokens = self._kv_tokens(coll, keys) - before
+        return {coll: entry[0] for coll, entry in tracked.items()}
+
+    def _apply_usage(self, deltas: dict[str, CollectionCounts]) -> None:
+        for coll, d in deltas.items():
+            u = self._usage.get(coll)
+            if u is not None:
+                u.documents += d.documents
+                u.chunks += d.chunks
+                u.tokens += d.tokens
+                u.kv_tokens += d.kv_tokens
 
     def _referenced(self, key: str, collection: str | None = None) -> bool:
         if collection is None:
@@ -574,7 +714,10 @@ class ChunkIndex:
     def _maybe_snapshot(self) -> None:
         every = self.snapshot_every or max(4096, self.vectors.ntotal // 8)
         if self._dirty >= every:
-            self.snapshot()
+            try:
+                self.snapshot()
+            except OSError as e:  # disk full ...: the change is committed; start-up rebuilds from SQLite
+                log.warning("could not write the FAISS snapshot (retried after more changes): %s", e)
 
     def snapshot(self) -> None:
         """Write the FAISS snapshot (atomically: temporary file, fsync, rename); only start-up speed
@@ -586,11 +729,15 @@ class ChunkIndex:
                 data = faiss.serialize_index(self.vectors)
                 self._dirty = 0
             tmp = self._faiss_path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(memoryview(data))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._faiss_path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(memoryview(data))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self._faiss_path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk keeps no half-written snapshot
+                raise
 
     def close(self) -> None:
         """Snapshot if anything changed since the last one, and close SQLite."""

@@ -7,6 +7,7 @@ import copy
 import hashlib
 import logging
 import random
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,6 +30,14 @@ from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.rag.generation import Generated, Generator, PromptJob, ThreadGenerator
 from ragkv.rag.index import ChunkIndex, ChunkRecord, PendingDocument, text_sha
 from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
+from ragkv.rag.quotas import (
+    QuotaExceededError,
+    Quotas,
+    Usage,
+    check_collection,
+    check_document,
+    measure_kv_bytes_per_token,
+)
 from ragkv.rag.splitter import split_tokens
 
 log = logging.getLogger("ragkv.rag")
@@ -121,6 +130,7 @@ class RAG:
         examples: Sequence[tuple[str, str]] = (),
         collect_garbage_on_open: bool = False,
         generator: Generator | None = None,
+        quotas: Quotas | None = None,
     ):
         from ragkv.store import default_store, default_store_url
 
@@ -157,6 +167,10 @@ class RAG:
         self.system = system
         self.examples = [(str(u), str(a)) for u, a in examples]
         self.controller = controller
+        #: ingest limits (:mod:`ragkv.rag.quotas`), checked before an ingest writes anything
+        self.quotas = quotas if quotas is not None else Quotas()
+        #: ingests refused by a quota since start, by limit name
+        self.quota_refusals: dict[str, int] = {}
         self.index = ChunkIndex(
             self.data_dir / "index",
             self.embedder.dim,
@@ -204,7 +218,12 @@ class RAG:
         default collection). Idempotent: unchanged (and whole) documents are skipped. All documents
         are committed together, or none (:class:`IngestCancelled` when ``cancel()`` turns true). Both
         hooks run between small steps (a chunk's KV, the embedding of ``embed_step`` chunks, a
-        document's split): ``pause()`` may block to let other work (the service's queries) go first."""
+        document's split): ``pause()`` may block to let other work (the service's queries) go first.
+
+        Quotas (``self.quotas``, :mod:`ragkv.rag.quotas`): every changed document is split first; one
+        over ``max_document_tokens``, or a collection that the commit would take over a collection
+        limit, refuses the whole call (:class:`~ragkv.rag.quotas.QuotaExceededError`) before any KV,
+        write-ahead record or chunk is written."""
         coll = collection_name(collection)
         docs = [self._as_document(d) for d in docs]
         hold = pause or (lambda: None)
@@ -217,6 +236,9 @@ class RAG:
         with self._ingest_lock:
             try:
                 return self._ingest(docs, show_progress, step, coll)
+            except QuotaExceededError as e:  # refused before anything was written
+                self.quota_refusals[e.limit] = self.quota_refusals.get(e.limit, 0) + 1
+                raise
             finally:
                 self._settle()  # KV of an ingest that did not commit, KV of replaced chunks
 
@@ -226,26 +248,41 @@ class RAG:
         t0 = time.perf_counter()
         rep = IngestReport(doc_ids=list(dict.fromkeys(d.id for d in docs)))
         fp = self.model.fingerprint
-        pending: dict[str, PendingDocument] = {}
-        mine: set[str] = set()  # keys this ingest computed or found stored for this collection
-        for doc in tqdm(docs, desc="ingest", unit="doc", disable=not show_progress):
+        # 1. plan: which documents are unchanged, and the chunks (and KV keys) of the others, checked
+        # against the quotas before anything (KV, write-ahead record, index) is written
+        unchanged: list[str] = []
+        planned: dict[str, tuple[Document, str, list, list[str]]] = {}
+        for doc in docs:
             sha = text_sha(doc.text)
-            if doc.id in pending and pending[doc.id].sha == sha:
+            if doc.id in planned and planned[doc.id][1] == sha:
                 continue  # named twice in one call
             old = self.index.document_sha(doc.id, coll)
-            if old == sha and doc.id not in pending and self.index.repair_document(doc.id, coll):
-                rep.documents_unchanged += 1
-                for rec in self.index.chunks_of(doc.id, coll):  # the store may have lost KV since
-                    step()
-                    self._ensure_kv(rec.token_ids, rec.kv_key, rep, coll, mine)  # referenced: no intent
+            if old == sha and doc.id not in planned and self.index.repair_document(doc.id, coll):
+                unchanged.append(doc.id)
                 continue
             step()
             parts = split_tokens(self.model.tokenizer, doc.text, self.chunk_tokens, self.overlap)
+            check_document(self.quotas, doc.id, sum(len(c.token_ids) for c in parts), coll)
+            keys = [chunk_key(list(c.token_ids), fp) for c in parts]
+            planned[doc.id] = (doc, sha, parts, keys)
+        self._check_collection(coll, planned)
+        # 2. write: stored KV of unchanged documents (the store may have lost some since), then the
+        # changed documents' KV and embeddings; committed together at the end
+        pending: dict[str, PendingDocument] = {}
+        mine: set[str] = set()  # keys this ingest computed or found stored for this collection
+        for doc_id in unchanged:
+            rep.documents_unchanged += 1
+            for rec in self.index.chunks_of(doc_id, coll):
+                step()
+                self._ensure_kv(rec.token_ids, rec.kv_key, rep, coll, mine)  # referenced: no intent
+        for doc, sha, parts, all_keys in tqdm(
+            planned.values(), desc="ingest", unit="doc", disable=not show_progress
+        ):
             rows, vecs = [], []
             for lo in range(0, len(parts), self.ingest_batch):
                 step()
                 batch = parts[lo : lo + self.ingest_batch]
-                keys = [chunk_key(list(c.token_ids), fp) for c in batch]
+                keys = all_keys[lo : lo + self.ingest_batch]
                 missing = [k for k in dict.fromkeys(keys) if not self.store.contains(k)]
                 self.index.add_intents(missing)  # write-ahead: KV about to be stored, not yet referenced
                 for c, key in zip(batch, keys, strict=True):
@@ -272,6 +309,39 @@ class RAG:
         rep.seconds = time.perf_counter() - t0
         log.info("ingest: %s", rep)
         return rep
+
+    def _check_collection(self, coll: str, planned: dict) -> None:
+        """Refuse (:class:`QuotaExceededError`) an ingest of ``planned`` documents that would take the
+        collection over a collection quota, counted as the commit would leave it (replaced documents'
+        chunks gone); nothing has been written yet."""
+        if not self.quotas.limits_collections or not planned:
+            return
+        chunks = [
+            (key, len(c.token_ids))
+            for _, _, parts, keys in planned.values()
+            for c, key in zip(parts, keys, strict=True)
+        ]
+        after = self.index.usage_after(coll, list(planned), chunks)
+        check_collection(self.quotas, self.usage(coll), self._usage_of(coll, after))
+
+    def usage(self, collection: str | None = None) -> Usage:
+        """What ``collection`` (default: the default collection) holds as the quotas count it
+        (:mod:`ragkv.rag.quotas`): documents, chunks, tokens, and the stored KV bytes it accounts for."""
+        coll = collection_name(collection)
+        return self._usage_of(coll, self.index.usage(coll))
+
+    def _usage_of(self, coll: str, counts) -> Usage:
+        return Usage(
+            coll, counts.documents, counts.chunks, counts.tokens, counts.kv_tokens, self.kv_bytes_per_token()
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        """Stored KV bytes the quotas account per chunk token: ``quotas.kv_bytes_per_token``, else
+        measured once with this RAG's model, store codec and chunk size
+        (:func:`~ragkv.rag.quotas.measure_kv_bytes_per_token`)."""
+        if self.quotas.kv_bytes_per_token is not None:
+            return self.quotas.kv_bytes_per_token
+        return measure_kv_bytes_per_token(self.model, self.store, self.chunk_tokens)
 
     def _ensure_kv(
         self, token_ids: list[int], key: str, rep: IngestReport, coll: str, mine: set[str]
@@ -333,7 +403,11 @@ class RAG:
     def _settle(self) -> None:
         """Delete stored KV that the write-ahead record lists and no chunk references."""
         with self._kv_lock:
-            n = self.index.settle_intents(self.store.delete)
+            try:
+                n = self.index.settle_intents(self.store.delete)
+            except (OSError, sqlite3.Error) as e:  # a full disk: after a commit that succeeded, not an error
+                self._warn.warning("settle", "unreferenced KV not deleted now (retried later): %s", e)
+                return
         if n:
             log.info("deleted the stored KV of %d unreferenced chunk(s)", n)
 

@@ -1,0 +1,425 @@
+"""Issue 24, item 4: quotas. Per-document and per-collection token and stored-KV-byte limits, checked
+before an ingest writes anything (413 / 429 in the service), usage per collection, and a full disk
+after a commit that succeeded is not an error.
+
+Real parts only: the tiny model, the real embedder, SQLite + FAISS indexes and file stores on disk,
+and the service's app (``create_app``) over a RAG built from its settings (``build_rag``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sqlite3
+import threading
+
+import numpy as np
+import pytest
+
+from ragkv.rag import RAG, ChunkIndex, Document, Embedder, QuotaExceededError, Quotas
+from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, measure_kv_bytes_per_token
+from tests.helpers import musique_samples, stories_model, stories_path
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return Embedder()
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return [c["text"] for s in musique_samples(4) for c in s["ctxs"]]
+
+
+def _rag(path, embedder, quotas: Quotas | None = None, **kw) -> RAG:
+    kw.setdefault("store", f"file://{path / 'kv'}?codec=raw")
+    return RAG(stories_model(), path, embedder=embedder, chunk_tokens=32, quotas=quotas, **kw)
+
+
+def _state(rag: RAG) -> dict:
+    """Everything an ingest could leave behind: documents and chunks of every collection, stored KV
+    blobs, write-ahead intents, KV computed so far."""
+    return {
+        "docs": {c: rag.list_documents(c) for c in ("default", "t", "u")},
+        "chunks": len(rag.index),
+        "blobs": sorted(rag.store.keys()),
+        "intents": rag.index.intents(),
+        "computed": rag.counters.get("computed", 0),
+        "usage": {c: rag.usage(c) for c in ("default", "t", "u")},
+    }
+
+
+def _tokens(rag: RAG, text: str) -> int:
+    from ragkv.rag.splitter import split_tokens
+
+    return sum(len(c.token_ids) for c in split_tokens(rag.model.tokenizer, text, rag.chunk_tokens))
+
+
+# ---- the library ----------------------------------------------------------------------------------------
+def test_quotas_are_checked_and_default_to_a_document_bound():
+    q = Quotas()
+    assert q.max_document_tokens == DEFAULT_MAX_DOCUMENT_TOKENS == 131_072
+    assert q.max_collection_tokens is None and q.max_collection_kv_bytes is None
+    assert not q.limits_collections and Quotas(max_collection_kv_bytes=1).limits_collections
+    for bad in (0, -1, 1.5, True, "10"):
+        with pytest.raises(ValueError):
+            Quotas(max_collection_tokens=bad)
+    assert Quotas(max_document_tokens=None).max_document_tokens is None
+
+
+@pytest.mark.slow  # a RAG over the tiny model: several ingests
+def test_a_document_over_its_quota_refuses_the_whole_call_and_writes_nothing(tmp_path, embedder, texts):
+    """One document over ``max_document_tokens`` among others that fit: 413-kind refusal naming it,
+    and nothing of the call is written: no chunk, no blob, no intent, no KV even computed."""
+    rag = _rag(tmp_path, embedder, Quotas(max_document_tokens=150))
+    rag.ingest([Document(texts[0][:200], "kept")], show_progress=False, collection="t")
+    before = _state(rag)
+    big = texts[1][:400]
+    fits, after = texts[2][:200], texts[3][:200]
+    assert _tokens(rag, big) > 150 >= max(_tokens(rag, fits), _tokens(rag, after))
+    with pytest.raises(QuotaExceededError) as ei:
+        rag.ingest(
+            [Document(fits, "fits"), Document(big, "big"), Document(after, "after")],
+            show_progress=False,
+            collection="t",
+        )
+    e = ei.value
+    assert (e.status, e.limit, e.value, e.document, e.collection) == (
+        413,
+        "max_document_tokens",
+        150,
+        "big",
+        "t",
+    )
+    assert e.requested == _tokens(rag, big) and "'big'" in str(e) and "max_document_tokens (150)" in str(e)
+    assert e.details() == {
+        "limit": "max_document_tokens",
+        "limit_value": 150,
+        "requested": e.requested,
+        "collection": "t",
+        "document": "big",
+    }
+    assert _state(rag) == before
+    assert rag.quota_refusals == {"max_document_tokens": 1}
+    rag.quotas = Quotas(max_document_tokens=None)  # unlimited: the same call goes through
+    rep = rag.ingest([Document(big, "big")], show_progress=False, collection="t")
+    assert rep.documents_added == 1 and rag.usage("t").tokens == before["usage"]["t"].tokens + e.requested
+    rag.close()
+
+
+@pytest.mark.slow  # a RAG over the tiny model: several ingests
+def test_collection_token_quota_counts_a_replacement_once_and_collections_apart(tmp_path, embedder, texts):
+    rag = _rag(tmp_path, embedder)
+    a, b = texts[0][:300], texts[1][:300]
+    ta, tb = _tokens(rag, a), _tokens(rag, b)
+    rag.ingest([Document(a, "a")], show_progress=False, collection="t")
+    assert rag.usage("t").tokens == ta and rag.usage("t").documents == 1
+    limit = ta + tb - 1
+    rag.quotas = Quotas(max_collection_tokens=limit)
+    before = _state(rag)
+    with pytest.raises(QuotaExceededError) as ei:
+        rag.ingest([Document(b, "b")], show_progress=False, collection="t")
+    e = ei.value
+    assert (e.status, e.limit, e.value, e.usage, e.requested) == (
+        429,
+        "max_collection_tokens",
+        limit,
+        ta,
+        ta + tb,
+    )
+    assert f"now {ta:,}" in str(e) and f"({limit:,})" in str(e) and "'t'" in str(e)
+    assert _state(rag) == before  # nothing written, nothing computed
+
+    # another collection has its own usage
+    assert rag.ingest([Document(b, "b")], show_progress=False, collection="u").documents_added == 1
+    assert rag.usage("u").tokens == tb and rag.usage("t").tokens == ta
+
+    # replacing "a" with a text about as long: old + new would be over the limit, the result is not
+    a2 = texts[2][:300]
+    ta2 = _tokens(rag, a2)
+    assert ta + ta2 > limit >= ta2
+    rep = rag.ingest([Document(a2, "a")], show_progress=False, collection="t")
+    assert rep.documents_added == 1 and rag.usage("t").tokens == ta2 and rag.usage("t").documents == 1
+
+    # a limit lowered below the usage: a shrinking replacement passes, a growing one does not
+    rag.quotas = Quotas(max_collection_tokens=ta2 // 2)
+    shorter = a2[: len(a2) * 2 // 3]
+    assert ta2 // 2 < _tokens(rag, shorter) < ta2
+    rag.ingest([Document(shorter, "a")], show_progress=False, collection="t")
+    with pytest.raises(QuotaExceededError):
+        rag.ingest([Document(a2, "a")], show_progress=False, collection="t")
+    # a delete always goes, and frees the room
+    rag.delete_document("a", "t")
+    assert rag.usage("t").tokens == 0 and rag.usage("t").chunks == 0
+    rag.quotas = Quotas(max_collection_tokens=limit)
+    assert rag.ingest([Document(b, "b")], show_progress=False, collection="t").documents_added == 1
+    assert rag.quota_refusals == {"max_collection_tokens": 2}
+    rag.close()
+
+
+@pytest.mark.slow  # a RAG over the tiny model: several ingests
+def test_collection_kv_bytes_quota_counts_a_shared_chunk_once(tmp_path, embedder, texts):
+    """Stored KV bytes: a collection's distinct chunk keys x bytes per token. The same text under a
+    second id shares every blob: tokens double, KV bytes do not, so it passes a KV limit already met."""
+    per = 1000
+    rag = _rag(tmp_path, embedder, Quotas(kv_bytes_per_token=per))
+    x = texts[0][:300]
+    tx = _tokens(rag, x)
+    rag.ingest([Document(x, "x")], show_progress=False, collection="t")
+    assert rag.usage("t").kv_bytes == tx * per
+    rag.quotas = Quotas(max_collection_kv_bytes=tx * per, kv_bytes_per_token=per)
+    rep = rag.ingest([Document(x, "x-again")], show_progress=False, collection="t")
+    u = rag.usage("t")
+    assert rep.documents_added == 1 and (u.tokens, u.kv_tokens, u.kv_bytes) == (2 * tx, tx, tx * per)
+    before = _state(rag)
+    z = texts[1][:200]
+    with pytest.raises(QuotaExceededError) as ei:
+        rag.ingest([Document(z, "z")], show_progress=False, collection="t")
+    e = ei.value
+    assert (e.status, e.limit, e.usage) == (429, "max_collection_kv_bytes", tx * per)
+    assert e.requested == (tx + _tokens(rag, z)) * per and "bytes of stored KV" in str(e)
+    assert _state(rag) == before
+    # deleting one of the two sharers frees no KV bytes; deleting both does
+    rag.delete_document("x", "t")
+    assert rag.usage("t").kv_bytes == tx * per
+    rag.delete_document("x-again", "t")
+    assert rag.usage("t").kv_bytes == 0
+    rag.close()
+
+
+def test_kept_counts_match_the_chunk_table_through_random_changes(tmp_path):
+    """The per-collection counts a ChunkIndex keeps (commits and deletes update them) and the counts
+    it predicts for a commit (``usage_after``) equal a fresh count of the chunk table, through random
+    adds, replacements and deletes across collections sharing KV keys."""
+    dim = 8
+    idx = ChunkIndex(tmp_path / "index", dim)
+    rng = random.Random(4)
+    colls = ["a", "b"]
+    for c in colls:  # nothing there: zeros, and nothing kept (any name may be asked for)
+        assert idx.usage(c).chunks == 0 and c not in idx._usage
+
+    def doc_chunks(n: int):
+        out = []
+        for seq in range(n):
+            k = rng.randrange(12)  # a small key space: keys repeat inside and across collections
+            out.append((seq, f"text {k}", list(range(k + 1)), f"key-{k}"))
+        return out
+
+    for step in range(60):
+        coll = rng.choice(colls)
+        ids = idx.document_ids(coll)
+        if ids and rng.random() < 0.25:
+            idx.delete_document(rng.choice(ids), coll)
+        else:
+            doc_id = rng.choice(ids) if ids and rng.random() < 0.5 else f"d{step}"
+            chunks = doc_chunks(rng.randrange(1, 5))
+            predicted = idx.usage_after(coll, [doc_id], [(c[3], len(c[2])) for c in chunks])
+            vecs = np.random.default_rng(step).standard_normal((len(chunks), dim)).astype(np.float32)
+            idx.add_document(doc_id, f"sha-{step}", {}, chunks, vecs, coll)
+            assert idx.usage(coll) == predicted, step
+        for c in colls:
+            assert idx.usage(c) == idx._count(c), (step, c)
+    assert idx.usage("a").kv_tokens < idx.usage("a").tokens  # keys did repeat
+    idx.close()
+
+
+@pytest.mark.slow  # a RAG over the tiny model: several ingests
+def test_measured_kv_bytes_per_token_is_what_stored_chunks_take(tmp_path, embedder, texts):
+    """The measured bytes per token: what a full chunk's blob takes, per token, with the raw codec
+    (fixed width: to the byte, but for the header's digits) and the default stepz (entropy coded: close)."""
+    model = stories_model()
+    for codec, tol in (("raw", 0.01), ("stepz", 0.15)):
+        d = tmp_path / codec
+        rag = _rag(d, embedder, store=f"file://{d / 'kv'}?codec={codec}")
+        per = rag.kv_bytes_per_token()
+        assert per == measure_kv_bytes_per_token(model, rag.store, 32)
+        rag.ingest([Document(texts[0][:600], "d")], show_progress=False)
+        full = [r for r in rag.index.chunks_of("d") if len(r.token_ids) >= 30]
+        assert len(full) >= 3
+        for r in full:
+            actual = rag.store.header(r.kv_key).total_size / len(r.token_ids)
+            assert abs(actual - per) <= tol * per, (codec, actual, per)
+        u = rag.usage()
+        assert u.kv_bytes == u.kv_tokens * per and u.kv_tokens == u.tokens
+        rag.close()
+    geom = model.config
+    raw_values = 2 * geom.num_layers * geom.num_kv_heads * geom.head_dim * 4
+    assert measure_kv_bytes_per_token(model, object(), 32) == raw_values  # no codec: in-memory size
+
+
+def test_a_full_disk_after_the_commit_is_not_an_error(tmp_path, embedder, texts, monkeypatch):
+    """The commit succeeded; then the FAISS snapshot write meets ENOSPC (the kernel's: its temporary
+    file is a link to /dev/full) and deleting replaced KV meets a full SQLite: the ingest still returns
+    its report (the service: 200, not a 500), the documents are listed and retrievable, no
+    half-written snapshot is left, and the next commit catches up."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    rag = _rag(tmp_path, embedder)
+    rag.ingest([Document(texts[0][:150], "a")], show_progress=False)
+    rag.index.snapshot_every = 1
+    tmp = rag.index._faiss_path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.symlink_to("/dev/full")
+
+    def disk_full(*_):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(rag.index, "settle_intents", disk_full)
+    rep = rag.ingest([Document(texts[1][:150], "a"), Document(texts[2][:150], "b")], show_progress=False)
+    monkeypatch.undo()
+    assert rep.documents_added == 2 and rag.list_documents() == ["a", "b"]
+    assert not tmp.exists() and not tmp.is_symlink() and not list(rag.index.dir.glob("*.tmp"))
+    assert rag.index.intents()  # the replaced chunks' KV: still listed, deleted next time
+    assert rag.retrieve(texts[2][:100], 1)[0].doc_id == "b"
+    rag.ingest([Document(texts[3][:100], "c")], show_progress=False)
+    assert rag.index.intents() == [] and rag.index._faiss_path.exists()
+    rag.close()
+
+
+# ---- the service -----------------------------------------------------------------------------------------
+W_KEY = "write-all-0123456789abcdef"  # every collection
+A_KEY = "write-a-0123456789abcdef"  # collection a only
+RB_KEY = "read-b-0123456789abcdef"  # read-only, collection b only
+
+
+def _h(key: str, collection: str | None = None) -> dict:
+    h = {"Authorization": f"Bearer {key}"}
+    if collection is not None:
+        h["X-Ragkv-Collection"] = collection
+    return h
+
+
+def test_settings_name_the_quotas(monkeypatch):
+    from apps.config import Settings, load_settings
+
+    assert Settings().quotas() == Quotas()
+    monkeypatch.setenv("RAGKV_MAX_DOCUMENT_TOKENS", "none")
+    monkeypatch.setenv("RAGKV_MAX_COLLECTION_TOKENS", "5000000")
+    monkeypatch.setenv("RAGKV_MAX_COLLECTION_KV_BYTES", "2GiB")
+    q = load_settings().quotas()
+    assert q == Quotas(None, 5_000_000, 2 << 30)
+    monkeypatch.setenv("RAGKV_MAX_COLLECTION_TOKENS", "0")
+    with pytest.raises(ValueError):
+        load_settings()
+
+
+@pytest.mark.slow  # builds the service's RAG (model, embedder, stepz store) and ingests over HTTP
+def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(tmp_path, texts):
+    """Through the app: a document over ``max_document_tokens`` is 413 and a collection that would go
+    over ``max_collection_tokens`` 429, both ``quota_exceeded`` with the limit, usage and request in
+    ``details``, no ``Retry-After``, and nothing of the request written. ``GET
+    /v1/collections/{name}/usage`` shows a collection's usage and limits, only to keys that may use it;
+    ``/metrics`` counts refusals by limit (bounded labels: no collection names)."""
+    from fastapi.testclient import TestClient
+
+    from apps.config import Settings
+    from apps.server import create_app
+    from apps.service import Service, build_rag
+
+    s = Settings(
+        model=str(stories_path()),
+        data_dir=tmp_path / "data",
+        chunk_tokens=32,
+        torch_threads=1,
+        max_new_tokens=2,
+        allowed_hosts=["testserver"],
+        max_document_tokens=150,
+        max_collection_tokens=300,
+        api_keys=[W_KEY, {"key": A_KEY, "collections": ["a"]}],
+        read_api_keys=[{"key": RB_KEY, "collections": ["b"]}],
+    )
+    rag = build_rag(s)
+    assert rag.quotas == Quotas(150, 300, None)
+    svc = Service(s, rag)
+    svc.start()
+    c = TestClient(create_app(s, svc), base_url="http://testserver")
+    try:
+        d1, d2, d3 = texts[0][:200], texts[1][:200], texts[2][:200]
+        t1, t2, t3 = (_tokens(rag, t) for t in (d1, d2, d3))
+        assert max(t1, t2, t3) <= 150 and t1 + t2 <= 300 < t1 + t2 + t3
+        r = c.post("/v1/documents", json={"documents": [{"id": "d1", "text": d1}]}, headers=_h(A_KEY))
+        assert r.status_code == 200, r.text
+        blobs = sorted(rag.store.keys())
+
+        # a document over max_document_tokens, next to one that fits: 413, nothing ingested
+        big = texts[3][:600]
+        body = {"documents": [{"id": "d2", "text": d2}, {"id": "big", "text": big}]}
+        r = c.post("/v1/documents", json=body, headers=_h(A_KEY))
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["type"] == "quota_exceeded" and err["code"] == 413 and "retry-after" not in r.headers
+        assert err["details"] == {
+            "limit": "max_document_tokens",
+            "limit_value": 150,
+            "requested": _tokens(rag, big),
+            "collection": "a",
+            "document": "big",
+        }
+        assert "max_document_tokens" in err["message"] and "nothing of this request" in err["message"]
+        assert c.get("/v1/documents", headers=_h(A_KEY)).json()["ids"] == ["d1"]
+        assert sorted(rag.store.keys()) == blobs and rag.index.intents() == []
+
+        # the collection's token quota: d2 fits, d3 would take it over (NDJSON upload: the same)
+        r = c.post("/v1/documents", json={"documents": [{"id": "d2", "text": d2}]}, headers=_h(A_KEY))
+        assert r.status_code == 200, r.text
+        blobs = sorted(rag.store.keys())
+        ndjson = json.dumps({"id": "d3", "text": d3}) + "\n"
+        r = c.post(
+            "/v1/documents",
+            content=ndjson,
+            headers={**_h(A_KEY), "Content-Type": "application/x-ndjson"},
+        )
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["type"] == "quota_exceeded" and err["code"] == 429 and "retry-after" not in r.headers
+        assert err["details"] == {
+            "limit": "max_collection_tokens",
+            "limit_value": 300,
+            "requested": t1 + t2 + t3,
+            "usage": t1 + t2,
+            "collection": "a",
+        }
+        assert f"now {t1 + t2:,}" in err["message"] and "(300)" in err["message"]
+        assert c.get("/v1/documents", headers=_h(A_KEY)).json()["ids"] == ["d1", "d2"]
+        assert sorted(rag.store.keys()) == blobs
+        # another collection has room of its own
+        r = c.post("/v1/documents", json={"documents": [{"id": "d3", "text": d3}]}, headers=_h(W_KEY, "b"))
+        assert r.status_code == 200, r.text
+
+        # usage: the collection's own numbers, only to keys that may use it
+        r = c.get("/v1/collections/a/usage", headers=_h(A_KEY))
+        assert r.status_code == 200, r.text
+        u, want = r.json(), rag.usage("a")
+        assert u == {
+            "collection": "a",
+            "documents": 2,
+            "chunks": want.chunks,
+            "tokens": t1 + t2,
+            "kv_bytes": (t1 + t2) * want.kv_bytes_per_token,
+            "kv_bytes_per_token": want.kv_bytes_per_token,
+            "limits": {
+                "max_document_tokens": 150,
+                "max_collection_tokens": 300,
+                "max_collection_kv_bytes": None,
+            },
+        }
+        assert 0 < want.kv_bytes_per_token < 2 * rag.model.config.num_layers * 1000  # stepz, not raw
+        assert c.get("/v1/collections/b/usage", headers=_h(RB_KEY)).json()["tokens"] == t3
+        assert c.get("/v1/collections/b/usage", headers=_h(W_KEY)).json()["documents"] == 1
+        for key, name in ((A_KEY, "b"), (A_KEY, "no-such"), (RB_KEY, "a"), (RB_KEY, "default")):
+            r = c.get(f"/v1/collections/{name}/usage", headers=_h(key))
+            assert r.status_code == 403, (key, name, r.text)
+            assert "tokens" not in r.text
+        assert c.get("/v1/collections/a/usage").status_code == 401
+        assert c.get("/v1/collections/a%20b/usage", headers=_h(W_KEY)).status_code == 422
+        empty = c.get("/v1/collections/never-used/usage", headers=_h(W_KEY)).json()
+        assert (empty["documents"], empty["tokens"], empty["kv_bytes"]) == (0, 0, 0)
+
+        metrics = c.get("/metrics", headers=_h(W_KEY)).text
+        assert 'ragkv_quota_refusals{limit="max_document_tokens"} 1' in metrics
+        assert 'ragkv_quota_refusals{limit="max_collection_tokens"} 1' in metrics
+        assert 'ragkv_quota_refusals{limit="max_collection_kv_bytes"} 0' in metrics
+        assert "ragkv_collections 2" in metrics and '"a"' not in metrics
+    finally:
+        c.close()
+        rag.close()
