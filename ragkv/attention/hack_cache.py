@@ -21,7 +21,6 @@ fp16 rows stay raw and their scores use ``q . (k - mean)`` so all scores share t
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -30,11 +29,10 @@ from torch import Tensor
 from ragkv.attention.dense import layer_windows
 from ragkv.attention.hack_quant import (
     DEFAULT_CLIP_RATIOS,
-    FP16_MAX,
     HackConfigError,
     HackError,
-    HackQuantError,
     check_bits,
+    check_kv_rows,
     check_partition,
     k_partition_size,
     packed_width,
@@ -273,23 +271,11 @@ class HackKVCache(KVCache):
     def _check_write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
         if not 0 <= layer < self.num_layers:
             raise HackCacheError(f"layer {layer} out of range [0, {self.num_layers})")
-        shape = (self.num_kv_heads, self.head_dim)
-        if k.dim() != 3 or tuple(k.shape[1:]) != shape or k.shape != v.shape:
-            raise HackCacheError(
-                f"k and v must both be [n, {shape[0]}, {shape[1]}], got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
+        check_kv_rows(k, v, self.num_kv_heads, self.head_dim, HackCacheError)
         if positions.dim() != 1 or positions.numel() != k.shape[0]:
             raise HackCacheError(f"positions must be [n={k.shape[0]}], got {tuple(positions.shape)}")
         if positions.dtype.is_floating_point or positions.dtype == torch.bool:
             raise HackCacheError(f"positions must be integers, got {positions.dtype}")
-        for name, x in (("k", k), ("v", v)):
-            if not x.dtype.is_floating_point:
-                raise HackCacheError(f"{name} must be floating point, got {x.dtype}")
-            top = float(x.abs().amax()) if x.numel() else 0.0  # nan/inf propagate through amax
-            if not math.isfinite(top):
-                raise HackQuantError(f"{name} has non-finite values")
-            if top > FP16_MAX / 2:
-                raise HackQuantError(f"{name} has values outside the fp16 range kept by the cache")
 
     def _smooth_stats(self, st: _LayerStore, k_new: Tensor) -> None:
         """Fix the layer's K smoothing statistics from every row seen so far (first quantization only)."""
