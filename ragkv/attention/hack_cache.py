@@ -107,6 +107,11 @@ class HackConfig:
     def clip_ratios(self) -> tuple[float, ...] | None:
         return DEFAULT_CLIP_RATIOS if self.clip_search else None
 
+    def rounding(self, generator: torch.Generator | None) -> dict:
+        """The K/V quantizers' rounding options: stochastic (drawing from ``generator``) or nearest,
+        and the clip search (``quantize_k_rows(..., **cfg.rounding(gen))``)."""
+        return {"stochastic": self.stochastic, "generator": generator, "clip_ratios": self.clip_ratios}
+
     @classmethod
     def preset(cls, name: str, **overrides) -> HackConfig:
         """A named configuration: ``"paper"`` (HACK's scheme, the defaults) or ``"accurate"``.
@@ -325,12 +330,7 @@ class HackKVCache(KVCache):
         gen = self._gen if cfg.stochastic else None
         self._smooth_stats(st, k16)
         packed, scale, mn, sums = quantize_k_rows(
-            self._smoothed(st, k16),
-            cfg.bits,
-            cfg.k_part(self.head_dim),
-            stochastic=cfg.stochastic,
-            generator=gen,
-            clip_ratios=cfg.clip_ratios,
+            self._smoothed(st, k16), cfg.bits, cfg.k_part(self.head_dim), **cfg.rounding(gen)
         )
         st.k_packed.append(packed)
         st.k_scale.append(scale)
@@ -341,12 +341,7 @@ class HackKVCache(KVCache):
         full = (tail.shape[0] // cfg.partition) * cfg.partition
         if full:
             vp, vs, vm, vsum = quantize_v_partitions(
-                tail[:full].float(),
-                cfg.bits,
-                cfg.partition,
-                stochastic=cfg.stochastic,
-                generator=gen,
-                clip_ratios=cfg.clip_ratios,
+                tail[:full].float(), cfg.bits, cfg.partition, **cfg.rounding(gen)
             )
             st.v_packed.append(vp)
             st.v_scale.append(vs)
