@@ -41,7 +41,7 @@ from ragkv.attention.hack_quant import (
     sum_dtype,
 )
 from ragkv.attention.hack_ref import BACKENDS, HackLayerView, hack_attention
-from ragkv.attention.kvcache import KVCache
+from ragkv.attention.kvcache import KVCache, cache_geometry
 
 K_SMOOTH_MODES = ("none", "mean", "mean_scale")
 
@@ -269,8 +269,7 @@ class HackKVCache(KVCache):
     def for_model(cls, model, config: HackConfig | None = None, **options) -> HackKVCache:
         """A cache matching ``model``'s geometry; ``options`` are HackConfig fields (``hack_`` prefix ok)."""
         cfg = HackConfig.from_options(config, **options)
-        c = model.config
-        return cls(c.num_layers, c.num_kv_heads, c.head_dim, model.scale, cfg, model.device, c.windows)
+        return cls(**cache_geometry(model), config=cfg)
 
     # ---- writing ----------------------------------------------------------------------------------
     def _check_write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
