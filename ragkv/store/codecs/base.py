@@ -12,11 +12,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 #: the code a segment header stores for the KV's own dtype (every codec: raw, int8/int4, stepz, video)
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 CODE_DTYPES = {c: d for d, c in DTYPE_CODES.items()}
+#: 2**(i/8) for i = 0..7 as float32: scale code ``c`` stands for ``_FRAC[c & 7] * 2**(c >> 3)``, exact in float32
+_FRAC = np.array([2.0 ** (i / 8) for i in range(8)], dtype=np.float32)
 
 
 class CodecError(ValueError):
@@ -84,6 +87,12 @@ def unpack_head(data: bytes | memoryview, head: struct.Struct, magic: bytes, nam
     if fields[0] != magic:
         raise CodecError(f"not a {name} segment")
     return fields[1:]
+
+
+def scale_of(code: np.ndarray) -> np.ndarray:
+    """float32 scales ``2**(code/8)`` of stepz's and video's scale codes, bit-identical everywhere."""
+    c = np.asarray(code, dtype=np.int32)
+    return np.ldexp(_FRAC[c & 7], c >> 3).astype(np.float32)
 
 
 _REGISTRY: dict[str, Callable[..., KVCodec]] = {}

@@ -45,13 +45,20 @@ import numpy as np
 import torch
 import zstandard
 
-from ragkv.store.codecs.base import CODE_DTYPES, CodecError, KVCodec, check_kv, register_codec, unpack_head
+from ragkv.store.codecs.base import (
+    CODE_DTYPES,
+    CodecError,
+    KVCodec,
+    check_kv,
+    register_codec,
+    scale_of,
+    unpack_head,
+)
 
 log = logging.getLogger("ragkv.store")
 
 _MAGIC = b"STZ1"
 _HEAD = struct.Struct("<4sB3xIIII")
-_FRAC = np.array([2.0 ** (i / 8) for i in range(8)], dtype=np.float32)
 _QMAX = 127
 _CODE_MIN, _CODE_MAX = -8 * 100, 8 * 100  # scales 2**-100 .. 2**100
 _MAX_OFFSET = 1 << 23  # |q + offset| < 2**24: exact in float32
@@ -59,12 +66,6 @@ PROFILE_VERSION = 1
 
 
 # ---- steps: exact power-of-two scales -------------------------------------------------------------
-def scale_of(code: np.ndarray) -> np.ndarray:
-    """float32 ``2**(code/8)``, bit-identical everywhere (table lookup times an exact power of two)."""
-    c = np.asarray(code, dtype=np.int32)
-    return np.ldexp(_FRAC[c & 7], c >> 3).astype(np.float32)
-
-
 def code_of(step: np.ndarray) -> np.ndarray:
     """Smallest codes whose scale is >= ``step`` (int32)."""
     with np.errstate(divide="ignore"):
