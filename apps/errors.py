@@ -18,7 +18,6 @@ from starlette.routing import Match
 
 from apps import schemas as sc
 from apps.routes import flat_routes
-from apps.service import ServiceError
 from integrations.vllm.client import VllmServerError, VllmUnavailableError
 from ragkv.kv import KVMismatchError
 from ragkv.model import PromptTooLongError
@@ -66,19 +65,63 @@ def error_response(
     )
 
 
-class UnauthorizedError(ServiceError):
-    status = 401
-    type = "authentication_error"
+class ServiceError(Exception):
+    """An error with its HTTP status and OpenAI-style type; a subclass names both as class keywords:
+    ``class BusyError(ServiceError, status=429, type="rate_limit_exceeded")``."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init_subclass__(cls, status: int | None = None, type: str | None = None, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if status is not None:
+            cls.status = status
+        if type is not None:
+            cls.type = type
 
 
-class ForbiddenError(ServiceError):
-    status = 403
-    type = "permission_error"
+class BadRequestError(ServiceError, status=400, type="BadRequestError"):
+    """A request vLLM would refuse with 400: bad ``kv_transfer_params`` or chunk spans, bad token ids."""
 
 
-class RequestTimeoutError(ServiceError):
-    status = 408
-    type = "request_timeout"
+class UnauthorizedError(ServiceError, status=401, type="authentication_error"):
+    """API keys are configured and the request has none, or an unknown one."""
+
+
+class ForbiddenError(ServiceError, status=403, type="permission_error"):
+    """The key may not do this (read-only, or limited to other collections)."""
+
+
+class NotFoundError(ServiceError, status=404, type="not_found"):
+    """An unknown document or chunk id."""
+
+
+class RequestTimeoutError(ServiceError, status=408, type="request_timeout"):
+    """The request body did not arrive in time."""
+
+
+class TooLargeError(ServiceError, status=413, type="context_length_exceeded"):
+    """Prompt + max_tokens over what the engine can hold."""
+
+
+class TooLargeBodyError(ServiceError, status=413, type="request_too_large"):
+    """An upload (or one of its lines) over the configured size."""
+
+
+class InvalidRequestError(ServiceError, status=422, type="invalid_request_error"):
+    """A request that is well-formed JSON but asks for something the service does not serve."""
+
+
+class BusyError(ServiceError, status=429, type="rate_limit_exceeded"):
+    """Admission: every worker busy and the queue full."""
+
+
+class ClientGoneError(ServiceError, status=499, type="client_closed_request"):
+    """The client disconnected; its work was dropped (nobody reads this answer)."""
+
+
+class UnavailableError(ServiceError, status=503, type="service_unavailable"):
+    """Waited too long for a worker, or the server is shutting down."""
 
 
 def classify(exc: BaseException) -> tuple[int, str, str]:
@@ -211,13 +254,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _any(request: Request, exc: Exception):
         status, kind, message = report(exc, request)
         return error_response(status, message, kind)
-
-
-class TooLargeBodyError(ServiceError):
-    """An upload (or one of its lines) over the configured size."""
-
-    status = 413
-    type = "request_too_large"
 
 
 def quota_response(exc: QuotaExceededError) -> JSONResponse:

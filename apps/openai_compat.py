@@ -31,9 +31,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from apps.config import Settings
+from apps.errors import BadRequestError
 from apps.schemas import MAX_INT, MAX_TOP_LOGPROBS, ResponseFormat
 from apps.service import STAT_KEYS as SERVICE_STAT_KEYS
-from apps.service import ServiceError
 from integrations.vllm.params import BlendParams, KVParamsError
 from ragkv.blend.locate import Located
 from ragkv.blend.spans import SpanError, expect_model, request_spans
@@ -48,13 +48,6 @@ log = logging.getLogger("ragkv.server")
 #: most stop strings a completion may carry (each is searched in the text after every token)
 MAX_STOPS = 4
 STAT_KEYS = (*SERVICE_STAT_KEYS, "kv_misses", "kv_recomputed_bad", "kv_saved")
-
-
-class BadRequestError(ServiceError):
-    """A request vLLM would refuse with 400: bad ``kv_transfer_params`` or chunk spans, bad token ids."""
-
-    status = 400
-    type = "BadRequestError"
 
 
 def _only(value: bool | int) -> Any:

@@ -27,6 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from apps.config import ConfigError, Settings
+from apps.errors import (
+    BusyError,
+    ClientGoneError,
+    InvalidRequestError,
+    NotFoundError,
+    TooLargeError,
+    UnavailableError,
+)
+from apps.errors import ServiceError as ServiceError  # its home is apps.errors; importable from here too
 from apps.metrics import Counter, Gauge, Histogram, Registry
 from ragkv.blend.gate import gate_state
 from ragkv.blend.spans import SearchCancelled, cancel_scope, expect_model
@@ -37,45 +46,6 @@ from ragkv.rag.index import text_sha
 from ragkv.rag.quotas import STATUS as QUOTA_LIMITS
 
 log = logging.getLogger("ragkv.server")
-
-
-class ServiceError(Exception):
-    """An error with its HTTP status and OpenAI-style type."""
-
-    status = 500
-    type = "internal_error"
-
-
-class BusyError(ServiceError):
-    status = 429
-    type = "rate_limit_exceeded"
-
-
-class UnavailableError(ServiceError):
-    status = 503
-    type = "service_unavailable"
-
-
-class NotFoundError(ServiceError):
-    status = 404
-    type = "not_found"
-
-
-class InvalidRequestError(ServiceError):
-    status = 422
-    type = "invalid_request_error"
-
-
-class TooLargeError(ServiceError):
-    status = 413
-    type = "context_length_exceeded"
-
-
-class ClientGoneError(ServiceError):
-    """The client disconnected; its work was dropped (nobody reads this answer)."""
-
-    status = 499
-    type = "client_closed_request"
 
 
 #: how often a waiting request checks its queue deadline and whether its client is still there

@@ -461,27 +461,23 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--stream", action="store_true", help="print tokens as they come")
     a.set_defaults(func=_ask)
 
-    s = sub.add_parser(
-        "serve",
-        help="run the HTTP service (python -m apps.server)",
-        add_help=False,
-        description="Forwards to `python -m apps.server`; `ragkv serve --help` lists its options.",
-    )
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-    s.set_defaults(func=_serve)
-
-    e = sub.add_parser(
-        "eval",
-        help="run the evaluation (python -m eval.run)",
-        add_help=False,
-        description="Forwards to `python -m eval.run`; `ragkv eval --help` lists its options.",
-    )
-    e.add_argument("rest", nargs=argparse.REMAINDER)
-    e.set_defaults(func=_eval)
+    for name, (func, module, what) in FORWARDED.items():
+        f = sub.add_parser(
+            name,
+            help=f"{what} (python -m {module})",
+            add_help=False,
+            description=f"Forwards to `python -m {module}`; `ragkv {name} --help` lists its options.",
+        )
+        f.add_argument("rest", nargs=argparse.REMAINDER)
+        f.set_defaults(func=func)
     return ap
 
 
-FORWARDED = {"serve": _serve, "eval": _eval}
+#: commands whose arguments all belong to another module's parser: (function, module, what it runs)
+FORWARDED = {
+    "serve": (_serve, "apps.server", "run the HTTP service"),
+    "eval": (_eval, "eval.run", "run the evaluation"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             level=logging.INFO if "-v" in argv[:cmd_at] or "--verbose" in argv[:cmd_at] else logging.WARNING,
             format="%(levelname)s %(name)s: %(message)s",
         )
-        return FORWARDED[argv[cmd_at]](argparse.Namespace(rest=argv[cmd_at + 1 :]))
+        return FORWARDED[argv[cmd_at]][0](argparse.Namespace(rest=argv[cmd_at + 1 :]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"

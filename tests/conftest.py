@@ -1,4 +1,4 @@
-"""Shared test fixtures: real ``redis-server`` processes on free loopback ports; one torch thread."""
+"""Shared test fixtures: ``redis-server`` processes on free loopback ports, one torch thread, the embedder."""
 
 from __future__ import annotations
 
@@ -148,3 +148,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    """The RAG's default embedder (one per test module)."""
+    from ragkv.rag import Embedder
+
+    return Embedder()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
+import os
 from pathlib import Path
 
 import torch
@@ -19,6 +21,28 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+
+
+#: why the tests of the real vLLM package are skipped where it is missing
+NO_VLLM = (
+    "vllm is not installed in this environment (CUDA-only on PyPI; for the contract tests install "
+    "vllm==0.32.* or 0.33.* --no-deps next to torch 2.13: integrations/vllm/examples/contract_venv.sh)"
+)
+
+
+def have_vllm() -> bool:
+    """Whether the vLLM package is installed; without CUDA it is pointed at its CPU platform (so its
+    models build without CUDA)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    return True
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error ``|a - b| / |b|`` in fp32."""
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 #: the evaluation sets the repository carries

@@ -204,12 +204,8 @@ def test_options_work_with_a_cached_exact_head():
         _close(res.logits, full.logits)
 
 
-def test_continuation_nll_is_the_decode_loop_log_likelihood():
-    m = random_model(seed=2, num_hidden_layers=3)
-    pre, chunks, suf = _prompt(m)
-    res = prefill(m, pre, chunks, suf, "full")
-    answer = [5, 9, 13, 21]
-    nll = continuation_nll(m, res, answer)
+def _decode_nll(m, res, answer: list[int]):
+    """The NLL of each ``answer`` token from a decode loop over ``res`` (teacher-forced), and its cache."""
     cache = make_cache(m, capacity=res.kv.num_tokens + 8)
     load_prompt(cache, res)
     logits, ref, pos = res.logits, [], res.kv.num_tokens
@@ -217,7 +213,16 @@ def test_continuation_nll_is_the_decode_loop_log_likelihood():
         ref.append(float(-torch.log_softmax(logits, -1)[t]))
         logits = decode_step(m, cache, t, pos)
         pos += 1
-    assert nll == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    return ref, cache
+
+
+def test_continuation_nll_is_the_decode_loop_log_likelihood():
+    m = random_model(seed=2, num_hidden_layers=3)
+    pre, chunks, suf = _prompt(m)
+    res = prefill(m, pre, chunks, suf, "full")
+    answer = [5, 9, 13, 21]
+    nll = continuation_nll(m, res, answer)
+    assert nll == pytest.approx(_decode_nll(m, res, answer)[0], rel=1e-4, abs=1e-5)
     assert continuation_nll(m, res, []) == []
 
 
@@ -338,14 +343,8 @@ def test_ape_tempers_the_question_and_the_decode_and_is_off_at_ratio_one():
     # the decode keeps tempering: teacher-forced NLL equals the decode loop's, and differs from plain
     answer = [5, 9, 13]
     nll = continuation_nll(m, tempered, answer)
-    cache = make_cache(m, capacity=tempered.kv.num_tokens + 8)
-    load_prompt(cache, tempered)
+    ref, cache = _decode_nll(m, tempered, answer)
     assert cache.temper is tempered.temper
-    logits, ref, pos = tempered.logits, [], tempered.kv.num_tokens
-    for t in answer:
-        ref.append(float(-torch.log_softmax(logits, -1)[t]))
-        logits = decode_step(m, cache, t, pos)
-        pos += 1
     assert nll == pytest.approx(ref, rel=1e-4, abs=1e-5)
     assert nll != pytest.approx(continuation_nll(m, plain, answer), rel=1e-3)
     with pytest.raises(ValueError, match="dense"):

@@ -23,18 +23,13 @@ from apps.config import Settings
 from apps.service import ClientGoneError, Service, UnavailableError
 from eval import faults
 from ragkv import LLM
-from ragkv.rag import RAG, ChunkIndex, Embedder, IngestCancelled
+from ragkv.rag import RAG, ChunkIndex, IngestCancelled
 from ragkv.store import LocalDirStore
 from ragkv.store import blob as blobfmt
 from tests.helpers import stories_model, stories_path
 
 W_KEY = "write-key-0123456789abcdef"
 R_KEY = "read-key-0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
 
 
 def _rag(path: Path, embedder, **kw) -> RAG:

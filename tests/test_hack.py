@@ -35,10 +35,7 @@ from ragkv.attention.hack_ref import (
     quantize_p,
     quantize_q,
 )
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+from tests.helpers import rel
 
 
 def filled_cache(cfg: HackConfig, t: int, hkv: int = 2, d: int = 64, seed: int = 0, single_rows: int = 0):

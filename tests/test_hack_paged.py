@@ -20,10 +20,7 @@ from ragkv.attention.hack_paged import (
     write_rows,
 )
 from ragkv.attention.hack_quant import HackQuantError
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+from tests.helpers import rel
 
 
 def rows(t: int, hkv: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

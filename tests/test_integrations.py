@@ -19,15 +19,10 @@ from integrations.common import CHUNK_SEPARATOR, format_docs, split_prompt  # no
 from integrations.langchain import ChatRagkv, RagkvEmbeddings, RagkvLLM, RagkvRetriever, rag_chain  # noqa: E402
 from integrations.llama_index import RagkvLlamaLLM, RagkvLlamaRetriever, RagkvQueryEngine  # noqa: E402
 from ragkv import LLM  # noqa: E402
-from ragkv.rag import RAG, Embedder  # noqa: E402
+from ragkv.rag import RAG  # noqa: E402
 from tests.helpers import check_stop_strings, musique_samples, stories_model  # noqa: E402
 
 NEW = 8  # tokens per answer: enough to see streaming, cheap on 2 cores
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,9 @@ from apps.service import Service
 from integrations.vllm.client import build_prompt
 from ragkv import LLM
 from ragkv.rag import RAG
-from ragkv.rag.embedder import Embedder
 from tests.helpers import stories_model
 
 WORDS = "Tom Lily kite ball park river red blue big small ran sat jumped the a on in".split()
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
 
 
 def _text(rng: random.Random) -> str:

@@ -14,14 +14,9 @@ from ragkv.blend.controller import LoadingController
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory
 from ragkv.kv import compute_chunk_kv
 from ragkv.model import PromptTooLongError
-from ragkv.rag import RAG, Document, Embedder, split_tokens
+from ragkv.rag import RAG, Document, split_tokens
 from ragkv.store import store_from_url
 from tests.helpers import REPO, musique_samples, stories_model
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,10 @@ from ragkv.blend import ChunkNotFoundError, ChunkResolver
 from ragkv.engine import Engine, EngineConfig
 from ragkv.generate import SamplingParams
 from ragkv.rag import RAG
-from ragkv.rag.embedder import Embedder
 from ragkv.store import MemoryStore
 from tests.helpers import stories_model
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from ragkv.store.codecs.video import VideoCodec, backends, container, nvdec  # n
 from ragkv.store.codecs.video.allocate import allocate_layer_steps, predicted_kl  # noqa: E402
 from ragkv.store.codecs.video.layout import Tiling, candidate_tilings, default_tiling  # noqa: E402
 from ragkv.store.codecs.video.order import greedy_chain, pack_orders, unpack_orders  # noqa: E402
-from ragkv.store.codecs.video.quantize import QuantConfig, QuantizeError, quantize, scale_from_code  # noqa: E402
+from ragkv.store.codecs.video.quantize import QuantConfig, QuantizeError, quantize, scale_of  # noqa: E402
 
 from .helpers import stories_model, stories_path  # noqa: E402
 
@@ -112,7 +112,7 @@ def test_quantization_error_is_bounded_by_half_a_step_and_never_clips():
     for cfg in (QuantConfig(), QuantConfig(bits=4, mode="minmax"), QuantConfig(bits=6, axis="token")):
         qt = quantize(k, cfg)
         err = (qt.dequantize(torch.float64).reshape(k.shape) - k.double()).abs()
-        step = torch.from_numpy(scale_from_code(qt.code)).double()
+        step = torch.from_numpy(scale_of(qt.code)).double()
         bound = step.expand(3, 50, 32).reshape(k.shape) / 2 + k.double().abs() * 2.0**-23
         assert bool((err <= bound).all()), cfg
 

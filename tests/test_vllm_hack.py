@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import os
 
 import pytest
 import torch
 
 from ragkv.attention.hack_cache import HackKVCache
 from ragkv.attention.hack_paged import PagedLayout
-from tests.helpers import stories_path
+from tests.helpers import NO_VLLM, have_vllm, stories_path
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-NO_VLLM = (
-    "vllm is not installed in this environment (CUDA-only on PyPI; for the contract tests install "
-    "vllm==0.32.* or 0.33.* --no-deps next to torch 2.13: integrations/vllm/examples/contract_venv.sh)"
-)
+HAVE_VLLM = have_vllm()
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
-if HAVE_VLLM and not torch.cuda.is_available():
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CPU platform
 
 
 def _vllm_minor() -> tuple[int, int]:

@@ -8,9 +8,7 @@ installed. Nothing here runs vLLM's CUDA kernels or its engine loop: see integra
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import os
 import pickle
 import sys
 
@@ -25,7 +23,7 @@ from ragkv.blend.resolver import PieceSlice
 from ragkv.blend.source import LayerSource
 from ragkv.blend.spans import ChunkRef, ChunkSpan, SpanError, check_spans, find_occurrences, locate_chunks
 from ragkv.kv import chunk_key, compute_chunk_kv
-from tests.helpers import stories_model, stories_path
+from tests.helpers import NO_VLLM, have_vllm, stories_model, stories_path
 
 TEXTS = [
     "Once upon a time there was a little girl named Lily. She loved to play outside in the sun.",
@@ -303,14 +301,8 @@ def test_client_builds_spans_that_match_the_prompt():
 
 
 # ============================== part 2: the real vLLM package =======================================
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-NO_VLLM = (
-    "vllm is not installed in this environment (CUDA-only on PyPI; for the contract tests install "
-    "vllm==0.32.* --no-deps next to torch 2.13: integrations/vllm/examples/contract_venv.sh)"
-)
+HAVE_VLLM = have_vllm()  # without CUDA: vLLM's CPU platform
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
-if HAVE_VLLM and not torch.cuda.is_available():
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CPU platform: build models without CUDA
 
 
 @needs_vllm

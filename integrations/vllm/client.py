@@ -238,13 +238,7 @@ class VllmClient:
             raise VllmUnavailableError(f"{path}: reading the response: {type(e).__name__}: {e}") from e
         finally:
             conn.close()
-        try:
-            data = json.loads(raw)
-        except ValueError as e:
-            raise VllmResponseError(f"{path}: response is not JSON: {raw[:200]!r}") from e
-        if not isinstance(data, dict):
-            raise VllmResponseError(f"{path}: response is not a JSON object: {raw[:200]!r}")
-        return data
+        return _json_object(raw, f"{path}: response")
 
     # ---- API ------------------------------------------------------------------------------------
     def models(self) -> list[str]:
@@ -295,12 +289,7 @@ class VllmClient:
             for data in _sse_events(resp):
                 if data == "[DONE]":
                     break
-                try:
-                    obj = json.loads(data)
-                except ValueError as e:
-                    raise VllmResponseError(f"stream: chunk is not JSON: {data[:200]!r}") from e
-                if not isinstance(obj, dict):
-                    raise VllmResponseError(f"stream: unexpected chunk {data[:200]!r}")
+                obj = _json_object(data, "stream: chunk")
                 if "error" in obj:  # an error after the headers (the server's generation failed)
                     err = obj["error"] if isinstance(obj["error"], dict) else {"message": obj["error"]}
                     raise VllmHTTPError(
@@ -338,6 +327,17 @@ class VllmClient:
             ttft_s=ttft if ttft is not None else total,
             ragkv=dict(ragkv),
         )
+
+
+def _json_object(raw: bytes | str, what: str) -> dict:
+    """``raw`` parsed as a JSON object; :class:`VllmResponseError` (naming ``what``) when it is not one."""
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise VllmResponseError(f"{what} is not JSON: {raw[:200]!r}") from e
+    if not isinstance(data, dict):
+        raise VllmResponseError(f"{what} is not a JSON object: {raw[:200]!r}")
+    return data
 
 
 def _sse_events(resp) -> Iterator[str]:

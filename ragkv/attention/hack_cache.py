@@ -21,7 +21,6 @@ fp16 rows stay raw and their scores use ``q . (k - mean)`` so all scores share t
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -30,11 +29,10 @@ from torch import Tensor
 from ragkv.attention.dense import layer_windows
 from ragkv.attention.hack_quant import (
     DEFAULT_CLIP_RATIOS,
-    FP16_MAX,
     HackConfigError,
     HackError,
-    HackQuantError,
     check_bits,
+    check_kv_rows,
     check_partition,
     k_partition_size,
     packed_width,
@@ -43,7 +41,7 @@ from ragkv.attention.hack_quant import (
     sum_dtype,
 )
 from ragkv.attention.hack_ref import BACKENDS, HackLayerView, hack_attention
-from ragkv.attention.kvcache import KVCache
+from ragkv.attention.kvcache import KVCache, cache_geometry
 
 K_SMOOTH_MODES = ("none", "mean", "mean_scale")
 
@@ -108,6 +106,11 @@ class HackConfig:
     @property
     def clip_ratios(self) -> tuple[float, ...] | None:
         return DEFAULT_CLIP_RATIOS if self.clip_search else None
+
+    def rounding(self, generator: torch.Generator | None) -> dict:
+        """The K/V quantizers' rounding options: stochastic (drawing from ``generator``) or nearest,
+        and the clip search (``quantize_k_rows(..., **cfg.rounding(gen))``)."""
+        return {"stochastic": self.stochastic, "generator": generator, "clip_ratios": self.clip_ratios}
 
     @classmethod
     def preset(cls, name: str, **overrides) -> HackConfig:
@@ -266,30 +269,17 @@ class HackKVCache(KVCache):
     def for_model(cls, model, config: HackConfig | None = None, **options) -> HackKVCache:
         """A cache matching ``model``'s geometry; ``options`` are HackConfig fields (``hack_`` prefix ok)."""
         cfg = HackConfig.from_options(config, **options)
-        c = model.config
-        return cls(c.num_layers, c.num_kv_heads, c.head_dim, model.scale, cfg, model.device, c.windows)
+        return cls(**cache_geometry(model), config=cfg)
 
     # ---- writing ----------------------------------------------------------------------------------
     def _check_write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
         if not 0 <= layer < self.num_layers:
             raise HackCacheError(f"layer {layer} out of range [0, {self.num_layers})")
-        shape = (self.num_kv_heads, self.head_dim)
-        if k.dim() != 3 or tuple(k.shape[1:]) != shape or k.shape != v.shape:
-            raise HackCacheError(
-                f"k and v must both be [n, {shape[0]}, {shape[1]}], got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
+        check_kv_rows(k, v, self.num_kv_heads, self.head_dim, HackCacheError)
         if positions.dim() != 1 or positions.numel() != k.shape[0]:
             raise HackCacheError(f"positions must be [n={k.shape[0]}], got {tuple(positions.shape)}")
         if positions.dtype.is_floating_point or positions.dtype == torch.bool:
             raise HackCacheError(f"positions must be integers, got {positions.dtype}")
-        for name, x in (("k", k), ("v", v)):
-            if not x.dtype.is_floating_point:
-                raise HackCacheError(f"{name} must be floating point, got {x.dtype}")
-            top = float(x.abs().amax()) if x.numel() else 0.0  # nan/inf propagate through amax
-            if not math.isfinite(top):
-                raise HackQuantError(f"{name} has non-finite values")
-            if top > FP16_MAX / 2:
-                raise HackQuantError(f"{name} has values outside the fp16 range kept by the cache")
 
     def _smooth_stats(self, st: _LayerStore, k_new: Tensor) -> None:
         """Fix the layer's K smoothing statistics from every row seen so far (first quantization only)."""
@@ -339,12 +329,7 @@ class HackKVCache(KVCache):
         gen = self._gen if cfg.stochastic else None
         self._smooth_stats(st, k16)
         packed, scale, mn, sums = quantize_k_rows(
-            self._smoothed(st, k16),
-            cfg.bits,
-            cfg.k_part(self.head_dim),
-            stochastic=cfg.stochastic,
-            generator=gen,
-            clip_ratios=cfg.clip_ratios,
+            self._smoothed(st, k16), cfg.bits, cfg.k_part(self.head_dim), **cfg.rounding(gen)
         )
         st.k_packed.append(packed)
         st.k_scale.append(scale)
@@ -355,12 +340,7 @@ class HackKVCache(KVCache):
         full = (tail.shape[0] // cfg.partition) * cfg.partition
         if full:
             vp, vs, vm, vsum = quantize_v_partitions(
-                tail[:full].float(),
-                cfg.bits,
-                cfg.partition,
-                stochastic=cfg.stochastic,
-                generator=gen,
-                clip_ratios=cfg.clip_ratios,
+                tail[:full].float(), cfg.bits, cfg.partition, **cfg.rounding(gen)
             )
             st.v_packed.append(vp)
             st.v_scale.append(vs)

@@ -45,11 +45,10 @@ from torch import Tensor
 
 from ragkv.attention.hack_cache import HackConfig
 from ragkv.attention.hack_quant import (
-    FP16_MAX,
     HackError,
-    HackQuantError,
     Quantized,
     check_bits,
+    check_kv_rows,
     k_partition_size,
     packed_width,
     quantize_k_rows,
@@ -324,23 +323,11 @@ class TailPool:
 
 
 def _check_rows(lay: PagedLayout, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
-    shape = (lay.num_kv_heads, lay.head_dim)
-    if k.dim() != 3 or tuple(k.shape[1:]) != shape or k.shape != v.shape:
-        raise HackPagedError(
-            f"k and v must both be [n, {shape[0]}, {shape[1]}], got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
+    check_kv_rows(k, v, lay.num_kv_heads, lay.head_dim, HackPagedError)
     if slot_mapping.dim() != 1 or slot_mapping.numel() < k.shape[0]:
         raise HackPagedError(f"slot_mapping must be [>= {k.shape[0]}], got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
         raise HackPagedError(f"slot_mapping must be integers, got {slot_mapping.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if not x.dtype.is_floating_point:
-            raise HackPagedError(f"{name} must be floating point, got {x.dtype}")
-        top = float(x.abs().amax()) if x.numel() else 0.0
-        if not math.isfinite(top):
-            raise HackQuantError(f"{name} has non-finite values")
-        if top > FP16_MAX / 2:
-            raise HackQuantError(f"{name} has values outside the fp16 range kept by the cache")
 
 
 def write_rows(cache: Tensor, tails: TailPool, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:

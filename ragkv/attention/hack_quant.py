@@ -48,6 +48,23 @@ class Quantized:
         return self.codes.float() * self.scale.float().unsqueeze(-1) + self.minv.float().unsqueeze(-1)
 
 
+def check_kv_rows(k: Tensor, v: Tensor, heads: int, head_dim: int, error: type[HackError]) -> None:
+    """Rows written to a HACK cache: ``k``, ``v`` both ``[n, heads, head_dim]`` (else ``error``), floating
+    point, finite and within the fp16 range the cache keeps (else :class:`HackQuantError`)."""
+    if k.dim() != 3 or tuple(k.shape[1:]) != (heads, head_dim) or k.shape != v.shape:
+        raise error(
+            f"k and v must both be [n, {heads}, {head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    for name, x in (("k", k), ("v", v)):
+        if not x.dtype.is_floating_point:
+            raise error(f"{name} must be floating point, got {x.dtype}")
+        top = float(x.abs().amax()) if x.numel() else 0.0  # nan/inf propagate through amax
+        if not math.isfinite(top):
+            raise HackQuantError(f"{name} has non-finite values")
+        if top > FP16_MAX / 2:
+            raise HackQuantError(f"{name} has values outside the fp16 range kept by the cache")
+
+
 def check_bits(bits: int) -> int:
     """Validate a code bit width."""
     if bits not in SUPPORTED_BITS:

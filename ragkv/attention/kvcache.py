@@ -14,6 +14,20 @@ import torch
 from ragkv.attention.dense import ContextTemper, attention, layer_windows, tempered_attention
 
 
+def cache_geometry(model) -> dict:
+    """The keyword arguments every KV cache (dense, HACK, the engine's block pool) takes from ``model``:
+    layers, KV heads, head dim, softmax scale, device and per-layer sliding windows."""
+    c = model.config
+    return {
+        "num_layers": c.num_layers,
+        "num_kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "scale": model.scale,
+        "device": model.device,
+        "sliding_window": c.windows,
+    }
+
+
 class KVCache(ABC):
     """Per-layer append-only KV of one sequence, with attention over it."""
 
@@ -64,17 +78,7 @@ class DenseKVCache(KVCache):
 
     @classmethod
     def for_model(cls, model, capacity: int = 256) -> DenseKVCache:
-        c = model.config
-        return cls(
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            model.scale,
-            model.dtype,
-            model.device,
-            capacity,
-            c.windows,
-        )
+        return cls(**cache_geometry(model), dtype=model.dtype, capacity=capacity)
 
     def _grow(self, need: int) -> None:
         cap = self._k.shape[1]

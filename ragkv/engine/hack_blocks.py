@@ -183,12 +183,7 @@ class HackPages:
             return
         cfg, v = self.cfg, self.views
         packed, scale, mn, sums = quantize_k_rows(
-            self._smooth(k.half(), layers),
-            cfg.bits,
-            self.layout.k_partition,
-            stochastic=cfg.stochastic,
-            generator=self.gen,
-            clip_ratios=cfg.clip_ratios,
+            self._smooth(k.half(), layers), cfg.bits, self.layout.k_partition, **cfg.rounding(self.gen)
         )
         v.k_packed[pages, offs] = packed
         v.k_scale[pages, offs] = scale
@@ -205,12 +200,7 @@ class HackPages:
             v = v.clone()
             v[first, :s] = v[first, s:].mean(1, keepdim=True)
         vp, vs, vm, vsum = quantize_v_partitions(
-            v.reshape(-1, self.hkv, self.d),
-            cfg.bits,
-            bs,
-            stochastic=cfg.stochastic,
-            generator=self.gen,
-            clip_ratios=cfg.clip_ratios,
+            v.reshape(-1, self.hkv, self.d), cfg.bits, bs, **cfg.rounding(self.gen)
         )
         w = self.views
         w.v_packed[pages] = vp.view(pages.numel(), bs, self.hkv, -1)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ragkv.attention.dense import layer_windows
-from ragkv.attention.kvcache import KVCache
+from ragkv.attention.kvcache import KVCache, cache_geometry
 from ragkv.attention.paged import decode_mask, paged_attention
 from ragkv.engine.block_manager import BlockManager
 from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
@@ -72,18 +72,8 @@ class KVPool:
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, hack_config=None) -> KVPool:
-        c = model.config
         return cls(
-            num_blocks,
-            block_size,
-            c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
-            model.scale,
-            model.dtype,
-            model.device,
-            c.windows,
-            hack_config,
+            num_blocks, block_size, **cache_geometry(model), dtype=model.dtype, hack_config=hack_config
         )
 
     @property

@@ -30,6 +30,8 @@ import logging
 import os
 import sqlite3
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -160,6 +162,18 @@ class ChunkIndex:
         if self._dirty:
             self.snapshot()
 
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One SQLite write transaction (``BEGIN IMMEDIATE``): committed at the end of the block, rolled
+        back when anything in it (or the commit) raises."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+
     # ---- start-up recovery ------------------------------------------------------------------------
     def _migrate_collections(self) -> None:
         """A folder from before collections: rebuild its two tables with a ``collection`` column (every
@@ -169,8 +183,7 @@ class ChunkIndex:
         if not cols or "collection" in cols:
             return
         log.info("index %s: migrating to collections (existing documents: %r)", self.dir, DEFAULT_COLLECTION)
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction():
             row = self.db.execute("SELECT seq FROM sqlite_sequence WHERE name='chunks'").fetchone()
             # one statement at a time: executescript would commit the open transaction
             for stmt in _TABLES.format(documents="documents_v2", chunks="chunks_v2").split(";"):
@@ -192,10 +205,6 @@ class ChunkIndex:
             if row is not None:
                 self.db.execute("DELETE FROM sqlite_sequence WHERE name='chunks'")
                 self.db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('chunks', ?)", (row[0],))
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
 
     def _empty(self):
         import faiss
@@ -257,8 +266,7 @@ class ChunkIndex:
         if not rows:
             return
         broken: set[tuple[str, str]] = set()
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction():
             for cid, coll, doc_id in rows:
                 if cid in snap_ids:
                     vec = index.reconstruct(int(cid)).astype(np.float32)
@@ -269,10 +277,6 @@ class ChunkIndex:
                 log.warning("document %r was half-written by an earlier crash: removed, re-ingest it", doc_id)
                 _, keys, _ = self._delete_rows(doc_id, coll)
                 self._set_intents(keys, ())  # their KV (if any) is unreferenced now
-            self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
 
     # ---- documents -----------------------------------------------------------------------------
     def _query(self, sql: str, args: tuple = ()) -> list:
@@ -334,8 +338,7 @@ class ChunkIndex:
             gone_by: list[tuple[str, list[int]]] = []
             freed: set[str] = set()
             replaced = 0
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 tracked = self._track(
                     [(d.collection, d.doc_id, [(c[3], len(c[2])) for c in d.chunks]) for d in docs]
                 )
@@ -371,10 +374,6 @@ class ChunkIndex:
                 freed = {k for k in freed - new_keys if not self._referenced(k)}
                 self._set_intents(freed, new_keys)
                 deltas = self._tracked_deltas(tracked)
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
             self._apply_usage(deltas)
             self._apply(removed, [(out[(d.collection, d.doc_id)], d.vectors) for d in docs])
             for coll, gone in gone_by:
@@ -391,8 +390,7 @@ class ChunkIndex:
         the KV keys no other chunk (of any collection) uses (they are recorded as intents in the same
         transaction, so a crash before the store deletes them is redone)."""
         with self._lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 found = self.db.execute(
                     "SELECT 1 FROM documents WHERE collection=? AND doc_id=?", (collection, doc_id)
                 ).fetchone()
@@ -403,10 +401,6 @@ class ChunkIndex:
                 freed = {k for k in keys if not self._referenced(k)}
                 self._set_intents(freed, ())
                 deltas = self._tracked_deltas(tracked)
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
             self._apply_usage(deltas)
             self._apply(removed, [])
             self._members.get(collection, set()).difference_update(removed)
@@ -592,10 +586,8 @@ class ChunkIndex:
     def add_intents(self, keys: list[str]) -> None:
         """Record, before writing them, KV keys that may end up in the store unreferenced."""
         if keys:
-            with self._lock:
-                self.db.execute("BEGIN IMMEDIATE")
+            with self._lock, self._transaction():
                 self._set_intents(keys, ())
-                self.db.execute("COMMIT")
 
     def intents(self) -> list[str]:
         return [r[0] for r in self._query("SELECT kv_key FROM kv_intents ORDER BY kv_key")]

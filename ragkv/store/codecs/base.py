@@ -7,11 +7,19 @@ fetch and decode one group without the others (layer-wise pipelined loading).
 
 from __future__ import annotations
 
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar
 
+import numpy as np
 import torch
+
+#: the code a segment header stores for the KV's own dtype (every codec: raw, int8/int4, stepz, video)
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+CODE_DTYPES = {c: d for d, c in DTYPE_CODES.items()}
+#: 2**(i/8) for i = 0..7 as float32: scale code ``c`` stands for ``_FRAC[c & 7] * 2**(c >> 3)``, exact in float32
+_FRAC = np.array([2.0 ** (i / 8) for i in range(8)], dtype=np.float32)
 
 
 class CodecError(ValueError):
@@ -56,6 +64,35 @@ class KVCodec(ABC):
         """Layer ranges ``[start, stop)`` of the segments of a chunk with ``num_layers`` layers."""
         g = max(1, self.group_size)
         return [(s, min(s + g, num_layers)) for s in range(0, num_layers, g)]
+
+
+def check_kv(name: str, k: torch.Tensor, v: torch.Tensor) -> int:
+    """The dtype code of ``k``, ``v`` for codec ``name``'s ``encode``: ValueError unless they are
+    ``[G, T, Hkv, D]`` of one shape and one dtype of :data:`DTYPE_CODES`."""
+    if k.shape != v.shape or k.dim() != 4:
+        raise ValueError(
+            f"{name} codec needs k, v of one shape [G,T,Hkv,D]; got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.dtype != v.dtype or k.dtype not in DTYPE_CODES:
+        raise ValueError(f"{name} codec supports {list(DTYPE_CODES)}; got {k.dtype}, {v.dtype}")
+    return DTYPE_CODES[k.dtype]
+
+
+def unpack_head(data: bytes | memoryview, head: struct.Struct, magic: bytes, name: str) -> tuple:
+    """The fields after the magic of a segment's fixed header ``head``: CodecError when ``data`` is
+    shorter than it or starts with another magic (not a ``name`` segment)."""
+    if len(data) < head.size:
+        raise CodecError(f"{name} segment shorter than its header")
+    fields = head.unpack_from(data, 0)
+    if fields[0] != magic:
+        raise CodecError(f"not a {name} segment")
+    return fields[1:]
+
+
+def scale_of(code: np.ndarray) -> np.ndarray:
+    """float32 scales ``2**(code/8)`` of stepz's and video's scale codes, bit-identical everywhere."""
+    c = np.asarray(code, dtype=np.int32)
+    return np.ldexp(_FRAC[c & 7], c >> 3).astype(np.float32)
 
 
 _REGISTRY: dict[str, Callable[..., KVCodec]] = {}

@@ -24,14 +24,20 @@ import struct
 
 import torch
 
-from ragkv.store.codecs.base import CodecError, KVCodec, register_codec
+from ragkv.store.codecs.base import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    CodecError,
+    KVCodec,
+    check_kv,
+    register_codec,
+    unpack_head,
+)
 from ragkv.store.codecs.raw import tensor_bytes, tensor_from_bytes
 
 _MAGIC = b"QNT1"
 _HEAD = struct.Struct("<4sBBBBIIII")  # magic, bits, flags, scale dtype, orig dtype, G, T, Hkv, D
 _FLAG_SYM, _FLAG_K_CHANNEL, _FLAG_V_CHANNEL = 1, 2, 4
-_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-_DTYPES = {c: d for d, c in _CODES.items()}
 _SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 _AXES = ("token", "channel")
 
@@ -79,19 +85,14 @@ class QuantCodec(KVCodec):
 
     # -- encode ---------------------------------------------------------------------------------
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:
-        if k.shape != v.shape or k.dim() != 4:
-            raise ValueError(
-                f"quant codec needs k, v of one shape [G,T,Hkv,D]; got {tuple(k.shape)}, {tuple(v.shape)}"
-            )
-        if k.dtype != v.dtype or k.dtype not in _CODES:
-            raise ValueError(f"quant codec supports {list(_CODES)}; got {k.dtype}, {v.dtype}")
+        code = check_kv("quant", k, v)
         flags = (
             (_FLAG_SYM if self.symmetric else 0)
             | (_FLAG_K_CHANNEL if self.k_axis == "channel" else 0)
             | (_FLAG_V_CHANNEL if self.v_axis == "channel" else 0)
         )
         sdt = _SCALE_DTYPES[self.scale_dtype]
-        head = _HEAD.pack(_MAGIC, self.bits, flags, _CODES[sdt], _CODES[k.dtype], *k.shape)
+        head = _HEAD.pack(_MAGIC, self.bits, flags, DTYPE_CODES[sdt], code, *k.shape)
         parts: list = [head]
         for x, axis in ((k, self.k_axis), (v, self.v_axis)):
             parts.extend(self._quantize(x, axis, sdt))
@@ -123,19 +124,15 @@ class QuantCodec(KVCodec):
 
     # -- decode ---------------------------------------------------------------------------------
     def peek_shape(self, data: bytes | memoryview) -> tuple[int, int, int, int]:
-        if len(data) < _HEAD.size or bytes(data[:4]) != _MAGIC:
-            raise CodecError("not a quant codec segment")
-        return tuple(_HEAD.unpack_from(data, 0)[5:])
+        return unpack_head(data, _HEAD, _MAGIC, "quant")[4:]
 
     def decode(
         self, data: bytes, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(data) < _HEAD.size:
-            raise CodecError("quant segment shorter than its header")
-        magic, bits, flags, scode, ocode, g, t, h, d = _HEAD.unpack_from(data, 0)
-        if magic != _MAGIC or bits not in (4, 8) or scode not in _DTYPES or ocode not in _DTYPES:
-            raise CodecError("not a quant codec segment")
-        sdt, odt = _DTYPES[scode], _DTYPES[ocode]
+        bits, flags, scode, ocode, g, t, h, d = unpack_head(data, _HEAD, _MAGIC, "quant")
+        if bits not in (4, 8) or scode not in CODE_DTYPES or ocode not in CODE_DTYPES:
+            raise CodecError("not a quant segment")
+        sdt, odt = CODE_DTYPES[scode], CODE_DTYPES[ocode]
         sym = bool(flags & _FLAG_SYM)
         n = g * t * h * d
         qbytes = n if bits == 8 else (n + 1) // 2

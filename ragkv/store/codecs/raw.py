@@ -7,12 +7,10 @@ import struct
 import numpy as np
 import torch
 
-from ragkv.store.codecs.base import CodecError, KVCodec, register_codec
+from ragkv.store.codecs.base import CODE_DTYPES, CodecError, KVCodec, check_kv, register_codec, unpack_head
 
 _MAGIC = b"RAW1"
 _HEAD = struct.Struct("<4sB3xIIII")  # magic, dtype code, pad, G, T, Hkv, D
-_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-_DTYPES = {c: d for d, c in _CODES.items()}
 # numpy dtype with the same item size, used to move bytes (numpy has no bfloat16)
 _NP_VIEW = {
     torch.float16: np.float16,
@@ -61,13 +59,7 @@ class RawCodec(KVCodec):
         return {"group_size": self.group_size}
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:
-        if k.shape != v.shape or k.dim() != 4:
-            raise ValueError(
-                f"raw codec needs k, v of one shape [G,T,Hkv,D]; got {tuple(k.shape)}, {tuple(v.shape)}"
-            )
-        if k.dtype != v.dtype or k.dtype not in _CODES:
-            raise ValueError(f"raw codec supports {list(_CODES)}; got {k.dtype}, {v.dtype}")
-        head = _HEAD.pack(_MAGIC, _CODES[k.dtype], *k.shape)
+        head = _HEAD.pack(_MAGIC, check_kv("raw", k, v), *k.shape)
         return b"".join([head, tensor_bytes(k), tensor_bytes(v)])
 
     def decode(
@@ -115,12 +107,10 @@ class RawCodec(KVCodec):
 
     @staticmethod
     def _parse(data: bytes | memoryview) -> tuple[torch.dtype, int, int, int, int]:
-        if len(data) < _HEAD.size:
-            raise CodecError("raw segment shorter than its header")
-        magic, code, g, t, h, d = _HEAD.unpack_from(data, 0)
-        if magic != _MAGIC or code not in _DTYPES:
-            raise CodecError("not a raw codec segment")
-        src = _DTYPES[code]
+        code, g, t, h, d = unpack_head(data, _HEAD, _MAGIC, "raw")
+        if code not in CODE_DTYPES:
+            raise CodecError("not a raw segment")
+        src = CODE_DTYPES[code]
         expect = _HEAD.size + 2 * g * t * h * d * src.itemsize
         if len(data) != expect:
             raise CodecError(f"raw segment has {len(data)} bytes, expected {expect}")

@@ -45,15 +45,20 @@ import numpy as np
 import torch
 import zstandard
 
-from ragkv.store.codecs.base import CodecError, KVCodec, register_codec
+from ragkv.store.codecs.base import (
+    CODE_DTYPES,
+    CodecError,
+    KVCodec,
+    check_kv,
+    register_codec,
+    scale_of,
+    unpack_head,
+)
 
 log = logging.getLogger("ragkv.store")
 
 _MAGIC = b"STZ1"
 _HEAD = struct.Struct("<4sB3xIIII")
-_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-_DTYPES = {c: d for d, c in _CODES.items()}
-_FRAC = np.array([2.0 ** (i / 8) for i in range(8)], dtype=np.float32)
 _QMAX = 127
 _CODE_MIN, _CODE_MAX = -8 * 100, 8 * 100  # scales 2**-100 .. 2**100
 _MAX_OFFSET = 1 << 23  # |q + offset| < 2**24: exact in float32
@@ -61,12 +66,6 @@ PROFILE_VERSION = 1
 
 
 # ---- steps: exact power-of-two scales -------------------------------------------------------------
-def scale_of(code: np.ndarray) -> np.ndarray:
-    """float32 ``2**(code/8)``, bit-identical everywhere (table lookup times an exact power of two)."""
-    c = np.asarray(code, dtype=np.int32)
-    return np.ldexp(_FRAC[c & 7], c >> 3).astype(np.float32)
-
-
 def code_of(step: np.ndarray) -> np.ndarray:
     """Smallest codes whose scale is >= ``step`` (int32)."""
     with np.errstate(divide="ignore"):
@@ -331,17 +330,12 @@ class StepZCodec(KVCodec):
         return codes.astype(np.int16), off.astype(np.int32), q.astype(np.int8)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:
-        if k.shape != v.shape or k.dim() != 4:
-            raise ValueError(
-                f"stepz codec needs k, v of one shape [G,T,Hkv,D]; got {tuple(k.shape)}, {tuple(v.shape)}"
-            )
-        if k.dtype != v.dtype or k.dtype not in _CODES:
-            raise ValueError(f"stepz codec supports {list(_CODES)}; got {k.dtype}, {v.dtype}")
+        code = check_kv("stepz", k, v)
         start = int(layer_start or 0)
         ck, ok, qk = self.quantize(k, start, True)
         cv, ov, qv = self.quantize(v, start, False)
         body = b"".join(np.ascontiguousarray(a).tobytes() for a in (ck, ok, cv, ov, qk, qv))
-        head = _HEAD.pack(_MAGIC, _CODES[k.dtype], *k.shape)
+        head = _HEAD.pack(_MAGIC, code, *k.shape)
         return head + zstandard.ZstdCompressor(level=self.level).compress(body)
 
     def reference(
@@ -356,17 +350,13 @@ class StepZCodec(KVCodec):
 
     # -- decode ---------------------------------------------------------------------------------
     def peek_shape(self, data: bytes | memoryview) -> tuple[int, int, int, int]:
-        if len(data) < _HEAD.size or bytes(data[:4]) != _MAGIC:
-            raise CodecError("not a stepz segment")
-        return tuple(_HEAD.unpack_from(data, 0)[2:])
+        return unpack_head(data, _HEAD, _MAGIC, "stepz")[1:]
 
     def decode(
         self, data: bytes, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(data) < _HEAD.size:
-            raise CodecError("stepz segment shorter than its header")
-        magic, code, g, t, h, d = _HEAD.unpack_from(data, 0)
-        if magic != _MAGIC or code not in _DTYPES:
+        code, g, t, h, d = unpack_head(data, _HEAD, _MAGIC, "stepz")
+        if code not in CODE_DTYPES:
             raise CodecError("not a stepz segment")
         nc, n = g * h * d, g * t * h * d
         want = 2 * (nc * 6) + 2 * n
@@ -390,7 +380,7 @@ class StepZCodec(KVCodec):
         ck, ok = take(nc, np.int16).reshape(g, h, d), take(nc, np.int32).reshape(g, h, d)
         cv, ov = take(nc, np.int16).reshape(g, h, d), take(nc, np.int32).reshape(g, h, d)
         qk, qv = take(n, np.int8).reshape(g, t, h, d), take(n, np.int8).reshape(g, t, h, d)
-        out_dtype = dtype or _DTYPES[code]
+        out_dtype = dtype or CODE_DTYPES[code]
         out = []
         for c, o, q in ((ck, ok, qk), (cv, ov, qv)):
             if c.min(initial=0) < _CODE_MIN or c.max(initial=0) > _CODE_MAX:

@@ -43,7 +43,7 @@ from ragkv.store.codecs.video.quantize import (
     QuantizedTensor,
     dequantize,
     quantize,
-    scale_from_code,
+    scale_of,
 )
 
 log = logging.getLogger("ragkv.store.video")
@@ -464,7 +464,7 @@ class VideoCodec(KVCodec):
         zeros = [QuantConfig(bits=q[0], mode=q[1], axis=q[2], step=q[3]).zero for q in quants]
         per_token = [q[2] == "token" for q in quants]
         idx = layout.tiling.untile_index(hdr.heads, hdr.head_dim)
-        scales = [(scale_from_code(code[sel]), np.array(off[sel], dtype=np.int32)) for code, off in stats]
+        scales = [(scale_of(code[sel]), np.array(off[sel], dtype=np.int32)) for code, off in stats]
         orders = np.ascontiguousarray(orders[:, sel])
         lay = np.arange(g)[:, None]
         use_numpy = dev.type == "cpu" and self.restore_backend != "torch"

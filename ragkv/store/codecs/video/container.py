@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ragkv.store.codecs.base import CodecError
+from ragkv.store.codecs.base import DTYPE_CODES, CodecError
 
 MAGIC = b"RKVV"
 VERSION = 1
@@ -33,7 +33,6 @@ PLANE_CODES = {"yuv444": 0, "gray": 1, "yuv420": 2}
 ORDER_CODES = {"none": 0, "group": 1, "tensor": 2, "layer": 3}
 MODE_CODES = {"std": 0, "minmax": 1}
 AXIS_CODES = {"channel": 0, "token": 1}
-DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _INV = {
     "planes": {v: k for k, v in PLANE_CODES.items()},
     "order": {v: k for k, v in ORDER_CODES.items()},

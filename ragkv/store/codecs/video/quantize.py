@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ragkv.store.codecs.base import scale_of
+
 SCALE_MODES = ("std", "minmax")
 AXES = ("channel", "token")
 MIN_BITS, MAX_BITS = 2, 12
 CODE_MIN, CODE_MAX = -128, 127  # scale codes: 2**-16 .. 2**15.875
-#: 2**(i/8) for i = 0..7 as float32 (a scale is FRAC[e & 7] * 2**(e >> 3), exact in float32)
-FRAC = np.array([2.0 ** (i / 8) for i in range(8)], dtype=np.float32)
 _MAX_OFFSET = 1 << 22  # |q - zero + offset| stays below 2**24, so it is exact in float32
 
 
@@ -68,18 +68,12 @@ class QuantConfig:
         return (1 << (int(self.bits) - 1)) if self.mode == "std" else 0
 
 
-def scale_from_code(code: np.ndarray) -> np.ndarray:
-    """float32 scales ``2**(code/8)`` for int8 codes, bit-identical on every platform."""
-    c = np.asarray(code, dtype=np.int32)
-    return np.ldexp(FRAC[c & 7], c >> 3).astype(np.float32)
-
-
 def code_for_scale(s: np.ndarray) -> np.ndarray:
     """Smallest codes whose scale is >= ``s`` (a step may grow, never shrink: that could clip)."""
     with np.errstate(divide="ignore"):
         c = np.ceil(8.0 * np.log2(np.maximum(s, 1e-300)) - 1e-9)
     c = np.clip(c, CODE_MIN, CODE_MAX).astype(np.int32)
-    low = (scale_from_code(c).astype(np.float64) < s) & (c < CODE_MAX)
+    low = (scale_of(c).astype(np.float64) < s) & (c < CODE_MAX)
     c[low] += 1
     return c
 
@@ -102,7 +96,7 @@ class QuantizedTensor:
         """Reference dequantization of all values (every video decode path restores exactly this)."""
         vals = dequantize(
             torch.from_numpy(self.q.astype(np.int32)),
-            torch.from_numpy(scale_from_code(self.code)),
+            torch.from_numpy(scale_of(self.code)),
             torch.from_numpy(self.offset.astype(np.int32)),
             self.zero,
         )
@@ -150,7 +144,7 @@ def quantize(x: torch.Tensor, cfg: QuantConfig, layer_steps: np.ndarray | None =
             raise ValueError(f"layer_steps must be {g} positive multipliers, got {layer_steps!r}")
         code = code_for_scale(np.maximum(step[:, None, None] * std, np.maximum(mean - lo, hi - mean) / room))
     for _ in range(64):  # grow the step of any channel that still does not fit (rarely more than once)
-        s = scale_from_code(code).astype(np.float64)
+        s = scale_of(code).astype(np.float64)
         if cfg.mode == "minmax":
             off = np.floor(lo / s)
         else:
