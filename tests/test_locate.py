@@ -79,6 +79,17 @@ def test_short_or_partial_overlaps_are_not_taken_and_matches_do_not_overlap():
     assert ChunkLocator([("tiny", [5, 6, 7])]).num_chunks == 0
 
 
+def test_chunks_sharing_an_anchor_give_the_longest_match():
+    """Two stored chunks that begin alike (one passage cut at two lengths) share an anchor; the one
+    matching more of the prompt is taken (comparing them raised a TypeError)."""
+    short, long = list(range(100, 130)), list(range(100, 160))
+    for chunks in ([("s", short), ("l", long)], [("l", long), ("s", short)]):
+        (m,) = ChunkLocator(chunks).find([1, 2, *long, 3])
+        assert (m.key, m.start, m.lo, m.hi) == ("l", 2, 0, 60)
+    (m,) = ChunkLocator([("l", long), ("s", short)]).find([1, 2, *short, 3])
+    assert (m.key, m.lo, m.hi) == ("s", 0, 30)
+
+
 def test_locating_costs_little_on_a_prompt_with_no_stored_chunk():
     """The issue's budget: < 2% of full prefill's time at 6K tokens (about 19 s for SmolLM2-135M on two
     cores, docs/BENCHMARKS.md); 10K stored chunks, a 6K-token prompt."""

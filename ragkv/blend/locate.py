@@ -94,7 +94,8 @@ class ChunkLocator:
         return a if n >= ANCHOR_TOKENS else None
 
     def find(self, prompt_ids: Sequence[int], visible: Callable[[str], bool] | None = None) -> list[Located]:
-        """Non-overlapping stored chunks in ``prompt_ids``, left to right (greedy: longest at a row).
+        """Non-overlapping stored chunks in ``prompt_ids``, left to right (greedy: longest at a row; of
+        equally long matches, the shortest chunk).
         ``visible``: only chunks whose key it accepts are candidates, so a hidden chunk never takes a
         visible one's rows (asked once per matching key and call)."""
         ids = [int(t) for t in prompt_ids]
@@ -123,10 +124,12 @@ class ChunkLocator:
                     m = self._match(ids, i, toks, free)
                     if m is None or not shown(key):
                         continue
-                    if best is None or m[2] - m[1] > best[2] - best[1]:
-                        best = (key, toks, *m)
+                    # the longest match; of equally long ones, the chunk it covers most of
+                    rank = (m[2] - m[1], -len(toks))
+                    if best is None or rank > best[0]:
+                        best = (rank, key, toks, *m)
             if best is not None:
-                key, toks, start, lo, hi = best
+                _, key, toks, start, lo, hi = best
                 out.append(Located(key, toks, start, lo, hi))
                 free = start + hi - lo
             if i + q < n:
