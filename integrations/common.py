@@ -482,14 +482,20 @@ def fold_messages(messages: Sequence[tuple[str, str]]) -> str:
 
 
 def render_chat(model, messages: Sequence[tuple[str, str]]) -> str:
-    """A conversation as one prompt: the tokenizer's chat template, else ``Role: text`` lines."""
+    """A conversation as one prompt: the tokenizer's chat template, else ``Role: text`` lines.
+
+    A template that starts with the BOS token's text loses it here only when the prompt's encoding
+    adds BOS itself (``model.adds_bos``), so it is there exactly once. A ChatML tokenizer whose BOS
+    is ``<|im_start|>`` (SmolLM2) adds none: stripping it lost the first turn's ``<|im_start|>``."""
     tok = model.tokenizer
     roles = {"human": "user", "ai": "assistant"}
     msgs = [{"role": roles.get(r, r), "content": t} for r, t in messages]
     if tok is not None and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         bos = getattr(tok, "bos_token", None)
-        return text[len(bos) :] if bos and text.startswith(bos) else text  # the prefix gets BOS itself
+        if bos and text.startswith(bos) and getattr(model, "adds_bos", True):
+            return text[len(bos) :]  # the encoding adds BOS itself
+        return text
     return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
 
 
