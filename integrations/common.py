@@ -411,16 +411,12 @@ class RagkvRunner:
         ratio: float | None = None,
         **sampling,
     ) -> Iterator[TokenEvent | Completion]:
-        """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after use."""
-        model = self.rag.model
-        # a flat prompt too: the stored chunks a framework formatted into it are found and reused
+        """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after
+        use. The stored chunks a framework formatted into the prefix or question (its own context
+        format) are found and given as themselves (:meth:`ragkv.rag.RAG.stream_text`), so a flat
+        prompt is the same job as the same text with those chunks given explicitly."""
         params = make_params(sampling)
-        pre = model.encode(prefix, add_bos=True)
-        chs = [model.encode(c) for c in chunk_texts]
-        q = model.encode(question)
-        if not q and not chs and len(pre) <= 1:
-            raise ValueError("empty prompt")
-        items = self.rag.stream_parts(pre, chs, q, mode, ratio, params)
+        items = self.rag.stream_text(prefix, chunk_texts, question, mode, ratio, params)
         n, reason = 0, None
         for item in items:
             if isinstance(item, RagAnswer):

@@ -126,6 +126,34 @@ def test_a_flat_prompt_is_the_job_of_its_explicit_chunk_spans(rag):
     assert list(rag.generate(flat))[-1].token_ids == list(rag.generate(explicit))[-1].token_ids
 
 
+def test_a_flat_prompt_text_is_segmented_into_its_explicit_form(rag):
+    """``RAG.segment_text`` (what the framework wrappers complete a flat prompt with): each stored
+    chunk found in the text is given whole, its own ids, and the text around it tokenized apart:
+    exactly the explicit form of the same text, so the two are one job and answer alike. A chunk
+    whose edge the text trimmed is given as the rows found; ``full`` tokenizes the text whole."""
+    from eval.standard_paths import explicit_text
+
+    m = rag.model
+    text = _flat(rag)
+    ids, spans = rag.segment_text(text, add_bos=True)
+    recs = [r for r in rag.index.all_chunks() if any(s.key == r.kv_key for s in spans)]
+    want_ids, want, _ = explicit_text(m, text, recs)
+    assert len(spans) >= 3 and all((s.lo, s.hi) == (0, len(s.token_ids)) for s in spans)
+    assert (ids, [(s.key, s.start) for s in spans]) == (want_ids, [(s.key, s.start) for s in want])
+    params = SamplingParams(max_new_tokens=8)
+    flat = list(rag.stream_text("", [], text, params=params))[-1]
+    explicit = list(rag.generate(rag.job(want_ids, want, "blend", params=params, locate=False)))[-1]
+    assert flat.text == explicit.text and flat.stats["num_reused_rows"] == sum(len(r.token_ids) for r in recs)
+    # a chunk whose first characters the text lost: the rows found there, the rest tokenized apart
+    rec = max(recs, key=lambda r: len(r.token_ids))
+    cut = text.replace(rec.text, rec.text[3:], 1)
+    _, spans = rag.segment_text(cut, add_bos=True)
+    (s,) = [s for s in spans if s.key == rec.kv_key]
+    assert 0 < s.lo < 4 and s.hi == len(rec.token_ids)
+    full = list(rag.stream_text("", [], text, mode="full", params=params))[-1]
+    assert full.stats["num_tokens"] == len(m.encode(text, add_bos=True))
+
+
 def test_a_langchain_llm_given_a_flat_prompt_reuses_the_stored_chunks(rag):
     """The standard LCEL path: documents formatted by the chain, one flat string to the LLM."""
     from integrations.langchain import RagkvLLM
