@@ -16,6 +16,7 @@ from integrations.langchain.chains import rag_chain
 from integrations.langchain.chat_models import ChatRagkv
 from integrations.langchain.llms import RagkvLLM
 from integrations.langchain.retrievers import RagkvEmbeddings, RagkvRetriever, to_document
+from integrations.langchain.splitters import RagkvTextSplitter
 
 __all__ = [
     "CHUNK_SEPARATOR",
@@ -23,6 +24,7 @@ __all__ = [
     "RagkvEmbeddings",
     "RagkvLLM",
     "RagkvRetriever",
+    "RagkvTextSplitter",
     "format_docs",
     "rag_chain",
     "split_prompt",

@@ -67,14 +67,19 @@ class ChatRagkv(RagkvParams, BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls("chat", stop, kwargs)
 
+    def chat_prompt(self, messages: list[BaseMessage]) -> str:
+        """The flat prompt a chat without chunk options completes: the conversation rendered with the
+        model's chat template (``Role: text`` lines when it has none). Stored chunks inside it (a
+        chain's formatted documents) are found and their KV reused."""
+        return render_chat(self.rag.model, message_pairs(messages))
+
     def _chat_events(self, messages: list[BaseMessage], stop, kwargs):
-        pairs = message_pairs(messages)
         wants_chunks = any(kwargs.get(k) is not None for k in ("chunks", "chunk_ids")) or kwargs.get(
             "retrieve", self.retrieve
         )
         if wants_chunks:
-            return self._events(fold_messages(pairs), "", stop, kwargs)
-        return self._events(None, render_chat(self.rag.model, pairs), stop, kwargs)
+            return self._events(fold_messages(message_pairs(messages)), "", stop, kwargs)
+        return self._events(None, self.chat_prompt(messages), stop, kwargs)
 
     def _last(self, c: Completion) -> ChatGenerationChunk:
         prompt_tokens = int(c.stats.get("num_tokens", 0))

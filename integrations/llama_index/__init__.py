@@ -10,6 +10,7 @@
 from integrations.common import CHUNK_SEPARATOR, format_docs
 from integrations.llama_index.embeddings import RagkvLlamaEmbedding
 from integrations.llama_index.llms import RagkvLlamaLLM
+from integrations.llama_index.node_parser import RagkvNodeParser
 from integrations.llama_index.query_engine import RagkvQueryEngine
 from integrations.llama_index.retrievers import RagkvLlamaRetriever, to_node
 
@@ -17,6 +18,7 @@ __all__ = [
     "CHUNK_SEPARATOR",
     "RagkvLlamaEmbedding",
     "RagkvLlamaLLM",
+    "RagkvNodeParser",
     "RagkvLlamaRetriever",
     "RagkvQueryEngine",
     "format_docs",
