@@ -193,6 +193,12 @@ def test_instruct_model_plain_completion_is_not_empty(tmp_path, embedder):
         llm = RagkvLlamaLLM(rag=r, max_tokens=12)
         out = llm.complete("What is the capital of France?")
         assert out.text.strip() and "Paris" in out.text
+        # the ChatML template's first <|im_start|> (SmolLM2's BOS text, which its tokenizer does not
+        # add) is kept: it was cut off as if the encoding would add it back
+        rendered = llm.completion_prompt("What is the capital of France?")
+        assert rendered.startswith("<|im_start|>system\n")
+        ids = r.model.encode(rendered, add_bos=True)
+        assert ids[0] == r.model.config.bos_token_id and out.raw["ragkv"]["num_tokens"] == len(ids)
     finally:
         r.close()
 
