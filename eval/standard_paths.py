@@ -15,11 +15,15 @@ callback handler (:class:`LangChainCalls`: ``on_chat_model_start`` / ``on_llm_st
 ``on_llm_end``). The flat prompt text the wrapper completed is then what the wrapper's own
 rendering makes of it (:meth:`RagkvLlamaLLM.chat_prompt`, :meth:`ChatRagkv.chat_prompt` ...).
 
-The explicit form (:func:`explicit_text`) is that same prompt text with each stored chunk in it given
-as the stored chunk (its own token ids, the text around them tokenized apart), completed through
-``RAG.job(..., locate=False)`` with the wrapper's mode, ratio and sampling: the answer the framework
-returned must equal it, and the wrapper's statistics say how much of the prompt's chunk text came
-from stored KV (``num_reused_rows`` over the tokens of the documents the framework formatted in).
+The explicit form (:func:`explicit_text`) is that same prompt text with each stored chunk of the
+retrieved documents given as the stored chunk (its own token ids, the text around them tokenized
+apart; where the framework trimmed a chunk's edge, the rows whose text is there), completed through
+``RAG.job(..., locate=False)`` with the wrapper's mode, ratio and sampling. It is built here from the
+documents the framework retrieved, by text, apart from the wrappers' own segmentation of the flat
+prompt (``RAG.segment_text``, from the chunk locator): ``same_job`` says whether the two agree. The
+answer the framework returned must equal the explicit one, and the wrapper's statistics say how
+much of the prompt's context came from stored KV (``num_reused_rows`` over the tokens of the
+documents the framework formatted in).
 """
 
 from __future__ import annotations

@@ -11,10 +11,13 @@ A framework document reaches ragkv in one of three ways:
   copy; otherwise it is ingested on first use under the id ``ext-<sha256 of the text>``; ingest is
   idempotent, so later uses find it and its KV stored.
 
-Flattened prompts still work. Text between :data:`CHUNK_SEPARATOR` markers (what
+Flattened prompts work too. A framework's own flat prompt (a standard LCEL chain's
+``"\n\n".join(page_content)``, LlamaIndex's question-answering template) is searched for stored
+chunks, and each one found is given as itself (:meth:`ragkv.rag.RAG.stream_text`): the same job as
+the same text with those chunks given explicitly. Text between :data:`CHUNK_SEPARATOR` markers (what
 :func:`format_docs` produces) is split out as chunks whose KV is looked up by content and stored
 after first use, the text before the first marker is the prefix and the text after the last one
-the question. A prompt without markers is one plain prompt, i.e. a full prefill.
+the question.
 
 Generation runs wherever the wrapper's :class:`ragkv.rag.RAG` runs it: its generator
 (:mod:`ragkv.rag.generation`) prefills and decodes in this process, in ragkv's batching engine, or on

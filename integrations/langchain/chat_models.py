@@ -3,7 +3,8 @@
 With ``chunks=docs`` / ``chunk_ids=[...]`` / ``retrieve=True`` the last user message is the question
 (earlier turns are prepended to it) and the documents are chunks whose stored KV is reused. Without
 them the conversation is rendered with the model's chat template (``Role: text`` lines when it has
-none) and completed; ``CHUNK_SEPARATOR`` markers in it still split out chunks. The reply's
+none) and completed: the stored chunks inside it (a chain's formatted documents) are given as
+themselves, their KV reused, and ``CHUNK_SEPARATOR`` markers still split out chunks. The reply's
 ``response_metadata["ragkv"]`` has the reuse statistics (``kv_hits``, ``num_reused_rows`` ...).
 
 ``with_structured_output(schema)`` constrains the generation itself to JSON matching the schema
