@@ -17,7 +17,8 @@ text, so its answer could equal the flat one's only by chance.
 
     python -m eval.bench_flat_reuse --questions 8 --passages 5 [--format langchain|llamaindex]
 
-``--via framework`` drives the frameworks' own standard paths instead (:mod:`eval.standard_paths`):
+``--via framework`` drives the frameworks' own standard paths instead (:mod:`integrations.standard_paths`,
+run as a child process):
 LlamaIndex's ``VectorStoreIndex.from_documents(...).as_query_engine(llm=RagkvLlamaLLM(...))`` and
 LangChain's LCEL chain ``retriever | format_docs | prompt | ChatRagkv | StrOutputParser`` over a
 plain ``InMemoryVectorStore``, each question's passages its corpus (all of them retrieved), each way
@@ -209,116 +210,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def framework_main(args) -> int:
-    """``--via framework``: the frameworks' own standard paths against the explicit form."""
-    from eval.standard_paths import (
-        compare,
-        langchain_calls,
-        lcel_answer,
-        lcel_chain,
-        llama_calls,
-        llamaindex_answer,
-        recording,
-    )
+    """``--via framework``: :mod:`integrations.standard_paths` in a child process (eval measures the
+    library; the framework integrations are an edge it does not import), its output passed through."""
+    import subprocess
+    import sys
 
-    samples = json.loads((DATA_DIR / "musique_s.json").read_text())[: args.questions]
-    kinds = [k for k in args.kinds.split(",") if k]
-    formats = ["llamaindex", "langchain"] if args.format == "both" else [args.format]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    rows = []
-    with tempfile.TemporaryDirectory() as d:
-        rag = RAG(LLM(), d, chunk_tokens=args.chunk_tokens)
-        for i, s in enumerate(samples):
-            texts = [f"{c['title']}\n{c['text']}".strip() for c in s["ctxs"][: args.passages]]
-            if args.docs == "joined":
-                texts = ["\n\n".join(texts)]
-            rag.ingest([{"id": f"q{i}p{j}", "text": t} for j, t in enumerate(texts)], show_progress=False)
-            for fmt in formats:
-                if fmt == "llamaindex":
-                    index, llm = _llama_index(rag, texts, args.split), _llama_llm(rag, params)
-                    top_k = len(index.docstore.docs) if args.docs == "passages" else 2
-                else:
-                    retriever, llm = _lc_retriever(rag, texts, args.split, args.docs), _lc_chat(rag, params)
-                    chain = lcel_chain(retriever, llm)
-                for kind in kinds:
-                    if fmt == "llamaindex":
-                        with recording(llama_calls()) as calls:
-                            answer, docs = llamaindex_answer(index, llm, s["question"], kind, top_k)
-                    else:
-                        calls = langchain_calls()
-                        answer = lcel_answer(chain, s["question"], kind, [calls])
-                        docs = calls.retrieved[-1]
-                    call = calls.calls[-1]
-                    res = compare(fmt, kind, rag, llm, answer, call, calls.prompt_of(llm, call), docs)
-                    row = {"question": i, **res.row(), "ttft_s": call.info.get("timings", {}).get("ttft_s")}
-                    rows.append(row)
-                    print(
-                        f"q{i} {fmt} {kind}: {row['prompt_tokens']} tokens, context {row['context_tokens']}, "
-                        f"reused {row['reused_share']:.4f} ({row['kv_hits']} stored chunks; explicit gives "
-                        f"{row['chunks_given']}), same job {row['same_job']}, same answer "
-                        f"{row['same_as_explicit']} ({answer[:40]!r}), TTFT {row['ttft_s']:.2f} s",
-                        flush=True,
-                    )
-        rag.close()
-    summary: dict = {
-        "via": "framework",
-        "docs": args.docs,
-        "split": args.split,
-        "questions": len(samples),
-        "passages": args.passages,
-        "chunk_tokens": args.chunk_tokens,
-    }
-    for fmt in formats:
-        mine = [r for r in rows if r["path"] == fmt]
-        summary[fmt] = {
-            "answers": len(mine),
-            "reused_share_mean": round(statistics.fmean(r["reused_share"] for r in mine), 5),
-            "reused_share_min": round(min(r["reused_share"] for r in mine), 5),
-            "same_as_explicit": sum(r["same_as_explicit"] for r in mine),
-            "same_job": sum(r["same_job"] for r in mine),
-            "ids_equal_whole_tokenization": sum(r["ids_equal"] for r in mine),
-            "ttft_median_s": round(statistics.median(r["ttft_s"] for r in mine), 3),
-        }
-    print(json.dumps(summary))
-    return 0
-
-
-def _llama_llm(rag: RAG, params: SamplingParams):
-    from integrations.llama_index import RagkvLlamaLLM
-
-    return RagkvLlamaLLM(rag=rag, max_tokens=params.max_new_tokens)
-
-
-def _llama_index(rag: RAG, texts: list[str], split: str):
-    """LlamaIndex's ``VectorStoreIndex.from_documents`` over ``texts`` (its default splitter, or
-    ``RagkvNodeParser``)."""
-    from llama_index.core import Document, VectorStoreIndex
-
-    from integrations.llama_index import RagkvLlamaEmbedding, RagkvNodeParser
-
-    extra = {"transformations": [RagkvNodeParser(rag=rag)]} if split == "ragkv" else {}
-    docs = [Document(text=t) for t in texts]
-    return VectorStoreIndex.from_documents(docs, embed_model=RagkvLlamaEmbedding(rag.embedder), **extra)
-
-
-def _lc_chat(rag: RAG, params: SamplingParams):
-    from integrations.langchain import ChatRagkv
-
-    return ChatRagkv(rag=rag, max_new_tokens=params.max_new_tokens)
-
-
-def _lc_retriever(rag: RAG, texts: list[str], split: str, docs: str):
-    """A plain LangChain ``InMemoryVectorStore`` over ``texts`` (whole, or ``RagkvTextSplitter``'s
-    pieces) as a retriever of all of them (two with ``--docs joined``)."""
-    from langchain_core.documents import Document
-    from langchain_core.vectorstores import InMemoryVectorStore
-
-    from integrations.langchain import RagkvEmbeddings, RagkvTextSplitter
-
-    pieces = [Document(page_content=t) for t in texts]
-    if split == "ragkv":
-        pieces = RagkvTextSplitter(rag).split_documents(pieces)
-    store = InMemoryVectorStore.from_documents(pieces, RagkvEmbeddings(rag.embedder))
-    return store.as_retriever(search_kwargs={"k": len(pieces) if docs == "passages" else 2})
+    cmd = [sys.executable, "-m", "integrations.standard_paths"]
+    for name in ("format", "questions", "passages", "max_new_tokens", "threads", "docs", "split", "kinds"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    cmd += ["--chunk-tokens", str(args.chunk_tokens)]
+    return subprocess.run(cmd, check=False).returncode
 
 
 if __name__ == "__main__":

@@ -438,8 +438,8 @@ def flat_rag(tmp_path_factory, embedder):
 
 def _lcel_paths(rag, retriever, model, question: str, kinds=None) -> list:
     """The standard LCEL chain over ``retriever`` with ``model``, each way it runs, recorded by a
-    LangChain callback handler and compared with the explicit form (eval.standard_paths)."""
-    from eval.standard_paths import KINDS, compare, langchain_calls, lcel_answer, lcel_chain
+    LangChain callback handler and compared with the explicit form (integrations.standard_paths)."""
+    from integrations.standard_paths import KINDS, compare, langchain_calls, lcel_answer, lcel_chain
 
     chain = lcel_chain(retriever, model)
     out = []
@@ -476,7 +476,7 @@ def test_standard_lcel_chain_answers_as_the_explicit_chunks_do(flat_rag, embedde
     # the completion model with a PromptTemplate: the same
     from langchain_core.output_parsers import StrOutputParser
 
-    from eval.standard_paths import LC_RAG_PROMPT, compare, format_docs, langchain_calls
+    from integrations.standard_paths import LC_RAG_PROMPT, compare, format_docs, langchain_calls
 
     llm = RagkvLLM(rag=flat_rag, max_new_tokens=NEW)
     chain = (

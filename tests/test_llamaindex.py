@@ -290,7 +290,7 @@ def test_standard_query_engine_answers_as_the_explicit_chunks_do(real_rag, embed
     (recorded by LlamaIndex's instrumentation, not a mock). For sync, streaming and async queries:
     >= 90% of the context's tokens come from stored KV, and the answer equals the explicit form's
     (the same prompt text, each stored chunk in it given as that chunk, ``RAG.job(locate=False)``)."""
-    from eval.standard_paths import KINDS, compare, llama_calls, llamaindex_answer, recording
+    from integrations.standard_paths import KINDS, compare, llama_calls, llamaindex_answer, recording
 
     index = VectorStoreIndex.from_documents(
         [LlamaDocument(text=t) for t in real_rag.texts], embed_model=RagkvLlamaEmbedding(embedder)
@@ -315,8 +315,8 @@ def test_node_parser_makes_long_documents_nodes_the_stored_chunks(real_rag, embe
     not stored chunks; with ``RagkvNodeParser`` the nodes are the stored chunks, the query engine's
     context comes from stored KV and its answer equals the explicit form's. Documents ragkv holds
     are not ingested again; the nodes resolve to their chunks for ``chunks=`` too."""
-    from eval.standard_paths import compare, llama_calls, llamaindex_answer, recording
     from integrations.llama_index import RagkvNodeParser
+    from integrations.standard_paths import compare, llama_calls, llamaindex_answer, recording
 
     long_docs = [" ".join(real_rag.texts[:3]), " ".join(real_rag.texts[3:])]
     n_docs = len(real_rag.index.document_ids())

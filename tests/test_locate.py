@@ -73,10 +73,23 @@ def test_located_slices_leave_differently_tokenized_boundaries_to_compute():
 def test_short_or_partial_overlaps_are_not_taken_and_matches_do_not_overlap():
     a, b = list(range(10, 50)), list(range(30, 70))  # b starts inside a
     loc = ChunkLocator([("a", a), ("b", b)])
-    found = loc.find([1, *a, *range(50, 70), 2])
-    assert [f.key for f in found] == ["a"]  # b's remaining 20 of 40 tokens: under half, not reused
+    found = loc.find([1, *a, *range(50, 68), 2])  # b's end anchor is there (rows 60..67)
+    assert [f.key for f in found] == ["a"]  # b's remaining 18 of 40 tokens: under half, not reused
+    found = loc.find([1, *a, *range(50, 70), 2])  # half of b after a (min_share): its rows 20..39
+    assert [(f.key, f.start, f.lo, f.hi) for f in found] == [("a", 1, 0, 40), ("b", 41, 20, 40)]
     assert loc.find(list(range(1000, 1400))) == []
     assert ChunkLocator([("tiny", [5, 6, 7])]).num_chunks == 0
+
+
+def test_a_chunk_whose_start_tokenized_differently_is_found_by_its_end():
+    """A document's first word split in several tokens ("iss" "u" "ance") is one token after a space
+    in a prompt ("Context: issuance ..."): deeper than the start anchor's margin, so the chunk is
+    found from the anchor near its end and extended back to where the tokens agree."""
+    chunk = list(range(100, 160))
+    loc = ChunkLocator([("k", chunk)])
+    (m,) = loc.find([1, 2, 999, *chunk[4:], 3])
+    assert (m.key, m.start, m.lo, m.hi) == ("k", 3, 4, 60)
+    assert ChunkLocator([("k", chunk[:16])]).find([1, 999, *chunk[4:16], 3]) == []  # one anchor only
 
 
 def test_chunks_sharing_an_anchor_give_the_longest_match():
@@ -131,7 +144,7 @@ def test_a_flat_prompt_text_is_segmented_into_its_explicit_form(rag):
     chunk found in the text is given whole, its own ids, and the text around it tokenized apart:
     exactly the explicit form of the same text, so the two are one job and answer alike. A chunk
     whose edge the text trimmed is given as the rows found; ``full`` tokenizes the text whole."""
-    from eval.standard_paths import explicit_text
+    from integrations.standard_paths import explicit_text
 
     m = rag.model
     text = _flat(rag)

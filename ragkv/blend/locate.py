@@ -4,8 +4,10 @@ A framework that formats retrieved documents its own way (LangChain's ``"\\n\\n"
 LlamaIndex's context template) hands ragkv one flat prompt. :class:`ChunkLocator` finds the stored
 chunks inside it in one linear pass: it keeps, per stored chunk, the hash of ``ANCHOR_TOKENS`` tokens
 just inside its start (``margin`` tokens in, because the first tokens of a chunk often tokenize
-differently next to the text before it), rolls that hash over the prompt, verifies every hit token
-by token and extends it both ways as far as the tokens agree. A match is a slice ``[lo, hi)`` of the
+differently next to the text before it) and, for a chunk long enough, of as many just inside its
+end (a document's first word split in several tokens, ``"iss" "u" "ance"``, is one token ``"
+issuance"`` after a space: deeper than the margin), rolls that hash over the prompt, verifies every
+hit token by token and extends it both ways as far as the tokens agree. A match is a slice ``[lo, hi)`` of the
 chunk's rows: the boundary tokens that tokenized differently stay outside it and are computed as
 fresh rows by the blend. Built once (O(chunks)) and then kept in step with the corpus by
 :meth:`ChunkLocator.add` / :meth:`ChunkLocator.remove` (O(changed chunks)), so a prompt with no
@@ -51,10 +53,10 @@ class ChunkLocator:
 
     def __init__(self, chunks: Iterable[tuple[str, Sequence[int]]], margin: int = 2, min_share: float = 0.5):
         self.margin, self.min_share = margin, min_share
-        #: anchor hash -> the chunks anchored there; a bucket is replaced, never mutated, so a
-        #: :meth:`find` running in another thread sees the old or the new bucket, whole
-        self._anchors: dict[int, tuple[tuple[str, tuple[int, ...]], ...]] = {}
-        self._hash_of: dict[str, int] = {}  # key -> its anchor hash (one entry per distinct key)
+        #: anchor hash -> the (key, tokens, anchor offset) anchored there; a bucket is replaced, never
+        #: mutated, so a :meth:`find` running in another thread sees the old or the new bucket, whole
+        self._anchors: dict[int, tuple[tuple[str, tuple[int, ...], int], ...]] = {}
+        self._hash_of: dict[str, tuple[int, ...]] = {}  # key -> its anchors' hashes (one per key)
         self._lead = pow(_HASH_BASE, ANCHOR_TOKENS - 1, _HASH_MOD)  # the leaving token's weight
         self.add(chunks)
 
@@ -69,29 +71,32 @@ class ChunkLocator:
             if key in self._hash_of:
                 continue
             toks = tuple(int(t) for t in toks)
-            a = self._anchor_at(len(toks))
-            if a is None:
-                continue
-            h = _hash(toks[a : a + ANCHOR_TOKENS])
-            self._anchors[h] = (*self._anchors.get(h, ()), (key, toks))
-            self._hash_of[key] = h
+            hashes = []
+            for a in self._anchors_at(len(toks)):
+                h = _hash(toks[a : a + ANCHOR_TOKENS])
+                self._anchors[h] = (*self._anchors.get(h, ()), (key, toks, a))
+                hashes.append(h)
+            if hashes:
+                self._hash_of[key] = tuple(hashes)
 
     def remove(self, keys: Iterable[str]) -> None:
         """Forget the chunks with these keys (KV no indexed chunk references any more)."""
         for key in keys:
-            h = self._hash_of.pop(key, None)
-            if h is None:
-                continue
-            rest = tuple(e for e in self._anchors.get(h, ()) if e[0] != key)
-            if rest:
-                self._anchors[h] = rest
-            else:
-                self._anchors.pop(h, None)
+            for h in dict.fromkeys(self._hash_of.pop(key, ())):
+                rest = tuple(e for e in self._anchors.get(h, ()) if e[0] != key)
+                if rest:
+                    self._anchors[h] = rest
+                else:
+                    self._anchors.pop(h, None)
 
-    def _anchor_at(self, n: int) -> int | None:
-        """Where a chunk of ``n`` tokens is anchored (None: too short to locate reliably)."""
-        a = min(self.margin, max(0, n - ANCHOR_TOKENS))
-        return a if n >= ANCHOR_TOKENS else None
+    def _anchors_at(self, n: int) -> tuple[int, ...]:
+        """Where a chunk of ``n`` tokens is anchored: ``margin`` tokens in from its start and, when
+        the two do not overlap, from its end (none: too short to locate reliably)."""
+        if n < ANCHOR_TOKENS:
+            return ()
+        first = min(self.margin, n - ANCHOR_TOKENS)
+        last = n - self.margin - ANCHOR_TOKENS
+        return (first, last) if last >= first + ANCHOR_TOKENS else (first,)
 
     def find(self, prompt_ids: Sequence[int], visible: Callable[[str], bool] | None = None) -> list[Located]:
         """Non-overlapping stored chunks in ``prompt_ids``, left to right (greedy: longest at a row; of
@@ -120,8 +125,8 @@ class ChunkLocator:
                 check_cancelled()
             best = None
             if i >= free:
-                for key, toks in self._anchors.get(h, ()):
-                    m = self._match(ids, i, toks, free)
+                for key, toks, a in self._anchors.get(h, ()):
+                    m = self._match(ids, i, toks, a, free)
                     if m is None or not shown(key):
                         continue
                     # the longest match; of equally long ones, the chunk it covers most of
@@ -138,10 +143,10 @@ class ChunkLocator:
         return out
 
     def _match(
-        self, ids: list[int], at: int, toks: tuple[int, ...], free: int
+        self, ids: list[int], at: int, toks: tuple[int, ...], a: int, free: int
     ) -> tuple[int, int, int] | None:
-        """``(prompt start, lo, hi)`` of chunk ``toks`` anchored at prompt row ``at``, or None."""
-        a = self._anchor_at(len(toks))
+        """``(prompt start, lo, hi)`` of chunk ``toks`` whose anchor at offset ``a`` is at prompt row
+        ``at``, or None."""
         if ids[at : at + ANCHOR_TOKENS] != list(toks[a : a + ANCHOR_TOKENS]):
             return None  # a hash collision, never taken for a match
         hi = a + ANCHOR_TOKENS

@@ -1,5 +1,6 @@
 """The frameworks' own standard RAG paths, driven as their users write them, and the explicit form
-they are compared with (issue 26).
+they are compared with (issue 26). ``python -m integrations.standard_paths`` measures them on the real
+model (what ``python -m eval.bench_flat_reuse --via framework`` runs).
 
 * LlamaIndex: ``VectorStoreIndex(...).as_query_engine(llm=RagkvLlamaLLM(...)).query(q)`` (sync,
   ``streaming=True``, ``aquery``): LlamaIndex formats the retrieved nodes into its own question-
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ragkv.blend.locate import Located
@@ -364,3 +366,136 @@ def compare(
 
 def _spans(chunks: Sequence[Located]) -> list[tuple]:
     return [(c.key, c.start, c.lo, c.hi) for c in chunks]
+
+
+# ---- the measurement (eval.bench_flat_reuse --via framework) ----------------------------------------
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The frameworks' standard paths on the real model against the explicit form, per question and
+    way of running; one JSON line at the end (``python -m eval.bench_flat_reuse --via framework``)."""
+    import argparse
+    import json
+    import statistics
+    import tempfile
+
+    import torch
+
+    from ragkv import LLM
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("--format", choices=["langchain", "llamaindex", "both"], default="both")
+    ap.add_argument("--questions", type=int, default=4)
+    ap.add_argument("--passages", type=int, default=5, help="passages per question (its corpus)")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--docs", choices=["passages", "joined"], default="passages")
+    ap.add_argument("--split", choices=["default", "ragkv"], default="default")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--chunk-tokens", type=int, default=512)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    samples = json.loads((DATA_DIR / "musique_s.json").read_text())[: args.questions]
+    kinds = [k for k in args.kinds.split(",") if k]
+    formats = ["llamaindex", "langchain"] if args.format == "both" else [args.format]
+    new = args.max_new_tokens
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        rag = RAG(LLM(), d, chunk_tokens=args.chunk_tokens)
+        for i, s in enumerate(samples):
+            texts = [f"{c['title']}\n{c['text']}".strip() for c in s["ctxs"][: args.passages]]
+            if args.docs == "joined":
+                texts = ["\n\n".join(texts)]
+            rag.ingest([{"id": f"q{i}p{j}", "text": t} for j, t in enumerate(texts)], show_progress=False)
+            for fmt in formats:
+                if fmt == "llamaindex":
+                    index, llm = _llama_index(rag, texts, args.split), _llama_llm(rag, new)
+                    top_k = len(index.docstore.docs) if args.docs == "passages" else 2
+                else:
+                    retriever, llm = _lc_retriever(rag, texts, args.split, args.docs), _lc_chat(rag, new)
+                    chain = lcel_chain(retriever, llm)
+                for kind in kinds:
+                    if fmt == "llamaindex":
+                        with recording(llama_calls()) as calls:
+                            answer, docs = llamaindex_answer(index, llm, s["question"], kind, top_k)
+                    else:
+                        calls = langchain_calls()
+                        answer = lcel_answer(chain, s["question"], kind, [calls])
+                        docs = calls.retrieved[-1]
+                    call = calls.calls[-1]
+                    res = compare(fmt, kind, rag, llm, answer, call, calls.prompt_of(llm, call), docs)
+                    row = {"question": i, **res.row(), "ttft_s": call.info.get("timings", {}).get("ttft_s")}
+                    rows.append(row)
+                    print(
+                        f"q{i} {fmt} {kind}: {row['prompt_tokens']} tokens, context {row['context_tokens']}, "
+                        f"reused {row['reused_share']:.4f} ({row['kv_hits']} stored chunks; explicit gives "
+                        f"{row['chunks_given']}), same job {row['same_job']}, same answer "
+                        f"{row['same_as_explicit']} ({answer[:40]!r}), TTFT {row['ttft_s']:.2f} s",
+                        flush=True,
+                    )
+        rag.close()
+    summary: dict = {
+        "via": "framework",
+        "docs": args.docs,
+        "split": args.split,
+        "questions": len(samples),
+        "passages": args.passages,
+        "chunk_tokens": args.chunk_tokens,
+    }
+    for fmt in formats:
+        mine = [r for r in rows if r["path"] == fmt]
+        summary[fmt] = {
+            "answers": len(mine),
+            "reused_share_mean": round(statistics.fmean(r["reused_share"] for r in mine), 5),
+            "reused_share_min": round(min(r["reused_share"] for r in mine), 5),
+            "same_as_explicit": sum(r["same_as_explicit"] for r in mine),
+            "same_job": sum(r["same_job"] for r in mine),
+            "ids_equal_whole_tokenization": sum(r["ids_equal"] for r in mine),
+            "ttft_median_s": round(statistics.median(r["ttft_s"] for r in mine), 3),
+        }
+    print(json.dumps(summary))
+    return 0
+
+
+def _llama_llm(rag: RAG, max_new_tokens: int):
+    from integrations.llama_index import RagkvLlamaLLM
+
+    return RagkvLlamaLLM(rag=rag, max_tokens=max_new_tokens)
+
+
+def _llama_index(rag: RAG, texts: list[str], split: str):
+    """LlamaIndex's ``VectorStoreIndex.from_documents`` over ``texts`` (its default splitter, or
+    ``RagkvNodeParser``)."""
+    from llama_index.core import Document, VectorStoreIndex
+
+    from integrations.llama_index import RagkvLlamaEmbedding, RagkvNodeParser
+
+    extra = {"transformations": [RagkvNodeParser(rag=rag)]} if split == "ragkv" else {}
+    docs = [Document(text=t) for t in texts]
+    return VectorStoreIndex.from_documents(docs, embed_model=RagkvLlamaEmbedding(rag.embedder), **extra)
+
+
+def _lc_chat(rag: RAG, max_new_tokens: int):
+    from integrations.langchain import ChatRagkv
+
+    return ChatRagkv(rag=rag, max_new_tokens=max_new_tokens)
+
+
+def _lc_retriever(rag: RAG, texts: list[str], split: str, docs: str):
+    """A plain LangChain ``InMemoryVectorStore`` over ``texts`` (whole, or ``RagkvTextSplitter``'s
+    pieces) as a retriever of all of them (two with ``--docs joined``)."""
+    from langchain_core.documents import Document
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from integrations.langchain import RagkvEmbeddings, RagkvTextSplitter
+
+    pieces = [Document(page_content=t) for t in texts]
+    if split == "ragkv":
+        pieces = RagkvTextSplitter(rag).split_documents(pieces)
+    store = InMemoryVectorStore.from_documents(pieces, RagkvEmbeddings(rag.embedder))
+    return store.as_retriever(search_kwargs={"k": len(pieces) if docs == "passages" else 2})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
