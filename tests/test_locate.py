@@ -92,6 +92,21 @@ def test_a_chunk_whose_start_tokenized_differently_is_found_by_its_end():
     assert ChunkLocator([("k", chunk[:16])]).find([1, 999, *chunk[4:16], 3]) == []  # one anchor only
 
 
+def test_a_near_copy_never_takes_the_rows_of_the_chunk_that_matches_them_all():
+    """Two passages alike for 45 tokens (MuSiQue's near-duplicate distractors): where the first is
+    in the prompt with its first word tokenized differently (its start anchor misses), the copy's
+    start anchor hits first. Taking that match greedily left the chunk's remaining 12 tokens, under
+    half of it, to be computed; the chunk matching 57 rows wins now."""
+    x = list(range(100, 160))
+    y = [777, 778, *x[3:48], *range(500, 513)]
+    loc = ChunkLocator([("x", x), ("y", y)])
+    (m,) = loc.find([1, 999, *x[3:], 2])
+    assert (m.key, m.start, m.lo, m.hi) == ("x", 2, 3, 60)
+    # both in the prompt: each its own rows
+    found = loc.find([1, 999, *x[3:], 2, *y, 3])
+    assert [(f.key, f.lo, f.hi) for f in found] == [("x", 3, 60), ("y", 0, 60)]
+
+
 def test_chunks_sharing_an_anchor_give_the_longest_match():
     """Two stored chunks that begin alike (one passage cut at two lengths) share an anchor; the one
     matching more of the prompt is taken (comparing them raised a TypeError)."""

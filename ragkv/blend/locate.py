@@ -7,15 +7,17 @@ just inside its start (``margin`` tokens in, because the first tokens of a chunk
 differently next to the text before it) and, for a chunk long enough, of as many just inside its
 end (a document's first word split in several tokens, ``"iss" "u" "ance"``, is one token ``"
 issuance"`` after a space: deeper than the margin), rolls that hash over the prompt, verifies every
-hit token by token and extends it both ways as far as the tokens agree. A match is a slice ``[lo, hi)`` of the
-chunk's rows: the boundary tokens that tokenized differently stay outside it and are computed as
-fresh rows by the blend. Built once (O(chunks)) and then kept in step with the corpus by
+hit token by token and extends it both ways as far as the tokens agree. Overlapping matches (a
+near-copy of a passage matches part of another's rows) are resolved longest first. A match is a
+slice ``[lo, hi)`` of the chunk's rows: the boundary tokens that tokenized differently stay outside
+it and are computed as fresh rows by the blend. Built once (O(chunks)) and then kept in step with the corpus by
 :meth:`ChunkLocator.add` / :meth:`ChunkLocator.remove` (O(changed chunks)), so a prompt with no
 stored chunk costs one rolling hash over its tokens and an ingest never rebuilds it.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -99,10 +101,16 @@ class ChunkLocator:
         return (first, last) if last >= first + ANCHOR_TOKENS else (first,)
 
     def find(self, prompt_ids: Sequence[int], visible: Callable[[str], bool] | None = None) -> list[Located]:
-        """Non-overlapping stored chunks in ``prompt_ids``, left to right (greedy: longest at a row; of
-        equally long matches, the shortest chunk).
-        ``visible``: only chunks whose key it accepts are candidates, so a hidden chunk never takes a
-        visible one's rows (asked once per matching key and call)."""
+        """Non-overlapping stored chunks in ``prompt_ids``, in prompt order.
+
+        Every match is found first (each anchor hit verified and extended as far as the tokens
+        agree), then the matches are taken longest first (of equally long ones, the shortest chunk:
+        the one it covers most of), each trimmed to its longest run of rows no match taken before
+        holds and kept if that run is still ``min_share`` of its chunk. So a near-copy of a passage
+        that matches part of a chunk's rows never takes them from the chunk that matches them all,
+        wherever in the prompt either match was found. ``visible``: only chunks whose key it
+        accepts are candidates, so a hidden chunk never takes a visible one's rows (asked once per
+        matching key and call)."""
         ids = [int(t) for t in prompt_ids]
         seen: dict[str, bool] = {}
 
@@ -114,37 +122,39 @@ class ChunkLocator:
             return seen[key]
 
         n, q = len(ids), ANCHOR_TOKENS
-        out: list[Located] = []
         if n < q or not self._anchors:
-            return out
+            return []
+        found: list[Located] = []
+        searched_to: dict[str, int] = {}  # per key: rows before this are inside its last match
         h = _hash(ids[:q])
-        free = 0  # rows before this are taken by a match
-        i = 0
-        while i + q <= n:
+        for i in range(n - q + 1):
             if i % (1 << 14) == 0:
                 check_cancelled()
-            best = None
-            if i >= free:
-                for key, toks, a in self._anchors.get(h, ()):
-                    m = self._match(ids, i, toks, a, free)
-                    if m is None or not shown(key):
-                        continue
-                    # the longest match; of equally long ones, the chunk it covers most of
-                    rank = (m[2] - m[1], -len(toks))
-                    if best is None or rank > best[0]:
-                        best = (rank, key, toks, *m)
-            if best is not None:
-                _, key, toks, start, lo, hi = best
-                out.append(Located(key, toks, start, lo, hi))
-                free = start + hi - lo
+            for key, toks, a in self._anchors.get(h, ()):
+                if i < searched_to.get(key, 0) or not shown(key):
+                    continue  # its match here, if any, is the one already found (its other anchor)
+                m = self._match(ids, i, toks, a)
+                if m is not None:
+                    found.append(Located(key, toks, *m))
+                    searched_to[key] = m[0] + m[2] - m[1]
             if i + q < n:
                 h = ((h - (ids[i] + 1) * self._lead) * _HASH_BASE + ids[i + q] + 1) % _HASH_MOD
-            i += 1
-        return out
+        return self._disjoint(found)
 
-    def _match(
-        self, ids: list[int], at: int, toks: tuple[int, ...], a: int, free: int
-    ) -> tuple[int, int, int] | None:
+    def _disjoint(self, found: list[Located]) -> list[Located]:
+        """``found`` made non-overlapping, longest first, each trimmed to its longest free run."""
+        taken: list[tuple[int, int]] = []  # sorted, disjoint [start, stop) already taken
+        out: list[Located] = []
+        for f in sorted(found, key=lambda f: (f.lo - f.hi, len(f.token_ids), f.start)):
+            start, stop = _longest_free(taken, f.start, f.stop)
+            if stop - start < self.min_share * len(f.token_ids):
+                continue
+            lo = f.lo + start - f.start
+            out.append(Located(f.key, f.token_ids, start, lo, lo + stop - start))
+            bisect.insort(taken, (start, stop))
+        return sorted(out, key=lambda f: f.start)
+
+    def _match(self, ids: list[int], at: int, toks: tuple[int, ...], a: int) -> tuple[int, int, int] | None:
         """``(prompt start, lo, hi)`` of chunk ``toks`` whose anchor at offset ``a`` is at prompt row
         ``at``, or None."""
         if ids[at : at + ANCHOR_TOKENS] != list(toks[a : a + ANCHOR_TOKENS]):
@@ -153,8 +163,24 @@ class ChunkLocator:
         while hi < len(toks) and at + hi - a < len(ids) and ids[at + hi - a] == toks[hi]:
             hi += 1
         lo = a
-        while lo > 0 and at - (a - lo) - 1 >= free and ids[at - (a - lo) - 1] == toks[lo - 1]:
+        while lo > 0 and at - (a - lo) - 1 >= 0 and ids[at - (a - lo) - 1] == toks[lo - 1]:
             lo -= 1
         if hi - lo < self.min_share * len(toks):
             return None
         return at - (a - lo), lo, hi
+
+
+def _longest_free(taken: list[tuple[int, int]], start: int, stop: int) -> tuple[int, int]:
+    """The longest run of ``[start, stop)`` that no interval of ``taken`` (sorted, disjoint) covers
+    (the first of equally long ones; ``(start, start)`` if none is free)."""
+    best, pos = (start, start), start
+    k = max(0, bisect.bisect_right(taken, (start, start)) - 1)
+    for a, b in taken[k:]:
+        if a >= stop:
+            break
+        if a > pos and a - pos > best[1] - best[0]:
+            best = (pos, a)
+        pos = max(pos, b)
+    if stop > pos and stop - pos > best[1] - best[0]:
+        best = (pos, stop)
+    return best
