@@ -3,9 +3,9 @@
 A LlamaIndex index built with its own splitter (``SentenceSplitter``: sentence-aligned windows with
 overlap) cuts a long document elsewhere than ragkv does, so a retrieved node holds parts of stored
 chunks: the parts under half a chunk are not found in the query engine's prompt and are computed
-(74% of a node's tokens from stored KV on two 2,000-token documents, docs/BENCHMARKS.md). With this
-parser the index's nodes are ragkv's chunks (the same tokenizer, ``chunk_tokens`` and overlap, the
-same text), so every node in LlamaIndex's prompt is a stored chunk::
+(87-99% of a node's tokens from stored KV on 2,000-3,000-token documents, docs/BENCHMARKS.md).
+With this parser the index's nodes are ragkv's chunks (the same tokenizer, ``chunk_tokens`` and
+overlap, the same text), so every node in LlamaIndex's prompt is a stored chunk::
 
     index = VectorStoreIndex.from_documents(docs, transformations=[RagkvNodeParser(rag=rag)], ...)
     index.as_query_engine(llm=RagkvLlamaLLM(rag=rag)).query(q)   # all of the context from stored KV
