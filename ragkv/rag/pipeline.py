@@ -572,20 +572,27 @@ class RAG:
         found = self.resolver.find(flat, [], self.kv_visible(kv_collection)) if flat else []
         if not found:
             return head + flat, []
-        same, offsets = encode_with_offsets(m.tokenizer, text)
+        as_found = head + flat, [replace_start(f, len(head)) for f in found]
+        try:
+            same, offsets = encode_with_offsets(m.tokenizer, text)
+        except (NotImplementedError, TypeError, ValueError):  # a tokenizer without offsets
+            return as_found
         if list(same) != flat:
-            return head + flat, [replace_start(f, len(head)) for f in found]
+            return as_found
+        chars = [(offsets[f.start][0], offsets[f.stop - 1][1]) for f in found]
         ids, out, pos = list(head), [], 0
-        for f in found:
-            a, b = offsets[f.start][0], offsets[f.stop - 1][1]
+        for k, f in enumerate(found):
+            a, b = chars[k]
             if a < pos or not _own_chars(offsets, f.start, f.stop, len(flat)):
-                return head + flat, [replace_start(f, len(head)) for f in found]
+                return as_found
             whole = self._chunk_text(f.key)
             at = text.find(whole, max(pos, a - len(whole))) if whole and whole.strip() else -1
             end = at + len(whole)
+            limit = chars[k + 1][0] if k + 1 < len(found) else len(text)
             # the chunk's own text is all there, where the rows were found: it covers them, up to
-            # whitespace a token took from beside it (a sentencepiece "▁" holds the space before)
-            if at >= pos and _covers(text, at, end, a, b):
+            # whitespace a token took from beside it (a sentencepiece "▁" holds the space before),
+            # and reaches into no other chunk's rows
+            if pos <= at and end <= limit and _covers(text, at, end, a, b):
                 a, b, lo, hi = at, end, 0, len(f.token_ids)
             else:
                 lo, hi = f.lo, f.hi
