@@ -233,6 +233,38 @@ def test_nodes_of_another_index_resolve_to_held_chunks(rag, texts, embedder):
     assert again["ingested_documents"] == [] and again["chunk_ids"] == first["chunk_ids"]
 
 
+def test_node_parser_nodes_are_the_stored_chunks(rag, texts):
+    """``RagkvNodeParser``: each document's nodes are the chunks ragkv stores for it (text, ids in
+    metadata kept out of prompts and embeddings, the document's own metadata, LlamaIndex's source and
+    prev/next relations); documents ragkv holds are not ingested again, a new one is, once."""
+    from llama_index.core.schema import MetadataMode, NodeRelationship
+
+    from integrations.llama_index import RagkvNodeParser
+
+    parser = RagkvNodeParser(rag=rag)
+    before = set(rag.index.document_ids())
+    n_docs = len(before)
+    docs = [LlamaDocument(text=t, metadata={"i": i}) for i, t in enumerate(texts[:2])]
+    nodes = parser.get_nodes_from_documents(docs)
+    want = [r for i in range(2) for r in rag.index.chunks_of(f"d{i}")]
+    assert len(want) >= 3 and [n.get_content() for n in nodes] == [r.text for r in want]
+    assert [n.metadata["ragkv_chunk_id"] for n in nodes] == [r.chunk_id for r in want]
+    assert [n.metadata["i"] for n in nodes] == [int(r.doc_id[1:]) for r in want]
+    for mode in (MetadataMode.LLM, MetadataMode.EMBED):
+        assert "ragkv" not in nodes[0].get_content(metadata_mode=mode)
+    assert nodes[0].relationships[NodeRelationship.SOURCE].node_id == docs[0].doc_id
+    assert NodeRelationship.NEXT in nodes[0].relationships
+    assert "ragkv_chunk_id" not in docs[0].excluded_llm_metadata_keys  # the document's lists untouched
+    assert len(rag.index.document_ids()) == n_docs
+    new = "Lily had a red ball. She played with it in the park every day. The ball was big and red."
+    first = parser.get_nodes_from_documents([LlamaDocument(text=new)])
+    again = parser.get_nodes_from_documents([LlamaDocument(text=new)])
+    assert [n.metadata["ragkv_chunk_id"] for n in again] == [n.metadata["ragkv_chunk_id"] for n in first]
+    (added,) = set(rag.index.document_ids()) - before
+    assert added.startswith("ext-") and len(rag.index.document_ids()) == n_docs + 1
+    rag.delete_document(added)
+
+
 # ---- stop strings -----------------------------------------------------------------------------------------
 def test_stop_strings_never_leak_and_finish_reason_is_right(rag):
     q = "Who wrote it?"
