@@ -8,7 +8,8 @@ differently next to the text before it) and, for a chunk long enough, of as many
 end (a document's first word split in several tokens, ``"iss" "u" "ance"``, is one token ``"
 issuance"`` after a space: deeper than the margin), rolls that hash over the prompt, verifies every
 hit token by token and extends it both ways as far as the tokens agree. Overlapping matches (a
-near-copy of a passage matches part of another's rows) are resolved longest first. A match is a
+near-copy of a passage matches part of another's rows) are resolved to the set covering the most
+rows. A match is a
 slice ``[lo, hi)`` of the chunk's rows: the boundary tokens that tokenized differently stay outside
 it and are computed as fresh rows by the blend. Built once (O(chunks)) and then kept in step with the corpus by
 :meth:`ChunkLocator.add` / :meth:`ChunkLocator.remove` (O(changed chunks)), so a prompt with no
@@ -104,11 +105,10 @@ class ChunkLocator:
         """Non-overlapping stored chunks in ``prompt_ids``, in prompt order.
 
         Every match is found first (each anchor hit verified and extended as far as the tokens
-        agree), then the matches are taken longest first (of equally long ones, the shortest chunk:
-        the one it covers most of), each trimmed to its longest run of rows no match taken before
-        holds and kept if that run is still ``min_share`` of its chunk. So a near-copy of a passage
-        that matches part of a chunk's rows never takes them from the chunk that matches them all,
-        wherever in the prompt either match was found. ``visible``: only chunks whose key it
+        agree), then the non-overlapping set covering the most rows is taken (:meth:`_disjoint`).
+        So a near-copy of a passage that matches part of a chunk's rows (MuSiQue's distractors)
+        never takes them from the chunk that matches them all, wherever in the prompt either match
+        was found. ``visible``: only chunks whose key it
         accepts are candidates, so a hidden chunk never takes a visible one's rows (asked once per
         matching key and call)."""
         ids = [int(t) for t in prompt_ids]
@@ -142,10 +142,34 @@ class ChunkLocator:
         return self._disjoint(found)
 
     def _disjoint(self, found: list[Located]) -> list[Located]:
-        """``found`` made non-overlapping, longest first, each trimmed to its longest free run."""
-        taken: list[tuple[int, int]] = []  # sorted, disjoint [start, stop) already taken
-        out: list[Located] = []
-        for f in sorted(found, key=lambda f: (f.lo - f.hi, len(f.token_ids), f.start)):
+        """Non-overlapping matches from ``found``: the set of whole matches covering the most rows
+        (weighted interval scheduling; of equal cover, the shorter chunks: the ones it covers most
+        of), then each other match trimmed to its longest run of rows still free, kept if that run
+        is ``min_share`` of its chunk (a chunk whose start a longer match took keeps its tail)."""
+        cands = sorted(found, key=lambda f: (f.stop, f.start))
+        stops = [f.stop for f in cands]
+        best: list[tuple[int, int]] = [(0, 0)]  # best[j]: (rows, -chunk tokens) of cands[:j]
+        prev: list[int] = []
+        for j, f in enumerate(cands):
+            p = bisect.bisect_right(stops, f.start, 0, j)  # cands[:p] end before f starts
+            prev.append(p)
+            with_f = (best[p][0] + f.hi - f.lo, best[p][1] - len(f.token_ids))
+            best.append(max(best[j], with_f))
+        chosen, j = set(), len(cands)
+        while j > 0:
+            f, p = cands[j - 1], prev[j - 1]
+            if (best[p][0] + f.hi - f.lo, best[p][1] - len(f.token_ids)) > best[j - 1]:
+                chosen.add(j - 1)
+                j = p
+            else:
+                j -= 1
+        out = [cands[j] for j in sorted(chosen)]
+        taken = [(f.start, f.stop) for f in out]
+        rest = sorted(
+            (f for j, f in enumerate(cands) if j not in chosen),
+            key=lambda f: (f.lo - f.hi, len(f.token_ids), f.start),
+        )
+        for f in rest:
             start, stop = _longest_free(taken, f.start, f.stop)
             if stop - start < self.min_share * len(f.token_ids):
                 continue
