@@ -107,6 +107,18 @@ def test_a_near_copy_never_takes_the_rows_of_the_chunk_that_matches_them_all():
     assert [(f.key, f.lo, f.hi) for f in found] == [("x", 3, 60), ("y", 0, 60)]
 
 
+def test_a_match_across_two_chunks_edge_never_pushes_one_out_of_its_place():
+    """A near-copy passage's chunk that matches the prompt across two stored chunks' edge, as long as
+    the second chunk's own match, found first (left of it): taking matches longest-first, ties left
+    first, it took the second chunk's rows and left that chunk under half (seen on MuSiQue); the set
+    of whole matches covering the most rows keeps every chunk in its own place."""
+    r, p = list(range(100, 200)), list(range(200, 290))
+    q = [*r[65:], *p[:55]]
+    loc = ChunkLocator([("r", r), ("p", p), ("q", q)])
+    found = loc.find([1, *r, *p, 2])
+    assert [(f.key, f.start, f.lo, f.hi) for f in found] == [("r", 1, 0, 100), ("p", 101, 0, 90)]
+
+
 def test_chunks_sharing_an_anchor_give_the_longest_match():
     """Two stored chunks that begin alike (one passage cut at two lengths) share an anchor; the one
     matching more of the prompt is taken (comparing them raised a TypeError)."""
