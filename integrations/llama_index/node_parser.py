@@ -3,7 +3,7 @@
 A LlamaIndex index built with its own splitter (``SentenceSplitter``: sentence-aligned windows with
 overlap) cuts a long document elsewhere than ragkv does, so a retrieved node holds parts of stored
 chunks: the parts under half a chunk are not found in the query engine's prompt and are computed
-(87-99% of a node's tokens from stored KV on 2,000-3,000-token documents, docs/BENCHMARKS.md).
+(91-99% of a node's tokens from stored KV on 2,000-3,000-token documents, docs/BENCHMARKS.md).
 With this parser the index's nodes are ragkv's chunks (the same tokenizer, ``chunk_tokens`` and
 overlap, the same text), so every node in LlamaIndex's prompt is a stored chunk::
 
