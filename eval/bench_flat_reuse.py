@@ -16,6 +16,22 @@ which joins the parts with its own blank lines and no separator between chunks: 
 text, so its answer could equal the flat one's only by chance.
 
     python -m eval.bench_flat_reuse --questions 8 --passages 5 [--format langchain|llamaindex]
+
+``--via framework`` drives the frameworks' own standard paths instead (:mod:`integrations.standard_paths`,
+run as a child process):
+LlamaIndex's ``VectorStoreIndex.from_documents(...).as_query_engine(llm=RagkvLlamaLLM(...))`` and
+LangChain's LCEL chain ``retriever | format_docs | prompt | ChatRagkv | StrOutputParser`` over a
+plain ``InMemoryVectorStore``, each question's passages its corpus (all of them retrieved), each way
+the framework runs (sync, stream, async). What the framework handed ragkv's wrapper is recorded by
+the framework's own hooks; per answer it prints the share of the context's tokens taken from stored
+KV (the wrapper's ``num_reused_rows``) and whether the answer equals the explicit form's (the same
+prompt text, each stored chunk in it given as itself, ``RAG.job(locate=False)``). ``--docs joined``
+makes each question one long document of its passages (the frameworks' splitters cut it elsewhere
+than ragkv); ``--split ragkv`` builds the framework's store with ``RagkvNodeParser`` /
+``RagkvTextSplitter`` (its documents are ragkv's chunks)::
+
+    python -m eval.bench_flat_reuse --via framework --format both --questions 4 --passages 5 \
+        [--docs joined] [--split ragkv] [--kinds sync,stream,async]
 """
 
 from __future__ import annotations
@@ -95,16 +111,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--format", choices=["langchain", "llamaindex"], default="langchain", help="the framework's prompt"
+        "--format",
+        choices=["langchain", "llamaindex", "both"],
+        default="langchain",
+        help="the framework's prompt (both: --via framework only)",
     )
+    ap.add_argument(
+        "--via",
+        choices=["job", "framework"],
+        default="job",
+        help="job: a prompt built here imitating the framework, through RAG.job; framework: the "
+        "framework's own standard path (query engine / LCEL chain) with ragkv's wrapper",
+    )
+    ap.add_argument("--docs", choices=["passages", "joined"], default="passages", help="--via framework")
+    ap.add_argument("--split", choices=["default", "ragkv"], default="default", help="--via framework")
+    ap.add_argument("--kinds", default="sync,stream,async", help="--via framework: how each path runs")
+    ap.add_argument("--chunk-tokens", type=int, default=512)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.via == "framework":
+        return framework_main(args)
+    if args.format == "both":
+        ap.error("--format both needs --via framework")
     samples = json.loads((DATA_DIR / "musique_s.json").read_text())[: args.questions]
     llm = LLM()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        rag = RAG(llm, d, chunk_tokens=512)
+        rag = RAG(llm, d, chunk_tokens=args.chunk_tokens)
         for i, s in enumerate(samples):
             texts = [f"{c['title']}\n{c['text']}" for c in s["ctxs"][: args.passages]]
             rag.ingest([{"id": f"q{i}p{j}", "text": t} for j, t in enumerate(texts)], show_progress=False)
@@ -173,6 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(summary))
     return 0
+
+
+def framework_main(args) -> int:
+    """``--via framework``: :mod:`integrations.standard_paths` in a child process (eval measures the
+    library; the framework integrations are an edge it does not import), its output passed through."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "integrations.standard_paths"]
+    for name in ("format", "questions", "passages", "max_new_tokens", "threads", "docs", "split", "kinds"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    cmd += ["--chunk-tokens", str(args.chunk_tokens)]
+    return subprocess.run(cmd, check=False).returncode
 
 
 if __name__ == "__main__":

@@ -11,10 +11,13 @@ A framework document reaches ragkv in one of three ways:
   copy; otherwise it is ingested on first use under the id ``ext-<sha256 of the text>``; ingest is
   idempotent, so later uses find it and its KV stored.
 
-Flattened prompts still work. Text between :data:`CHUNK_SEPARATOR` markers (what
+Flattened prompts work too. A framework's own flat prompt (a standard LCEL chain's
+``"\n\n".join(page_content)``, LlamaIndex's question-answering template) is searched for stored
+chunks, and each one found is given as itself (:meth:`ragkv.rag.RAG.stream_text`): the same job as
+the same text with those chunks given explicitly. Text between :data:`CHUNK_SEPARATOR` markers (what
 :func:`format_docs` produces) is split out as chunks whose KV is looked up by content and stored
 after first use, the text before the first marker is the prefix and the text after the last one
-the question. A prompt without markers is one plain prompt, i.e. a full prefill.
+the question.
 
 Generation runs wherever the wrapper's :class:`ragkv.rag.RAG` runs it: its generator
 (:mod:`ragkv.rag.generation`) prefills and decodes in this process, in ragkv's batching engine, or on
@@ -96,6 +99,12 @@ def chunk_metadata(rec: ChunkRecord) -> dict:
     }
 
 
+def ragkv_metadata(rec: ChunkRecord) -> dict:
+    """A chunk's ragkv ids (``ragkv_chunk_id``, ``ragkv_kv_key``, ``ragkv_doc_id``, ``ragkv_seq``) for
+    a framework document made from it by a splitter (no score: nothing was retrieved)."""
+    return {k: v for k, v in chunk_metadata(rec).items() if k.startswith("ragkv_")}
+
+
 def doc_fields(doc: Any) -> tuple[str, dict, str | None]:
     """``(text, metadata, id)`` of a LangChain ``Document``, a LlamaIndex node / ``NodeWithScore``,
     a ``ChunkRecord``, a ``dict`` with ``text``/``page_content`` or a plain string."""
@@ -118,6 +127,11 @@ def doc_fields(doc: Any) -> tuple[str, dict, str | None]:
     raise TypeError(
         f"cannot use {type(doc).__name__} as a chunk; pass documents, nodes, chunk ids or strings"
     )
+
+
+def foreign_id(text: str) -> str:
+    """The document id a foreign document's text is ingested under (content-addressed: idempotent)."""
+    return "ext-" + hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def parse_chunk_id(value: Any) -> int | None:
@@ -296,36 +310,22 @@ class RagkvRunner:
     ) -> tuple[list[ChunkRecord], list[str]]:
         """Index records for ``chunks`` (documents, nodes, records, ids) and ``chunk_ids``; foreign
         documents are ingested first. Returns ``(records, ingested document ids)``."""
-        items: list[Any] = list(chunk_ids or []) + list(chunks or [])
+        groups, ingested = self.resolve_each(list(chunk_ids or []) + list(chunks or []))
+        return [r for g in groups for r in g], ingested
+
+    def resolve_each(self, items: Sequence[Any]) -> tuple[list[list[ChunkRecord]], list[str]]:
+        """The index records of each item (a document, node, record or chunk id), in order: one
+        chunk, or the chunks of the document that holds the item's text; foreign documents are
+        ingested first (together). Returns ``(records per item, ingested document ids)``."""
         slots: list[list[ChunkRecord] | None] = []
         foreign: dict[int, Document] = {}
         for i, item in enumerate(items):
-            cid = parse_chunk_id(item) if not isinstance(item, ChunkRecord) else item.chunk_id
-            if isinstance(item, ChunkRecord):
-                slots.append([item])
-                continue
-            if cid is not None:
-                if cid < 0:
-                    raise KeyError(f"unknown chunk id {item!r}")
-                slots.append(self.rag.chunks_by_id([cid]))  # KeyError on an unknown id
-                continue
-            if isinstance(item, str) and (item.startswith(CHUNK_ID_PREFIX) or not item.strip()):
-                raise KeyError(f"unknown chunk id {item!r}")
-            text, meta, _ = doc_fields(item)
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"chunk {i} has no text")
-            rec = self._known(meta, text)
-            if rec is not None:
-                slots.append([rec])
-                continue
-            doc_id = "ext-" + hashlib.sha256(text.encode()).hexdigest()[:24]
-            held = self.held(text) if not self.rag.index.has_document(doc_id) else None
-            if held:
-                slots.append(held)
-                continue
-            clean = {k: v for k, v in meta.items() if not k.startswith("ragkv_") and _jsonable(v)}
-            foreign[i] = Document(text, doc_id, clean)
-            slots.append(None)
+            held = self.lookup(item, i)
+            if held is None:
+                text, meta, _ = doc_fields(item)
+                clean = {k: v for k, v in meta.items() if not k.startswith("ragkv_") and _jsonable(v)}
+                foreign[i] = Document(text, foreign_id(text), clean)
+            slots.append(held)
         ingested: list[str] = []
         if foreign:
             with ingest_lock(self.rag):
@@ -335,11 +335,36 @@ class RagkvRunner:
                     ingested = list(todo)
             for i, d in foreign.items():
                 slots[i] = self.rag.index.chunks_of(d.id)
-        return [r for s in slots for r in (s or [])], ingested
+        return [s or [] for s in slots], ingested
+
+    def lookup(self, item: Any, i: int = 0) -> list[ChunkRecord] | None:
+        """The index records ``item`` (a document, node, record or chunk id) stands for, without
+        ingesting anything: None for a foreign document ragkv does not hold yet. KeyError for an
+        unknown chunk id, ValueError for a document without text (``i``: its place, for the message)."""
+        if isinstance(item, ChunkRecord):
+            return [item]
+        cid = parse_chunk_id(item)
+        if cid is not None:
+            if cid < 0:
+                raise KeyError(f"unknown chunk id {item!r}")
+            return self.rag.chunks_by_id([cid])  # KeyError on an unknown id
+        if isinstance(item, str) and (item.startswith(CHUNK_ID_PREFIX) or not item.strip()):
+            raise KeyError(f"unknown chunk id {item!r}")
+        text, meta, _ = doc_fields(item)
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"chunk {i} has no text")
+        rec = self._known(meta, text)
+        if rec is not None:
+            return [rec]
+        doc_id = foreign_id(text)
+        if self.rag.index.has_document(doc_id):
+            return self.rag.index.chunks_of(doc_id)
+        return self.held(text) or None
 
     def held(self, text: str) -> list[ChunkRecord]:
         """The indexed chunks that already hold ``text``: a chunk with its content key (the same token
-        ids under this model), else the chunks of a document with exactly this text; [] if none."""
+        ids under this model), else the chunks of a document with exactly this text, else the one
+        chunk whose text it is (found by the chunk locator); [] if none."""
         index = self.rag.index
         model = self.rag.model
         for t in dict.fromkeys((text, text.strip())):
@@ -352,6 +377,15 @@ class RagkvRunner:
                 recs = index.chunks_of(doc_id)
                 if recs:
                     return recs
+        # a chunk's own text taken out of its document (a splitter's piece, a node): tokenized apart,
+        # its first tokens can merge differently, so its key differs; the locator still finds it
+        locator = self.rag.chunk_locator()
+        if locator is not None:
+            found = locator.find(model.encode(text))
+            if len(found) == 1:
+                for rec in index.chunks_with_key(found[0].key):
+                    if rec.text.strip() == text.strip():
+                        return [rec]
         return []
 
     def _known(self, meta: dict, text: str) -> ChunkRecord | None:
@@ -411,16 +445,12 @@ class RagkvRunner:
         ratio: float | None = None,
         **sampling,
     ) -> Iterator[TokenEvent | Completion]:
-        """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after use."""
-        model = self.rag.model
-        # a flat prompt too: the stored chunks a framework formatted into it are found and reused
+        """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after
+        use. The stored chunks a framework formatted into the prefix or question (its own context
+        format) are found and given as themselves (:meth:`ragkv.rag.RAG.stream_text`), so a flat
+        prompt is the same job as the same text with those chunks given explicitly."""
         params = make_params(sampling)
-        pre = model.encode(prefix, add_bos=True)
-        chs = [model.encode(c) for c in chunk_texts]
-        q = model.encode(question)
-        if not q and not chs and len(pre) <= 1:
-            raise ValueError("empty prompt")
-        items = self.rag.stream_parts(pre, chs, q, mode, ratio, params)
+        items = self.rag.stream_text(prefix, chunk_texts, question, mode, ratio, params)
         n, reason = 0, None
         for item in items:
             if isinstance(item, RagAnswer):
@@ -482,14 +512,20 @@ def fold_messages(messages: Sequence[tuple[str, str]]) -> str:
 
 
 def render_chat(model, messages: Sequence[tuple[str, str]]) -> str:
-    """A conversation as one prompt: the tokenizer's chat template, else ``Role: text`` lines."""
+    """A conversation as one prompt: the tokenizer's chat template, else ``Role: text`` lines.
+
+    A template that starts with the BOS token's text loses it here only when the prompt's encoding
+    adds BOS itself (``model.adds_bos``), so it is there exactly once. A ChatML tokenizer whose BOS
+    is ``<|im_start|>`` (SmolLM2) adds none: stripping it lost the first turn's ``<|im_start|>``."""
     tok = model.tokenizer
     roles = {"human": "user", "ai": "assistant"}
     msgs = [{"role": roles.get(r, r), "content": t} for r, t in messages]
     if tok is not None and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         bos = getattr(tok, "bos_token", None)
-        return text[len(bos) :] if bos and text.startswith(bos) else text  # the prefix gets BOS itself
+        if bos and text.startswith(bos) and getattr(model, "adds_bos", True):
+            return text[len(bos) :]  # the encoding adds BOS itself
+        return text
     return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in msgs) + "Assistant:"
 
 

@@ -410,3 +410,146 @@ def test_langchain_structured_output_over_chunks_and_its_formats(rag, samples):
         )
     with pytest.raises(ValueError, match="stop strings"):
         chat.invoke(q, stop=["}"], response_format={"type": "json_object"})
+
+
+# ---- the standard LCEL RAG chain (issue 26) -----------------------------------------------------------
+def _short_texts(n_chars: int) -> list[str]:
+    return [c["text"].strip()[:n_chars] for s in musique_samples(2) for c in s["ctxs"][:3]]
+
+
+@pytest.fixture(scope="module")
+def flat_rag(tmp_path_factory, embedder):
+    """Passages short enough for LangChain's standard RAG prompt around two of them to fit the tiny
+    model's 512 positions; each is two stored chunks."""
+    texts = _short_texts(160)
+    r = RAG(
+        LLM(stories_model()), tmp_path_factory.mktemp("lcel") / "data", embedder=embedder, chunk_tokens=64
+    )
+    r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
+    r.texts = texts
+    yield r
+    r.close()
+
+
+def _lcel_paths(rag, retriever, model, question: str, kinds=None) -> list:
+    """The standard LCEL chain over ``retriever`` with ``model``, each way it runs, recorded by a
+    LangChain callback handler and compared with the explicit form (integrations.standard_paths)."""
+    from integrations.standard_paths import KINDS, compare, langchain_calls, lcel_answer, lcel_chain
+
+    chain = lcel_chain(retriever, model)
+    out = []
+    for kind in kinds or KINDS:
+        calls = langchain_calls()
+        answer = lcel_answer(chain, question, kind, [calls])
+        (call,), (docs,) = calls.calls, calls.retrieved
+        out.append(compare("lcel", kind, rag, model, answer, call, calls.prompt_of(model, call), docs))
+    return out
+
+
+def _goal(res, rag) -> None:
+    """Issue 26's goal for one answer: >= 90% of the context from stored KV, the explicit form's
+    answer, and the prompt (all of its context given explicitly) the one the wrapper completed."""
+    row = res.row()
+    assert res.reused_share >= 0.9 and res.equal, row
+    assert res.chunks_given >= 2 and res.explicit_rows >= 0.98 * res.context_tokens, row
+    assert res.same_job and res.info["num_tokens"] == res.explicit_tokens, row
+
+
+def test_standard_lcel_chain_answers_as_the_explicit_chunks_do(flat_rag, embedder, one_thread):
+    """``{"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | ChatRagkv
+    | StrOutputParser()`` over a plain LangChain vector store of the corpus (``format_docs`` joins
+    ``page_content`` by blank lines: no ragkv markers, no ragkv API): invoke, stream and ainvoke
+    reuse the stored chunks inside the flat prompt and answer as the explicit form does."""
+    store = InMemoryVectorStore(RagkvEmbeddings(embedder))
+    store.add_texts(flat_rag.texts)
+    retriever = store.as_retriever(search_kwargs={"k": 2})
+    q = musique_samples(1)[0]["question"]
+    n_docs = len(flat_rag.index.document_ids())
+    for res in _lcel_paths(flat_rag, retriever, ChatRagkv(rag=flat_rag, max_new_tokens=NEW), q):
+        _goal(res, flat_rag)
+        assert res.info["kv_hits"] == res.chunks_given
+    # the completion model with a PromptTemplate: the same
+    from langchain_core.output_parsers import StrOutputParser
+
+    from integrations.standard_paths import LC_RAG_PROMPT, compare, format_docs, langchain_calls
+
+    llm = RagkvLLM(rag=flat_rag, max_new_tokens=NEW)
+    chain = (
+        {"context": retriever | format_docs, "question": RunnablePassthrough()}
+        | PromptTemplate.from_template(LC_RAG_PROMPT)
+        | llm
+        | StrOutputParser()
+    )
+    calls = langchain_calls()
+    answer = chain.invoke(q, config={"callbacks": [calls]})
+    (call,), (docs,) = calls.calls, calls.retrieved
+    _goal(compare("lcel", "sync", flat_rag, llm, answer, call, call.prompt, docs), flat_rag)
+    assert len(flat_rag.index.document_ids()) == n_docs  # nothing was ingested on the way
+
+
+def test_text_splitter_pieces_are_the_stored_chunks(flat_rag, embedder, one_thread):
+    """``RagkvTextSplitter``: a vector store of ragkv's own chunks (documents ragkv holds are not
+    ingested again; a new one is, once), so the chain's context is stored chunks whole; the pieces
+    resolve to their chunks for ``chunks=`` too."""
+    from langchain_core.documents import Document
+
+    from integrations.langchain import RagkvTextSplitter
+
+    splitter = RagkvTextSplitter(flat_rag)
+    n_docs = len(flat_rag.index.document_ids())
+    docs = [Document(page_content=t, metadata={"i": i}) for i, t in enumerate(flat_rag.texts)]
+    pieces = splitter.split_documents(docs)
+    want = [r for i in range(len(docs)) for r in flat_rag.index.chunks_of(f"d{i}")]
+    assert [p.page_content for p in pieces] == [r.text for r in want]
+    assert [p.metadata["ragkv_chunk_id"] for p in pieces] == [r.chunk_id for r in want]
+    assert pieces[-1].metadata["i"] == len(docs) - 1 and pieces[0].id == f"ragkv:{want[0].chunk_id}"
+    assert len(flat_rag.index.document_ids()) == n_docs
+    new = "Lily had a red ball. She played with it in the park every day. The ball was big and red."
+    first = splitter.split_text(new)
+    assert len(flat_rag.index.document_ids()) == n_docs + 1 and splitter.split_text(new) == first
+    assert len(flat_rag.index.document_ids()) == n_docs + 1
+    try:
+        store = InMemoryVectorStore.from_documents(pieces, RagkvEmbeddings(embedder))
+        retriever = store.as_retriever(search_kwargs={"k": 3})
+        q = musique_samples(2)[1]["question"]
+        chat = ChatRagkv(rag=flat_rag, max_new_tokens=NEW)
+        (res,) = _lcel_paths(flat_rag, retriever, chat, q, kinds=["sync"])
+        _goal(res, flat_rag)
+        got = retriever.invoke(q)
+        info = chat.invoke(q, chunks=got).response_metadata["ragkv"]
+        assert info["ingested_documents"] == []
+        assert info["chunk_ids"] == [d.metadata["ragkv_chunk_id"] for d in got]
+        # a piece's text without its metadata resolves to its chunk as well (found by the locator)
+        mid = next(r for r in want if r.seq == 1)
+        bare = chat.invoke(q, chunks=[Document(page_content=mid.text)]).response_metadata["ragkv"]
+        assert bare["chunk_ids"] == [mid.chunk_id] and bare["ingested_documents"] == []
+    finally:
+        for d in flat_rag.index.document_ids():
+            if d.startswith("ext-"):
+                flat_rag.delete_document(d)
+
+
+@pytest.mark.slow
+def test_standard_lcel_chain_on_the_real_model(tmp_path, embedder, one_thread):
+    """The standard LCEL chain with the real instruct model (its chat template), invoke / stream /
+    ainvoke: >= 90% of the context from stored KV, the explicit form's answer."""
+    from ragkv.model import DEFAULT_MODEL
+    from ragkv.model.registry import ModelFetchError, pull
+
+    try:
+        pull(DEFAULT_MODEL, quiet=True)
+    except ModelFetchError as e:
+        pytest.skip(f"default model not available: {e}")
+    texts = _short_texts(700)
+    r = RAG(LLM(DEFAULT_MODEL), tmp_path / "data", embedder=embedder, chunk_tokens=128)
+    try:
+        r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
+        store = InMemoryVectorStore(RagkvEmbeddings(embedder))
+        store.add_texts(texts)
+        chat = ChatRagkv(rag=r, max_new_tokens=NEW)
+        q = musique_samples(1)[0]["question"]
+        for res in _lcel_paths(r, store.as_retriever(search_kwargs={"k": 2}), chat, q):
+            _goal(res, r)
+            assert res.prompt.startswith("<|im_start|>system\n")  # the first turn's BOS kept
+    finally:
+        r.close()

@@ -73,10 +73,61 @@ def test_located_slices_leave_differently_tokenized_boundaries_to_compute():
 def test_short_or_partial_overlaps_are_not_taken_and_matches_do_not_overlap():
     a, b = list(range(10, 50)), list(range(30, 70))  # b starts inside a
     loc = ChunkLocator([("a", a), ("b", b)])
-    found = loc.find([1, *a, *range(50, 70), 2])
-    assert [f.key for f in found] == ["a"]  # b's remaining 20 of 40 tokens: under half, not reused
+    found = loc.find([1, *a, *range(50, 68), 2])  # b's end anchor is there (rows 60..67)
+    assert [f.key for f in found] == ["a"]  # b's remaining 18 of 40 tokens: under half, not reused
+    found = loc.find([1, *a, *range(50, 70), 2])  # half of b after a (min_share): its rows 20..39
+    assert [(f.key, f.start, f.lo, f.hi) for f in found] == [("a", 1, 0, 40), ("b", 41, 20, 40)]
     assert loc.find(list(range(1000, 1400))) == []
     assert ChunkLocator([("tiny", [5, 6, 7])]).num_chunks == 0
+
+
+def test_a_chunk_whose_start_tokenized_differently_is_found_by_its_end():
+    """A document's first word split in several tokens ("iss" "u" "ance") is one token after a space
+    in a prompt ("Context: issuance ..."): deeper than the start anchor's margin, so the chunk is
+    found from the anchor near its end and extended back to where the tokens agree."""
+    chunk = list(range(100, 160))
+    loc = ChunkLocator([("k", chunk)])
+    (m,) = loc.find([1, 2, 999, *chunk[4:], 3])
+    assert (m.key, m.start, m.lo, m.hi) == ("k", 3, 4, 60)
+    assert ChunkLocator([("k", chunk[:16])]).find([1, 999, *chunk[4:16], 3]) == []  # one anchor only
+
+
+def test_a_near_copy_never_takes_the_rows_of_the_chunk_that_matches_them_all():
+    """Two passages alike for 45 tokens (MuSiQue's near-duplicate distractors): where the first is
+    in the prompt with its first word tokenized differently (its start anchor misses), the copy's
+    start anchor hits first. Taking that match greedily left the chunk's remaining 12 tokens, under
+    half of it, to be computed; the chunk matching 57 rows wins now."""
+    x = list(range(100, 160))
+    y = [777, 778, *x[3:48], *range(500, 513)]
+    loc = ChunkLocator([("x", x), ("y", y)])
+    (m,) = loc.find([1, 999, *x[3:], 2])
+    assert (m.key, m.start, m.lo, m.hi) == ("x", 2, 3, 60)
+    # both in the prompt: each its own rows
+    found = loc.find([1, 999, *x[3:], 2, *y, 3])
+    assert [(f.key, f.lo, f.hi) for f in found] == [("x", 3, 60), ("y", 0, 60)]
+
+
+def test_a_match_across_two_chunks_edge_never_pushes_one_out_of_its_place():
+    """A near-copy passage's chunk that matches the prompt across two stored chunks' edge, as long as
+    the second chunk's own match, found first (left of it): taking matches longest-first, ties left
+    first, it took the second chunk's rows and left that chunk under half (seen on MuSiQue); the set
+    of whole matches covering the most rows keeps every chunk in its own place."""
+    r, p = list(range(100, 200)), list(range(200, 290))
+    q = [*r[65:], *p[:55]]
+    loc = ChunkLocator([("r", r), ("p", p), ("q", q)])
+    found = loc.find([1, *r, *p, 2])
+    assert [(f.key, f.start, f.lo, f.hi) for f in found] == [("r", 1, 0, 100), ("p", 101, 0, 90)]
+
+
+def test_chunks_sharing_an_anchor_give_the_longest_match():
+    """Two stored chunks that begin alike (one passage cut at two lengths) share an anchor; the one
+    matching more of the prompt is taken (comparing them raised a TypeError)."""
+    short, long = list(range(100, 130)), list(range(100, 160))
+    for chunks in ([("s", short), ("l", long)], [("l", long), ("s", short)]):
+        (m,) = ChunkLocator(chunks).find([1, 2, *long, 3])
+        assert (m.key, m.start, m.lo, m.hi) == ("l", 2, 0, 60)
+    (m,) = ChunkLocator([("l", long), ("s", short)]).find([1, 2, *short, 3])
+    assert (m.key, m.lo, m.hi) == ("s", 0, 30)
 
 
 def test_locating_costs_little_on_a_prompt_with_no_stored_chunk():
@@ -113,6 +164,34 @@ def test_a_flat_prompt_is_the_job_of_its_explicit_chunk_spans(rag):
         (c.key, c.start, c.lo, c.hi) for c in spans
     ]
     assert list(rag.generate(flat))[-1].token_ids == list(rag.generate(explicit))[-1].token_ids
+
+
+def test_a_flat_prompt_text_is_segmented_into_its_explicit_form(rag):
+    """``RAG.segment_text`` (what the framework wrappers complete a flat prompt with): each stored
+    chunk found in the text is given whole, its own ids, and the text around it tokenized apart:
+    exactly the explicit form of the same text, so the two are one job and answer alike. A chunk
+    whose edge the text trimmed is given as the rows found; ``full`` tokenizes the text whole."""
+    from integrations.standard_paths import explicit_text
+
+    m = rag.model
+    text = _flat(rag)
+    ids, spans = rag.segment_text(text, add_bos=True)
+    recs = [r for r in rag.index.all_chunks() if any(s.key == r.kv_key for s in spans)]
+    want_ids, want, _ = explicit_text(m, text, recs)
+    assert len(spans) >= 3 and all((s.lo, s.hi) == (0, len(s.token_ids)) for s in spans)
+    assert (ids, [(s.key, s.start) for s in spans]) == (want_ids, [(s.key, s.start) for s in want])
+    params = SamplingParams(max_new_tokens=8)
+    flat = list(rag.stream_text("", [], text, params=params))[-1]
+    explicit = list(rag.generate(rag.job(want_ids, want, "blend", params=params, locate=False)))[-1]
+    assert flat.text == explicit.text and flat.stats["num_reused_rows"] == sum(len(r.token_ids) for r in recs)
+    # a chunk whose first characters the text lost: the rows found there, the rest tokenized apart
+    rec = max(recs, key=lambda r: len(r.token_ids))
+    cut = text.replace(rec.text, rec.text[3:], 1)
+    _, spans = rag.segment_text(cut, add_bos=True)
+    (s,) = [s for s in spans if s.key == rec.kv_key]
+    assert 0 < s.lo < 4 and s.hi == len(rec.token_ids)
+    full = list(rag.stream_text("", [], text, mode="full", params=params))[-1]
+    assert full.stats["num_tokens"] == len(m.encode(text, add_bos=True))
 
 
 def test_a_langchain_llm_given_a_flat_prompt_reuses_the_stored_chunks(rag):

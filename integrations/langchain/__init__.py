@@ -7,8 +7,12 @@
     out = rag_chain(retriever, llm).invoke("Who wrote ...?")  # {"question", "docs", "answer"}
     llm.invoke("Who wrote ...?", chunks=out["docs"])          # the same, by hand
 
-Standard prompt | llm chains work too: format the documents with :func:`format_docs` and the
-model splits them back into chunks at :data:`CHUNK_SEPARATOR`.
+The standard LCEL chain works unchanged (``{"context": retriever | format_docs, "question":
+RunnablePassthrough()} | prompt | chat | StrOutputParser()`` with LangChain's usual ``format_docs``):
+the stored chunks inside the flat prompt are found and given as themselves, so the answer is the
+explicit form's and their KV is reused. :class:`RagkvTextSplitter` makes a vector store's documents
+ragkv's own chunks (long documents). This module's :func:`format_docs` marks chunk boundaries with
+:data:`CHUNK_SEPARATOR` instead, for text ragkv has not ingested.
 """
 
 from integrations.common import CHUNK_SEPARATOR, format_docs, split_prompt
@@ -16,6 +20,7 @@ from integrations.langchain.chains import rag_chain
 from integrations.langchain.chat_models import ChatRagkv
 from integrations.langchain.llms import RagkvLLM
 from integrations.langchain.retrievers import RagkvEmbeddings, RagkvRetriever, to_document
+from integrations.langchain.splitters import RagkvTextSplitter
 
 __all__ = [
     "CHUNK_SEPARATOR",
@@ -23,6 +28,7 @@ __all__ = [
     "RagkvEmbeddings",
     "RagkvLLM",
     "RagkvRetriever",
+    "RagkvTextSplitter",
     "format_docs",
     "rag_chain",
     "split_prompt",

@@ -3,7 +3,8 @@
 With ``chunks=docs`` / ``chunk_ids=[...]`` / ``retrieve=True`` the last user message is the question
 (earlier turns are prepended to it) and the documents are chunks whose stored KV is reused. Without
 them the conversation is rendered with the model's chat template (``Role: text`` lines when it has
-none) and completed; ``CHUNK_SEPARATOR`` markers in it still split out chunks. The reply's
+none) and completed: the stored chunks inside it (a chain's formatted documents) are given as
+themselves, their KV reused, and ``CHUNK_SEPARATOR`` markers still split out chunks. The reply's
 ``response_metadata["ragkv"]`` has the reuse statistics (``kv_hits``, ``num_reused_rows`` ...).
 
 ``with_structured_output(schema)`` constrains the generation itself to JSON matching the schema
@@ -67,14 +68,19 @@ class ChatRagkv(RagkvParams, BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls("chat", stop, kwargs)
 
+    def chat_prompt(self, messages: list[BaseMessage]) -> str:
+        """The flat prompt a chat without chunk options completes: the conversation rendered with the
+        model's chat template (``Role: text`` lines when it has none). Stored chunks inside it (a
+        chain's formatted documents) are found and their KV reused."""
+        return render_chat(self.rag.model, message_pairs(messages))
+
     def _chat_events(self, messages: list[BaseMessage], stop, kwargs):
-        pairs = message_pairs(messages)
         wants_chunks = any(kwargs.get(k) is not None for k in ("chunks", "chunk_ids")) or kwargs.get(
             "retrieve", self.retrieve
         )
         if wants_chunks:
-            return self._events(fold_messages(pairs), "", stop, kwargs)
-        return self._events(None, render_chat(self.rag.model, pairs), stop, kwargs)
+            return self._events(fold_messages(message_pairs(messages)), "", stop, kwargs)
+        return self._events(None, self.chat_prompt(messages), stop, kwargs)
 
     def _last(self, c: Completion) -> ChatGenerationChunk:
         prompt_tokens = int(c.stats.get("num_tokens", 0))

@@ -2,8 +2,9 @@
 
 ``llm.invoke(question, chunks=docs)`` answers ``question`` over the documents as chunks (their stored
 KV reused or blended); ``chunk_ids=[...]`` names indexed chunks; ``retrieve=True`` retrieves from
-ragkv's index. A plain prompt is completed as is (text between ``CHUNK_SEPARATOR`` markers becomes
-chunks). ``generate()`` / ``stream()`` expose the reuse statistics in ``generation_info["ragkv"]``.
+ragkv's index. A plain prompt is completed as is: the stored chunks inside it (a chain's formatted
+documents) are given as themselves, their KV reused; text between ``CHUNK_SEPARATOR`` markers becomes
+chunks. ``generate()`` / ``stream()`` expose the reuse statistics in ``generation_info["ragkv"]``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ prompt follows LlamaIndex's conventions: ``formatted=True`` is completed as is; 
 ``completion_to_prompt`` formats it (after ``system_prompt``), else an instruct model's chat template
 renders it as a user turn (with ``system_prompt`` as the system turn), else ``system_prompt`` is
 prepended. ``chat()`` renders with ``messages_to_prompt`` when one is given, else the chat template;
-with chunk options the last user message is the question. ``CHUNK_SEPARATOR`` markers in a plain
-prompt split out chunks. The async methods generate in a worker thread (the event loop stays free).
+with chunk options the last user message is the question. In a plain prompt (a query engine's
+flat prompt) the stored chunks inside it are given as themselves, their KV reused, and
+``CHUNK_SEPARATOR`` markers split out chunks. The async methods generate in a worker thread (the event loop stays free).
 Statistics are in ``response.raw["ragkv"]`` (and ``additional_kwargs``).
 """
 

@@ -4,16 +4,21 @@ A framework that formats retrieved documents its own way (LangChain's ``"\\n\\n"
 LlamaIndex's context template) hands ragkv one flat prompt. :class:`ChunkLocator` finds the stored
 chunks inside it in one linear pass: it keeps, per stored chunk, the hash of ``ANCHOR_TOKENS`` tokens
 just inside its start (``margin`` tokens in, because the first tokens of a chunk often tokenize
-differently next to the text before it), rolls that hash over the prompt, verifies every hit token
-by token and extends it both ways as far as the tokens agree. A match is a slice ``[lo, hi)`` of the
-chunk's rows: the boundary tokens that tokenized differently stay outside it and are computed as
-fresh rows by the blend. Built once (O(chunks)) and then kept in step with the corpus by
+differently next to the text before it) and, for a chunk long enough, of as many just inside its
+end (a document's first word split in several tokens, ``"iss" "u" "ance"``, is one token ``"
+issuance"`` after a space: deeper than the margin), rolls that hash over the prompt, verifies every
+hit token by token and extends it both ways as far as the tokens agree. Overlapping matches (a
+near-copy of a passage matches part of another's rows) are resolved to the set covering the most
+rows. A match is a
+slice ``[lo, hi)`` of the chunk's rows: the boundary tokens that tokenized differently stay outside
+it and are computed as fresh rows by the blend. Built once (O(chunks)) and then kept in step with the corpus by
 :meth:`ChunkLocator.add` / :meth:`ChunkLocator.remove` (O(changed chunks)), so a prompt with no
 stored chunk costs one rolling hash over its tokens and an ingest never rebuilds it.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -51,10 +56,10 @@ class ChunkLocator:
 
     def __init__(self, chunks: Iterable[tuple[str, Sequence[int]]], margin: int = 2, min_share: float = 0.5):
         self.margin, self.min_share = margin, min_share
-        #: anchor hash -> the chunks anchored there; a bucket is replaced, never mutated, so a
-        #: :meth:`find` running in another thread sees the old or the new bucket, whole
-        self._anchors: dict[int, tuple[tuple[str, tuple[int, ...]], ...]] = {}
-        self._hash_of: dict[str, int] = {}  # key -> its anchor hash (one entry per distinct key)
+        #: anchor hash -> the (key, tokens, anchor offset) anchored there; a bucket is replaced, never
+        #: mutated, so a :meth:`find` running in another thread sees the old or the new bucket, whole
+        self._anchors: dict[int, tuple[tuple[str, tuple[int, ...], int], ...]] = {}
+        self._hash_of: dict[str, tuple[int, ...]] = {}  # key -> its anchors' hashes (one per key)
         self._lead = pow(_HASH_BASE, ANCHOR_TOKENS - 1, _HASH_MOD)  # the leaving token's weight
         self.add(chunks)
 
@@ -69,34 +74,43 @@ class ChunkLocator:
             if key in self._hash_of:
                 continue
             toks = tuple(int(t) for t in toks)
-            a = self._anchor_at(len(toks))
-            if a is None:
-                continue
-            h = _hash(toks[a : a + ANCHOR_TOKENS])
-            self._anchors[h] = (*self._anchors.get(h, ()), (key, toks))
-            self._hash_of[key] = h
+            hashes = []
+            for a in self._anchors_at(len(toks)):
+                h = _hash(toks[a : a + ANCHOR_TOKENS])
+                self._anchors[h] = (*self._anchors.get(h, ()), (key, toks, a))
+                hashes.append(h)
+            if hashes:
+                self._hash_of[key] = tuple(hashes)
 
     def remove(self, keys: Iterable[str]) -> None:
         """Forget the chunks with these keys (KV no indexed chunk references any more)."""
         for key in keys:
-            h = self._hash_of.pop(key, None)
-            if h is None:
-                continue
-            rest = tuple(e for e in self._anchors.get(h, ()) if e[0] != key)
-            if rest:
-                self._anchors[h] = rest
-            else:
-                self._anchors.pop(h, None)
+            for h in dict.fromkeys(self._hash_of.pop(key, ())):
+                rest = tuple(e for e in self._anchors.get(h, ()) if e[0] != key)
+                if rest:
+                    self._anchors[h] = rest
+                else:
+                    self._anchors.pop(h, None)
 
-    def _anchor_at(self, n: int) -> int | None:
-        """Where a chunk of ``n`` tokens is anchored (None: too short to locate reliably)."""
-        a = min(self.margin, max(0, n - ANCHOR_TOKENS))
-        return a if n >= ANCHOR_TOKENS else None
+    def _anchors_at(self, n: int) -> tuple[int, ...]:
+        """Where a chunk of ``n`` tokens is anchored: ``margin`` tokens in from its start and, when
+        the two do not overlap, from its end (none: too short to locate reliably)."""
+        if n < ANCHOR_TOKENS:
+            return ()
+        first = min(self.margin, n - ANCHOR_TOKENS)
+        last = n - self.margin - ANCHOR_TOKENS
+        return (first, last) if last >= first + ANCHOR_TOKENS else (first,)
 
     def find(self, prompt_ids: Sequence[int], visible: Callable[[str], bool] | None = None) -> list[Located]:
-        """Non-overlapping stored chunks in ``prompt_ids``, left to right (greedy: longest at a row).
-        ``visible``: only chunks whose key it accepts are candidates, so a hidden chunk never takes a
-        visible one's rows (asked once per matching key and call)."""
+        """Non-overlapping stored chunks in ``prompt_ids``, in prompt order.
+
+        Every match is found first (each anchor hit verified and extended as far as the tokens
+        agree), then the non-overlapping set covering the most rows is taken (:meth:`_disjoint`).
+        So a near-copy of a passage that matches part of a chunk's rows (MuSiQue's distractors)
+        never takes them from the chunk that matches them all, wherever in the prompt either match
+        was found. ``visible``: only chunks whose key it
+        accepts are candidates, so a hidden chunk never takes a visible one's rows (asked once per
+        matching key and call)."""
         ids = [int(t) for t in prompt_ids]
         seen: dict[str, bool] = {}
 
@@ -108,45 +122,89 @@ class ChunkLocator:
             return seen[key]
 
         n, q = len(ids), ANCHOR_TOKENS
-        out: list[Located] = []
         if n < q or not self._anchors:
-            return out
+            return []
+        found: list[Located] = []
+        searched_to: dict[str, int] = {}  # per key: rows before this are inside its last match
         h = _hash(ids[:q])
-        free = 0  # rows before this are taken by a match
-        i = 0
-        while i + q <= n:
+        for i in range(n - q + 1):
             if i % (1 << 14) == 0:
                 check_cancelled()
-            best = None
-            if i >= free:
-                for key, toks in self._anchors.get(h, ()):
-                    m = self._match(ids, i, toks, free)
-                    if m is None or not shown(key):
-                        continue
-                    if best is None or m[2] - m[1] > best[2] - best[1]:
-                        best = (key, toks, *m)
-            if best is not None:
-                key, toks, start, lo, hi = best
-                out.append(Located(key, toks, start, lo, hi))
-                free = start + hi - lo
+            for key, toks, a in self._anchors.get(h, ()):
+                if i < searched_to.get(key, 0) or not shown(key):
+                    continue  # its match here, if any, is the one already found (its other anchor)
+                m = self._match(ids, i, toks, a)
+                if m is not None:
+                    found.append(Located(key, toks, *m))
+                    searched_to[key] = m[0] + m[2] - m[1]
             if i + q < n:
                 h = ((h - (ids[i] + 1) * self._lead) * _HASH_BASE + ids[i + q] + 1) % _HASH_MOD
-            i += 1
-        return out
+        return self._disjoint(found)
 
-    def _match(
-        self, ids: list[int], at: int, toks: tuple[int, ...], free: int
-    ) -> tuple[int, int, int] | None:
-        """``(prompt start, lo, hi)`` of chunk ``toks`` anchored at prompt row ``at``, or None."""
-        a = self._anchor_at(len(toks))
+    def _disjoint(self, found: list[Located]) -> list[Located]:
+        """Non-overlapping matches from ``found``: the set of whole matches covering the most rows
+        (weighted interval scheduling; of equal cover, the shorter chunks: the ones it covers most
+        of), then each other match trimmed to its longest run of rows still free, kept if that run
+        is ``min_share`` of its chunk (a chunk whose start a longer match took keeps its tail)."""
+        cands = sorted(found, key=lambda f: (f.stop, f.start))
+        stops = [f.stop for f in cands]
+        best: list[tuple[int, int]] = [(0, 0)]  # best[j]: (rows, -chunk tokens) of cands[:j]
+        prev: list[int] = []
+        for j, f in enumerate(cands):
+            p = bisect.bisect_right(stops, f.start, 0, j)  # cands[:p] end before f starts
+            prev.append(p)
+            with_f = (best[p][0] + f.hi - f.lo, best[p][1] - len(f.token_ids))
+            best.append(max(best[j], with_f))
+        chosen, j = set(), len(cands)
+        while j > 0:
+            f, p = cands[j - 1], prev[j - 1]
+            if (best[p][0] + f.hi - f.lo, best[p][1] - len(f.token_ids)) > best[j - 1]:
+                chosen.add(j - 1)
+                j = p
+            else:
+                j -= 1
+        out = [cands[j] for j in sorted(chosen)]
+        taken = [(f.start, f.stop) for f in out]
+        rest = sorted(
+            (f for j, f in enumerate(cands) if j not in chosen),
+            key=lambda f: (f.lo - f.hi, len(f.token_ids), f.start),
+        )
+        for f in rest:
+            start, stop = _longest_free(taken, f.start, f.stop)
+            if stop - start < self.min_share * len(f.token_ids):
+                continue
+            lo = f.lo + start - f.start
+            out.append(Located(f.key, f.token_ids, start, lo, lo + stop - start))
+            bisect.insort(taken, (start, stop))
+        return sorted(out, key=lambda f: f.start)
+
+    def _match(self, ids: list[int], at: int, toks: tuple[int, ...], a: int) -> tuple[int, int, int] | None:
+        """``(prompt start, lo, hi)`` of chunk ``toks`` whose anchor at offset ``a`` is at prompt row
+        ``at``, or None."""
         if ids[at : at + ANCHOR_TOKENS] != list(toks[a : a + ANCHOR_TOKENS]):
             return None  # a hash collision, never taken for a match
         hi = a + ANCHOR_TOKENS
         while hi < len(toks) and at + hi - a < len(ids) and ids[at + hi - a] == toks[hi]:
             hi += 1
         lo = a
-        while lo > 0 and at - (a - lo) - 1 >= free and ids[at - (a - lo) - 1] == toks[lo - 1]:
+        while lo > 0 and at - (a - lo) - 1 >= 0 and ids[at - (a - lo) - 1] == toks[lo - 1]:
             lo -= 1
         if hi - lo < self.min_share * len(toks):
             return None
         return at - (a - lo), lo, hi
+
+
+def _longest_free(taken: list[tuple[int, int]], start: int, stop: int) -> tuple[int, int]:
+    """The longest run of ``[start, stop)`` that no interval of ``taken`` (sorted, disjoint) covers
+    (the first of equally long ones; ``(start, start)`` if none is free)."""
+    best, pos = (start, start), start
+    k = max(0, bisect.bisect_right(taken, (start, start)) - 1)
+    for a, b in taken[k:]:
+        if a >= stop:
+            break
+        if a > pos and a - pos > best[1] - best[0]:
+            best = (pos, a)
+        pos = max(pos, b)
+    if stop > pos and stop - pos > best[1] - best[0]:
+        best = (pos, stop)
+    return best

@@ -585,6 +585,103 @@ class RAG:
         job = self.job(ids, found, mode, ratio, params)
         yield from self._answer(job, [], t0, 0.0)
 
+    def stream_text(
+        self,
+        prefix: str,
+        chunks: Sequence[str],
+        question: str,
+        mode: str | None = None,
+        ratio: float | str | None = None,
+        params: SamplingParams | None = None,
+    ) -> Iterator:
+        """Complete a framework's prompt given as text, ``prefix + chunks + question`` (``chunks``
+        may be empty: one flat prompt): token events, then a :class:`RagAnswer` without sources.
+        The prefix starts with BOS when the tokenizer adds one; each of ``chunks`` is a chunk whose
+        KV is found by content (stored after first use). In modes that reuse KV the stored chunks
+        inside ``prefix`` and ``question`` are given as themselves (:meth:`segment_text`), so a flat
+        prompt is the same job as the same text with those chunks given explicitly; in other modes
+        each part is tokenized as a whole."""
+        t0 = time.perf_counter()
+        params = params or SamplingParams()
+        mode = mode or self.mode
+        reuse = mode in ("reuse", "blend")
+        m = self.model
+
+        def part(text: str, add_bos: bool) -> tuple[list[int], list[Located]]:
+            if reuse:
+                return self.segment_text(text, add_bos)
+            return m.encode(text, add_bos=add_bos), []
+
+        ids, found = part(prefix, True)
+        for c in chunks:
+            toks = tuple(m.encode(c))
+            found.append(Located(chunk_key(toks, m.fingerprint), toks, len(ids), 0, len(toks)))
+            ids += toks
+        tail, inside = part(question, False)
+        found += [Located(f.key, f.token_ids, f.start + len(ids), f.lo, f.hi) for f in inside]
+        ids += tail
+        if not chunks and not tail and len(ids) <= 1:
+            raise ValueError("empty prompt")
+        job = self.job(ids, found, mode, ratio, params)
+        yield from self._answer(job, [], t0, 0.0)
+
+    def segment_text(
+        self, text: str, add_bos: bool = False, kv_collection: str | None = None
+    ) -> tuple[list[int], list[Located]]:
+        """``text``'s token ids with the stored chunks inside it given as themselves, and where.
+
+        The locator finds stored chunks in ``text``'s tokens (:meth:`job`); each found chunk whose own
+        text covers the rows found there is then given whole, its stored token ids in place of the
+        text, and the text around the chunks is tokenized apart, as an explicit caller's prompt is.
+        Where the text holds only part of a chunk (a framework trimmed its edge: LlamaIndex strips a
+        node's text) the rows found are given, as found. The ids then differ from tokenizing ``text``
+        as a whole only at a chunk's edge, where the two could merge differently; a prompt with no
+        stored chunk is tokenized as a whole. ``add_bos``: start with BOS when the tokenizer adds one;
+        ``kv_collection``: see :meth:`job`."""
+        from ragkv.rag.splitter import encode_with_offsets
+
+        m = self.model
+        head = m.encode("", add_bos=add_bos)
+        flat = m.encode(text)
+        found = self.resolver.find(flat, [], self.kv_visible(kv_collection)) if flat else []
+        if not found:
+            return head + flat, []
+        as_found = head + flat, [replace_start(f, len(head)) for f in found]
+        try:
+            same, offsets = encode_with_offsets(m.tokenizer, text)
+        except (NotImplementedError, TypeError, ValueError):  # a tokenizer without offsets
+            return as_found
+        if list(same) != flat:
+            return as_found
+        chars = [(offsets[f.start][0], offsets[f.stop - 1][1]) for f in found]
+        ids, out, pos = list(head), [], 0
+        for k, f in enumerate(found):
+            a, b = chars[k]
+            if a < pos or not _own_chars(offsets, f.start, f.stop, len(flat)):
+                return as_found
+            whole = self._chunk_text(f.key)
+            at = text.find(whole, max(pos, a - len(whole))) if whole and whole.strip() else -1
+            end = at + len(whole)
+            limit = chars[k + 1][0] if k + 1 < len(found) else len(text)
+            # the chunk's own text is all there, where the rows were found: it covers them, up to
+            # whitespace a token took from beside it (a sentencepiece "▁" holds the space before),
+            # and reaches into no other chunk's rows
+            if pos <= at and end <= limit and _covers(text, at, end, a, b):
+                a, b, lo, hi = at, end, 0, len(f.token_ids)
+            else:
+                lo, hi = f.lo, f.hi
+            ids += m.encode(text[pos:a]) if a > pos else []
+            out.append(Located(f.key, f.token_ids, len(ids), lo, hi))
+            ids += f.token_ids[lo:hi]
+            pos = b
+        ids += m.encode(text[pos:]) if pos < len(text) else []
+        return ids, out
+
+    def _chunk_text(self, kv_key: str) -> str | None:
+        """The text of a stored chunk with this KV key (None if no indexed chunk has it)."""
+        recs = self.index.chunks_with_key(kv_key)
+        return recs[0].text if recs else None
+
     def job(
         self,
         prompt_ids: Sequence[int],
@@ -711,6 +808,26 @@ class RAG:
         if lock is not None:
             lock.close()
             self.writer_lock = None
+
+
+def replace_start(f: Located, shift: int) -> Located:
+    """``f`` moved ``shift`` rows later in the prompt."""
+    return Located(f.key, f.token_ids, f.start + shift, f.lo, f.hi)
+
+
+def _covers(text: str, at: int, end: int, a: int, b: int) -> bool:
+    """Whether characters ``[at, end)`` cover ``[a, b)`` but for whitespace at either end."""
+    if at >= b or end <= a:
+        return False
+    return (at <= a or not text[a:at].strip()) and (end >= b or not text[end:b].strip())
+
+
+def _own_chars(offsets, start: int, stop: int, n: int) -> bool:
+    """Whether tokens ``[start, stop)`` cover characters no token outside them shares (a byte-level
+    token holding part of a character shares it with its neighbour)."""
+    before = start == 0 or offsets[start - 1][1] <= offsets[start][0]
+    after = stop >= n or offsets[stop - 1][1] <= offsets[stop][0]
+    return before and after
 
 
 def _check(cancel: Callable[[], bool]) -> None:

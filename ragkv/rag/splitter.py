@@ -59,6 +59,11 @@ class _TokenSpans:
         return self.encoding.token_to_chars(i)
 
 
+def encode_with_offsets(tokenizer, text: str):
+    """``(token ids, per-token (start, end) character offsets)`` of ``text`` without special tokens."""
+    return _encode(tokenizer, text)
+
+
 def _encode(tokenizer, text: str):
     """(token ids, offsets) of ``text`` without special tokens.
 
