@@ -301,8 +301,8 @@ def _ape_reference(q, k, v, ctx, scale, T, S):
     return out
 
 
-def test_tempered_attention_is_apes_block_merge_and_plain_attention_at_one():
-    from ragkv.attention.dense import ContextTemper, attention, tempered_attention
+def test_explicit_attention_tempered_is_apes_block_merge_and_plain_attention_at_one():
+    from ragkv.attention.dense import ContextTemper, attention, explicit_attention
 
     g = torch.Generator().manual_seed(0)
     n_k, n_q = 12, 3
@@ -312,13 +312,15 @@ def test_tempered_attention_is_apes_block_merge_and_plain_attention_at_one():
     ctx = torch.zeros(n_k, dtype=torch.bool)
     ctx[2:8] = True
     plain = attention(q, k, v, q_pos, k_pos, 0.35)
-    same = tempered_attention(q, k, v, q_pos, k_pos, 0.35, ContextTemper(1.0, 1.0, ctx))
+    same = explicit_attention(q, k, v, q_pos, k_pos, 0.35, temper=ContextTemper(1.0, 1.0, ctx))[0]
     torch.testing.assert_close(same, plain, rtol=1e-5, atol=1e-6)
-    got = tempered_attention(q, k, v, q_pos, k_pos, 0.35, ContextTemper(0.6, 0.7, ctx))
+    got = explicit_attention(q, k, v, q_pos, k_pos, 0.35, temper=ContextTemper(0.6, 0.7, ctx))[0]
     torch.testing.assert_close(got, _ape_reference(q, k, v, ctx, 0.35, 0.6, 0.7), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(got, plain, atol=1e-3)
     # a query that sees no context key (the context lies after it) is plain attention
-    early = tempered_attention(q[:1], k, v, torch.tensor([1]), k_pos, 0.35, ContextTemper(0.6, 0.7, ctx))
+    early = explicit_attention(
+        q[:1], k, v, torch.tensor([1]), k_pos, 0.35, temper=ContextTemper(0.6, 0.7, ctx)
+    )[0]
     torch.testing.assert_close(early, attention(q[:1], k, v, torch.tensor([1]), k_pos, 0.35))
 
 

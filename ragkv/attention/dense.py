@@ -103,52 +103,18 @@ def attention_probs(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Explicit attention probabilities ``[n, Hq, N]`` (fp32), for fidelity metrics only."""
-    scores = _logits(q, k, scale)
-    mask = position_mask(q_pos, k_pos, sliding_window)
-    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    return torch.softmax(scores, dim=-1)
+    n, hq, _ = q.shape
+    z = _grouped_logits(q, k, scale)
+    z.masked_fill_(~position_mask(q_pos, k_pos, sliding_window), float("-inf"))
+    return torch.softmax(z, dim=-1).permute(2, 0, 1, 3).reshape(n, hq, k.shape[0])
 
 
-def attention_with_mass(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`attention` of a few query rows and the attention mass ``[N]`` they put on each key.
-
-    One explicit fp32 pass (logits, softmax, then both sums) for a question pass's rows, which
-    otherwise paid a fused kernel for the output and an explicit pass for the mass (measured, 60
-    rows over 6K keys, one thread: ~25 ms instead of ~47 ms a layer). Heads stay grouped by KV head
-    (no GQA copy of K/V); the mask touches only keys at or after the first query's position.
-    """
+def _grouped_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 logits ``[Hkv, G, n, N]`` of ``q [n, Hq, D]`` over ``k [N, Hkv, D]``, query heads grouped by
+    their KV head (no GQA copy of K)."""
     n, hq, d = q.shape
     hkv = k.shape[1]
-    qg = q.float().reshape(n, hkv, hq // hkv, d)
-    z = torch.einsum("nkgd,mkd->kgnm", qg, k.float()).mul_(scale)  # [Hkv, G, n, N]
-    if n:
-        c0 = 0  # keys before c0 are visible to every query: keys sorted by position, no window
-        if sliding_window is None and bool((k_pos[1:] >= k_pos[:-1]).all()):
-            c0 = int(torch.searchsorted(k_pos, q_pos.min() + 1))
-        allowed = position_mask(q_pos, k_pos[c0:], sliding_window)  # [n, N - c0]
-        z[..., c0:].masked_fill_(~allowed, float("-inf"))
-    probs = torch.softmax(z, dim=-1)
-    out = torch.einsum("kgnm,mkd->nkgd", probs, v.float()).reshape(n, hq, d).to(q.dtype)
-    return out, probs.sum(dim=(0, 1, 2))
-
-
-def _heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """``x [N, Hkv, D]`` repeated to the query heads (GQA groups)."""
-    groups = n_heads // x.shape[1]
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
-
-
-def _logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Explicit fp32 attention logits ``[n, Hq, N]`` of ``q [n, Hq, D]`` over ``k [N, Hkv, D]``."""
-    return torch.einsum("nhd,mhd->nhm", q.float(), _heads(k, q.shape[1]).float()) * scale
+    return torch.einsum("nkgd,mkd->kgnm", q.float().reshape(n, hkv, hq // hkv, d), k.float()).mul_(scale)
 
 
 @dataclass(frozen=True)
@@ -181,27 +147,40 @@ class ContextTemper:
         return inside & ctx[k_pos.clamp(max=max(ctx.numel() - 1, 0))]
 
 
-def tempered_attention(
+def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     scale: float,
-    temper: ContextTemper,
     sliding_window: int | None = None,
-) -> torch.Tensor:
-    """:func:`attention` of query-side rows with :class:`ContextTemper` on the context keys (explicit, fp32).
+    temper: ContextTemper | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` of a few query-side rows, explicitly in fp32, and the mass ``[N]`` they put on
+    each key; with ``temper``, APE's :class:`ContextTemper` on the context keys.
 
-    For the few query-side rows only (the question, each decode step): scores are materialized.
+    For rows whose scores are needed or changed (a question pass's rows, APE's question and decode
+    rows): one pass of logits and softmax gives both the output and the mass, where a fused kernel
+    plus explicit probabilities paid twice (measured, 60 rows over 6K keys, one thread: ~25 ms instead
+    of ~47 ms a layer). Heads stay grouped by KV head (no GQA copy of K/V); without a window or a
+    temper, the mask touches only keys at or after the first query's position.
     """
-    z = _logits(q, k, scale)  # [n, H, N]
-    allowed = position_mask(q_pos, k_pos, sliding_window)[:, None, :]  # [n, 1, N]
-    ctx = temper.context_keys(k_pos)[None, None, :] & allowed
-    zc = (z / temper.temperature).masked_fill(~ctx, float("-inf"))
-    # a query with no context key: its LSE is -inf; clamped so that masked entries stay -inf (not NaN)
-    lse = torch.logsumexp(zc, dim=-1, keepdim=True).clamp(min=-1e30)
-    adjusted = zc + math.log(temper.scale) + (temper.temperature - 1.0) * lse
-    z = torch.where(ctx, adjusted, z.masked_fill(~allowed, float("-inf")))
-    probs = torch.softmax(z, dim=-1)
-    return torch.einsum("nhm,mhd->nhd", probs, _heads(v, q.shape[1]).float()).to(q.dtype)
+    n, hq, d = q.shape
+    z = _grouped_logits(q, k, scale)
+    if temper is not None:
+        allowed = position_mask(q_pos, k_pos, sliding_window)  # [n, N]
+        ctx = temper.context_keys(k_pos)[None, :] & allowed
+        zc = (z / temper.temperature).masked_fill(~ctx, float("-inf"))
+        # a query with no context key: its LSE is -inf; clamped so that masked entries stay -inf (not NaN)
+        lse = torch.logsumexp(zc, dim=-1, keepdim=True).clamp(min=-1e30)
+        adjusted = zc + math.log(temper.scale) + (temper.temperature - 1.0) * lse
+        z = torch.where(ctx, adjusted, z.masked_fill(~allowed, float("-inf")))
+    elif n:
+        c0 = 0  # keys before c0 are visible to every query: keys sorted by position, no window
+        if sliding_window is None and bool((k_pos[1:] >= k_pos[:-1]).all()):
+            c0 = int(torch.searchsorted(k_pos, q_pos.min() + 1))
+        z[..., c0:].masked_fill_(~position_mask(q_pos, k_pos[c0:], sliding_window), float("-inf"))
+    probs = torch.softmax(z, dim=-1)  # [Hkv, G, n, N]
+    out = torch.einsum("kgnm,mkd->nkgd", probs, v.float()).reshape(n, hq, d).to(q.dtype)
+    return out, probs.sum(dim=(0, 1, 2))

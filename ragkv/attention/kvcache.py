@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ragkv.attention.dense import ContextTemper, attention, layer_windows, tempered_attention
+from ragkv.attention.dense import ContextTemper, attention, explicit_attention, layer_windows
 
 
 def cache_geometry(model) -> dict:
@@ -104,7 +104,7 @@ class DenseKVCache(KVCache):
         n = self._len[layer]
         if self.temper is not None:
             k, v, pos = self.layer_kv(layer)
-            return tempered_attention(q, k, v, q_pos, pos, self.scale, self.temper, self.windows[layer])
+            return explicit_attention(q, k, v, q_pos, pos, self.scale, self.windows[layer], self.temper)[0]
         return attention(
             q,
             self._k[layer, :n],

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.attention.dense import ContextTemper, attention_probs, attention_with_mass, tempered_attention
+from ragkv.attention.dense import ContextTemper, attention_probs, explicit_attention
 from ragkv.model.forward import run_layers
 
 COMPUTED, EXACT, REUSED = 0, 1, 2
@@ -435,7 +435,7 @@ class BlendKV:
             if self.temper is None and torch.equal(rows, self.mass_rows):
                 # a question pass over a warm head: the question's rows are every computed row, so one
                 # explicit pass gives both their attention and the mass they put on each row
-                out, mass = attention_with_mass(q, K, V, rows, self.pos, self.model.scale, window)
+                out, mass = explicit_attention(q, K, V, rows, self.pos, self.model.scale, window)
                 self.mass.append(mass)
                 return out
             local = torch.searchsorted(rows, self.mass_rows)
@@ -454,16 +454,10 @@ class BlendKV:
         if self.temper is not None and self.question.numel():
             # APE: the question rows' attention to the reused chunks, tempered (chunk rows are not)
             local = torch.searchsorted(rows, self.question)
-            out[local] = tempered_attention(
-                q[local],
-                K,
-                V,
-                self.question,
-                self.pos,
-                self.model.scale,
-                self.temper,
-                self.model.config.window(layer),
-            )
+            window = self.model.config.window(layer)
+            out[local] = explicit_attention(
+                q[local], K, V, self.question, self.pos, self.model.scale, window, self.temper
+            )[0]
         return out
 
     def stats(self) -> dict:
