@@ -391,10 +391,7 @@ class ChunkIndex:
         transaction, so a crash before the store deletes them is redone)."""
         with self._lock:
             with self._transaction():
-                found = self.db.execute(
-                    "SELECT 1 FROM documents WHERE collection=? AND doc_id=?", (collection, doc_id)
-                ).fetchone()
-                if not found:
+                if not self._has(collection, doc_id):
                     raise KeyError(doc_id)
                 tracked = self._track([(collection, doc_id, None)])
                 removed, keys, _ = self._delete_rows(doc_id, collection)
