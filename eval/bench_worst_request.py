@@ -1,6 +1,6 @@
 """Worst-case requests against a live ragkv service: what one anonymous request can cost (issue 24).
 
-Starts ``python -m apps.server`` on a free loopback port with the tiny model (``models/stories260k``)
+Starts ``python -m ragkv.apps.server`` on a free loopback port with the tiny model (``models/stories260k``)
 and the service's default limits (or uses ``--url``), ingests a few passages, then sends each
 worst-case request one at a time while a probe polls ``/healthz``: the most chunk references
 (``MAX_CHUNK_REFS`` copies of a stored chunk's key, and 4,096 refs), the longest stop list allowed

@@ -1,6 +1,6 @@
 """``ragkv`` command line: ``demo`` (the README's main job), ``ingest``, ``ask``, ``serve`` and ``eval``.
 
-``ingest``, ``ask`` and ``serve`` share the service settings (``apps.config``: defaults < ``--config``
+``ingest``, ``ask`` and ``serve`` share the service settings (``ragkv.apps.config``: defaults < ``--config``
 file or ``$RAGKV_CONFIG`` < ``RAGKV_*`` env vars < flags), so they use the same model, data directory
 and store unless told otherwise.
 """
@@ -198,7 +198,7 @@ def _models(args) -> int:
 
 # ---- ingest / ask (service settings) --------------------------------------------------------------
 def _settings(args, **extra):
-    from apps.config import load_settings
+    from ragkv.apps.config import load_settings
 
     return load_settings(
         args.config,
@@ -238,7 +238,7 @@ def _read_docs(path: Path, fmt: str) -> list[dict]:
 
 
 def _gc(args) -> int:
-    from apps.service import build_rag
+    from ragkv.apps.service import build_rag
 
     rag = build_rag(_settings(args), writer=True, collect_garbage=False)
     rep = rag.collect_garbage(dry_run=args.dry_run)
@@ -252,7 +252,7 @@ def _gc(args) -> int:
 
 
 def _ingest(args) -> int:
-    from apps.service import build_rag
+    from ragkv.apps.service import build_rag
 
     s = _settings(args, chunk_tokens=args.chunk_tokens)
     docs = []
@@ -290,7 +290,7 @@ def _ingest(args) -> int:
 
 
 def _ask(args) -> int:
-    from apps.service import build_rag
+    from ragkv.apps.service import build_rag
 
     s = _settings(args)
     rag = build_rag(s)
@@ -347,12 +347,21 @@ def _ask(args) -> int:
 
 
 def _serve(args) -> int:
-    from apps.server import main as serve_main
+    from ragkv.apps.server import main as serve_main
 
     return serve_main(args.rest, prog="ragkv serve")
 
 
 def _eval(args) -> int:
+    """The evaluation harness is a checkout's ``eval/`` (it reads the repository's ``data/``), not part of the
+    installed package: it is found in the working directory or beside an editable install's ``ragkv/``."""
+    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        if (root / "eval" / "run.py").is_file():
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            break
+    else:
+        raise SystemExit("ragkv eval runs a source checkout's eval/ (python -m eval.run there); none found")
     from eval.run import main as eval_main
 
     return eval_main(args.rest)
@@ -475,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: commands whose arguments all belong to another module's parser: (function, module, what it runs)
 FORWARDED = {
-    "serve": (_serve, "apps.server", "run the HTTP service"),
+    "serve": (_serve, "ragkv.apps.server", "run the HTTP service"),
     "eval": (_eval, "eval.run", "run the evaluation"),
 }
 

@@ -13,8 +13,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-ruff check ragkv integrations apps eval tests
-ruff format --check ragkv integrations apps eval tests
+ruff check ragkv eval tests
+ruff format --check ragkv eval tests
 # honours an ATEN_CPU_CAPABILITY already set by the caller (=avx2 gives one AVX2 run)
 native="$(python -W ignore -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')"
 case "$native" in

@@ -26,7 +26,7 @@ LLAMA3_ROPE = {
 #: why the tests of the real vLLM package are skipped where it is missing
 NO_VLLM = (
     "vllm is not installed in this environment (CUDA-only on PyPI; for the contract tests install "
-    "vllm==0.32.* or 0.33.* --no-deps next to torch 2.13: integrations/vllm/examples/contract_venv.sh)"
+    "vllm==0.32.* or 0.33.* --no-deps next to torch 2.13: ragkv/integrations/vllm/examples/contract_venv.sh)"
 )
 
 

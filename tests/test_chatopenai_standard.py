@@ -1,5 +1,5 @@
 """LangChain's chat-model standard suite (``langchain-tests``) run on ``langchain-openai``'s
-``ChatOpenAI`` pointed at a live ragkv service (``python -m apps.server``, the tiny trained model):
+``ChatOpenAI`` pointed at a live ragkv service (``python -m ragkv.apps.server``, the tiny trained model):
 what a LangChain user of an OpenAI-compatible server gets. Structured output and JSON mode go
 through ``response_format`` (constrained decoding), a Pydantic v1 schema through a forced function call
 (``tool_choice`` naming it: constrained arguments); tool calling the model decides on (``"auto"``) and

@@ -2,7 +2,7 @@
 belong to a collection; a key limited to collections never sees another's documents, chunks or KV.
 
 Real parts only: SQLite + FAISS indexes on disk, the tiny model and the real embedder, and a live
-``python -m apps.server`` on loopback for the service tests.
+``python -m ragkv.apps.server`` on loopback for the service tests.
 """
 
 from __future__ import annotations

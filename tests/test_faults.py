@@ -19,10 +19,10 @@ import httpx
 import numpy as np
 import pytest
 
-from apps.config import Settings
-from apps.service import ClientGoneError, Service, UnavailableError
 from eval import faults
 from ragkv import LLM
+from ragkv.apps.config import Settings
+from ragkv.apps.service import ClientGoneError, Service, UnavailableError
 from ragkv.rag import RAG, ChunkIndex, IngestCancelled
 from ragkv.store import LocalDirStore
 from ragkv.store import blob as blobfmt
@@ -246,8 +246,8 @@ def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, ma
 
     from fastapi.testclient import TestClient
 
-    from apps.server import create_app
-    from integrations.vllm.client import build_prompt
+    from ragkv.apps.server import create_app
+    from ragkv.integrations.vllm.client import build_prompt
     from ragkv.store.redis_store import RedisStore
 
     redis = make_redis_server()
@@ -309,7 +309,7 @@ def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, ma
 def app_factory(tmp_path_factory, embedder):
     from fastapi.testclient import TestClient
 
-    from apps.server import create_app
+    from ragkv.apps.server import create_app
 
     rag = _rag(tmp_path_factory.mktemp("app"), embedder)
     made = []
@@ -377,7 +377,7 @@ def test_loose_types_are_refused_not_coerced(app_factory):
 
 
 def test_non_loopback_without_keys_warns(caplog):
-    from apps.server import warn_exposure
+    from ragkv.apps.server import warn_exposure
 
     with caplog.at_level("WARNING", logger="ragkv.server"):
         warn_exposure(Settings(host="0.0.0.0"))
@@ -647,7 +647,7 @@ def test_disk_full_during_kv_writes_leaves_documents_indexed_and_answerable(
     documents whose KV did not fit are answered (their KV recomputed)."""
     from fastapi.testclient import TestClient
 
-    from apps.server import create_app
+    from ragkv.apps.server import create_app
 
     store = LocalDirStore(small_disk, max_bytes=None)  # no cap of ours: the disk is the limit
     rag = _rag(tmp_path / "data", embedder, store=store)

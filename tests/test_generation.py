@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from apps.config import Settings
-from apps.service import QuerySpec, Service
 from ragkv import LLM
+from ragkv.apps.config import Settings
+from ragkv.apps.service import QuerySpec, Service
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.locate import Located
 from ragkv.blend.spans import SearchCancelled, cancel_scope
@@ -93,7 +93,7 @@ def test_engine_refuses_what_it_cannot_honour(rag, engine_rag):
 
 def test_vllm_generator_refuses_ape_tempering(rag):
     """The vLLM hook decodes on its own pages: an APE schedule is refused there, not silently dropped."""
-    from integrations.vllm.client import VllmClient, VllmGenerator
+    from ragkv.integrations.vllm.client import VllmClient, VllmGenerator
 
     ids = rag.model.encode("Tom flew a kite.", add_bos=True)
     job = rag.job(ids, [Located("k", tuple(ids[1:]), 1, 0, len(ids) - 1)], "blend", params=SamplingParams())

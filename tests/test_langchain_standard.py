@@ -22,8 +22,8 @@ from langchain_tests.integration_tests import (  # noqa: E402
 )
 from langchain_tests.unit_tests import ChatModelUnitTests, EmbeddingsUnitTests  # noqa: E402
 
-from integrations.langchain import ChatRagkv, RagkvEmbeddings, RagkvRetriever  # noqa: E402
 from ragkv import LLM  # noqa: E402
+from ragkv.integrations.langchain import ChatRagkv, RagkvEmbeddings, RagkvRetriever  # noqa: E402
 from ragkv.rag import RAG, Embedder  # noqa: E402
 from tests.helpers import musique_samples, stories_path  # noqa: E402
 

@@ -1,13 +1,20 @@
 """The package layout holds: imports inside ``ragkv`` run one way, and the library never reaches the edges.
 
-attention <- model <- kv <- store <- blend <- engine <- rag (README, "Layout"); ``defaults`` sits
-below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits on attention, ``generate`` and ``llm`` between blend and rag. Lazy imports inside functions count too.
+attention <- model <- kv <- store <- blend <- engine <- rag <- integrations <- apps (README, "Layout");
+``defaults`` sits below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits on attention, ``generate`` and ``llm`` between blend and rag. Lazy imports inside functions count too.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import REPO
 
@@ -27,10 +34,13 @@ RANK = {
     "engine": 6,
     "rag": 7,
     "demo": 8,
-    "cli": 9,
     "__init__": 9,
+    "integrations": 10,  # LangChain, LlamaIndex, vLLM: on top of the library's public units
+    "apps": 11,  # the service (it may use the vLLM client of the integrations)
+    "cli": 12,  # launches the service (and a checkout's eval)
 }
-EDGES = ("apps", "integrations", "eval")
+#: top-level folders of a checkout that the installed package never imports (the CLI's ``eval`` aside)
+EDGES = ("eval", "tests")
 
 
 def _imports(path: Path) -> set[str]:
@@ -66,9 +76,59 @@ def test_imports_inside_ragkv_run_one_way():
 
 
 def test_the_edges_use_the_library_not_each_others_internals():
-    """eval never imports apps or integrations; integrations never import apps."""
+    """eval never imports the service's app or the integrations (it starts them as processes)."""
     bad = []
-    for edge, banned in (("eval", ("apps.server", "integrations")), ("integrations", ("apps",))):
+    for edge, banned in (("eval", ("ragkv.apps.server", "ragkv.integrations")),):
         for f in sorted((REPO / edge).rglob("*.py")):
             bad += [f"{f.relative_to(REPO)} imports {m}" for m in _imports(f) if m.startswith(banned)]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_the_built_wheel_ships_only_the_ragkv_package(tmp_path):
+    """Installing ragkv adds one top-level package: the service and the integrations are ``ragkv.apps`` and
+    ``ragkv.integrations``, and the vLLM plugin's entry point names them so (issue 24: a wheel used to add
+    top-level ``apps``, ``integrations`` and ``eval``)."""
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in ("ragkv", "eval", "tests", "ragkv_data/demo"):  # ragkv_data: the default data folder
+        (src / name).mkdir(parents=True)
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=ignore, dirs_exist_ok=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    out = tmp_path / "wheel"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(out),
+        ".",
+    ]
+    subprocess.run(cmd, cwd=src, check=True, capture_output=True, timeout=300)
+    (wheel,) = out.glob("ragkv-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    top = {n.split("/")[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"ragkv"}, sorted(top)
+    for module in ("ragkv/apps/server.py", "ragkv/integrations/vllm/plugin.py", "ragkv/demo/corpus.json"):
+        assert module in names
+    assert "ragkv = ragkv.integrations.vllm.plugin:register" in entry_points
+
+
+def test_ragkv_eval_finds_the_checkouts_harness_from_another_directory(tmp_path):
+    """``ragkv eval`` runs the checkout's eval/ (not installed) from any working directory."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "from ragkv.cli import main; main(['eval', '--help'])"
+    # ragkv as installed (editable: this checkout's); the working directory holds no eval/
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage:") and "--dataset" in r.stdout

@@ -9,11 +9,11 @@ import random
 import pytest
 from fastapi.testclient import TestClient
 
-from apps.config import Settings
-from apps.server import create_app
-from apps.service import Service
-from integrations.vllm.client import build_prompt
 from ragkv import LLM
+from ragkv.apps.config import Settings
+from ragkv.apps.server import create_app
+from ragkv.apps.service import Service
+from ragkv.integrations.vllm.client import build_prompt
 from ragkv.rag import RAG
 from tests.helpers import stories_model
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes as OpenAI clients expect them, against a live ``python -m apps.server``:
+"""The OpenAI-compatible routes as OpenAI clients expect them, against a live ``python -m ragkv.apps.server``:
 the official ``openai`` client and ``langchain-openai``'s ``ChatOpenAI``. Errors have OpenAI's shape
 and statuses (400 for invalid requests, 400 ``context_length_exceeded`` on overflow, so ``ChatOpenAI``
 raises ``ContextOverflowError``); options ragkv does not serve are refused, never ignored (structured

@@ -290,7 +290,7 @@ def _h(key: str, collection: str | None = None) -> dict:
 
 
 def test_settings_name_the_quotas(monkeypatch):
-    from apps.config import Settings, load_settings
+    from ragkv.apps.config import Settings, load_settings
 
     assert Settings().quotas() == Quotas()
     monkeypatch.setenv("RAGKV_MAX_DOCUMENT_TOKENS", "none")
@@ -312,9 +312,9 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
     ``/metrics`` counts refusals by limit (bounded labels: no collection names)."""
     from fastapi.testclient import TestClient
 
-    from apps.config import Settings
-    from apps.server import create_app
-    from apps.service import Service, build_rag
+    from ragkv.apps.config import Settings
+    from ragkv.apps.server import create_app
+    from ragkv.apps.service import Service, build_rag
 
     s = Settings(
         model=str(stories_path()),

@@ -74,8 +74,8 @@ def test_llm_of_a_rag_writes_back_by_the_rags_policy(rag):
 
 
 def test_service_engine_mode_uses_the_rags_resolver(rag):
-    from apps.config import Settings
-    from apps.service import Service
+    from ragkv.apps.config import Settings
+    from ragkv.apps.service import Service
 
     svc = Service(Settings(generation="engine", max_new_tokens=2, allowed_hosts=["testserver"]), rag)
     svc.start()
@@ -132,7 +132,7 @@ KV_READERS = {
     "ragkv/store/codecs/calibrate.py",  # the stored-KV codec's calibration KV, not a prompt's
     "ragkv/rag/quotas.py",  # one sample chunk's KV, to measure the codec's bytes per token for quotas
     "ragkv/blend/pipeline.py",  # StoredChunk: the lazy reader the resolver hands out
-    "integrations/vllm/connector.py",  # runs inside vLLM's worker, over vLLM's paged KV
+    "ragkv/integrations/vllm/connector.py",  # runs inside vLLM's worker, over vLLM's paged KV
 }
 
 
@@ -245,9 +245,9 @@ def test_a_bare_model_is_gated_before_its_first_blend():
 def test_healthz_and_metrics_show_the_gate(rag):
     from fastapi.testclient import TestClient
 
-    from apps.config import Settings
-    from apps.server import create_app
-    from apps.service import Service
+    from ragkv.apps.config import Settings
+    from ragkv.apps.server import create_app
+    from ragkv.apps.service import Service
 
     s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
     svc = Service(s, rag)

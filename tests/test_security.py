@@ -1,6 +1,6 @@
 """Issue 24: stored KV is verified before use, work per request is bounded, scopes, CSRF and output.
 
-Every test uses real parts: a live ``python -m apps.server`` on loopback with the tiny model, real
+Every test uses real parts: a live ``python -m ragkv.apps.server`` on loopback with the tiny model, real
 chunk stores on disk, the real blob format, codecs and model. Each test names the audit finding it
 guards; each fails on the code before the fix (see the docstrings).
 """
@@ -503,7 +503,7 @@ def test_second_writer_on_a_data_dir_fails_clearly(open_server):
     env = {**os.environ, **LIMITS, "RAGKV_DATA_DIR": str(data), "PYTHONPATH": str(REPO)}
     env["RAGKV_MODEL"] = str(stories_path())
     p = subprocess.run(
-        [sys.executable, "-m", "apps.server", "--port", "1"],
+        [sys.executable, "-m", "ragkv.apps.server", "--port", "1"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -519,7 +519,7 @@ def test_output_is_strict_json_and_errors_hide_internals():
     exceptions raised inside libraries (a Redis address, numpy's message)."""
     import numpy as np
 
-    from apps.server import StrictJSONResponse, _sse, classify
+    from ragkv.apps.server import StrictJSONResponse, _sse, classify
 
     def strict(text: str):
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
@@ -538,7 +538,7 @@ def test_output_is_strict_json_and_errors_hide_internals():
 
 def test_secrets_are_secret_strings():
     """API keys, the blob HMAC key and the vLLM token never show in the settings' repr."""
-    from apps.config import Settings
+    from ragkv.apps.config import Settings
 
     s = Settings(store_hmac_key=HMAC_KEY, vllm_api_key="vllm-token-0123456789", api_keys=[W_KEY])
     text = repr(s) + str(s.model_dump())

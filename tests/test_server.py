@@ -1,4 +1,4 @@
-"""The HTTP service end to end: a real ``python -m apps.server`` (uvicorn) on a loopback port, driven by
+"""The HTTP service end to end: a real ``python -m ragkv.apps.server`` (uvicorn) on a loopback port, driven by
 httpx, the ``openai`` client and schemathesis."""
 
 import asyncio
@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from apps.config import ConfigError, Settings, load_settings
 from eval.harness import launch_server
+from ragkv.apps.config import ConfigError, Settings, load_settings
 from tests.helpers import check_stop_strings, musique_samples, stories_path
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
@@ -42,7 +42,7 @@ LIMITS = {  # small limits keep every request (and the schemathesis run) cheap o
 
 @contextlib.contextmanager
 def running_server(data: Path, **env_extra: str):
-    """``python -m apps.server`` on a free loopback port with a fresh data directory; yields its base URL."""
+    """``python -m ragkv.apps.server`` on a free loopback port with a fresh data directory; yields its base URL."""
     log_path = data / "server.log"
     try:
         proc, base = launch_server(
@@ -629,11 +629,11 @@ def test_engine_generation_stop_strings_never_leak(engine_client, samples):
 
 
 def test_one_source_of_generation_defaults():
-    from integrations.common import RagkvOptions
-    from integrations.vllm.client import completion_body
     from ragkv.cli import build_parser
     from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
     from ragkv.generate import SamplingParams
+    from ragkv.integrations.common import RagkvOptions
+    from ragkv.integrations.vllm.client import completion_body
 
     n = DEFAULT_MAX_NEW_TOKENS
     assert SamplingParams().max_new_tokens == n == RagkvOptions.model_fields["max_new_tokens"].default
@@ -646,9 +646,9 @@ def test_one_source_of_generation_defaults():
 def test_ask_and_serve_take_the_demos_prompt_settings(tmp_path):
     import json
 
-    from apps.server import build_parser as server_parser
-    from apps.server import settings_from_args
-    from apps.service import build_rag
+    from ragkv.apps.server import build_parser as server_parser
+    from ragkv.apps.server import settings_from_args
+    from ragkv.apps.service import build_rag
     from ragkv.cli import DEMO_CORPUS, _settings
     from ragkv.cli import build_parser as cli_parser
     from ragkv.rag import prompt_options, prompt_parts

@@ -250,14 +250,14 @@ def test_an_old_raw_store_keeps_serving_after_the_default_codec_changed(tmp_path
 
 
 def test_application_defaults_read_the_one_codec_constant(tmp_path, monkeypatch):
-    """``ragkv ingest`` / the service (apps.service.build_rag) and the demo store new KV with
+    """``ragkv ingest`` / the service (ragkv.apps.service.build_rag) and the demo store new KV with
     DEFAULT_CODEC; the settings default is that constant."""
     from tests.helpers import stories_path
 
     if not stories_path().exists():
         pytest.skip("shared model missing")
-    from apps.config import Settings
-    from apps.service import build_rag
+    from ragkv.apps.config import Settings
+    from ragkv.apps.service import build_rag
     from ragkv.cli import build_parser, main
     from ragkv.store.codecs import DEFAULT_CODEC
 

@@ -1,5 +1,5 @@
 """Structured output (``response_format``) and log-probabilities on the OpenAI routes, against a live
-``python -m apps.server`` with the official ``openai`` client and ``langchain-openai``'s
+``python -m ragkv.apps.server`` with the official ``openai`` client and ``langchain-openai``'s
 ``ChatOpenAI.with_structured_output``: JSON matching the schema whenever the finish reason is "stop",
 "length" when the token limit cuts it, refused schemas as OpenAI's 400s naming ``response_format``,
 ``logprobs`` in OpenAI's chat shape and the legacy completions shape, streamed and not, on worker

@@ -1,6 +1,6 @@
 """The vLLM client path over real HTTP, with ragkv's own service as the OpenAI / vLLM server.
 
-``python -m apps.server`` (uvicorn, loopback) serves ``/v1/completions`` with ``kv_transfer_params``
+``python -m ragkv.apps.server`` (uvicorn, loopback) serves ``/v1/completions`` with ``kv_transfer_params``
 exactly as a vLLM server with the ragkv plugin is asked; ``VllmClient`` / ``VllmGenerator``, the LangChain
 and LlamaIndex wrappers over it, and a second service with ``generation=vllm`` talk to it. Every served
 answer must equal the in-process ``RAG`` answer token for token (greedy), and the chunk KV must come
@@ -18,8 +18,10 @@ import httpx
 import pytest
 
 from eval.harness import free_port
-from integrations.common import format_docs
-from integrations.vllm.client import (
+from ragkv import LLM, compute_chunk_kv
+from ragkv.generate import TokenEvent
+from ragkv.integrations.common import format_docs
+from ragkv.integrations.vllm.client import (
     VllmClient,
     VllmGenerator,
     VllmHTTPError,
@@ -27,8 +29,6 @@ from integrations.vllm.client import (
     VllmUnavailableError,
     build_prompt,
 )
-from ragkv import LLM, compute_chunk_kv
-from ragkv.generate import TokenEvent
 from ragkv.rag import RAG, Embedder, RagAnswer
 from tests.helpers import REPO, musique_samples, stories_model
 from tests.test_server import LIMITS
@@ -39,7 +39,7 @@ NEW = 8
 
 
 class Server:
-    """``python -m apps.server`` with ``env`` on a free loopback port; started now, waited for by ``ready``."""
+    """``python -m ragkv.apps.server`` with ``env`` on a free loopback port; started now, waited for by ``ready``."""
 
     def __init__(self, folder: Path, **env: str):
         folder.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ class Server:
         full.pop("RAGKV_CONFIG", None)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "apps.server", "--port", str(self.port)],
+            [sys.executable, "-m", "ragkv.apps.server", "--port", str(self.port)],
             cwd=REPO,
             env=full,
             stdout=self._log,
@@ -284,7 +284,7 @@ def test_openai_shapes_text_prompt_and_models(servers):
 # ---- the wrappers over the vLLM backend ------------------------------------------------------------
 def test_langchain_over_vllm_backend(rag, vrag, samples):
     pytest.importorskip("langchain_core")
-    from integrations.langchain import ChatRagkv, RagkvLLM
+    from ragkv.integrations.langchain import ChatRagkv, RagkvLLM
 
     q = samples[0]["question"]
     ids = [f"ragkv:{r.chunk_id}" for r in rag.retrieve(q)]
@@ -314,7 +314,7 @@ def test_langchain_over_vllm_backend(rag, vrag, samples):
 
 def test_llama_index_over_vllm_backend(rag, vrag, samples):
     pytest.importorskip("llama_index.core")
-    from integrations.llama_index import RagkvLlamaLLM, RagkvLlamaRetriever, RagkvQueryEngine
+    from ragkv.integrations.llama_index import RagkvLlamaLLM, RagkvLlamaRetriever, RagkvQueryEngine
 
     q = samples[1]["question"]
     nodes = RagkvLlamaRetriever(vrag, k=3).retrieve(q)

@@ -1,4 +1,4 @@
-"""``kv_transfer_params["ragkv"]`` has one owner (integrations/vllm/params.py): parse/serialize round
+"""``kv_transfer_params["ragkv"]`` has one owner (ragkv/integrations/vllm/params.py): parse/serialize round
 trip, the bounds on every list and string, and both receivers (the vLLM connector, the service's
 ``/v1/completions``) parsing with it."""
 
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from apps import openai_compat as oc
-from integrations.vllm.params import MAX_CHECK_LAYERS, MAX_CHUNKS, BlendParams, KVParamsError
+from ragkv.apps import openai_compat as oc
 from ragkv.blend import BlendSchedule
 from ragkv.blend.spans import ChunkRef
+from ragkv.integrations.vllm.params import MAX_CHECK_LAYERS, MAX_CHUNKS, BlendParams, KVParamsError
 from ragkv.store.base import check_key
 from tests.helpers import REPO
 
@@ -106,12 +106,16 @@ def test_schedules_by_receiver():
 
 def test_no_other_module_defines_the_format():
     """Only params.py reads the ``"ragkv"`` entry's fields: the receivers import BlendParams."""
-    for rel in ("apps/openai_compat.py", "integrations/vllm/connector.py", "integrations/vllm/client.py"):
+    for rel in (
+        "ragkv/apps/openai_compat.py",
+        "ragkv/integrations/vllm/connector.py",
+        "ragkv/integrations/vllm/client.py",
+    ):
         tree = ast.parse((REPO / rel).read_text())
         imported = {
             a.name
             for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and n.module == "integrations.vllm.params"
+            if isinstance(n, ast.ImportFrom) and n.module == "ragkv.integrations.vllm.params"
             for a in n.names
         }
         assert "BlendParams" in imported, rel

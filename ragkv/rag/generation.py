@@ -9,7 +9,7 @@ reporting are the same whatever generates:
   layer by layer, pipelined, with the resolver's recompute-on-load-failure loop.
 - :class:`EngineGenerator`: :mod:`ragkv.engine`, continuous batching over paged KV, shared by every
   caller (its fetcher uses the same resolver, so pipelining, recovery and write-back are the RAG's).
-- ``integrations.vllm.client.VllmGenerator``: a vLLM server with ragkv's plugin (an edge module: the
+- ``ragkv.integrations.vllm.client.VllmGenerator``: a vLLM server with ragkv's plugin (an edge module: the
   library does not import it).
 """
 

@@ -525,7 +525,7 @@ class RAG:
 
         Retrieves unless ``chunks`` are given; retrieved chunks are fitted to the context next to the
         head, the tail and ``max_new_tokens`` (lowest scores dropped). Shared by every generation
-        backend (in process here, a vLLM server in ``integrations.vllm``) so they ask the same thing.
+        backend (in process here, a vLLM server in ``ragkv.integrations.vllm``) so they ask the same thing.
         """
         t0 = time.perf_counter()
         prefix, suffix = self.prompt_parts(question)
@@ -799,7 +799,7 @@ class RAG:
 
     def close(self) -> None:
         """Finish write-backs, snapshot the index, close the store, release the data folder's writer
-        lock if this RAG holds one (``apps.service.build_rag(writer=True)``)."""
+        lock if this RAG holds one (``ragkv.apps.service.build_rag(writer=True)``)."""
         self.generator.close()
         self.resolver.close()
         self.index.close()

@@ -1,1 +1,0 @@
-"""Framework integrations: ``integrations.langchain`` and ``integrations.llama_index`` (optional extras)."""

@@ -1,0 +1,1 @@
+"""Framework integrations: ``ragkv.integrations.langchain`` and ``ragkv.integrations.llama_index`` (optional extras)."""
