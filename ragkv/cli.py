@@ -8,6 +8,7 @@ and store unless told otherwise.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import statistics
@@ -507,6 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError, ModelFetchError) as e:  # typed user errors: a message
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk (ragkv.rag.IndexFullError: the change was rolled back whole)
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -276,6 +276,79 @@ def test_a_full_disk_after_the_commit_is_not_an_error(tmp_path, embedder, texts,
     rag.close()
 
 
+def _fill_index_disk(index: ChunkIndex) -> None:
+    """SQLite's own full-disk answer (SQLITE_FULL, as ENOSPC gives): the database may not grow a page."""
+    pages = index.db.execute("PRAGMA page_count").fetchone()[0]
+    index.db.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def _free_index_disk(index: ChunkIndex) -> None:
+    index.db.execute("PRAGMA max_page_count = 1073741823")
+
+
+def test_a_full_disk_during_the_commit_rolls_back_whole_and_loses_nothing(tmp_path, embedder, texts):
+    """The index's SQLite meets a full disk inside the commit: the ingest raises IndexFullError (an
+    OSError with ENOSPC) after rolling back, the documents already there stay listed and retrievable,
+    the KV the failed ingest stored is deleted (no orphan), and once space is freed the same ingest
+    succeeds. (Before: SQLite's own rollback made the ROLLBACK fail and mask the error; a 500.)"""
+    import errno
+
+    from ragkv.rag import IndexFullError
+
+    rag = _rag(tmp_path, embedder)
+    rag.ingest([Document(texts[0][:150], "a")], show_progress=False)
+    before = _state(rag)
+    _fill_index_disk(rag.index)
+    with pytest.raises(IndexFullError) as e:
+        rag.ingest([Document(texts[1] * 3, "b")], show_progress=False)
+    assert e.value.errno == errno.ENOSPC and "nothing of this change was committed" in str(e.value)
+    assert rag.list_documents() == ["a"] and len(rag.index) == before["chunks"]
+    assert sorted(rag.store.keys()) == before["blobs"]  # the failed ingest's KV: settled, not orphaned
+    assert rag.retrieve(texts[0][:100], 1)[0].doc_id == "a"
+    _free_index_disk(rag.index)
+    rep = rag.ingest([Document(texts[1] * 3, "b")], show_progress=False)
+    assert rep.documents_added == 1 and rag.list_documents() == ["a", "b"]
+    assert rag.index.intents() == [] and all(rag.index.references(k) for k in rag.store.keys())
+    rag.close()
+
+
+def test_the_service_answers_507_on_a_full_index_disk_and_keeps_serving(tmp_path, embedder, texts):
+    """Through the app: an ingest (or a delete) whose index write meets a full disk is 507
+    ``insufficient_storage`` with no internal path in the body; the documents already there are
+    still listed and answered; the same request succeeds once space is freed."""
+    from fastapi.testclient import TestClient
+
+    from ragkv.apps.config import Settings
+    from ragkv.apps.server import create_app
+    from ragkv.apps.service import Service
+
+    rag = _rag(tmp_path, embedder)
+    s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
+    svc = Service(s, rag)
+    svc.start()
+    c = TestClient(create_app(s, svc), base_url="http://testserver")
+    try:
+        assert (
+            c.post("/v1/documents", json={"documents": [{"id": "a", "text": texts[0][:150]}]}).status_code
+            == 200
+        )
+        _fill_index_disk(rag.index)
+        r = c.post("/v1/documents", json={"documents": [{"id": "b", "text": texts[1] * 3}]})
+        assert r.status_code == 507, r.text
+        err = r.json()["error"]
+        assert err["type"] == "insufficient_storage" and str(tmp_path) not in r.text
+        assert c.get("/v1/documents").json()["ids"] == ["a"]
+        r = c.post("/v1/query", json={"question": "What is the series?", "top_k": 1})
+        assert r.status_code == 200 and r.json()["sources"][0]["doc_id"] == "a"
+        _free_index_disk(rag.index)
+        r = c.post("/v1/documents", json={"documents": [{"id": "b", "text": texts[1] * 3}]})
+        assert r.status_code == 200 and c.get("/v1/documents").json()["ids"] == ["a", "b"]
+    finally:
+        c.close()
+        svc.close()
+        rag.close()
+
+
 # ---- the service -----------------------------------------------------------------------------------------
 W_KEY = "write-all-0123456789abcdef"  # every collection
 A_KEY = "write-a-0123456789abcdef"  # collection a only

@@ -21,6 +21,7 @@ from ragkv.apps.routes import flat_routes
 from ragkv.integrations.vllm.client import VllmServerError, VllmUnavailableError
 from ragkv.kv import KVMismatchError
 from ragkv.model import PromptTooLongError
+from ragkv.rag import IndexFullError
 from ragkv.rag.quotas import QuotaExceededError
 
 log = logging.getLogger("ragkv.server")
@@ -37,6 +38,7 @@ ERRORS = {
         429: "busy: the queue is full, retry later",
         502: "generation 'vllm': the vLLM server answered with an error",
         503: "waited too long for a worker, shutting down, or vLLM down",
+        507: "the data folder's disk is full: nothing of the write was committed; retry once space is freed",
     }.items()
 }
 
@@ -134,6 +136,12 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
         return 502, "bad_gateway", f"the vLLM server failed: {exc}"
     if isinstance(exc, PromptTooLongError):
         return 413, "context_length_exceeded", str(exc)
+    if isinstance(exc, IndexFullError):  # rolled back whole: the client may retry once space is freed
+        return (
+            507,
+            "insufficient_storage",
+            "the data folder's disk is full: nothing was committed; retry later",
+        )
     if isinstance(exc, KVMismatchError):  # stored KV of another model or shape: the server's data
         return 500, "internal_error", "stored KV does not fit the served model; see the server log"
     if isinstance(exc, ValueError):  # ragkv's typed input errors (unknown mode, empty question ...)
@@ -169,7 +177,7 @@ def _raised_by_us(exc: BaseException) -> bool:
     if last is None:
         return True
     module = last.tb_frame.f_globals.get("__name__", "")
-    return module.split(".")[0] in ("ragkv", "apps", "integrations")
+    return module.split(".")[0] == "ragkv"
 
 
 def _finite(obj: Any) -> Any:
@@ -247,7 +255,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(status, message, kind)
 
     # typed errors are answered by the inner exception middleware (not re-raised, not logged as crashes)
-    for cls in (ServiceError, VllmServerError, PromptTooLongError, ValueError, ConnectionError):
+    for cls in (
+        ServiceError,
+        VllmServerError,
+        PromptTooLongError,
+        ValueError,
+        ConnectionError,
+        IndexFullError,
+    ):
         app.add_exception_handler(cls, _known)
 
     @app.exception_handler(Exception)

@@ -9,7 +9,7 @@ from ragkv.rag.generation import (
     PromptJob,
     ThreadGenerator,
 )
-from ragkv.rag.index import ChunkIndex, ChunkRecord
+from ragkv.rag.index import ChunkIndex, ChunkRecord, IndexFullError
 from ragkv.rag.pipeline import (
     RAG,
     Document,
@@ -35,6 +35,7 @@ __all__ = [
     "EngineGenerator",
     "Generated",
     "Generator",
+    "IndexFullError",
     "OptionNotServedError",
     "PromptJob",
     "ThreadGenerator",

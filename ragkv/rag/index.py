@@ -24,6 +24,7 @@ reconciliation instead of one per collection.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -40,6 +41,18 @@ import numpy as np
 from ragkv.rag.collections import DEFAULT_COLLECTION
 
 log = logging.getLogger("ragkv.rag")
+
+
+class IndexFullError(OSError):
+    """A write to the index met a full disk (ENOSPC, or SQLite's page limit): it was rolled back whole,
+    so the index holds what it held before; retry once space is freed (the service answers 507)."""
+
+
+def _disk_full(e: BaseException) -> bool:
+    if isinstance(e, sqlite3.OperationalError):
+        code = getattr(e, "sqlite_errorcode", None)  # Python >= 3.11; the message before that
+        return code == sqlite3.SQLITE_FULL if code is not None else "disk is full" in str(e)
+    return isinstance(e, OSError) and e.errno == errno.ENOSPC
 
 
 @dataclass
@@ -170,8 +183,15 @@ class ChunkIndex:
         try:
             yield
             self.db.execute("COMMIT")
-        except BaseException:
-            self.db.execute("ROLLBACK")
+        except BaseException as e:
+            if self.db.in_transaction:  # SQLite may have rolled back itself (a full disk does)
+                self.db.execute("ROLLBACK")
+            if _disk_full(e):
+                raise IndexFullError(
+                    errno.ENOSPC,
+                    f"the index's disk is full ({self.dir}): nothing of this change was committed; "
+                    "free space and retry",
+                ) from e
             raise
 
     # ---- start-up recovery ------------------------------------------------------------------------
