@@ -184,6 +184,79 @@ def test_langchain_bad_input_is_a_typed_error(rag):
         llm.invoke("q", chunk_ids=[1], mode="nope")
 
 
+def test_the_wrappers_work_inside_one_collection(tmp_path, one_thread, embedder, samples):
+    """``collection=`` on every wrapper (issue 24: they used only the default collection): retrievers
+    search only it, chunk ids and ragkv documents of another collection are unknown (KeyError, the same
+    as a missing id), foreign documents are ingested into it, splitters give its chunks, and a call may
+    name another collection. Answers over its chunks reuse their stored KV."""
+    from ragkv.integrations.langchain import RagkvTextSplitter
+    from ragkv.integrations.llama_index import RagkvNodeParser
+
+    r = RAG(LLM(stories_model()), tmp_path / "data", embedder=embedder, chunk_tokens=64, top_k=2)
+    try:
+        texts = [c["text"][:300] for s in samples for c in s["ctxs"][:2]]
+        r.ingest(
+            [{"id": "pa", "text": texts[0]}, {"id": "pa2", "text": texts[1]}],
+            show_progress=False,
+            collection="a",
+        )
+        r.ingest(
+            [{"id": "pb", "text": texts[2]}, {"id": "pb2", "text": texts[3]}],
+            show_progress=False,
+            collection="b",
+        )
+        a_ids = {c.chunk_id for d in ("pa", "pa2") for c in r.index.chunks_of(d, "a")}
+        b_ids = {c.chunk_id for d in ("pb", "pb2") for c in r.index.chunks_of(d, "b")}
+        q = samples[0]["question"]
+        docs = RagkvRetriever(rag=r, k=5, collection="a").invoke(q)
+        assert docs and {d.metadata["ragkv_chunk_id"] for d in docs} <= a_ids
+        nodes = RagkvLlamaRetriever(r, k=5, collection="b").retrieve(q)
+        assert nodes and {n.node.metadata["ragkv_chunk_id"] for n in nodes} <= b_ids
+        assert RagkvRetriever(rag=r, k=5).invoke(q) == []  # the default collection is empty
+
+        chat = ChatRagkv(rag=r, max_new_tokens=2, collection="a")
+        info = chat.invoke(q, chunks=docs).response_metadata["ragkv"]
+        _reused(info, len(docs))
+        with pytest.raises(KeyError):  # b's chunk, by id or as the document ragkv made of it
+            chat.invoke(q, chunk_ids=[min(b_ids)])
+        llm = RagkvLlamaLLM(rag=r, max_new_tokens=2, collection="a")
+        with pytest.raises(KeyError):
+            llm.complete(q, chunk_ids=[f"ragkv:{min(b_ids)}"])
+        b_info = chat.invoke(q, retrieve=True, collection="b").response_metadata["ragkv"]  # per call
+        assert set(b_info["chunk_ids"]) <= b_ids
+
+        before = {c: r.list_documents(c) for c in ("default", "a", "b")}
+        foreign = "Tom was a big brown dog. He liked to run after the ball in the park."
+        got = chat.invoke("What did the dog like?", chunks=[foreign]).response_metadata["ragkv"]
+        (ext,) = got["ingested_documents"]
+        assert r.list_documents("a") == sorted([*before["a"], ext])
+        assert r.list_documents("default") == before["default"] and r.list_documents("b") == before["b"]
+
+        # a flat prompt holding a's chunk: found and reused in a, never from b's side
+        rec = r.index.chunks_of("pa", "a")[0]
+        flat = f"Read this.\n\n{rec.text}\n\nQuestion: {q}"
+        hits = {
+            c: RagkvLLM(rag=r, max_new_tokens=2, collection=c)
+            .generate([flat])
+            .generations[0][0]
+            .generation_info["ragkv"]["kv_hits"]
+            for c in ("a", "b")
+        }
+        assert hits["a"] >= 1 and hits["b"] == 0, hits
+
+        pieces = RagkvTextSplitter(r, collection="b").create_documents([texts[2]])
+        assert {p.metadata["ragkv_chunk_id"] for p in pieces} <= b_ids
+        from llama_index.core import Document as LlamaDocument
+
+        nodes = RagkvNodeParser(rag=r, collection="a").get_nodes_from_documents(
+            [LlamaDocument(text=texts[0])]
+        )
+        assert nodes and {n.metadata["ragkv_chunk_id"] for n in nodes} <= a_ids
+        assert r.list_documents("b") == before["b"]  # the same text held by a: nothing ingested into b
+    finally:
+        r.close()
+
+
 # ---- LlamaIndex -----------------------------------------------------------------------------------------
 def test_llama_index_llm_retriever_and_chat(rag, samples):
     q = samples[0]["question"]

@@ -41,6 +41,7 @@ from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.generate import SamplingParams, TokenEvent, request_params
 from ragkv.kv.chunk import chunk_key
 from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
+from ragkv.rag.collections import collection_name
 
 
 def check_backend(rag: Any) -> RAG:
@@ -163,6 +164,11 @@ class RagkvOptions(BaseModel):
         None, ge=1, description="chunks to retrieve when retrieve=True (None: the RAG's top_k)"
     )
     retrieve: bool = Field(False, description="retrieve chunks from ragkv's index when a call passes none")
+    collection: str | None = Field(
+        None,
+        description="the collection whose documents, chunks and stored KV calls use, and where foreign "
+        "documents are ingested (None: the default collection; any stored chunk in a flat prompt)",
+    )
     max_new_tokens: int = Field(
         DEFAULT_MAX_NEW_TOKENS,
         ge=1,
@@ -301,8 +307,11 @@ class Completion:
 class RagkvRunner:
     """Resolve framework documents to ragkv chunks and stream answers over them (thread-safe)."""
 
-    def __init__(self, rag: RAG):
+    def __init__(self, rag: RAG, collection: str | None = None):
         self.rag = check_backend(rag)
+        #: None: the default collection, and any stored chunk inside a flat prompt (the library's reuse)
+        self.collection = collection
+        self.coll = collection_name(collection)
 
     # ---- documents -> chunks --------------------------------------------------------------------
     def resolve(
@@ -329,12 +338,14 @@ class RagkvRunner:
         ingested: list[str] = []
         if foreign:
             with ingest_lock(self.rag):
-                todo = {d.id: d for d in foreign.values() if not self.rag.index.has_document(d.id)}
+                todo = {
+                    d.id: d for d in foreign.values() if not self.rag.index.has_document(d.id, self.coll)
+                }
                 if todo:
-                    self.rag.ingest(list(todo.values()), show_progress=False)
+                    self.rag.ingest(list(todo.values()), show_progress=False, collection=self.coll)
                     ingested = list(todo)
             for i, d in foreign.items():
-                slots[i] = self.rag.index.chunks_of(d.id)
+                slots[i] = self.rag.index.chunks_of(d.id, self.coll)
         return [s or [] for s in slots], ingested
 
     def lookup(self, item: Any, i: int = 0) -> list[ChunkRecord] | None:
@@ -347,7 +358,7 @@ class RagkvRunner:
         if cid is not None:
             if cid < 0:
                 raise KeyError(f"unknown chunk id {item!r}")
-            return self.rag.chunks_by_id([cid])  # KeyError on an unknown id
+            return self.rag.chunks_by_id([cid], self.coll)  # KeyError: unknown, or another collection's
         if isinstance(item, str) and (item.startswith(CHUNK_ID_PREFIX) or not item.strip()):
             raise KeyError(f"unknown chunk id {item!r}")
         text, meta, _ = doc_fields(item)
@@ -357,8 +368,8 @@ class RagkvRunner:
         if rec is not None:
             return [rec]
         doc_id = foreign_id(text)
-        if self.rag.index.has_document(doc_id):
-            return self.rag.index.chunks_of(doc_id)
+        if self.rag.index.has_document(doc_id, self.coll):
+            return self.rag.index.chunks_of(doc_id, self.coll)
         return self.held(text) or None
 
     def held(self, text: str) -> list[ChunkRecord]:
@@ -369,12 +380,12 @@ class RagkvRunner:
         model = self.rag.model
         for t in dict.fromkeys((text, text.strip())):
             key = chunk_key(model.encode(t), model.fingerprint)
-            recs = index.chunks_with_key(key)
+            recs = index.chunks_with_key(key, self.coll)
             if recs:
                 return recs[:1]
         for t in dict.fromkeys((text, text.strip())):
-            for doc_id in index.documents_with_text(t):
-                recs = index.chunks_of(doc_id)
+            for doc_id in index.documents_with_text(t, self.coll):
+                recs = index.chunks_of(doc_id, self.coll)
                 if recs:
                     return recs
         # a chunk's own text taken out of its document (a splitter's piece, a node): tokenized apart,
@@ -383,7 +394,7 @@ class RagkvRunner:
         if locator is not None:
             found = locator.find(model.encode(text))
             if len(found) == 1:
-                for rec in index.chunks_with_key(found[0].key):
+                for rec in index.chunks_with_key(found[0].key, self.coll):
                     if rec.text.strip() == text.strip():
                         return [rec]
         return []
@@ -393,7 +404,7 @@ class RagkvRunner:
         cid = parse_chunk_id(meta.get("ragkv_chunk_id"))
         if cid is None:
             return None
-        rec = self.rag.index.chunk(cid)
+        rec = self.rag.index.chunk(cid, self.coll)
         return rec if rec is not None and rec.text == text else None
 
     # ---- answering ----------------------------------------------------------------------------
@@ -411,7 +422,7 @@ class RagkvRunner:
         params = make_params(sampling)
         n, reason = 0, None
         for item in self.rag.answer_stream(
-            question, k=k, mode=mode, ratio=ratio, params=params, chunks=records
+            question, k=k, mode=mode, ratio=ratio, params=params, chunks=records, collection=self.coll
         ):
             if isinstance(item, RagAnswer):
                 yield Completion(
@@ -450,7 +461,7 @@ class RagkvRunner:
         format) are found and given as themselves (:meth:`ragkv.rag.RAG.stream_text`), so a flat
         prompt is the same job as the same text with those chunks given explicitly."""
         params = make_params(sampling)
-        items = self.rag.stream_text(prefix, chunk_texts, question, mode, ratio, params)
+        items = self.rag.stream_text(prefix, chunk_texts, question, mode, ratio, params, self.collection)
         n, reason = 0, None
         for item in items:
             if isinstance(item, RagAnswer):
@@ -583,11 +594,12 @@ CALL_KEYS = (
     "ratio",
     "k",
     "retrieve",
+    "collection",
     "max_tokens",
     "response_format",
     *SAMPLING_KEYS,
 )
-DEFAULT_KEYS = ("mode", "ratio", "k", "retrieve", *SAMPLING_KEYS)
+DEFAULT_KEYS = ("mode", "ratio", "k", "retrieve", "collection", *SAMPLING_KEYS)
 
 
 def call_events(
@@ -616,7 +628,7 @@ def call_events(
     constraint = format_constraint(opts.get("response_format"))
     if constraint is not None:  # a generator that cannot serve it (vLLM) refuses it: OptionNotServedError
         sampling["constraint"] = constraint
-    runner = RagkvRunner(rag)
+    runner = RagkvRunner(rag, o["collection"])
     chunks, chunk_ids = opts.get("chunks"), opts.get("chunk_ids")
     if chunks is not None or chunk_ids is not None:
         records, ingested = runner.resolve(chunks, chunk_ids)

@@ -593,9 +593,11 @@ class RAG:
         mode: str | None = None,
         ratio: float | str | None = None,
         params: SamplingParams | None = None,
+        collection: str | None = None,
     ) -> Iterator:
         """Complete a framework's prompt given as text, ``prefix + chunks + question`` (``chunks``
         may be empty: one flat prompt): token events, then a :class:`RagAnswer` without sources.
+        ``collection``: only its stored chunks are found in the text (None: any; :meth:`job`).
         The prefix starts with BOS when the tokenizer adds one; each of ``chunks`` is a chunk whose
         KV is found by content (stored after first use). In modes that reuse KV the stored chunks
         inside ``prefix`` and ``question`` are given as themselves (:meth:`segment_text`), so a flat
@@ -609,7 +611,7 @@ class RAG:
 
         def part(text: str, add_bos: bool) -> tuple[list[int], list[Located]]:
             if reuse:
-                return self.segment_text(text, add_bos)
+                return self.segment_text(text, add_bos, collection)
             return m.encode(text, add_bos=add_bos), []
 
         ids, found = part(prefix, True)
@@ -622,7 +624,7 @@ class RAG:
         ids += tail
         if not chunks and not tail and len(ids) <= 1:
             raise ValueError("empty prompt")
-        job = self.job(ids, found, mode, ratio, params)
+        job = self.job(ids, found, mode, ratio, params, kv_collection=collection)
         yield from self._answer(job, [], t0, 0.0)
 
     def segment_text(

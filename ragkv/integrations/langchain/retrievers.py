@@ -30,6 +30,7 @@ class RagkvRetriever(BaseRetriever):
 
     rag: Any = Field(exclude=True, description="the ragkv.rag.RAG whose index is searched")
     k: int | None = Field(None, ge=1, description="chunks per query (None: the RAG's top_k)")
+    collection: str | None = Field(None, description="the collection searched (None: the default one)")
 
     def _k(self, k: int | None, kwargs: dict) -> int | None:
         unknown = set(kwargs) - {"verbose"}  # BaseRetriever passes its own ``verbose`` through
@@ -40,7 +41,7 @@ class RagkvRetriever(BaseRetriever):
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None, **kwargs: Any
     ) -> list[Document]:
-        return [to_document(r) for r in self.rag.retrieve(query, self._k(k, kwargs))]
+        return [to_document(r) for r in self.rag.retrieve(query, self._k(k, kwargs), self.collection)]
 
     async def _aget_relevant_documents(
         self,
@@ -50,7 +51,7 @@ class RagkvRetriever(BaseRetriever):
         k: int | None = None,
         **kwargs: Any,
     ) -> list[Document]:
-        recs = await asyncio.to_thread(self.rag.retrieve, query, self._k(k, kwargs))
+        recs = await asyncio.to_thread(self.rag.retrieve, query, self._k(k, kwargs), self.collection)
         return [to_document(r) for r in recs]
 
     def _get_ls_params(self, **kwargs: Any) -> LangSmithRetrieverParams:

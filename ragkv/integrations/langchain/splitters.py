@@ -27,12 +27,13 @@ from ragkv.integrations.common import CHUNK_ID_PREFIX, RagkvRunner, check_backen
 class RagkvTextSplitter(BaseDocumentTransformer):
     """Split documents into the chunks ragkv stores for them (see the module docstring)."""
 
-    def __init__(self, rag: Any):
+    def __init__(self, rag: Any, collection: str | None = None):
         self.rag = check_backend(rag)
+        self.collection = collection  # whose chunks (None: the default collection); new text goes there
 
     def split_documents(self, documents: Iterable[Document]) -> list[Document]:
         docs = list(documents)
-        groups, _ = RagkvRunner(self.rag).resolve_each(docs)
+        groups, _ = RagkvRunner(self.rag, self.collection).resolve_each(docs)
         return [
             Document(
                 id=f"{CHUNK_ID_PREFIX}{rec.chunk_id}",

@@ -33,13 +33,14 @@ class RagkvNodeParser(NodeParser):
     """Split documents into the chunks ragkv stores for them (see the module docstring)."""
 
     rag: Any = Field(exclude=True, description="the ragkv.rag.RAG whose chunks the nodes are")
+    collection: str | None = Field(None, description="whose chunks (None: the default collection)")
 
     @classmethod
     def class_name(cls) -> str:
         return "RagkvNodeParser"
 
     def _parse_nodes(self, nodes: Sequence[BaseNode], show_progress: bool = False, **kwargs: Any) -> list:
-        groups, _ = RagkvRunner(self.rag).resolve_each(list(nodes))
+        groups, _ = RagkvRunner(self.rag, self.collection).resolve_each(list(nodes))
         out = []
         for node, recs in zip(nodes, groups, strict=True):
             built = build_nodes_from_splits([r.text for r in recs], node, id_func=self.id_func)

@@ -26,18 +26,19 @@ def to_node(rec: ChunkRecord) -> NodeWithScore:
 
 
 class RagkvLlamaRetriever(BaseRetriever):
-    """Top-``k`` chunks of a ``ragkv.rag.RAG``'s index."""
+    """Top-``k`` chunks of a ``ragkv.rag.RAG``'s index, of ``collection`` (None: the default one)."""
 
-    def __init__(self, rag: Any, k: int | None = None, **kwargs: Any):
+    def __init__(self, rag: Any, k: int | None = None, collection: str | None = None, **kwargs: Any):
         self.rag = rag
         self.k = k
+        self.collection = collection
         super().__init__(**kwargs)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [to_node(r) for r in self.rag.retrieve(query_bundle.query_str, self.k)]
+        return [to_node(r) for r in self.rag.retrieve(query_bundle.query_str, self.k, self.collection)]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         import asyncio
 
-        recs = await asyncio.to_thread(self.rag.retrieve, query_bundle.query_str, self.k)
+        recs = await asyncio.to_thread(self.rag.retrieve, query_bundle.query_str, self.k, self.collection)
         return [to_node(r) for r in recs]
