@@ -11,6 +11,7 @@ import argparse
 import errno
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -267,27 +268,68 @@ def _ingest(args) -> int:
     if not docs:
         print("error: no documents found", file=sys.stderr)
         return 2
+    if args.url:  # a running service owns the folder: ingest through its API (it holds the writer lock)
+        return _print_ingest(
+            len(docs), args.url, upload_documents(args.url, docs, args.api_key, args.collection)
+        )
     rag = build_rag(s, writer=True)  # one writer per data folder (a running `serve` holds it)
     _set_threads(args.threads, rag.model.config.hidden_size)
     rep = rag.ingest(docs, show_progress=not args.quiet, collection=args.collection)
     rag.close()
+    return _print_ingest(len(docs), s.data_dir, {k: getattr(rep, k) for k in INGEST_COUNTS})
+
+
+#: the counts an ingest reports, the library's :class:`~ragkv.rag.IngestReport` and the service's alike
+INGEST_COUNTS = ("documents_added", "documents_unchanged", "chunks_added", "kv_computed", "seconds")
+
+
+def _print_ingest(n_docs: int, where, counts: dict) -> int:
     print(
-        f"{len(docs)} documents -> {s.data_dir}: {rep.documents_added} added, {rep.documents_unchanged} unchanged, "
-        f"{rep.chunks_added} chunks, {rep.kv_computed} chunk KVs computed in {rep.seconds:.1f} s"
+        f"{n_docs} documents -> {where}: {counts['documents_added']} added, {counts['documents_unchanged']} "
+        f"unchanged, {counts['chunks_added']} chunks, {counts['kv_computed']} chunk KVs computed in "
+        f"{counts['seconds']:.1f} s"
     )
-    print(
-        json.dumps(
-            {
-                "documents": len(docs),
-                "documents_added": rep.documents_added,
-                "documents_unchanged": rep.documents_unchanged,
-                "chunks_added": rep.chunks_added,
-                "kv_computed": rep.kv_computed,
-                "seconds": round(rep.seconds, 3),
-            }
-        )
-    )
+    print(json.dumps({"documents": n_docs, **counts, "seconds": round(counts["seconds"], 3)}))
     return 0
+
+
+def upload_documents(
+    url: str, docs: list[dict], api_key: str | None, collection: str | None, batch_bytes: int = 4 << 20
+) -> dict:
+    """Ingest ``docs`` through a running service (``POST /v1/documents``, NDJSON batches of about
+    ``batch_bytes``, each committed whole); returns the summed counts. A refused batch raises
+    ValueError with the service's message, after the batches before it were committed."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/x-ndjson"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    if collection:
+        headers["X-Ragkv-Collection"] = collection
+    total = dict.fromkeys(INGEST_COUNTS, 0)
+    lines = [json.dumps({k: v for k, v in d.items() if v is not None}).encode() + b"\n" for d in docs]
+    while lines:
+        n, size = 0, 0
+        while n < len(lines) and (n == 0 or size + len(lines[n]) <= batch_bytes):
+            size += len(lines[n])
+            n += 1
+        body, lines = b"".join(lines[:n]), lines[n:]
+        req = urllib.request.Request(url.rstrip("/") + "/v1/documents", body, headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                got = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            try:
+                message = json.loads(e.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = e.reason
+            raise ValueError(f"{url} refused the upload ({e.code}): {message}") from None
+        except urllib.error.URLError as e:
+            raise ValueError(f"cannot reach {url}: {e.reason}") from None
+        for k in INGEST_COUNTS:
+            total[k] += got[k]
+    return total
 
 
 def _ask(args) -> int:
@@ -441,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--chunk-tokens", type=int, default=None)
     i.add_argument("--limit", type=int, default=None, help="ingest at most this many documents")
     i.add_argument("--collection", default=None, help="the collection to ingest into (default: default)")
+    i.add_argument(
+        "--url",
+        help="ingest through a running ragkv service (it holds the data folder: one writer per folder)",
+    )
+    i.add_argument("--api-key", default=os.environ.get("RAGKV_API_KEY"), help="with --url: a write key")
     i.add_argument("-q", "--quiet", action="store_true")
     i.set_defaults(func=_ingest)
 

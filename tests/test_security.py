@@ -513,6 +513,41 @@ def test_second_writer_on_a_data_dir_fails_clearly(open_server):
     assert p.returncode == 2 and "in use by another ragkv writer" in p.stdout, (p.stdout, p.stderr[-2000:])
 
 
+@pytest.mark.slow  # a live server and two command-line runs
+def test_ingest_beside_a_running_server_loses_nothing(open_server, tmp_path):
+    """Finding "two processes on one data folder race": ``ragkv ingest`` while ``ragkv serve`` runs
+    deleted the server's in-flight KV, and the server never saw the new documents. Now the command
+    stops before touching anything, with a message naming ``--url``; with ``--url`` it ingests through
+    the running service, which indexes and stores them; nothing the server held is lost."""
+    c, data = open_server
+    docs_before = set(c.get("/v1/documents").json()["ids"])
+    blobs_before = set(_blobs(data))
+    docs = [
+        {"id": f"cli-{i}", "text": f"Mia found a {w} near the old mill. It was shiny. " * 6}
+        for i, w in enumerate(["key", "coin"])
+    ]
+    f = tmp_path / "docs.jsonl"
+    f.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    env = {**os.environ, **LIMITS, "PYTHONPATH": str(REPO), "RAGKV_MODEL": str(stories_path())}
+    cli = [sys.executable, "-m", "ragkv.cli", "ingest", str(f), "-q"]
+    p = subprocess.run([*cli, "--data-dir", str(data)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "in use by another ragkv writer" in p.stderr and "--url" in p.stderr, (
+        p.stderr
+    )
+    assert set(c.get("/v1/documents").json()["ids"]) == docs_before and set(_blobs(data)) == blobs_before
+
+    p = subprocess.run([*cli, "--url", str(c.base_url)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert report["documents_added"] == 2 and report["kv_computed"] > 0
+    assert set(c.get("/v1/documents").json()["ids"]) == docs_before | {"cli-0", "cli-1"}
+    assert set(_blobs(data)) >= blobs_before and len(_blobs(data)) > len(blobs_before)  # no KV lost
+    r = c.post("/v1/query", json={"question": "What did Mia find?", "top_k": 1, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["sources"][0]["doc_id"].startswith("cli-"), r.text
+    p = subprocess.run([*cli, "--url", str(c.base_url)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and json.loads(p.stdout.strip().splitlines()[-1])["documents_unchanged"] == 2
+
+
 # ---- output ---------------------------------------------------------------------------------------------
 def test_output_is_strict_json_and_errors_hide_internals():
     """Strict JSON out (SSE events used json.dumps, which writes NaN); error bodies carry no text of

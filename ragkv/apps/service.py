@@ -766,7 +766,8 @@ def lock_data_dir(data_dir: Path):
         holder = f.read().strip() or "unknown"
         f.close()
         raise DataDirLocked(
-            f"{data_dir} is in use by another ragkv writer (pid {holder}); stop it, or use another data_dir"
+            f"{data_dir} is in use by another ragkv writer (pid {holder}); stop it, use another data_dir, "
+            "or ingest through the running service: ragkv ingest --url http://HOST:PORT FILES"
         ) from None
     f.seek(0)
     f.truncate()

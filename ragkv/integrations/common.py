@@ -338,9 +338,7 @@ class RagkvRunner:
         ingested: list[str] = []
         if foreign:
             with ingest_lock(self.rag):
-                todo = {
-                    d.id: d for d in foreign.values() if not self.rag.index.has_document(d.id, self.coll)
-                }
+                todo = {d.id: d for d in foreign.values() if not self.rag.index.has_document(d.id, self.coll)}
                 if todo:
                     self.rag.ingest(list(todo.values()), show_progress=False, collection=self.coll)
                     ingested = list(todo)
