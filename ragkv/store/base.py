@@ -57,6 +57,13 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_max_bytes(max_bytes: int | None) -> int | None:
+    """A store's size bound: positive, or None for unbounded."""
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
+    return max_bytes
+
+
 def check_layer_range(start: int, stop: int) -> None:
     if not (isinstance(start, int) and isinstance(stop, int)) or start < 0 or stop <= start:
         raise ValueError(f"invalid layer range [{start}, {stop})")
@@ -67,7 +74,9 @@ class LayerRangeError(ValueError):
 
 
 class ChunkStore(ABC):
-    """Where chunk KV lives between ingest and reuse; see the module docstring for the contract."""
+    """Where chunk KV lives between ingest and reuse; see the module docstring for the contract.
+
+    Subclasses set ``codec`` and ``auth`` (what :meth:`put` encodes a chunk with)."""
 
     def __init__(self) -> None:
         self._stats_lock = threading.Lock()
@@ -96,15 +105,19 @@ class ChunkStore(ABC):
         self._geometry: dict[str, KVGeometry] = {}
 
     # -- interface ------------------------------------------------------------------------------
-    @abstractmethod
     def put(self, chunk: ChunkKV) -> bool:
         """Store ``chunk`` under ``chunk.key`` unless already there; False when the backend failed."""
+        blobfmt.validate_chunk(chunk)
+        key = chunk.key
+        if not self.known_corrupt(key) and self._stored(key):
+            self._count("puts_skipped")
+            return True
+        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.codec, self.auth))
 
     @abstractmethod
     def put_blob(self, key: str, blob: bytes) -> bool:
         """Store an already encoded blob (tier promotion, copying between stores)."""
 
-    @abstractmethod
     def get(
         self,
         key: str,
@@ -113,8 +126,9 @@ class ChunkStore(ABC):
         dtype: torch.dtype | None = None,
     ) -> ChunkKV | None:
         """The whole chunk, or None on a miss of any kind."""
+        check_key(key)
+        return self._get(key, fingerprint, device, dtype)
 
-    @abstractmethod
     def load_layers(
         self,
         key: str,
@@ -130,6 +144,9 @@ class ChunkStore(ABC):
         ``out``: buffers to fill and return instead of allocating (reuse them across loads: fresh
         allocations page-fault, which dominated per-layer reads in our VM); device/dtype are theirs.
         After a miss their content is undefined."""
+        check_key(key)
+        check_layer_range(start, stop)
+        return self._load_layers(key, start, stop, fingerprint, device, dtype, out)
 
     @abstractmethod
     def header(self, key: str) -> BlobHeader | None:
@@ -181,7 +198,21 @@ class ChunkStore(ABC):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- helpers for subclasses -----------------------------------------------------------------
+    # -- for subclasses -------------------------------------------------------------------------
+    @abstractmethod
+    def _get(self, key: str, fingerprint: str, device, dtype) -> ChunkKV | None:
+        """:meth:`get` of a valid key."""
+
+    @abstractmethod
+    def _load_layers(
+        self, key: str, start: int, stop: int, fingerprint: str, device, dtype, out
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`load_layers` of a valid key and layer range."""
+
+    def _stored(self, key: str) -> bool:
+        """Whether :meth:`put` may skip ``key`` (a blob not known corrupt is stored)."""
+        return self.contains(key)
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:
             self._stats[name] = self._stats.get(name, 0) + n
@@ -279,14 +310,6 @@ class BlobStore(ChunkStore):
         self._forget(key)
 
     # -- writes ---------------------------------------------------------------------------------
-    def put(self, chunk: ChunkKV) -> bool:
-        blobfmt.validate_chunk(chunk)
-        key = chunk.key
-        if key not in self._corrupt and self.contains(key):
-            self._count("puts_skipped")
-            return True
-        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.codec, self.auth))
-
     def put_blob(self, key: str, blob: bytes) -> bool:
         check_key(key)
         hdr = blobfmt.parse_header(blob, self.auth)  # non-blob or foreign bytes are a caller bug: ValueError
@@ -320,15 +343,7 @@ class BlobStore(ChunkStore):
         return bool(self._guard("delete", key, lambda: self._delete(key), False))
 
     # -- reads ----------------------------------------------------------------------------------
-    def get(
-        self,
-        key: str,
-        fingerprint: str,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> ChunkKV | None:
-        check_key(key)
-
+    def _get(self, key: str, fingerprint: str, device, dtype) -> ChunkKV | None:
         def run() -> ChunkKV | None:
             got = self._fetch(key, fingerprint)
             if got is None:
@@ -343,19 +358,9 @@ class BlobStore(ChunkStore):
         check_key(key)
         return self._counted(self._guard("fetch", key, lambda: self._fetch(key, fingerprint), None))
 
-    def load_layers(
-        self,
-        key: str,
-        start: int,
-        stop: int,
-        fingerprint: str,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def _load_layers(
+        self, key: str, start: int, stop: int, fingerprint: str, device, dtype, out
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        check_key(key)
-        check_layer_range(start, stop)
-
         def run():
             got = self._read_segments(key, start, stop, fingerprint)
             if got is None:
