@@ -412,16 +412,9 @@ class VideoCodec(KVCodec):
         self.decode_into(data, k, v, header=hdr)
         return k, v
 
-    def decode_into(
-        self,
-        data: bytes | memoryview,
-        out_k: torch.Tensor,
-        out_v: torch.Tensor,
-        start: int = 0,
-        stop: int | None = None,
-        header: VideoHeader | None = None,
-    ) -> None:
-        """Restore layers ``[start, stop)`` of the group into preallocated ``out_k``, ``out_v`` (store protocol)."""
+    def decode_into(self, data, out_k, out_v, start=0, stop=None, header=None) -> None:
+        """Restore layers ``[start, stop)`` of the group into preallocated ``out_k``, ``out_v`` (store
+        protocol): :meth:`restore_frames` run to the end."""
         for _ in self.restore_frames(data, out_k, out_v, start, stop, header=header):
             pass
 
