@@ -153,13 +153,16 @@ class ChunkStore(ABC):
         """Token ids, shapes, dtype, codec, fingerprint ... without reading tensor data."""
 
     @abstractmethod
-    def contains(self, key: str) -> bool: ...
+    def contains(self, key: str) -> bool:
+        """Whether a blob is stored under ``key`` (not read: it may still turn out unusable)."""
 
     @abstractmethod
-    def delete(self, key: str) -> bool: ...
+    def delete(self, key: str) -> bool:
+        """Remove the blob under ``key``; whether there was one."""
 
     @abstractmethod
-    def keys(self) -> list[str]: ...
+    def keys(self) -> list[str]:
+        """The keys of the stored blobs."""
 
     @abstractmethod
     def nbytes(self) -> int:
