@@ -303,6 +303,14 @@ def test_settings_name_the_quotas(monkeypatch):
         load_settings()
 
 
+def _quota_error(r, code: int) -> dict:
+    """The error body of a quota refusal: status ``code``, ``quota_exceeded``, no Retry-After."""
+    assert r.status_code == code, r.text
+    err = r.json()["error"]
+    assert err["type"] == "quota_exceeded" and err["code"] == code and "retry-after" not in r.headers
+    return err
+
+
 @pytest.mark.slow  # builds the service's RAG (model, embedder, stepz store) and ingests over HTTP
 def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(tmp_path, texts):
     """Through the app: a document over ``max_document_tokens`` is 413 and a collection that would go
@@ -345,9 +353,7 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
         big = texts[3][:600]
         body = {"documents": [{"id": "d2", "text": d2}, {"id": "big", "text": big}]}
         r = c.post("/v1/documents", json=body, headers=_h(A_KEY))
-        assert r.status_code == 413, r.text
-        err = r.json()["error"]
-        assert err["type"] == "quota_exceeded" and err["code"] == 413 and "retry-after" not in r.headers
+        err = _quota_error(r, 413)
         assert err["details"] == {
             "limit": "max_document_tokens",
             "limit_value": 150,
@@ -369,9 +375,7 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
             content=ndjson,
             headers={**_h(A_KEY), "Content-Type": "application/x-ndjson"},
         )
-        assert r.status_code == 429, r.text
-        err = r.json()["error"]
-        assert err["type"] == "quota_exceeded" and err["code"] == 429 and "retry-after" not in r.headers
+        err = _quota_error(r, 429)
         assert err["details"] == {
             "limit": "max_collection_tokens",
             "limit_value": 300,
