@@ -1,5 +1,5 @@
-"""Small helpers the benchmarks (and the server tests) share: a median wall time, a free loopback
-port, and the HTTP service started on one."""
+"""Small helpers the benchmarks (and the server tests) share: a median wall time, a progress line, a
+free loopback port, and the HTTP service started on one."""
 
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ def median_time(fn, runs: int) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def progress(what: str, done: int, total: int, per_s: float) -> None:
+    """One stderr line for a log file: ``done`` of ``total`` ``what``, ``per_s`` each, and the time left."""
+    print(
+        f"{what}: {done}/{total}, {per_s:.1f} s each, about {per_s * (total - done) / 60:.1f} min left",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def free_port() -> int:
