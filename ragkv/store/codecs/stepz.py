@@ -77,13 +77,6 @@ def code_of(step: np.ndarray) -> np.ndarray:
 
 
 # ---- RoPE-aware bit allocation (Block-GTQ's idea) -----------------------------------------------
-def rope_blocks(head_dim: int) -> np.ndarray:
-    """``[head_dim/2, 2]`` channel pairs rotated together: ragkv's RoPE is the half-split (NeoX) form
-    (``ragkv.model.rope.Rotary.apply``), so block ``j`` is channels ``(j, j + head_dim/2)``."""
-    half = head_dim // 2
-    return np.stack([np.arange(half), np.arange(half) + half], axis=1)
-
-
 def allocate_block_bits(
     energy: np.ndarray, base_bits: int, min_bits: int | None = None, max_bits: int | None = None
 ) -> np.ndarray:

@@ -181,11 +181,6 @@ class VideoCodec(KVCodec):
         return VideoCodec(**kw, fingerprint=self.fingerprint)
 
     # -- encode -------------------------------------------------------------------------------------
-    @property
-    def takes_layer_start(self) -> bool:
-        """True when :meth:`encode` needs the group's first layer index (per-layer step allocation)."""
-        return any(s is not None for s in self.layer_steps)
-
     def _steps(self, which: int, layer_start: int | None, g: int) -> np.ndarray | None:
         steps = self.layer_steps[which]
         if steps is None:
@@ -271,7 +266,7 @@ class VideoCodec(KVCodec):
         """``k``, ``v``: ``[G, T, Hkv, D]`` with ``G <= group_size``; returns the segment bytes.
 
         ``layer_start`` (the group's first layer in the chunk) is recorded in the header and is
-        required when per-layer steps are configured (:attr:`takes_layer_start`); ``token_start``
+        required when per-layer steps are configured; ``token_start``
         is recorded only.
         """
         segs = self.encode_versions(k, v, [self.slots], layer_start=layer_start, token_start=token_start)
