@@ -50,6 +50,7 @@ from ragkv.store.codecs.base import (
     CodecError,
     KVCodec,
     check_kv,
+    code_for_scale,
     register_codec,
     scale_of,
     unpack_head,
@@ -63,17 +64,6 @@ _QMAX = 127
 _CODE_MIN, _CODE_MAX = -8 * 100, 8 * 100  # scales 2**-100 .. 2**100
 _MAX_OFFSET = 1 << 23  # |q + offset| < 2**24: exact in float32
 PROFILE_VERSION = 1
-
-
-# ---- steps: exact power-of-two scales -------------------------------------------------------------
-def code_of(step: np.ndarray) -> np.ndarray:
-    """Smallest codes whose scale is >= ``step`` (int32)."""
-    with np.errstate(divide="ignore"):
-        c = np.ceil(8.0 * np.log2(np.maximum(step, 2.0**-100)) - 1e-9)
-    c = np.clip(c, _CODE_MIN, _CODE_MAX).astype(np.int32)
-    low = scale_of(c) < step  # float rounding of log2: bump until the scale covers the step
-    c[low] += 1
-    return c
 
 
 # ---- RoPE-aware bit allocation (Block-GTQ's idea) -----------------------------------------------
@@ -305,7 +295,7 @@ class StepZCodec(KVCodec):
         # outlier-aware: widen a channel's step until its whole range fits int8 around the offset
         step = np.maximum(step, (hi - lo) / (2 * _QMAX - 2))
         step = np.maximum(step, np.abs(mean) / _MAX_OFFSET)
-        codes = code_of(step)
+        codes = code_for_scale(step, _CODE_MIN, _CODE_MAX)
         mid = (hi + lo) / 2
         while True:
             scale = scale_of(codes)
