@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ragkv.rag import RAG, ChunkIndex, Document, Embedder
+from ragkv.rag import RAG, ChunkIndex, Document
 from ragkv.rag.collections import DEFAULT_COLLECTION, InvalidCollectionError, collection_name
 from tests.helpers import musique_samples, stories_model
 from tests.test_server import running_server
@@ -121,11 +121,6 @@ def test_collections_partition_the_index(tmp_path):
     assert idx.document_ids("a") == [] and [r.chunk_id for r in idx.chunks_of("x", "b")] == ids_b
     assert idx.search(va[0], 3, "a") == [] and idx.collections() == ["b"]
     idx.close()
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
 
 
 def test_rag_retrieves_reads_and_reuses_only_its_collection(tmp_path, embedder):

@@ -17,14 +17,9 @@ import threading
 import numpy as np
 import pytest
 
-from ragkv.rag import RAG, ChunkIndex, Document, Embedder, QuotaExceededError, Quotas
+from ragkv.rag import RAG, ChunkIndex, Document, QuotaExceededError, Quotas
 from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, measure_kv_bytes_per_token
 from tests.helpers import musique_samples, stories_model, stories_path
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
 
 
 @pytest.fixture(scope="module")
