@@ -73,6 +73,28 @@ class LayerRangeError(ValueError):
     """The requested layers lie outside the stored chunk (a caller error, so it is raised)."""
 
 
+class WarnThrottle:
+    """Log a warning of one kind at most once per ``every_s`` seconds, counting the ones held back
+    (a store outage must not turn every chunk of every query into a log line)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
+        self.log, self.every_s = logger, every_s
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args) -> None:
+        """Warn now, or count it if a warning of ``kind`` went out less than ``every_s`` ago."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -1e18) < self.every_s:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        self.log.warning(msg + (f" [{held} similar warnings suppressed]" if held else ""), *args)
+
+
 class ChunkStore(ABC):
     """Where chunk KV lives between ingest and reuse; see the module docstring for the contract.
 
@@ -96,11 +118,8 @@ class ChunkStore(ABC):
             ),
             0,
         )
-        self._warn_lock = threading.Lock()
-        self._last_backend_warn = 0.0
-        self._suppressed_warns = 0
-        #: seconds between two "backend unavailable" warnings (corruption warnings are never throttled)
-        self.warn_every_s = 30.0
+        #: "backend unavailable" warnings at most every 30 s (``_warn.every_s``); corruption ones always
+        self._warn = WarnThrottle(log, every_s=30.0)
         #: model fingerprint -> the KV geometry its blobs must have (see :meth:`expect_geometry`)
         self._geometry: dict[str, KVGeometry] = {}
 
@@ -221,23 +240,16 @@ class ChunkStore(ABC):
             self._stats[name] = self._stats.get(name, 0) + n
 
     def _backend_failed(self, op: str, key: str | None, exc: BaseException) -> None:
-        """Log a backend failure, at most once per ``warn_every_s`` (a dead Redis must not flood logs)."""
+        """Log a backend failure, throttled by ``_warn`` (a dead Redis must not flood logs)."""
         self._count("errors")
-        now = time.monotonic()
-        with self._warn_lock:
-            if now - self._last_backend_warn < self.warn_every_s:
-                self._suppressed_warns += 1
-                return
-            suppressed, self._suppressed_warns = self._suppressed_warns, 0
-            self._last_backend_warn = now
-        log.warning(
-            "%s unavailable during %s%s: %s: %s; treating it as a miss (KV will be recomputed)%s",
+        self._warn.warning(
+            "backend",
+            "%s unavailable during %s%s: %s: %s; treating it as a miss (KV will be recomputed)",
             self.describe(),
             op,
             f" of chunk {key[:16]}" if key else "",
             type(exc).__name__,
             exc,
-            f" [{suppressed} similar warnings suppressed]" if suppressed else "",
         )
 
 

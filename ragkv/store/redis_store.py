@@ -53,7 +53,7 @@ class RedisStore(BlobStore):
         self.prefix = prefix
         self.index_key = f"{prefix}@index"
         self.down_backoff_s = down_backoff_s
-        self.warn_every_s = warn_every_s
+        self._warn.every_s = warn_every_s
         self._down_until = 0.0
         self._down_lock = threading.Lock()
         self._r = client or redis.Redis.from_url(
