@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import struct
 import threading
 from dataclasses import asdict, dataclass, field
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 import zstandard
 
+from ragkv.model.gguf import cache_root, write_json_atomic
 from ragkv.store.codecs.base import (
     CODE_DTYPES,
     CodecError,
@@ -171,15 +171,10 @@ class StepProfile:
 FALLBACK = StepProfile(k_steps=[0.12], v_steps=[0.2], meta={"fallback": True})
 
 
-def profile_dir() -> Path:
-    """``$RAGKV_CACHE_DIR/stepz`` (default ``~/.cache/ragkv/stepz``)."""
-    base = os.environ.get("RAGKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ragkv")
-    return Path(base) / "stepz"
-
-
 def profile_path(fingerprint: str, directory: Path | None = None) -> Path:
+    """Where a model's calibration lives: ``directory``, default ``$RAGKV_CACHE_DIR/stepz``."""
     safe = "".join(ch for ch in fingerprint if ch.isalnum())[:64] or "unknown"
-    return (directory or profile_dir()) / f"{safe}.json"
+    return (directory or cache_root() / "stepz") / f"{safe}.json"
 
 
 def load_profile(fingerprint: str, directory: Path | None = None) -> StepProfile | None:
@@ -199,12 +194,9 @@ def load_profile(fingerprint: str, directory: Path | None = None) -> StepProfile
 
 
 def save_profile(profile: StepProfile, directory: Path | None = None) -> Path:
-    """Write atomically (temp file + rename), so a crash never leaves a half-written calibration."""
+    """Write atomically, so a crash never leaves a half-written calibration."""
     path = profile_path(profile.fingerprint, directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(profile.to_json()))
-    os.replace(tmp, path)
+    write_json_atomic(path, profile.to_json())
     return path
 
 
