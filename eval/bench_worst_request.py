@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from eval.harness import launch_server
+from eval.harness import launch_server, stop_server
 from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.blend.spans import MAX_CHUNK_REFS
 
@@ -155,11 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:32} {status!s:>12} {took:8.3f} {worst:12.3f}")
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc, 30)
         tmp.cleanup()
     worst_row = max(rows, key=lambda r: r["seconds"])
     print(

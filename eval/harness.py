@@ -1,5 +1,5 @@
 """Small helpers the benchmarks (and the server tests) share: a median wall time, a progress line, a
-free loopback port, and the HTTP service started on one."""
+free loopback port, and the HTTP service started on one and stopped."""
 
 from __future__ import annotations
 
@@ -75,3 +75,13 @@ def launch_server(
         time.sleep(0.3)
     proc.kill()
     raise RuntimeError(f"server did not start within {timeout_s:g} s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Terminate a server :func:`launch_server` started; kill it if it is not gone within ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
