@@ -23,6 +23,14 @@ LLAMA3_ROPE = {
 }
 
 
+def bearer(key: str, collection: str | None = None) -> dict:
+    """Request headers of an API key (and the collection it names)."""
+    h = {"Authorization": f"Bearer {key}"}
+    if collection is not None:
+        h["X-Ragkv-Collection"] = collection
+    return h
+
+
 def yarn_rope(original_max_position_embeddings: int = 32) -> dict:
     """YaRN RoPE parameters (factor 4) for the small test configs."""
     return {
