@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from eval.harness import launch_server
+from eval.harness import launch_server, stop_server
 from eval.prompts import DATA_DIR, TINY_MODEL
 
 MODES = ("blend", "full")
@@ -246,11 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
         if tmp is not None and not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -40,7 +40,6 @@ import json
 import random
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +48,7 @@ import torch
 
 from eval.baselines import warm_prefix_cache
 from eval.fit import PassageFitter, fit_prompt, gold_strings
+from eval.harness import progress
 from eval.prompts import PromptBuilder, PromptIds, chat_frame, get_spec, load_samples
 from ragkv.blend import BlendSchedule, PrefixCache, prefill
 from ragkv.generate import SamplingParams, continuation_nll, generate
@@ -558,13 +558,7 @@ def main(argv=None) -> dict:
 
             for i, s in enumerate(todo, 1):
                 bench.run_sample(s, methods, done.get(s.index, set()), append)
-                per = (time.perf_counter() - t0) / i
-                print(
-                    f"{args.split}: {i}/{len(todo)} questions, {per:.1f} s each, "
-                    f"about {per * (len(todo) - i) / 60:.1f} min left",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                progress(f"{args.split} questions", i, len(todo), (time.perf_counter() - t0) / i)
     wanted = set(range(start, stop))
     recs = [r for r in records if r["sample"] in wanted and r["method"] in names]
     summary = summarize(recs, names, args.baseline if args.baseline in names else None)

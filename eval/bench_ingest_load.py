@@ -43,6 +43,7 @@ import httpx
 
 from eval.bench_api import percentile, start_server
 from eval.faults import WORDS, make_docs
+from eval.harness import stop_server
 from eval.prompts import TINY_MODEL
 
 MB = 1_000_000
@@ -384,11 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
                 health.join()
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001 - do not leave it behind
-                proc.kill()
+            stop_server(proc)
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
         else:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from eval.harness import launch_server
+from eval.harness import launch_server, stop_server
 from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.blend.spans import MAX_CHUNK_REFS
 
@@ -182,11 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:32} {status!s:>12} {took:8.3f} {shown} {worst:12.3f}")
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc, 30)
         tmp.cleanup()
     hostile = [r for r in rows if not r["request"].startswith("the same")]
     worst_row = max(hostile, key=lambda r: r["seconds"])

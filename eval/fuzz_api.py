@@ -30,6 +30,7 @@ import httpx
 
 from eval.bench_api import start_server
 from eval.faults import make_docs
+from eval.harness import stop_server
 from eval.prompts import TINY_MODEL
 
 W_KEY = "fuzz-write-key-0123456789"
@@ -194,8 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         server_log = log_path.read_text()
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
+            stop_server(proc)
     report = json.loads(next((tmp / "report").glob("json-*.json")).read_text())
     failures = parse_failures(run.stdout)
     kinds: dict[str, int] = {}

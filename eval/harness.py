@@ -1,5 +1,5 @@
-"""Small helpers the benchmarks (and the server tests) share: a median wall time, a free loopback
-port, and the HTTP service started on one."""
+"""Small helpers the benchmarks (and the server tests) share: a median wall time, a progress line, a
+free loopback port, and the HTTP service started on one and stopped."""
 
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ def median_time(fn, runs: int) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def progress(what: str, done: int, total: int, per_s: float) -> None:
+    """One stderr line for a log file: ``done`` of ``total`` ``what``, ``per_s`` each, and the time left."""
+    print(
+        f"{what}: {done}/{total}, {per_s:.1f} s each, about {per_s * (total - done) / 60:.1f} min left",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def free_port() -> int:
@@ -66,3 +75,13 @@ def launch_server(
         time.sleep(0.3)
     proc.kill()
     raise RuntimeError(f"server did not start within {timeout_s:g} s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Terminate a server :func:`launch_server` started; kill it if it is not gone within ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

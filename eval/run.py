@@ -32,6 +32,7 @@ import torch
 
 from eval.baselines import BASELINES, Baselines, warm_prefix_cache
 from eval.fit import FitError, PassageFitter, fit_prompt
+from eval.harness import progress
 from eval.prompts import (
     DATASETS,
     TINY_MODEL,
@@ -545,12 +546,7 @@ def _run(cfg: EvalConfig, spec, samples: list, data_sha: str) -> dict:
             bar.update(1)
             if cfg.progress and not tty:  # a log file gets one line per sample with the time left
                 per = (time.perf_counter() - t_loop) / i
-                print(
-                    f"{cfg.dataset}: {len(samples) - len(pending) + i}/{len(samples)} samples, "
-                    f"{per:.1f} s/sample, about {per * (len(pending) - i) / 60:.1f} min left",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                progress(f"{cfg.dataset} samples", len(samples) - len(pending) + i, len(samples), per)
         bar.close()
     except KeyboardInterrupt:
         partial = True

@@ -23,6 +23,24 @@ LLAMA3_ROPE = {
 }
 
 
+def bearer(key: str, collection: str | None = None) -> dict:
+    """Request headers of an API key (and the collection it names)."""
+    h = {"Authorization": f"Bearer {key}"}
+    if collection is not None:
+        h["X-Ragkv-Collection"] = collection
+    return h
+
+
+def yarn_rope(original_max_position_embeddings: int = 32) -> dict:
+    """YaRN RoPE parameters (factor 4) for the small test configs."""
+    return {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": original_max_position_embeddings,
+    }
+
+
 #: why the tests of the real vLLM package are skipped where it is missing
 NO_VLLM = (
     "vllm is not installed in this environment (CUDA-only on PyPI; for the contract tests install "

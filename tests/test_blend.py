@@ -10,22 +10,12 @@ from ragkv.blend.gate import self_check
 from ragkv.kv import KVMismatchError, compute_chunk_kv
 from ragkv.metrics import attention_deviation, first_token_kl
 from ragkv.model import PromptTooLongError, random_model
-from tests.helpers import LLAMA3_ROPE, sample_story_chunks, stories_model
+from tests.helpers import LLAMA3_ROPE, sample_story_chunks, stories_model, yarn_rope
 
 ARCHS = [
     ("llama", {}),
     ("llama", {"rope_parameters": LLAMA3_ROPE}),
-    (
-        "llama",
-        {
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 64,
-            }
-        },
-    ),
+    ("llama", {"rope_parameters": yarn_rope(64)}),
     ("qwen2", {}),
     ("mistral", {"sliding_window": 40}),
 ]

@@ -17,9 +17,9 @@ import httpx
 import numpy as np
 import pytest
 
-from ragkv.rag import RAG, ChunkIndex, Document, Embedder
+from ragkv.rag import RAG, ChunkIndex, Document
 from ragkv.rag.collections import DEFAULT_COLLECTION, InvalidCollectionError, collection_name
-from tests.helpers import musique_samples, stories_model
+from tests.helpers import bearer, musique_samples, stories_model
 from tests.test_server import running_server
 
 DIM = 8
@@ -123,11 +123,6 @@ def test_collections_partition_the_index(tmp_path):
     idx.close()
 
 
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
-
-
 def test_rag_retrieves_reads_and_reuses_only_its_collection(tmp_path, embedder):
     """``RAG`` takes a collection everywhere: ingest, list, retrieve, chunk reads, delete, and the
     stored chunks reused from inside a question (another collection's stored KV is not reused, and an
@@ -195,13 +190,6 @@ KEYS = {
 }
 
 
-def _h(key: str, collection: str | None = None) -> dict:
-    h = {"Authorization": f"Bearer {key}"}
-    if collection is not None:
-        h["X-Ragkv-Collection"] = collection
-    return h
-
-
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     """A keyed server with documents in collections a and b (b's ids also used in a: the same names)."""
@@ -217,7 +205,7 @@ def limited(tmp_path_factory):
         for coll, key in (("a", A_KEY), ("b", W_KEY)):
             for lo in range(0, len(docs[coll]), 4):  # RAGKV_MAX_DOCUMENTS=4
                 # A's key names no collection: its requests go to its first (and only) one
-                headers = _h(key) if key == A_KEY else _h(key, coll)
+                headers = bearer(key) if key == A_KEY else bearer(key, coll)
                 r = c.post("/v1/documents", json={"documents": docs[coll][lo : lo + 4]}, headers=headers)
                 assert r.status_code == 200, r.text
                 assert {d["status"] for d in r.json()["documents"]} == {"added"}
@@ -258,21 +246,21 @@ def test_a_key_limited_to_a_collection_never_sees_another(limited):
     unknown = top + 1000
 
     # documents: the listing is a's; b's ids, unknown ids and a's ids named in b are all 404
-    assert c.get("/v1/documents", headers=_h(A_KEY)).json()["ids"] == sorted(chunks["a"])
-    assert c.get("/v1/documents", headers=_h(RA_KEY)).json()["ids"] == sorted(chunks["a"])
-    assert c.get("/v1/documents", headers=_h(RA_KEY, "shared")).json() == {"ids": [], "total": 0}
-    ref = c.delete("/v1/documents/never-was", headers=_h(A_KEY))
+    assert c.get("/v1/documents", headers=bearer(A_KEY)).json()["ids"] == sorted(chunks["a"])
+    assert c.get("/v1/documents", headers=bearer(RA_KEY)).json()["ids"] == sorted(chunks["a"])
+    assert c.get("/v1/documents", headers=bearer(RA_KEY, "shared")).json() == {"ids": [], "total": 0}
+    ref = c.delete("/v1/documents/never-was", headers=bearer(A_KEY))
     for doc_id in rng.sample(sorted(chunks["b"]), 4):
         if doc_id in chunks["a"]:
             continue  # d0..d5 are a's own documents too (another document under the same name)
-        _same_404(c.delete(f"/v1/documents/{doc_id}", headers=_h(A_KEY)), ref, doc_id, "never-was")
-    assert set(c.get("/v1/documents", headers=_h(B_KEY)).json()["ids"]) == set(chunks["b"])
+        _same_404(c.delete(f"/v1/documents/{doc_id}", headers=bearer(A_KEY)), ref, doc_id, "never-was")
+    assert set(c.get("/v1/documents", headers=bearer(B_KEY)).json()["ids"]) == set(chunks["b"])
 
     # chunk ids: many random ids of b, unknown ids and a's; on /v1/query and on chat
-    ref_q = c.post("/v1/query", json={"question": "who?", "chunk_ids": [unknown]}, headers=_h(A_KEY))
+    ref_q = c.post("/v1/query", json={"question": "who?", "chunk_ids": [unknown]}, headers=bearer(A_KEY))
     chat = {"messages": [{"role": "user", "content": "who?"}], "max_tokens": 1}
     ref_c = c.post(
-        "/v1/chat/completions", json={**chat, "ragkv": {"chunk_ids": [unknown]}}, headers=_h(A_KEY)
+        "/v1/chat/completions", json={**chat, "ragkv": {"chunk_ids": [unknown]}}, headers=bearer(A_KEY)
     )
     probes = rng.sample(sorted(b_ids), min(24, len(b_ids))) + [
         rng.randrange(top + 1, 2**40) for _ in range(8)
@@ -280,25 +268,31 @@ def test_a_key_limited_to_a_collection_never_sees_another(limited):
     rng.shuffle(probes)
     for cid in probes:
         for key in (A_KEY, RA_KEY):
-            r = c.post("/v1/query", json={"question": "who?", "chunk_ids": [cid]}, headers=_h(key))
+            r = c.post("/v1/query", json={"question": "who?", "chunk_ids": [cid]}, headers=bearer(key))
             _same_404(r, ref_q, str(cid), str(unknown))
-        r = c.post("/v1/chat/completions", json={**chat, "ragkv": {"chunk_ids": [cid]}}, headers=_h(A_KEY))
+        r = c.post(
+            "/v1/chat/completions", json={**chat, "ragkv": {"chunk_ids": [cid]}}, headers=bearer(A_KEY)
+        )
         _same_404(r, ref_c, str(cid), str(unknown))
     for cid in rng.sample(sorted(a_ids), 3):  # a's own chunks are read, with their text
         r = c.post(
-            "/v1/query", json={"question": "who?", "chunk_ids": [cid], "max_tokens": 1}, headers=_h(A_KEY)
+            "/v1/query", json={"question": "who?", "chunk_ids": [cid], "max_tokens": 1}, headers=bearer(A_KEY)
         )
         assert r.status_code == 200 and [s["chunk_id"] for s in r.json()["sources"]] == [cid]
 
     # retrieval: questions made of b's texts retrieve a's chunks only
     for d in rng.sample(docs["b"], 5):
         r = c.post(
-            "/v1/query", json={"question": d["text"][:200], "max_tokens": 1, "top_k": 3}, headers=_h(RA_KEY)
+            "/v1/query",
+            json={"question": d["text"][:200], "max_tokens": 1, "top_k": 3},
+            headers=bearer(RA_KEY),
         )
         assert r.status_code == 200, r.text
         assert {s["chunk_id"] for s in r.json()["sources"]} <= a_ids
         r = c.post(
-            "/v1/query", json={"question": d["text"][:200], "max_tokens": 1, "top_k": 3}, headers=_h(B_KEY)
+            "/v1/query",
+            json={"question": d["text"][:200], "max_tokens": 1, "top_k": 3},
+            headers=bearer(B_KEY),
         )
         assert {s["chunk_id"] for s in r.json()["sources"]} <= b_ids
 
@@ -312,24 +306,26 @@ def test_a_key_limited_to_a_collection_never_sees_another(limited):
                 "max_tokens": 1,
                 "kv_transfer_params": {"ragkv": {"chunks": [chunk], "mode": "blend"}},
             }
-            seen = c.post("/v1/completions", json=body, headers=_h(A_KEY)).json()["ragkv"]
+            seen = c.post("/v1/completions", json=body, headers=bearer(A_KEY)).json()["ragkv"]
             assert seen["kv_hits"] == 0 and seen["kv_misses"] == 1 and seen["num_reused_rows"] == 0, seen
-            own = c.post("/v1/completions", json=body, headers=_h(B_KEY)).json()["ragkv"]
+            own = c.post("/v1/completions", json=body, headers=bearer(B_KEY)).json()["ragkv"]
             assert own["kv_hits"] == 1, own
             # an unlimited key reuses any stored chunk here, as a vLLM server with the plugin does
-            assert c.post("/v1/completions", json=body, headers=_h(W_KEY)).json()["ragkv"]["kv_hits"] == 1
+            assert c.post("/v1/completions", json=body, headers=bearer(W_KEY)).json()["ragkv"]["kv_hits"] == 1
         flat = {"prompt": [1, *toks, 5, 6], "max_tokens": 1}
-        assert c.post("/v1/completions", json=flat, headers=_h(A_KEY)).json()["ragkv"].get("kv_hits", 0) == 0
-        assert c.post("/v1/completions", json=flat, headers=_h(B_KEY)).json()["ragkv"]["kv_hits"] == 1
+        assert (
+            c.post("/v1/completions", json=flat, headers=bearer(A_KEY)).json()["ragkv"].get("kv_hits", 0) == 0
+        )
+        assert c.post("/v1/completions", json=flat, headers=bearer(B_KEY)).json()["ragkv"]["kv_hits"] == 1
     text = docs["b"][-1]["text"]  # b-only: its text pasted into a chat question
     pasted = {
         "messages": [{"role": "user", "content": text + "\nWho?"}],
         "max_tokens": 1,
         "ragkv": {"retrieve": False},
     }
-    r = c.post("/v1/chat/completions", json=pasted, headers=_h(A_KEY))
+    r = c.post("/v1/chat/completions", json=pasted, headers=bearer(A_KEY))
     assert r.json()["ragkv"]["stats"].get("kv_hits", 0) == 0
-    r = c.post("/v1/chat/completions", json=pasted, headers=_h(B_KEY))
+    r = c.post("/v1/chat/completions", json=pasted, headers=bearer(B_KEY))
     assert r.json()["ragkv"]["stats"]["kv_hits"] > 0
 
 
@@ -346,22 +342,22 @@ def test_naming_a_collection_a_key_may_not_use_is_403_and_bad_names_422(limited)
         ("DELETE", "/v1/documents/d0", None),
     ]:
         for name in ("b", "default", "no-such-collection"):  # existing or not: the same 403
-            r = c.request(method, path, json=body, headers=_h(A_KEY, name))
+            r = c.request(method, path, json=body, headers=bearer(A_KEY, name))
             assert r.status_code == 403, (path, name, r.text)
         for bad in ("a b", "x" * 65, "../a", "a,b"):
-            r = c.request(method, path, json=body, headers=_h(W_KEY, bad))
+            r = c.request(method, path, json=body, headers=bearer(W_KEY, bad))
             # OpenAI's routes answer a bad request 400, as OpenAI does; ragkv's own 422
             assert r.status_code == (400 if "completions" in path else 422), (path, bad, r.text)
             assert "X-Ragkv-Collection" in r.json()["error"]["message"]
-    assert c.get("/v1/documents", headers=_h(B_KEY)).json()["ids"] == sorted(chunks["b"])
+    assert c.get("/v1/documents", headers=bearer(B_KEY)).json()["ids"] == sorted(chunks["b"])
     # the admin route spans every collection: unlimited write keys only
-    assert c.post("/v1/admin/gc", json={}, headers=_h(A_KEY)).status_code == 403
-    assert c.post("/v1/admin/gc", json={}, headers=_h(W_KEY)).status_code == 200
+    assert c.post("/v1/admin/gc", json={}, headers=bearer(A_KEY)).status_code == 403
+    assert c.post("/v1/admin/gc", json={}, headers=bearer(W_KEY)).status_code == 200
     # an unlimited key works in any collection; with no header, in the default one
-    assert c.get("/v1/documents", headers=_h(W_KEY, "a")).json()["ids"] == sorted(chunks["a"])
-    assert c.get("/v1/documents", headers=_h(W_KEY)).json() == {"ids": [], "total": 0}
+    assert c.get("/v1/documents", headers=bearer(W_KEY, "a")).json()["ids"] == sorted(chunks["a"])
+    assert c.get("/v1/documents", headers=bearer(W_KEY)).json() == {"ids": [], "total": 0}
     # a's document named like one of b's is its own: a re-ingest of it is "unchanged", b's untouched
-    r = c.post("/v1/documents", json={"documents": docs["a"][:1]}, headers=_h(A_KEY))
+    r = c.post("/v1/documents", json={"documents": docs["a"][:1]}, headers=bearer(A_KEY))
     assert r.json()["documents"][0]["status"] == "unchanged"
     assert r.json()["documents"][0]["chunk_ids"] == chunks["a"][docs["a"][0]["id"]]
     assert re.fullmatch(r"d\d", docs["a"][0]["id"]) and docs["a"][0]["id"] in chunks["b"]

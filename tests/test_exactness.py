@@ -19,7 +19,7 @@ from ragkv.model import UnsupportedRopeError, random_hf_config
 from ragkv.model.config import ModelConfig
 from ragkv.model.llama import Model
 from ragkv.model.loader import model_fingerprint, tensors_digest
-from tests.helpers import LLAMA3_ROPE, top2_margin, ulps
+from tests.helpers import LLAMA3_ROPE, top2_margin, ulps, yarn_rope
 
 WINDOW = 6
 STEPS = 20
@@ -28,17 +28,7 @@ VARIANTS = {
     "llama-attention-bias": ("llama", {"attention_bias": True}),
     "llama-mha-tied": ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
-    "yarn-rope": (
-        "llama",
-        {
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 32,
-            }
-        },
-    ),
+    "yarn-rope": ("llama", {"rope_parameters": yarn_rope(32)}),
     "qwen2": ("qwen2", {}),
     # layers >= max_window_layers slide: here layer 0 attends to everything, layers 1-2 to 6 tokens
     "qwen2-layer-windows": (
@@ -254,7 +244,7 @@ def test_fingerprint_covers_bos_and_every_rope_parameter():
     assert _fp() == _fp()
     assert _fp(bos_token_id=1) != _fp(bos_token_id=5)
     assert _fp(attention_bias=True) != _fp()
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    yarn = yarn_rope(32)
     assert _fp(rope_parameters=yarn) != _fp(rope_parameters={**yarn, "factor": 2.0})
     # list-valued parameters count too (a fingerprint of their scalar siblings only would collide)
     from ragkv.model import loader

@@ -21,7 +21,7 @@ from llama_index.core.schema import TextNode  # noqa: E402
 
 from ragkv import LLM  # noqa: E402
 from ragkv.integrations.llama_index import RagkvLlamaEmbedding, RagkvLlamaLLM, RagkvLlamaRetriever  # noqa: E402
-from ragkv.rag import RAG, Embedder  # noqa: E402
+from ragkv.rag import RAG  # noqa: E402
 from tests.helpers import check_stop_strings, musique_samples, stories_path  # noqa: E402
 
 #: a ChatML template (SmolLM2's, without its default system turn) for the tiny model's tokenizer
@@ -29,11 +29,6 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
 
 
 @pytest.fixture(scope="module")

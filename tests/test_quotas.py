@@ -17,14 +17,9 @@ import threading
 import numpy as np
 import pytest
 
-from ragkv.rag import RAG, ChunkIndex, Document, Embedder, QuotaExceededError, Quotas
+from ragkv.rag import RAG, ChunkIndex, Document, QuotaExceededError, Quotas
 from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, measure_kv_bytes_per_token
-from tests.helpers import musique_samples, stories_model, stories_path
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
+from tests.helpers import bearer, musique_samples, stories_model, stories_path
 
 
 @pytest.fixture(scope="module")
@@ -355,13 +350,6 @@ A_KEY = "write-a-0123456789abcdef"  # collection a only
 RB_KEY = "read-b-0123456789abcdef"  # read-only, collection b only
 
 
-def _h(key: str, collection: str | None = None) -> dict:
-    h = {"Authorization": f"Bearer {key}"}
-    if collection is not None:
-        h["X-Ragkv-Collection"] = collection
-    return h
-
-
 def test_settings_name_the_quotas(monkeypatch):
     from ragkv.apps.config import Settings, load_settings
 
@@ -374,6 +362,14 @@ def test_settings_name_the_quotas(monkeypatch):
     monkeypatch.setenv("RAGKV_MAX_COLLECTION_TOKENS", "0")
     with pytest.raises(ValueError):
         load_settings()
+
+
+def _quota_error(r, code: int) -> dict:
+    """The error body of a quota refusal: status ``code``, ``quota_exceeded``, no Retry-After."""
+    assert r.status_code == code, r.text
+    err = r.json()["error"]
+    assert err["type"] == "quota_exceeded" and err["code"] == code and "retry-after" not in r.headers
+    return err
 
 
 @pytest.mark.slow  # builds the service's RAG (model, embedder, stepz store) and ingests over HTTP
@@ -410,17 +406,15 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
         d1, d2, d3 = texts[0][:200], texts[1][:200], texts[2][:200]
         t1, t2, t3 = (_tokens(rag, t) for t in (d1, d2, d3))
         assert max(t1, t2, t3) <= 150 and t1 + t2 <= 300 < t1 + t2 + t3
-        r = c.post("/v1/documents", json={"documents": [{"id": "d1", "text": d1}]}, headers=_h(A_KEY))
+        r = c.post("/v1/documents", json={"documents": [{"id": "d1", "text": d1}]}, headers=bearer(A_KEY))
         assert r.status_code == 200, r.text
         blobs = sorted(rag.store.keys())
 
         # a document over max_document_tokens, next to one that fits: 413, nothing ingested
         big = texts[3][:600]
         body = {"documents": [{"id": "d2", "text": d2}, {"id": "big", "text": big}]}
-        r = c.post("/v1/documents", json=body, headers=_h(A_KEY))
-        assert r.status_code == 413, r.text
-        err = r.json()["error"]
-        assert err["type"] == "quota_exceeded" and err["code"] == 413 and "retry-after" not in r.headers
+        r = c.post("/v1/documents", json=body, headers=bearer(A_KEY))
+        err = _quota_error(r, 413)
         assert err["details"] == {
             "limit": "max_document_tokens",
             "limit_value": 150,
@@ -429,22 +423,20 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
             "document": "big",
         }
         assert "max_document_tokens" in err["message"] and "nothing of this request" in err["message"]
-        assert c.get("/v1/documents", headers=_h(A_KEY)).json()["ids"] == ["d1"]
+        assert c.get("/v1/documents", headers=bearer(A_KEY)).json()["ids"] == ["d1"]
         assert sorted(rag.store.keys()) == blobs and rag.index.intents() == []
 
         # the collection's token quota: d2 fits, d3 would take it over (NDJSON upload: the same)
-        r = c.post("/v1/documents", json={"documents": [{"id": "d2", "text": d2}]}, headers=_h(A_KEY))
+        r = c.post("/v1/documents", json={"documents": [{"id": "d2", "text": d2}]}, headers=bearer(A_KEY))
         assert r.status_code == 200, r.text
         blobs = sorted(rag.store.keys())
         ndjson = json.dumps({"id": "d3", "text": d3}) + "\n"
         r = c.post(
             "/v1/documents",
             content=ndjson,
-            headers={**_h(A_KEY), "Content-Type": "application/x-ndjson"},
+            headers={**bearer(A_KEY), "Content-Type": "application/x-ndjson"},
         )
-        assert r.status_code == 429, r.text
-        err = r.json()["error"]
-        assert err["type"] == "quota_exceeded" and err["code"] == 429 and "retry-after" not in r.headers
+        err = _quota_error(r, 429)
         assert err["details"] == {
             "limit": "max_collection_tokens",
             "limit_value": 300,
@@ -453,14 +445,16 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
             "collection": "a",
         }
         assert f"now {t1 + t2:,}" in err["message"] and "(300)" in err["message"]
-        assert c.get("/v1/documents", headers=_h(A_KEY)).json()["ids"] == ["d1", "d2"]
+        assert c.get("/v1/documents", headers=bearer(A_KEY)).json()["ids"] == ["d1", "d2"]
         assert sorted(rag.store.keys()) == blobs
         # another collection has room of its own
-        r = c.post("/v1/documents", json={"documents": [{"id": "d3", "text": d3}]}, headers=_h(W_KEY, "b"))
+        r = c.post(
+            "/v1/documents", json={"documents": [{"id": "d3", "text": d3}]}, headers=bearer(W_KEY, "b")
+        )
         assert r.status_code == 200, r.text
 
         # usage: the collection's own numbers, only to keys that may use it
-        r = c.get("/v1/collections/a/usage", headers=_h(A_KEY))
+        r = c.get("/v1/collections/a/usage", headers=bearer(A_KEY))
         assert r.status_code == 200, r.text
         u, want = r.json(), rag.usage("a")
         assert u == {
@@ -477,18 +471,18 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
             },
         }
         assert 0 < want.kv_bytes_per_token < 2 * rag.model.config.num_layers * 1000  # stepz, not raw
-        assert c.get("/v1/collections/b/usage", headers=_h(RB_KEY)).json()["tokens"] == t3
-        assert c.get("/v1/collections/b/usage", headers=_h(W_KEY)).json()["documents"] == 1
+        assert c.get("/v1/collections/b/usage", headers=bearer(RB_KEY)).json()["tokens"] == t3
+        assert c.get("/v1/collections/b/usage", headers=bearer(W_KEY)).json()["documents"] == 1
         for key, name in ((A_KEY, "b"), (A_KEY, "no-such"), (RB_KEY, "a"), (RB_KEY, "default")):
-            r = c.get(f"/v1/collections/{name}/usage", headers=_h(key))
+            r = c.get(f"/v1/collections/{name}/usage", headers=bearer(key))
             assert r.status_code == 403, (key, name, r.text)
             assert "tokens" not in r.text
         assert c.get("/v1/collections/a/usage").status_code == 401
-        assert c.get("/v1/collections/a%20b/usage", headers=_h(W_KEY)).status_code == 422
-        empty = c.get("/v1/collections/never-used/usage", headers=_h(W_KEY)).json()
+        assert c.get("/v1/collections/a%20b/usage", headers=bearer(W_KEY)).status_code == 422
+        empty = c.get("/v1/collections/never-used/usage", headers=bearer(W_KEY)).json()
         assert (empty["documents"], empty["tokens"], empty["kv_bytes"]) == (0, 0, 0)
 
-        metrics = c.get("/metrics", headers=_h(W_KEY)).text
+        metrics = c.get("/metrics", headers=bearer(W_KEY)).text
         assert 'ragkv_quota_refusals{limit="max_document_tokens"} 1' in metrics
         assert 'ragkv_quota_refusals{limit="max_collection_tokens"} 1' in metrics
         assert 'ragkv_quota_refusals{limit="max_collection_kv_bytes"} 0' in metrics

@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eval.harness import launch_server
+from eval.harness import launch_server, stop_server
 from ragkv.apps.config import ConfigError, Settings, load_settings
 from tests.helpers import check_stop_strings, musique_samples, stories_path
 
@@ -53,12 +52,7 @@ def running_server(data: Path, **env_extra: str):
     try:
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc, 30)
     assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
 
 

@@ -56,6 +56,14 @@ def open_store(kind: str, request, tmp_path: Path, **opts):
     return store_from_url(f"{kind}://127.0.0.1:{server.port}/0?prefix={prefix}", **opts)
 
 
+def store_with_chunk(kind: str, request, tmp_path: Path, *chunk_args, store_opts=None, **chunk_kw):
+    """A fresh store of ``kind`` (:func:`open_store`) holding ``make_chunk(*chunk_args, **chunk_kw)``."""
+    store = open_store(kind, request, tmp_path, **(store_opts or {}))
+    chunk = make_chunk(*chunk_args, **chunk_kw)
+    store.put(chunk)
+    return store, chunk
+
+
 def assert_same(a: ChunkKV, b: ChunkKV) -> None:
     assert torch.equal(a.token_ids, b.token_ids)
     assert a.k.dtype == b.k.dtype and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
@@ -102,9 +110,7 @@ def test_raw_round_trip_is_bit_exact(kind, dtype, request, tmp_path):
 
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_int8_round_trip_within_bound_and_smaller(kind, request, tmp_path):
-    store = open_store(kind, request, tmp_path, codec="int8")
-    chunk = make_chunk(2, tokens=64)
-    store.put(chunk)
+    store, chunk = store_with_chunk(kind, request, tmp_path, 2, tokens=64, store_opts={"codec": "int8"})
     got = store.get(chunk.key, FP)
     assert got.k.dtype == torch.float16
     # gaussian data, 8 bits: relative error ~0.5%; 1.5% is a hard upper bound for this data
@@ -117,9 +123,7 @@ def test_int8_round_trip_within_bound_and_smaller(kind, request, tmp_path):
 
 @pytest.mark.parametrize("kind", ["memory", "file", "redis"])
 def test_per_layer_reads_equal_slices_and_read_fewer_bytes(kind, request, tmp_path):
-    store = open_store(kind, request, tmp_path)
-    chunk = make_chunk(3, num_layers=8, tokens=64)
-    store.put(chunk)
+    store, chunk = store_with_chunk(kind, request, tmp_path, 3, num_layers=8, tokens=64)
     store.header(chunk.key)  # warm the header cache, so the next reads are tensor bytes only
     before = store.stats()["bytes_read"]
     k, v = store.load_layers(chunk.key, 5, 6, FP)
@@ -184,9 +188,8 @@ def test_header_reads_no_tensor_bytes(tmp_path):
 
 @pytest.mark.parametrize("kind", ["memory", "file", "redis"])
 def test_header_longer_than_the_first_read(kind, request, tmp_path):
-    store = open_store(kind, request, tmp_path)
-    chunk = make_chunk(9, num_layers=2, tokens=4000)  # ~24 KB of token ids in the header
-    store.put(chunk)
+    # ~24 KB of token ids in the header
+    store, chunk = store_with_chunk(kind, request, tmp_path, 9, num_layers=2, tokens=4000)
     hdr = store.header(chunk.key)
     assert hdr.data_start > HEAD_READ_SIZE and hdr.token_ids == chunk.token_ids.tolist()
     k, v = store.load_layers(chunk.key, 1, 2, FP)
@@ -432,9 +435,7 @@ def _truncate(store, key: str, size: int) -> None:
 
 @pytest.mark.parametrize("kind", ["file", "redis"])
 def test_flipped_byte_is_a_miss_and_other_segments_still_read(kind, request, tmp_path, caplog):
-    store = open_store(kind, request, tmp_path)
-    chunk = make_chunk(40)
-    store.put(chunk)
+    store, chunk = store_with_chunk(kind, request, tmp_path, 40)
     hdr = store.header(chunk.key)
     seg = hdr.segments[2]
     _flip_byte(store, chunk.key, hdr.data_start + seg.offset + seg.length // 2)
@@ -453,9 +454,7 @@ def test_flipped_byte_is_a_miss_and_other_segments_still_read(kind, request, tmp
 
 @pytest.mark.parametrize("kind", ["file", "redis"])
 def test_flipped_header_byte_is_a_miss(kind, request, tmp_path, caplog):
-    store = open_store(kind, request, tmp_path)
-    chunk = make_chunk(41)
-    store.put(chunk)
+    store, chunk = store_with_chunk(kind, request, tmp_path, 41)
     _flip_byte(store, chunk.key, PREFIX_SIZE + 5)
     with caplog.at_level(logging.WARNING, "ragkv.store"):
         assert store.header(chunk.key) is None
@@ -465,9 +464,7 @@ def test_flipped_header_byte_is_a_miss(kind, request, tmp_path, caplog):
 
 @pytest.mark.parametrize("kind", ["file", "redis"])
 def test_truncated_blob_is_a_miss(kind, request, tmp_path, caplog):
-    store = open_store(kind, request, tmp_path)
-    chunk = make_chunk(42)
-    store.put(chunk)
+    store, chunk = store_with_chunk(kind, request, tmp_path, 42)
     hdr = store.header(chunk.key)
     last = hdr.segments[-1]
     _truncate(store, chunk.key, hdr.data_start + last.offset + 10)

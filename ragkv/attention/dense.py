@@ -136,10 +136,6 @@ class ContextTemper:
         if not 0.0 < self.temperature <= 2.0 or self.scale <= 0.0:
             raise ValueError("APE temperature must be in (0, 2] and its scale > 0")
 
-    @property
-    def is_identity(self) -> bool:
-        return self.temperature == 1.0 and self.scale == 1.0
-
     def context_keys(self, k_pos: torch.Tensor) -> torch.Tensor:
         """Bool ``[N]``: which keys (by position) are context rows."""
         ctx = self.context.to(k_pos.device)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ragkv.kv.chunk import ChunkKV
+from ragkv.model.gguf import write_json_atomic
 
 log = logging.getLogger("ragkv.blend")
 
@@ -147,10 +148,7 @@ class LoadingController:
         if cache:
             data = _read_cache(cache)
             data[ident] = {"prefill": prefill, "load": loads}
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1))
-            os.replace(tmp, cache)
+            write_json_atomic(cache, data, indent=1)
         return cls(prefill, loads, per_tok, r_min)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from ragkv.blend.locate import ChunkLocator, Located
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory, prefill_with_recovery
 from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.kv.compute import compute_chunk_kv
+from ragkv.store.base import WarnThrottle
 
 log = logging.getLogger("ragkv.blend")
 
@@ -77,28 +77,6 @@ class Resolved(list):
         super().__init__()
         self.hits = 0
         self.computed: list[ChunkKV] = []
-
-
-class WarnThrottle:
-    """Log a warning of one kind at most once per ``every_s`` seconds, counting the ones held back
-    (a store outage must not turn every chunk of every query into a log line)."""
-
-    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
-        self.log, self.every_s = logger, every_s
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def warning(self, kind: str, msg: str, *args) -> None:
-        """Warn now, or count it if a warning of ``kind`` went out less than ``every_s`` ago."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -1e18) < self.every_s:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            held = self._held.pop(kind, 0)
-        self.log.warning(msg + (f" [{held} similar warnings suppressed]" if held else ""), *args)
 
 
 class ChunkResolver:

@@ -30,20 +30,10 @@ import torch
 from ragkv.attention.dense import attention
 
 
-class LayerModelConfig(Protocol):
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    bos_token_id: int | None
-
-    def window(self, layer: int) -> int | None:
-        """The sliding window of ``layer`` (None: full causal)."""
-
-
 @dataclass(frozen=True)
 class LayerConfig:
-    """A plain :class:`LayerModelConfig`, for layer models that have no ragkv ``ModelConfig`` (vLLM's)."""
+    """What a layer model's ``config`` provides (ragkv's ``ModelConfig`` has it all): this plain one is
+    for layer models that have no ``ModelConfig`` (vLLM's)."""
 
     num_layers: int
     num_heads: int
@@ -54,6 +44,7 @@ class LayerConfig:
     layer_windows: tuple[int | None, ...]
 
     def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: full causal)."""
         return self.layer_windows[layer]
 
 
@@ -61,7 +52,7 @@ class LayerConfig:
 class LayerModel(Protocol):
     """A causal LM driven layer by layer on any rows (what :func:`run_layers` needs)."""
 
-    config: Any  # a LayerModelConfig
+    config: Any  # LayerConfig's fields and window()
     device: torch.device
     dtype: torch.dtype
     scale: float

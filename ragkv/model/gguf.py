@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,15 @@ class GGUFError(ValueError):
 
 def cache_root() -> Path:
     """ragkv's cache directory (``$RAGKV_CACHE_DIR``, default ``~/.cache/ragkv``)."""
-    return Path(os.environ.get("RAGKV_CACHE_DIR", Path.home() / ".cache" / "ragkv")).expanduser()
+    return Path(os.environ.get("RAGKV_CACHE_DIR") or Path.home() / ".cache" / "ragkv").expanduser()
+
+
+def write_json_atomic(path: Path, obj, indent: int | None = None) -> None:
+    """``obj`` as JSON at ``path``, through a temp file and a rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=indent))
+    os.replace(tmp, path)
 
 
 def find_gguf(path: str | os.PathLike) -> Path | None:
@@ -87,10 +96,7 @@ def file_digest(path: Path) -> str:
     digest = h.hexdigest()
     cache[ident] = digest
     try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        os.replace(tmp, cache_file)
+        write_json_atomic(cache_file, cache)
     except OSError:
         pass
     return digest

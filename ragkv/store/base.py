@@ -57,6 +57,13 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_max_bytes(max_bytes: int | None) -> int | None:
+    """A store's size bound: positive, or None for unbounded."""
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
+    return max_bytes
+
+
 def check_layer_range(start: int, stop: int) -> None:
     if not (isinstance(start, int) and isinstance(stop, int)) or start < 0 or stop <= start:
         raise ValueError(f"invalid layer range [{start}, {stop})")
@@ -66,8 +73,32 @@ class LayerRangeError(ValueError):
     """The requested layers lie outside the stored chunk (a caller error, so it is raised)."""
 
 
+class WarnThrottle:
+    """Log a warning of one kind at most once per ``every_s`` seconds, counting the ones held back
+    (a store outage must not turn every chunk of every query into a log line)."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
+        self.log, self.every_s = logger, every_s
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args) -> None:
+        """Warn now, or count it if a warning of ``kind`` went out less than ``every_s`` ago."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -1e18) < self.every_s:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        self.log.warning(msg + (f" [{held} similar warnings suppressed]" if held else ""), *args)
+
+
 class ChunkStore(ABC):
-    """Where chunk KV lives between ingest and reuse; see the module docstring for the contract."""
+    """Where chunk KV lives between ingest and reuse; see the module docstring for the contract.
+
+    Subclasses set ``codec`` and ``auth`` (what :meth:`put` encodes a chunk with)."""
 
     def __init__(self) -> None:
         self._stats_lock = threading.Lock()
@@ -87,24 +118,25 @@ class ChunkStore(ABC):
             ),
             0,
         )
-        self._warn_lock = threading.Lock()
-        self._last_backend_warn = 0.0
-        self._suppressed_warns = 0
-        #: seconds between two "backend unavailable" warnings (corruption warnings are never throttled)
-        self.warn_every_s = 30.0
+        #: "backend unavailable" warnings at most every 30 s (``_warn.every_s``); corruption ones always
+        self._warn = WarnThrottle(log, every_s=30.0)
         #: model fingerprint -> the KV geometry its blobs must have (see :meth:`expect_geometry`)
         self._geometry: dict[str, KVGeometry] = {}
 
     # -- interface ------------------------------------------------------------------------------
-    @abstractmethod
     def put(self, chunk: ChunkKV) -> bool:
         """Store ``chunk`` under ``chunk.key`` unless already there; False when the backend failed."""
+        blobfmt.validate_chunk(chunk)
+        key = chunk.key
+        if not self.known_corrupt(key) and self._stored(key):
+            self._count("puts_skipped")
+            return True
+        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.codec, self.auth))
 
     @abstractmethod
     def put_blob(self, key: str, blob: bytes) -> bool:
         """Store an already encoded blob (tier promotion, copying between stores)."""
 
-    @abstractmethod
     def get(
         self,
         key: str,
@@ -113,8 +145,9 @@ class ChunkStore(ABC):
         dtype: torch.dtype | None = None,
     ) -> ChunkKV | None:
         """The whole chunk, or None on a miss of any kind."""
+        check_key(key)
+        return self._get(key, fingerprint, device, dtype)
 
-    @abstractmethod
     def load_layers(
         self,
         key: str,
@@ -130,19 +163,25 @@ class ChunkStore(ABC):
         ``out``: buffers to fill and return instead of allocating (reuse them across loads: fresh
         allocations page-fault, which dominated per-layer reads in our VM); device/dtype are theirs.
         After a miss their content is undefined."""
+        check_key(key)
+        check_layer_range(start, stop)
+        return self._load_layers(key, start, stop, fingerprint, device, dtype, out)
 
     @abstractmethod
     def header(self, key: str) -> BlobHeader | None:
         """Token ids, shapes, dtype, codec, fingerprint ... without reading tensor data."""
 
     @abstractmethod
-    def contains(self, key: str) -> bool: ...
+    def contains(self, key: str) -> bool:
+        """Whether a blob is stored under ``key`` (not read: it may still turn out unusable)."""
 
     @abstractmethod
-    def delete(self, key: str) -> bool: ...
+    def delete(self, key: str) -> bool:
+        """Remove the blob under ``key``; whether there was one."""
 
     @abstractmethod
-    def keys(self) -> list[str]: ...
+    def keys(self) -> list[str]:
+        """The keys of the stored blobs."""
 
     @abstractmethod
     def nbytes(self) -> int:
@@ -181,29 +220,36 @@ class ChunkStore(ABC):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- helpers for subclasses -----------------------------------------------------------------
+    # -- for subclasses -------------------------------------------------------------------------
+    @abstractmethod
+    def _get(self, key: str, fingerprint: str, device, dtype) -> ChunkKV | None:
+        """:meth:`get` of a valid key."""
+
+    @abstractmethod
+    def _load_layers(
+        self, key: str, start: int, stop: int, fingerprint: str, device, dtype, out
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`load_layers` of a valid key and layer range."""
+
+    def _stored(self, key: str) -> bool:
+        """Whether :meth:`put` may skip ``key`` (a blob not known corrupt is stored)."""
+        return self.contains(key)
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:
             self._stats[name] = self._stats.get(name, 0) + n
 
     def _backend_failed(self, op: str, key: str | None, exc: BaseException) -> None:
-        """Log a backend failure, at most once per ``warn_every_s`` (a dead Redis must not flood logs)."""
+        """Log a backend failure, throttled by ``_warn`` (a dead Redis must not flood logs)."""
         self._count("errors")
-        now = time.monotonic()
-        with self._warn_lock:
-            if now - self._last_backend_warn < self.warn_every_s:
-                self._suppressed_warns += 1
-                return
-            suppressed, self._suppressed_warns = self._suppressed_warns, 0
-            self._last_backend_warn = now
-        log.warning(
-            "%s unavailable during %s%s: %s: %s; treating it as a miss (KV will be recomputed)%s",
+        self._warn.warning(
+            "backend",
+            "%s unavailable during %s%s: %s: %s; treating it as a miss (KV will be recomputed)",
             self.describe(),
             op,
             f" of chunk {key[:16]}" if key else "",
             type(exc).__name__,
             exc,
-            f" [{suppressed} similar warnings suppressed]" if suppressed else "",
         )
 
 
@@ -279,14 +325,6 @@ class BlobStore(ChunkStore):
         self._forget(key)
 
     # -- writes ---------------------------------------------------------------------------------
-    def put(self, chunk: ChunkKV) -> bool:
-        blobfmt.validate_chunk(chunk)
-        key = chunk.key
-        if key not in self._corrupt and self.contains(key):
-            self._count("puts_skipped")
-            return True
-        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.codec, self.auth))
-
     def put_blob(self, key: str, blob: bytes) -> bool:
         check_key(key)
         hdr = blobfmt.parse_header(blob, self.auth)  # non-blob or foreign bytes are a caller bug: ValueError
@@ -320,15 +358,7 @@ class BlobStore(ChunkStore):
         return bool(self._guard("delete", key, lambda: self._delete(key), False))
 
     # -- reads ----------------------------------------------------------------------------------
-    def get(
-        self,
-        key: str,
-        fingerprint: str,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> ChunkKV | None:
-        check_key(key)
-
+    def _get(self, key: str, fingerprint: str, device, dtype) -> ChunkKV | None:
         def run() -> ChunkKV | None:
             got = self._fetch(key, fingerprint)
             if got is None:
@@ -343,19 +373,9 @@ class BlobStore(ChunkStore):
         check_key(key)
         return self._counted(self._guard("fetch", key, lambda: self._fetch(key, fingerprint), None))
 
-    def load_layers(
-        self,
-        key: str,
-        start: int,
-        stop: int,
-        fingerprint: str,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def _load_layers(
+        self, key: str, start: int, stop: int, fingerprint: str, device, dtype, out
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        check_key(key)
-        check_layer_range(start, stop)
-
         def run():
             got = self._read_segments(key, start, stop, fingerprint)
             if got is None:
@@ -512,8 +532,7 @@ class BlobStore(ChunkStore):
         mv = memoryview(data)
         for s in hdr.segments:
             seg = mv[hdr.data_start + s.offset : hdr.data_start + s.offset + s.length]
-            if self.verify:
-                blobfmt.check_segment(s, seg, self.auth)
+            blobfmt.check_segment(s, seg, self.auth, self.verify)
         self._cache_header(key, hdr)
         return hdr, data
 
@@ -541,10 +560,7 @@ class BlobStore(ChunkStore):
                 out = []
                 for s in segs:
                     seg = mv[s.offset - lo : s.offset - lo + s.length]
-                    if self.verify:
-                        blobfmt.check_segment(s, seg, self.auth)
-                    else:
-                        _check_length(s, seg)
+                    blobfmt.check_segment(s, seg, self.auth, self.verify)
                     out.append((s, seg))
                 return hdr, out
             except BlobError:
@@ -570,13 +586,6 @@ def decode_blob(
         for s in hdr.segments_for(start, stop)
     ]
     return blobfmt.decode_segments(hdr, segs, start, stop, device, dtype)
-
-
-def _check_length(seg: Segment, data: memoryview) -> None:
-    if len(data) != seg.length:
-        raise BlobError(
-            f"segment of layers [{seg.start},{seg.stop}) truncated: {len(data)} of {seg.length} bytes"
-        )
 
 
 def _short(key: str | None) -> str:

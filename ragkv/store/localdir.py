@@ -24,9 +24,7 @@ import time
 from pathlib import Path
 
 from ragkv.store import blob as blobfmt
-from ragkv.store.base import BlobStore, StoreFullError
-from ragkv.store.blob import BlobAuth
-from ragkv.store.codecs.base import KVCodec
+from ragkv.store.base import BlobStore, StoreFullError, check_max_bytes
 
 log = logging.getLogger("ragkv.store")
 
@@ -52,21 +50,14 @@ class LocalDirStore(BlobStore):
         self,
         root: str | os.PathLike,
         max_bytes: int | None = None,
-        codec: str | KVCodec = "raw",
-        codec_options: dict | None = None,
-        verify: bool = True,
         fsync: bool = False,
         access_flush_s: float = 5.0,
-        hmac_key: bytes | str | BlobAuth | None = None,
-        codecs: str | list[str] | None = None,
+        **options,
     ) -> None:
-        super().__init__(
-            codec=codec, codec_options=codec_options, verify=verify, hmac_key=hmac_key, codecs=codecs
-        )
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
+        """``options``: :class:`BlobStore`'s (``codec``, ``codec_options``, ``verify``, ``hmac_key``, ``codecs``)."""
+        super().__init__(**options)
+        self.max_bytes = check_max_bytes(max_bytes)
         self.root = Path(root).expanduser().resolve()
-        self.max_bytes = max_bytes
         self.fsync = fsync
         self.access_flush_s = access_flush_s
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)

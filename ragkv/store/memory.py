@@ -10,29 +10,16 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from ragkv.store.base import BlobStore, StoreWriteError
-from ragkv.store.blob import BlobAuth
-from ragkv.store.codecs.base import KVCodec
+from ragkv.store.base import BlobStore, StoreWriteError, check_max_bytes
 
 
 class MemoryStore(BlobStore):
     """LRU over whole blobs; ``max_bytes=None`` means unbounded."""
 
-    def __init__(
-        self,
-        max_bytes: int | None = None,
-        codec: str | KVCodec = "raw",
-        codec_options: dict | None = None,
-        verify: bool = False,
-        hmac_key: bytes | str | BlobAuth | None = None,
-        codecs: str | list[str] | None = None,
-    ) -> None:
-        super().__init__(
-            codec=codec, codec_options=codec_options, verify=verify, hmac_key=hmac_key, codecs=codecs
-        )
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive or None, got {max_bytes}")
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int | None = None, verify: bool = False, **options) -> None:
+        """``options``: :class:`BlobStore`'s (``codec``, ``codec_options``, ``hmac_key``, ``codecs``)."""
+        super().__init__(verify=verify, **options)
+        self.max_bytes = check_max_bytes(max_bytes)
         self._blobs: OrderedDict[str, bytes] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()

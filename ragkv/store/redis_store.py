@@ -22,8 +22,6 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ragkv.store.base import BlobStore
-from ragkv.store.blob import BlobAuth
-from ragkv.store.codecs.base import KVCodec
 
 
 class RedisDownError(redis.exceptions.ConnectionError):
@@ -39,28 +37,23 @@ class RedisStore(BlobStore):
         self,
         url: str = "redis://127.0.0.1:6379/0",
         prefix: str = "ragkv:kv:",
-        codec: str | KVCodec = "raw",
-        codec_options: dict | None = None,
-        verify: bool = True,
         socket_timeout: float = 2.0,
         connect_timeout: float = 1.0,
         retries: int = 1,
         down_backoff_s: float = 2.0,
         warn_every_s: float = 30.0,
         client: redis.Redis | None = None,
-        hmac_key: bytes | str | BlobAuth | None = None,
-        codecs: str | list[str] | None = None,
+        **options,
     ) -> None:
-        super().__init__(
-            codec=codec, codec_options=codec_options, verify=verify, hmac_key=hmac_key, codecs=codecs
-        )
+        """``options``: :class:`BlobStore`'s (``codec``, ``codec_options``, ``verify``, ``hmac_key``, ``codecs``)."""
+        super().__init__(**options)
         if not prefix or "@" in prefix:
             raise ValueError(f"invalid Redis key prefix {prefix!r}")
         self.url = url
         self.prefix = prefix
         self.index_key = f"{prefix}@index"
         self.down_backoff_s = down_backoff_s
-        self.warn_every_s = warn_every_s
+        self._warn.every_s = warn_every_s
         self._down_until = 0.0
         self._down_lock = threading.Lock()
         self._r = client or redis.Redis.from_url(

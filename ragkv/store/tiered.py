@@ -16,7 +16,7 @@ import torch
 
 from ragkv.kv.chunk import ChunkKV
 from ragkv.store import blob as blobfmt
-from ragkv.store.base import BlobStore, ChunkStore, check_key, check_layer_range, decode_blob
+from ragkv.store.base import BlobStore, ChunkStore, decode_blob
 from ragkv.store.blob import BlobHeader
 from ragkv.store.memory import MemoryStore
 
@@ -33,7 +33,7 @@ class TieredStore(ChunkStore):
     ) -> None:
         super().__init__()
         self.backend = backend
-        self.codec = backend.codec
+        self.codec, self.auth = backend.codec, backend.auth
         self.memory = (
             memory
             if memory is not None
@@ -51,15 +51,8 @@ class TieredStore(ChunkStore):
         return f"TieredStore({self.memory.describe()} -> {self.backend.describe()})"
 
     # -- writes ---------------------------------------------------------------------------------
-    def put(self, chunk: ChunkKV) -> bool:
-        blobfmt.validate_chunk(chunk)
-        key = chunk.key
-        if not self.known_corrupt(key) and self.backend.contains(
-            key
-        ):  # the durable copy decides (memory may hold one the backend missed)
-            self._count("puts_skipped")
-            return True
-        return self.put_blob(key, blobfmt.encode_chunk(chunk, self.backend.codec, self.backend.auth))
+    def _stored(self, key: str) -> bool:
+        return self.backend.contains(key)  # the durable copy decides (memory may hold one the backend missed)
 
     def put_blob(self, key: str, blob: bytes) -> bool:
         ok_backend = self.backend.put_blob(key, blob)
@@ -88,14 +81,7 @@ class TieredStore(ChunkStore):
         return a or b
 
     # -- reads ----------------------------------------------------------------------------------
-    def get(
-        self,
-        key: str,
-        fingerprint: str,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> ChunkKV | None:
-        check_key(key)
+    def _get(self, key: str, fingerprint: str, device, dtype) -> ChunkKV | None:
         if self.memory.contains(key):
             chunk = self.memory.get(key, fingerprint, device, dtype)
             if chunk is not None:
@@ -109,18 +95,9 @@ class TieredStore(ChunkStore):
         k, v = decode_blob(hdr, data, 0, hdr.num_layers, device, dtype)
         return self._hit("backend_hits", blobfmt.to_chunk(hdr, k, v))
 
-    def load_layers(
-        self,
-        key: str,
-        start: int,
-        stop: int,
-        fingerprint: str,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def _load_layers(
+        self, key: str, start: int, stop: int, fingerprint: str, device, dtype, out
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        check_key(key)
-        check_layer_range(start, stop)
         if self.memory.contains(key):
             kv = self.memory.load_layers(key, start, stop, fingerprint, device, dtype, out)
             if kv is not None:

@@ -95,6 +95,18 @@ def scale_of(code: np.ndarray) -> np.ndarray:
     return np.ldexp(_FRAC[c & 7], c >> 3).astype(np.float32)
 
 
+def code_for_scale(step: np.ndarray, code_min: int, code_max: int) -> np.ndarray:
+    """Smallest codes in ``[code_min, code_max]`` (int32) whose scale is >= ``step``: a step may grow,
+    never shrink (that could clip)."""
+    with np.errstate(divide="ignore"):
+        c = np.ceil(8.0 * np.log2(np.maximum(step, 2.0 ** (code_min / 8))) - 1e-9)
+    c = np.clip(c, code_min, code_max).astype(np.int32)
+    c[(scale_of(c) < step) & (c < code_max)] += (
+        1  # float rounding of log2: bump until the scale covers the step
+    )
+    return c
+
+
 _REGISTRY: dict[str, Callable[..., KVCodec]] = {}
 
 

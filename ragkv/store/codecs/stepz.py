@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import struct
 import threading
 from dataclasses import asdict, dataclass, field
@@ -45,11 +44,13 @@ import numpy as np
 import torch
 import zstandard
 
+from ragkv.model.gguf import cache_root, write_json_atomic
 from ragkv.store.codecs.base import (
     CODE_DTYPES,
     CodecError,
     KVCodec,
     check_kv,
+    code_for_scale,
     register_codec,
     scale_of,
     unpack_head,
@@ -65,25 +66,7 @@ _MAX_OFFSET = 1 << 23  # |q + offset| < 2**24: exact in float32
 PROFILE_VERSION = 1
 
 
-# ---- steps: exact power-of-two scales -------------------------------------------------------------
-def code_of(step: np.ndarray) -> np.ndarray:
-    """Smallest codes whose scale is >= ``step`` (int32)."""
-    with np.errstate(divide="ignore"):
-        c = np.ceil(8.0 * np.log2(np.maximum(step, 2.0**-100)) - 1e-9)
-    c = np.clip(c, _CODE_MIN, _CODE_MAX).astype(np.int32)
-    low = scale_of(c) < step  # float rounding of log2: bump until the scale covers the step
-    c[low] += 1
-    return c
-
-
 # ---- RoPE-aware bit allocation (Block-GTQ's idea) -----------------------------------------------
-def rope_blocks(head_dim: int) -> np.ndarray:
-    """``[head_dim/2, 2]`` channel pairs rotated together: ragkv's RoPE is the half-split (NeoX) form
-    (``ragkv.model.rope.Rotary.apply``), so block ``j`` is channels ``(j, j + head_dim/2)``."""
-    half = head_dim // 2
-    return np.stack([np.arange(half), np.arange(half) + half], axis=1)
-
-
 def allocate_block_bits(
     energy: np.ndarray, base_bits: int, min_bits: int | None = None, max_bits: int | None = None
 ) -> np.ndarray:
@@ -188,15 +171,10 @@ class StepProfile:
 FALLBACK = StepProfile(k_steps=[0.12], v_steps=[0.2], meta={"fallback": True})
 
 
-def profile_dir() -> Path:
-    """``$RAGKV_CACHE_DIR/stepz`` (default ``~/.cache/ragkv/stepz``)."""
-    base = os.environ.get("RAGKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ragkv")
-    return Path(base) / "stepz"
-
-
 def profile_path(fingerprint: str, directory: Path | None = None) -> Path:
+    """Where a model's calibration lives: ``directory``, default ``$RAGKV_CACHE_DIR/stepz``."""
     safe = "".join(ch for ch in fingerprint if ch.isalnum())[:64] or "unknown"
-    return (directory or profile_dir()) / f"{safe}.json"
+    return (directory or cache_root() / "stepz") / f"{safe}.json"
 
 
 def load_profile(fingerprint: str, directory: Path | None = None) -> StepProfile | None:
@@ -216,12 +194,9 @@ def load_profile(fingerprint: str, directory: Path | None = None) -> StepProfile
 
 
 def save_profile(profile: StepProfile, directory: Path | None = None) -> Path:
-    """Write atomically (temp file + rename), so a crash never leaves a half-written calibration."""
+    """Write atomically, so a crash never leaves a half-written calibration."""
     path = profile_path(profile.fingerprint, directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(profile.to_json()))
-    os.replace(tmp, path)
+    write_json_atomic(path, profile.to_json())
     return path
 
 
@@ -312,7 +287,7 @@ class StepZCodec(KVCodec):
         # outlier-aware: widen a channel's step until its whole range fits int8 around the offset
         step = np.maximum(step, (hi - lo) / (2 * _QMAX - 2))
         step = np.maximum(step, np.abs(mean) / _MAX_OFFSET)
-        codes = code_of(step)
+        codes = code_for_scale(step, _CODE_MIN, _CODE_MAX)
         mid = (hi + lo) / 2
         while True:
             scale = scale_of(codes)

@@ -40,10 +40,3 @@ def allocate_layer_steps(
     steps = [hi if a <= 0 else min(hi, max(lo, math.sqrt(share / a))) for a in sens]
     half = len(k_kl)
     return steps[:half], steps[half:]
-
-
-def predicted_kl(k_kl: Sequence[float], v_kl: Sequence[float], probe: float, k_steps, v_steps) -> float:
-    """The model's KL for given steps (sum of ``a_i * s_i**2``)."""
-    return sum(
-        max(x, 0.0) / probe**2 * s**2 for x, s in zip((*k_kl, *v_kl), (*k_steps, *v_steps), strict=True)
-    )

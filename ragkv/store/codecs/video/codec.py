@@ -181,11 +181,6 @@ class VideoCodec(KVCodec):
         return VideoCodec(**kw, fingerprint=self.fingerprint)
 
     # -- encode -------------------------------------------------------------------------------------
-    @property
-    def takes_layer_start(self) -> bool:
-        """True when :meth:`encode` needs the group's first layer index (per-layer step allocation)."""
-        return any(s is not None for s in self.layer_steps)
-
     def _steps(self, which: int, layer_start: int | None, g: int) -> np.ndarray | None:
         steps = self.layer_steps[which]
         if steps is None:
@@ -271,7 +266,7 @@ class VideoCodec(KVCodec):
         """``k``, ``v``: ``[G, T, Hkv, D]`` with ``G <= group_size``; returns the segment bytes.
 
         ``layer_start`` (the group's first layer in the chunk) is recorded in the header and is
-        required when per-layer steps are configured (:attr:`takes_layer_start`); ``token_start``
+        required when per-layer steps are configured; ``token_start``
         is recorded only.
         """
         segs = self.encode_versions(k, v, [self.slots], layer_start=layer_start, token_start=token_start)
@@ -412,16 +407,9 @@ class VideoCodec(KVCodec):
         self.decode_into(data, k, v, header=hdr)
         return k, v
 
-    def decode_into(
-        self,
-        data: bytes | memoryview,
-        out_k: torch.Tensor,
-        out_v: torch.Tensor,
-        start: int = 0,
-        stop: int | None = None,
-        header: VideoHeader | None = None,
-    ) -> None:
-        """Restore layers ``[start, stop)`` of the group into preallocated ``out_k``, ``out_v`` (store protocol)."""
+    def decode_into(self, data, out_k, out_v, start=0, stop=None, header=None) -> None:
+        """Restore layers ``[start, stop)`` of the group into preallocated ``out_k``, ``out_v`` (store
+        protocol): :meth:`restore_frames` run to the end."""
         for _ in self.restore_frames(data, out_k, out_v, start, stop, header=header):
             pass
 

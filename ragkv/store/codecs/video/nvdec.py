@@ -123,14 +123,6 @@ def min_size(planes: str, depth: int, gpu: int = 0) -> tuple[int, int]:
     return (h, w) if h > 0 and w > 0 else HEVC_MIN_SIZE
 
 
-def fits(planes: str, depth: int, height: int, width: int, gpu: int = 0) -> bool:
-    """Whether NVDEC takes a ``height x width`` stream of this format (format, version and size)."""
-    if not supports(planes, depth):
-        return False
-    mh, mw = min_size(planes, depth, gpu)
-    return height >= mh and width >= mw
-
-
 # -- NVENC -------------------------------------------------------------------------------------------
 _NVENC: tuple[bool, str] | None = None
 _NVENC_LOCK = threading.Lock()
@@ -166,77 +158,6 @@ def _probe_nvenc(require_cuda: bool) -> tuple[bool, str]:
     return True, "hevc_nvenc encodes here"
 
 
-def nvenc_possible(planes: str, depth: int) -> bool:
-    """Whether NVENC can encode this format here: 8-bit yuv444/yuv420, and a probed working ``hevc_nvenc``."""
-    return depth == 8 and planes in NVDEC_PLANES and nvenc_status()[0]
-
-
-def decode_frames_cuda(
-    data: bytes | memoryview,
-    planes: str,
-    num_planes: int,
-    depth: int,
-    height: int,
-    width: int,
-    gpu_id: int = 0,
-) -> Iterator[torch.Tensor]:
-    """Decode on NVDEC; yields ``[num_planes, height, width]`` int32 CUDA tensors in display order.
-
-    Raises :class:`DecoderRefused` when NVDEC cannot take the stream (format, version, frame size, or
-    the driver refusing the session): the codec's ``auto`` mode then decodes it on the CPU.
-    """
-    if not supports(planes, depth):
-        raise DecoderRefused(f"NVDEC cannot decode {planes} at {depth} bits here")
-    mh, mw = min_size(planes, depth, gpu_id)
-    if height < mh or width < mw:
-        raise DecoderRefused(f"a {width}x{height} frame is below NVDEC's HEVC minimum of {mw}x{mh}")
-    import av
-
-    try:
-        dec = nvc.CreateDecoder(
-            gpuid=gpu_id, codec=nvc.cudaVideoCodec.HEVC, cudacontext=0, cudastream=0,
-            usedevicememory=True, outputColorType=nvc.OutputColorType.NATIVE,
-        )  # fmt: skip
-    except Exception as e:  # noqa: BLE001 - the bindings raise plain RuntimeError / ValueError
-        raise DecoderRefused(f"NVDEC session could not be created: {e}") from e
-    shift = 16 - depth if depth > 8 else 0
-    keep = []  # the parser copies the bitstream, but keep buffers alive until Decode returns
-
-    def frames_of(packet_data) -> Iterator[torch.Tensor]:
-        try:
-            decoded = list(dec.Decode(packet_data))
-        except Exception as e:  # noqa: BLE001
-            raise DecoderRefused(f"NVDEC refused the stream: {e}") from e
-        for frame in decoded:
-            t = torch.from_dlpack(frame)
-            if depth > 8:
-                t = t.view(torch.int16).to(torch.int32) & 0xFFFF
-                t = t >> shift
-            else:
-                t = t.to(torch.int32)
-            t = t.reshape(-1, t.shape[-1])[:, :width]  # planar rows: plane p = rows [p*H, (p+1)*H)
-            if t.shape[0] < num_planes * height:
-                raise DecoderRefused(f"NVDEC returned a {tuple(t.shape)} surface for {height}x{width} frames")
-            yield torch.stack([t[p * height : (p + 1) * height] for p in range(num_planes)])
-
-    with av.open(io.BytesIO(bytes(data)), "r", format="hevc") as cont:
-        for pkt in cont.demux(cont.streams.video[0]):
-            raw = bytes(pkt)
-            if not raw:
-                continue
-            buf = ctypes.create_string_buffer(raw, len(raw))
-            keep[:] = [buf]
-            pd = nvc.PacketData()
-            pd.bsl_data = ctypes.addressof(buf)
-            pd.bsl = len(raw)
-            yield from frames_of(pd)
-    while True:  # flush: an empty packet returns the frames still held for display
-        tail = list(frames_of(nvc.PacketData()))
-        if not tail:
-            break
-        yield from tail
-
-
 class NvdecDecoder(HardwareDecoder):
     """NVDEC via PyNvVideoCodec, registered as ``"nvdec"`` (the codec's ``auto`` tries it for CUDA outputs)."""
 
@@ -259,8 +180,63 @@ class NvdecDecoder(HardwareDecoder):
             return f"{depth}-bit NVDEC frames need PyNvVideoCodec >= 2.2.4, found {version()}"
         return super().refusal(planes, depth, height, width)
 
-    def decode_frames(self, data, planes, num_planes, depth, height, width, device):
-        return decode_frames_cuda(data, planes, num_planes, depth, height, width, _gpu_index(device))
+    def decode_frames(self, data, planes, num_planes, depth, height, width, device) -> Iterator[torch.Tensor]:
+        """Yields ``[num_planes, height, width]`` int32 CUDA tensors in display order; raises
+        :class:`DecoderRefused` when NVDEC cannot take the stream (format, version, frame size, or the
+        driver refusing the session): the codec's ``auto`` mode then decodes it on the CPU."""
+        gpu_id = _gpu_index(device)
+        if not supports(planes, depth):
+            raise DecoderRefused(f"NVDEC cannot decode {planes} at {depth} bits here")
+        mh, mw = min_size(planes, depth, gpu_id)
+        if height < mh or width < mw:
+            raise DecoderRefused(f"a {width}x{height} frame is below NVDEC's HEVC minimum of {mw}x{mh}")
+        import av
+
+        try:
+            dec = nvc.CreateDecoder(
+                gpuid=gpu_id, codec=nvc.cudaVideoCodec.HEVC, cudacontext=0, cudastream=0,
+                usedevicememory=True, outputColorType=nvc.OutputColorType.NATIVE,
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the bindings raise plain RuntimeError / ValueError
+            raise DecoderRefused(f"NVDEC session could not be created: {e}") from e
+        shift = 16 - depth if depth > 8 else 0
+        keep = []  # the parser copies the bitstream, but keep buffers alive until Decode returns
+
+        def frames_of(packet_data) -> Iterator[torch.Tensor]:
+            try:
+                decoded = list(dec.Decode(packet_data))
+            except Exception as e:  # noqa: BLE001
+                raise DecoderRefused(f"NVDEC refused the stream: {e}") from e
+            for frame in decoded:
+                t = torch.from_dlpack(frame)
+                if depth > 8:
+                    t = t.view(torch.int16).to(torch.int32) & 0xFFFF
+                    t = t >> shift
+                else:
+                    t = t.to(torch.int32)
+                t = t.reshape(-1, t.shape[-1])[:, :width]  # planar rows: plane p = rows [p*H, (p+1)*H)
+                if t.shape[0] < num_planes * height:
+                    raise DecoderRefused(
+                        f"NVDEC returned a {tuple(t.shape)} surface for {height}x{width} frames"
+                    )
+                yield torch.stack([t[p * height : (p + 1) * height] for p in range(num_planes)])
+
+        with av.open(io.BytesIO(bytes(data)), "r", format="hevc") as cont:
+            for pkt in cont.demux(cont.streams.video[0]):
+                raw = bytes(pkt)
+                if not raw:
+                    continue
+                buf = ctypes.create_string_buffer(raw, len(raw))
+                keep[:] = [buf]
+                pd = nvc.PacketData()
+                pd.bsl_data = ctypes.addressof(buf)
+                pd.bsl = len(raw)
+                yield from frames_of(pd)
+        while True:  # flush: an empty packet returns the frames still held for display
+            tail = list(frames_of(nvc.PacketData()))
+            if not tail:
+                break
+            yield from tail
 
 
 def _gpu_index(device: torch.device | None) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ragkv.store.codecs.base import scale_of
+from ragkv.store.codecs.base import code_for_scale, scale_of
 
 SCALE_MODES = ("std", "minmax")
 AXES = ("channel", "token")
@@ -66,16 +66,6 @@ class QuantConfig:
     def zero(self) -> int:
         """Integer standing for ``offset`` (mid-range in ``std`` mode, 0 in ``minmax``)."""
         return (1 << (int(self.bits) - 1)) if self.mode == "std" else 0
-
-
-def code_for_scale(s: np.ndarray) -> np.ndarray:
-    """Smallest codes whose scale is >= ``s`` (a step may grow, never shrink: that could clip)."""
-    with np.errstate(divide="ignore"):
-        c = np.ceil(8.0 * np.log2(np.maximum(s, 1e-300)) - 1e-9)
-    c = np.clip(c, CODE_MIN, CODE_MAX).astype(np.int32)
-    low = (scale_of(c).astype(np.float64) < s) & (c < CODE_MAX)
-    c[low] += 1
-    return c
 
 
 @dataclass
@@ -132,7 +122,7 @@ def quantize(x: torch.Tensor, cfg: QuantConfig, layer_steps: np.ndarray | None =
     lo, hi = a.min(axis=axis, keepdims=True), a.max(axis=axis, keepdims=True)
     if cfg.mode == "minmax":
         # one spare level absorbs the rounding of the offset down to a whole number of steps
-        code = code_for_scale((hi - lo) / max(top - 1, 1))
+        code = code_for_scale((hi - lo) / max(top - 1, 1), CODE_MIN, CODE_MAX)
     else:
         mean = a.mean(axis=axis, keepdims=True)
         std = np.sqrt(((a - mean) ** 2).mean(axis=axis, keepdims=True))
@@ -142,7 +132,9 @@ def quantize(x: torch.Tensor, cfg: QuantConfig, layer_steps: np.ndarray | None =
         step = cfg.step * (np.ones(g) if layer_steps is None else np.asarray(layer_steps, dtype=np.float64))
         if step.shape != (g,) or not (step > 0).all():
             raise ValueError(f"layer_steps must be {g} positive multipliers, got {layer_steps!r}")
-        code = code_for_scale(np.maximum(step[:, None, None] * std, np.maximum(mean - lo, hi - mean) / room))
+        code = code_for_scale(
+            np.maximum(step[:, None, None] * std, np.maximum(mean - lo, hi - mean) / room), CODE_MIN, CODE_MAX
+        )
     for _ in range(64):  # grow the step of any channel that still does not fit (rarely more than once)
         s = scale_of(code).astype(np.float64)
         if cfg.mode == "minmax":
