@@ -181,7 +181,7 @@ def bff_run(
         if layers is None:
             layers = fusion.fused_layers(model.config.num_layers) if fusion else [1, 2, 3]
         run = sorted(eng.scheduler.running, key=lambda r: r.request_id)
-        phys = {layer: len({b for r in run for b in r.seq.tables[layer]}) for layer in layers}
+        phys = {layer: len({b for r in run for b in r.seq.table[layer].tolist()}) for layer in layers}
         used = eng.pool.manager.num_used
         order = {h.request_id: i for i, h in enumerate(hs)}
         seqs = [r.seq for r in run]
