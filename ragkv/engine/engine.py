@@ -1,19 +1,10 @@
-"""The serving engine (synchronous front end): submit, step, stream, cancel, metrics.
+"""The serving engine: submit, step, stream, cancel, metrics (docs/ENGINE.md, "One engine step").
 
-One ``step()`` (nano-vllm style: prefill has priority):
-
-1. take new submissions and cancellations; move finished background fetches to ``ready``;
-2. requests needing chunk I/O go to ``waiting_for_kv`` and their fetches start on the fetcher
-   thread; local requests are admitted while their prompt blocks fit (``Scheduler.admit``);
-3. if anything was admitted, prefill each one (``ragkv.blend.prefill`` in its mode), load its KV
-   into paged blocks (sharing identical prompt-head blocks), run CFF if configured, and emit its
-   first token from the prefill logits;
-4. otherwise, BFF the group of freshly prefilled requests when due, then one batched decode step
-   over every running request, preempting the newest ones first if the step's new blocks do not fit
-   (a preempted request is recomputed, prompt + its tokens so far, when admitted again).
-
-Run it from your thread (``step()`` / ``generate()`` / reading a handle's stream drives it), or in
-a background thread with ``start()``; ``ragkv.engine.async_engine`` wraps the latter for asyncio.
+A step (nano-vllm style, prefill first) takes submissions, cancellations and finished fetches, starts
+the fetches of requests whose chunk KV needs I/O, admits what fits, and prefills it into paged blocks
+(first token from the prefill logits); with nothing to admit it fuses the due BFF group and decodes
+every running request in one batch, preempting the newest ones (recomputed later) if blocks run out.
+Drive it from your thread (``step``, ``generate``, a handle's stream) or in the background (``start``).
 """
 
 from __future__ import annotations
@@ -132,14 +123,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._t0: float | None = None
         self._t_last: float | None = None
-        names = (
-            "requests_finished",
-            "requests_cancelled",
-            "requests_failed",
-            "prompt_tokens",
-            "output_tokens",
+        counters = (
+            "requests_finished requests_cancelled requests_failed prompt_tokens output_tokens preemptions"
         )
-        self._counts = dict.fromkeys((*names, "preemptions", "steps", "prefill_steps", "decode_steps"), 0)
+        self._counts = dict.fromkeys((*counters.split(), "steps", "prefill_steps", "decode_steps"), 0)
         self._peak_bytes = 0
 
     # ---- submission ---------------------------------------------------------------------------------
@@ -201,12 +188,9 @@ class Engine:
         self._wake.set()
 
     def submit(self, prefix=(), chunks=(), question=(), params=None, **kw) -> RequestHandle:
-        """Queue a request ``prefix + chunks + question`` and return its handle (stream / result / cancel).
-
-        ``chunks`` items: text (tokenized), token-id lists, :class:`~ragkv.blend.spans.ChunkRef`
-        of stored chunks, or ``ChunkKV``. Raises ``EngineBusyError``, ``PromptTooLongError``,
-        ``RequestTooLargeError``, ``UnknownModeError`` or ``ValueError`` without queueing anything.
-        """
+        """Queue ``prefix + chunks`` (text, token ids, ``ChunkRef`` or ``ChunkKV``) ``+ question``; returns its
+        handle. Raises ``EngineBusyError``, ``PromptTooLongError``, ``RequestTooLargeError``, ``UnknownModeError``
+        or ``ValueError`` without queueing anything."""
         req = self.make_request(prefix, chunks, question, params, **kw)
         handle = RequestHandle(self, req)
         self.enqueue(req)
@@ -353,7 +337,7 @@ class Engine:
                     shared = r.seq.load_prompt(res.kv.k, res.kv.v, keys)
                     break
                 except OutOfBlocksError:  # sharing the admission counted on went away meanwhile
-                    if not self._preempt_newest(r):
+                    if not self._preempt_newest():
                         raise
             self.scheduler.running.append(r)
             r.status = RequestStatus.RUNNING
@@ -395,13 +379,11 @@ class Engine:
         else:
             r.next_token = ev.token_id
 
-    def _preempt_newest(self, keep: Request | None = None) -> bool:
-        """Preempt the newest running request other than ``keep`` (its KV is recomputed when it is
-        admitted again); False if there is none."""
-        victims = [r for r in self.scheduler.running if r is not keep]
-        if not victims:
+    def _preempt_newest(self) -> bool:
+        """Give the newest running request's blocks back (recomputed when admitted again); False if none runs."""
+        if not self.scheduler.running:
             return False
-        r = victims[-1]
+        r = self.scheduler.running[-1]
         r.seq.release()
         r.seq, r.next_token = None, None
         if r in self._group:

@@ -1,11 +1,8 @@
 """HACK paged sequences: a prompt into pages, the batched decode step, and the attention batch.
 
-A sequence's HACK state (:class:`HackSeqState`) is layer-independent: every layer holds the same
-rows, so the rows whose K is quantized (``kq``), the sealed blocks and the open blocks' staging slots
-are shared by all layers (only block tables differ per layer, after fusion). A decode step
-(:class:`HackStep`) plans once for the batch (the rows leaving the window, the blocks to seal, the
-attention masks) and then, per layer, writes the new rows and runs one
-:func:`ragkv.attention.hack_batch.hack_decode` for the whole batch. Storage: ``hack_blocks``.
+A sequence's HACK state is layer-independent (every layer holds the same rows; only tables differ,
+after fusion). A decode step (:class:`HackStep`) plans once for the batch, then per layer writes the
+new rows and runs one :func:`ragkv.attention.hack_batch.hack_decode` for the whole batch.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Applying BFF/CFF to paged sequences: gather full blocks, fuse (``ragkv.fusion``), rewrite tables.
 
-Norm mode (default): each fused representative's unit K/V directions overwrite the physical block
-of its home member (its left-most member in tree order); every other member's table entry is
-pointed at that block (reference +1) and its own block is freed (reference -1), and each member
-keeps its original block norms in its ``norms`` for norm-aware attention. Replicate mode
-(the paper's accuracy mode): every member's own block is overwritten with ``norm * u``; nothing is
-shared or freed. Only full blocks held by one sequence and never fused before are eligible: shared
-prefix blocks are already deduplicated, and fused blocks are immutable.
+Norm mode (default): a fused representative overwrites its home member's block; the other members'
+entries point there (their own blocks freed) and keep their original norms for norm-aware attention.
+Replicate mode (the paper's accuracy mode): each member's own block gets ``norm * u``, nothing freed.
+Only full blocks held by one sequence and never fused before are eligible (docs/ENGINE.md, "BFF / CFF").
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Paged KV: the block pool, a sequence's block tables (a ``KVCache``), and the batched decode step.
 
-The pool holds ``num_blocks`` physical blocks of ``block_size`` rows ``[Hkv, D]`` for K and V; a block
-belongs to one layer of one or more sequences. A sequence keeps its block tables as one tensor
-``table [L, nb]`` (every layer has as many entries; BFF/CFF may fuse different blocks in different
-layers) and, per entry, the norms ``n_K, n_V`` that rescale a fused representative for this member
-(``norms [2, L, nb]``, 1.0 for an ordinary block). Tables live across steps; a decode step stacks
-the batch's once (:func:`batch_tables`). Rows sit at positions ``0 .. length-1`` in table order.
-With ``attention="hack"`` the pool holds no fp16 blocks: :class:`~ragkv.engine.hack_blocks.HackPages`
-keeps quantized pages plus bounded fp16 staging, and rows go through ``hack_seq``.
+A block is ``block_size`` rows ``[Hkv, D]`` of K and V of one layer, held by one or more sequences.
+A sequence's tables are one tensor ``table [L, nb]`` (BFF/CFF may fuse different blocks per layer),
+with per-entry norms ``[2, L, nb]`` that rescale a fused representative for this member (1 otherwise).
+Tables live across steps; a decode step stacks the batch's once (:func:`batch_tables`). HACK pools
+hold quantized pages instead of fp16 blocks (``hack_blocks``, ``hack_seq``).
 """
 
 from __future__ import annotations

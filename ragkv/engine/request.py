@@ -61,12 +61,8 @@ class Request:
         sink: Callable[[object], None] | None = None,
     ):
         self.request_id = request_id or f"req-{next(_ids)}"
-        self.prefix = prefix
-        self.chunks = chunks
-        self.question = question
-        self.params = params
-        self.mode = mode
-        self.ratio = ratio
+        self.prefix, self.chunks, self.question = prefix, chunks, question
+        self.params, self.mode, self.ratio = params, mode, ratio
         self.status = RequestStatus.WAITING
         self.metrics = RequestMetrics()
         self.resolved: list | None = None  # chunk items after fetching (ChunkKV or token ids)

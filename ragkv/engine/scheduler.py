@@ -1,18 +1,10 @@
-"""Fetching-aware continuous batching: which requests fetch, which prefill, under a KV-block budget.
+"""Fetching-aware continuous batching (KVFetcher §3.3.1): which requests fetch, which prefill.
 
-Queues (KVFetcher §3.3.1, Fig. 15):
-
-* ``waiting``: submitted requests, FCFS;
-* ``waiting_for_kv``: requests whose chunk KV is being fetched by the background fetcher. They are
-  moved there as soon as they are seen (up to ``max_fetching`` in flight), whatever their position,
-  so a slow fetch never blocks the requests behind it;
-* ``ready``: fetched (or preempted) requests, admitted before newer ``waiting`` ones;
-* ``running``: prefilled requests, decoded together every decode step, in admission order.
-
-Admission (vLLM-style): a request is admitted when the blocks its prompt takes now (shared prompt-head
-blocks not counted) fit the free blocks, less one block per layer for every running request (its
-next decode block). Decode may still run out: the engine then preempts the newest running requests
-(:meth:`Scheduler.preempt`; their KV is recomputed when they are admitted again).
+Queues: ``waiting`` (FCFS), ``waiting_for_kv`` (fetching in the background: moved there as soon as
+seen, so a slow fetch never blocks the requests behind it), ``ready`` (fetched or preempted: admitted
+before newer waiting ones), ``running`` (decoding, in admission order). A request is admitted when its
+prompt's blocks (shared head blocks not counted) fit the free blocks less one per layer per running
+request; decode may still run out, and the engine then preempts the newest (:meth:`Scheduler.preempt`).
 """
 
 from __future__ import annotations
@@ -83,15 +75,13 @@ class Scheduler:
     def fetches(self, local: Callable[[Request], bool]) -> list[Request]:
         """Move waiting requests whose chunk KV is not ``local`` to ``waiting_for_kv`` (up to
         ``max_fetching`` in flight); returns them, for the engine to start their fetches."""
-        out, keep = [], deque()
+        out, keep, room = [], deque(), self.cfg.max_fetching - len(self.waiting_for_kv)
         for r in self.waiting:
-            if len(self.waiting_for_kv) < self.cfg.max_fetching and not local(r):
-                r.status = RequestStatus.WAITING_FOR_KV
-                self.waiting_for_kv[r.request_id] = r
-                out.append(r)
-            else:
-                keep.append(r)
-        self.waiting = keep
+            (out if len(out) < room and not local(r) else keep).append(r)
+        self.waiting = keep  # first out of one queue, then into the other: never counted twice
+        for r in out:
+            r.status = RequestStatus.WAITING_FOR_KV
+            self.waiting_for_kv[r.request_id] = r
         return out
 
     def admit(
