@@ -300,22 +300,14 @@ def test_bff_fuses_similar_blocks_norm_equals_replicate(model, chunks):
 
 def _next_logits(eng):
     """Logits of the next decode step for every running request, without advancing the engine."""
-    from ragkv.engine.paged_cache import batched_decode_step
-
-    run = [r for r in eng.scheduler.running if r.next_token is not None]
-    saved = [[list(t) for t in r.seq.tables] for r in run]
-    lens = [list(r.seq._len) for r in run]
+    run = eng.scheduler.running
+    saved = [(r.seq.table.clone(), r.seq.norms.clone(), list(r.seq._len)) for r in run]
     free_before = eng.pool.manager.num_free
     logits = batched_decode_step(eng.model, [r.seq for r in run], [r.next_token for r in run])
-    for r, t, n in zip(run, saved, lens, strict=True):  # roll the appended row back
-        for layer in range(len(t)):
-            for b in r.seq.tables[layer][len(t[layer]) :]:
-                eng.pool.free(b)
-        r.seq.tables = t
-        for layer in range(len(t)):
-            r.seq.k_norm[layer] = r.seq.k_norm[layer][: len(t[layer])]
-            r.seq.v_norm[layer] = r.seq.v_norm[layer][: len(t[layer])]
-        r.seq._len = n
+    for r, (table, norms, lens) in zip(run, saved, strict=True):  # roll the appended row back
+        for b in r.seq.table[:, table.shape[1] :].flatten().tolist():
+            eng.pool.manager.free(b)
+        r.seq.table, r.seq.norms, r.seq._len = table, norms, lens
     assert eng.pool.manager.num_free == free_before
     return list(logits)
 
@@ -439,7 +431,7 @@ def test_hack_pages_hold_no_fp16_shadow_and_staging_stays_bounded():
         # open blocks: rows [sealed * bs, n) with sealed = (n - W) // bs: at most 47 rows, 3 blocks
         st = s.hack_state
         assert st.kq == n - 32 and st.sealed == (n - 32) // 16 and len(st.open) == -(-n // 16) - st.sealed
-    fp16 = sum(len(t) for s in seqs for t in s.tables) * 2 * 16 * 3 * 64 * 2
+    fp16 = sum(s.table.numel() for s in seqs) * 2 * 16 * 3 * 64 * 2
     physical = pool.manager.num_used * pool.block_bytes + hp.staging_nbytes()
     assert pool.nbytes() == hp.pages.nbytes + hp.staging_nbytes() + 2 * 2 * 2 * 3 * 64  # + smoothing stats
     # ~700-token sequences: pages 0.227x fp16 + 3 staging slots and 4 sink rows per sequence (0.31x measured)
@@ -477,7 +469,7 @@ def test_hack_batched_decode_equals_the_per_sequence_reference():
     out = plan.attend(0, q)
     v = hp.views
     for b, (s, hs) in enumerate(zip(seqs, sts, strict=True)):
-        n, tab = s.length, torch.tensor(s.tables[0])
+        n, tab = s.length, s.table[0]
         r = torch.arange(hs.kq)
         rb, ro = tab[r // bs], r % bs
         kpos = torch.where(r < hp.sink_tokens, torch.full_like(r, 10**9), r)  # sink rows: read in fp16
@@ -622,13 +614,46 @@ def test_block_accounting_never_leaks_or_double_frees(ops, thr, attn):
                 for _ in range(o[1]):
                     eng.step()
             eng.pool.manager.check(eng.references())
-            assert eng.scheduler.outstanding() <= eng.pool.manager.num_free
         eng.run_until_idle(timeout=60)
         eng.pool.manager.check({})
         assert eng.pool.manager.num_used == 0
         assert all(h.request.finish_reason in ("length", "stop", "cancelled") for h in handles)
     finally:
         eng.shutdown()
+
+
+# ---- preemption when blocks run out ------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["fp16", "hack"])
+def test_blocks_running_out_preempt_the_newest_request_which_is_recomputed(model, chunks, attention):
+    """Admission takes only the prompt's blocks, so decoding outgrows the pool: the newest running request
+    gives its blocks back and is recomputed (prompt + its tokens so far) later; greedy tokens unchanged."""
+    reqs = [
+        dict(
+            prefix=[1],
+            chunks=[c[:12]],
+            question=model.encode(q),
+            mode="full",
+            params=SamplingParams(max_new_tokens=40),
+        )
+        for c, q in zip(chunks, ("Lily saw", "Tom ran", "The dog"), strict=False)
+    ]
+    # 5 layers x 2 prompt blocks each: all three are admitted, then they grow past the 40 blocks
+    cfg = EngineConfig(num_blocks=40, attention=attention, hack={"preset": "paper"})
+    with Engine(model, cfg) as eng:
+        hs = [eng.submit(**r) for r in reqs]
+        while eng.has_unfinished():
+            eng.step()
+            eng.pool.manager.check(eng.references())
+        m = eng.metrics()
+        streams = [[e.token_id for e in h.stream()] for h in hs]  # each token streamed once
+        assert m.preemptions >= 1 and m.requests_finished == 3 and m.kv_blocks_used == 0
+        outs = [h.request.output() for h in hs]
+        if attention == "hack":
+            assert eng.pool.hack.stage.in_use == 0
+    for o, r, got in zip(outs, reqs, streams, strict=True):
+        assert o.finish_reason == "length" and got == o.token_ids
+        if attention == "fp16":
+            assert o.token_ids == _reference(model, r)
 
 
 # ---- stop strings ---------------------------------------------------------------------------------------

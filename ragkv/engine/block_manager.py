@@ -1,10 +1,9 @@
 """Accounting of paged KV blocks: a free list, reference counts and a content-hash index.
 
 A block is one layer's ``block_size`` token rows (K and V) in the pool. Every layer of a sequence
-has its own block table, so blocks can be shared per layer: by identical prompt heads (hash
-index, as vLLM's prefix caching) and by BFF/CFF fusion. A block returns to the free list exactly
-when its last reference is dropped; dropping a reference to a free block is an error, never a
-silent no-op.
+has its own block table, so blocks are shared per layer: by identical prompt heads (hash index, as
+vLLM's prefix caching) and by BFF/CFF fusion. A block returns to the free list exactly when its last
+reference is dropped; dropping a reference to a free block is an error, never a silent no-op.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ class BlockAccountingError(RuntimeError):
 
 
 class OutOfBlocksError(RuntimeError):
-    """Not enough free KV blocks for an allocation (the scheduler's reservations should prevent it)."""
+    """Not enough free KV blocks for an allocation (the engine preempts, or waits, before that)."""
 
 
 class BlockManager:
@@ -33,8 +32,6 @@ class BlockManager:
         self._hash_to_block: dict[Hashable, int] = {}
         self._block_hash: dict[int, Hashable] = {}
         self.peak_used = 0
-        self.total_allocated = 0
-        self.total_freed = 0
 
     @property
     def num_free(self) -> int:
@@ -48,15 +45,12 @@ class BlockManager:
         return self._ref[block]
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks with reference count 1."""
-        if n < 0:
-            raise ValueError("cannot allocate a negative number of blocks")
-        if n > len(self._free):
-            raise OutOfBlocksError(f"need {n} KV blocks, only {len(self._free)} free of {self.num_blocks}")
+        """``n`` fresh blocks with reference count 1 (all or none)."""
+        if not 0 <= n <= len(self._free):
+            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
         out = [self._free.popleft() for _ in range(n)]
         for b in out:
             self._ref[b] = 1
-        self.total_allocated += n
         self.peak_used = max(self.peak_used, self.num_used)
         return out
 
@@ -73,11 +67,8 @@ class BlockManager:
         self._ref[block] -= 1
         if self._ref[block]:
             return False
-        h = self._block_hash.pop(block, None)
-        if h is not None:
-            del self._hash_to_block[h]
+        self.unregister(block)
         self._free.append(block)
-        self.total_freed += 1
         return True
 
     # ---- content-hash index (exact sharing of identical prompt heads) ----------------------------
@@ -89,13 +80,12 @@ class BlockManager:
         """Index an allocated, full, immutable block under ``key`` (first writer wins)."""
         if self._ref[block] <= 0:
             raise BlockAccountingError(f"register of free block {block}")
-        if key in self._hash_to_block or block in self._block_hash:
-            return
-        self._hash_to_block[key] = block
-        self._block_hash[block] = key
+        if key not in self._hash_to_block and block not in self._block_hash:
+            self._hash_to_block[key] = block
+            self._block_hash[block] = key
 
     def unregister(self, block: int) -> None:
-        """Forget ``block``'s hash (its content is about to change, e.g. it hosts a fused representative)."""
+        """Forget ``block``'s hash (freed, or its content changes: it hosts a fused representative)."""
         h = self._block_hash.pop(block, None)
         if h is not None:
             del self._hash_to_block[h]
@@ -107,9 +97,7 @@ class BlockManager:
             raise BlockAccountingError("a block is on the free list twice")
         for b in range(self.num_blocks):
             want = references.get(b, 0)
-            if self._ref[b] != want:
-                raise BlockAccountingError(f"block {b}: ref count {self._ref[b]}, {want} live references")
-            if (want == 0) != (b in free):
+            if self._ref[b] != want or (want == 0) != (b in free):
                 raise BlockAccountingError(
-                    f"block {b}: free-list membership disagrees with {want} references"
+                    f"block {b}: ref count {self._ref[b]}, {want} live references, free: {b in free}"
                 )

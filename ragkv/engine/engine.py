@@ -1,18 +1,10 @@
-"""The serving engine (synchronous front end): submit, step, stream, cancel, metrics.
+"""The serving engine: submit, step, stream, cancel, metrics (docs/ENGINE.md, "One engine step").
 
-One ``step()`` (nano-vllm style: prefill has priority):
-
-1. take new submissions and cancellations; move finished background fetches to ``ready``;
-2. plan (``Scheduler.schedule``): requests needing chunk I/O go to ``waiting_for_kv`` and are handed
-   to the fetcher thread; local requests are admitted under the KV-block reservation budget;
-3. if anything was admitted, prefill each admitted request (``ragkv.blend.prefill`` in its mode),
-   copy its KV into paged blocks (sharing identical prompt-head blocks), run CFF if configured,
-   and emit its first token from the prefill logits;
-4. otherwise, BFF the group of freshly prefilled requests when due, then one batched decode step
-   over every running request.
-
-Run it from your thread (``step()`` / ``generate()`` / reading a handle's stream drives it), or in
-a background thread with ``start()``; ``ragkv.engine.async_engine`` wraps the latter for asyncio.
+A step (nano-vllm style, prefill first) takes submissions, cancellations and finished fetches, starts
+the fetches of requests whose chunk KV needs I/O, admits what fits, and prefills it into paged blocks
+(first token from the prefill logits); with nothing to admit it fuses the due BFF group and decodes
+every running request in one batch, preempting the newest ones (recomputed later) if blocks run out.
+Drive it from your thread (``step``, ``generate``, a handle's stream) or in the background (``start``).
 """
 
 from __future__ import annotations
@@ -36,13 +28,14 @@ from ragkv.blend import (
     prefill,
 )
 from ragkv.engine import joint
+from ragkv.engine.block_manager import OutOfBlocksError
 from ragkv.engine.metrics import EngineMetrics, FusionStats
 from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step, block_keys
 from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
 from ragkv.fusion.bff import FusionConfig
-from ragkv.generate import Detokenizer, SamplingParams, TokenEvent
+from ragkv.generate import Detokenizer, SamplingParams
 
 log = logging.getLogger("ragkv.engine")
 
@@ -80,10 +73,8 @@ class EngineConfig:
             raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
         if self.attention not in ("fp16", "dense", "hack"):
             raise ValueError(f"unknown attention {self.attention!r}; use 'fp16' or 'hack'")
-        if self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError("num_blocks must be >= 1")
+        if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
+            raise ValueError("block_size and num_blocks must be >= 1")
 
 
 class Engine:
@@ -102,18 +93,15 @@ class Engine:
         hack_cfg = None
         if cfg.attention == "hack":
             from ragkv.attention.hack_cache import HackConfig
+            from ragkv.attention.hack_paged import PagedLayout
 
             # a named preset replaces the engine's defaults (the page layout's K partition stays)
             base = HACK_DEFAULTS if "preset" not in cfg.hack else {"k_partition": 64}
             hack_cfg = HackConfig.from_options(**{**base, "partition": cfg.block_size, **cfg.hack})
-        if hack_cfg is None:
-            elem = torch.empty(0, dtype=model.dtype).element_size()
-            block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * elem
-        else:  # a byte budget buys more blocks when they are stored 2-bit (one page each)
-            from ragkv.attention.hack_paged import PagedLayout
-
-            kp = hack_cfg.k_part(c.head_dim)
+            kp = hack_cfg.k_part(c.head_dim)  # a byte budget buys more blocks stored 2-bit (a page each)
             block = PagedLayout(cfg.block_size, c.num_kv_heads, c.head_dim, hack_cfg.bits, kp).page_bytes
+        else:
+            block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
         num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // block)
         self.pool = KVPool.for_model(model, num_blocks, cfg.block_size, hack_cfg)
         self.scheduler = Scheduler(cfg.scheduler, self.pool.manager, cfg.block_size, c.num_layers)
@@ -122,33 +110,30 @@ class Engine:
         self.resolver = resolver or ChunkResolver(model, store)
         self.fetcher = KVFetcher(self.resolver, cfg.compute_missing)
         self.prefix_cache = PrefixCache(max_bytes=256 << 20)
-        self.bff_stats = FusionStats("bff")
-        self.cff_stats = FusionStats("cff")
+        self.bff_stats, self.cff_stats = FusionStats("bff"), FusionStats("cff")
         self._salt = f"{model.fingerprint}|{cfg.attention}"
         self._lock = threading.RLock()  # held by step(): the engine state is single-threaded
-        self._inbox_lock = threading.Lock()
+        self._inbox_lock = threading.Lock()  # guards what other threads touch: inbox, cancels, fetches, live
         self._inbox: deque[Request] = deque()
         self._cancels: set[str] = set()
         self._fetch_done: deque[tuple[Request, Future, float]] = deque()
         self._live: dict[str, Request] = {}  # submitted and not finished
-        self._n_queued = 0  # submitted and not yet running or finished (backpressure)
         self._group: list[Request] = []  # prefilled since the last BFF
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._t0: float | None = None
         self._t_last: float | None = None
-        self._counts = dict.fromkeys(("finished", "cancelled", "failed", "prompt_tokens", "output_tokens"), 0)
-        self._steps = {"all": 0, "prefill": 0, "decode": 0}
+        counters = (
+            "requests_finished requests_cancelled requests_failed prompt_tokens output_tokens preemptions"
+        )
+        self._counts = dict.fromkeys((*counters.split(), "steps", "prefill_steps", "decode_steps"), 0)
         self._peak_bytes = 0
 
     # ---- submission ---------------------------------------------------------------------------------
     def _ids(self, part, bos: bool) -> list[int]:
         if isinstance(part, str):
             return self.model.encode(part, add_bos=bos) if part or bos else []
-        if isinstance(part, torch.Tensor):
-            return [int(t) for t in part.flatten().tolist()]
-        return [int(t) for t in part]
+        return [int(t) for t in (part.flatten().tolist() if isinstance(part, torch.Tensor) else part)]
 
     def make_request(
         self,
@@ -178,13 +163,11 @@ class Engine:
             ratio,
             request_id,
         )
-        toks = [as_tokens(c) for c in req.chunks]
-        if all(t is not None for t in toks):
-            n = len(req.prefix) + sum(len(t) for t in toks) + len(req.question)
-            if n == 0:
-                raise ValueError("empty prompt: no prefix, chunks or question")
-            self.model.check_length(n, params.max_new_tokens)
-            self.scheduler.check_fits(req, n)
+        n = self._num_tokens(req, req.chunks)
+        if n == 0:
+            raise ValueError("empty prompt: no prefix, chunks or question")
+        if n is not None:
+            self._check(req, n)
         return req
 
     def enqueue(self, req: Request) -> None:
@@ -192,26 +175,22 @@ class Engine:
         with self._inbox_lock:
             if req.request_id in self._live:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
-            if self._n_queued >= self.config.scheduler.max_queue:
+            queued = len(self._inbox) + self.scheduler.num_queued
+            if queued >= self.config.scheduler.max_queue:
                 raise EngineBusyError(
-                    f"engine busy: {self._n_queued} requests queued (max_queue="
+                    f"engine busy: {queued} requests queued (max_queue="
                     f"{self.config.scheduler.max_queue}); retry later"
                 )
-            self._n_queued += 1
             self._live[req.request_id] = req
             req.metrics.arrival = time.perf_counter()
-            if self._t0 is None:
-                self._t0 = req.metrics.arrival
+            self._t0 = self._t0 or req.metrics.arrival
             self._inbox.append(req)
         self._wake.set()
 
     def submit(self, prefix=(), chunks=(), question=(), params=None, **kw) -> RequestHandle:
-        """Queue a request ``prefix + chunks + question`` and return its handle (stream / result / cancel).
-
-        ``chunks`` items: text (tokenized), token-id lists, :class:`~ragkv.blend.spans.ChunkRef`
-        of stored chunks, or ``ChunkKV``. Raises ``EngineBusyError``, ``PromptTooLongError``,
-        ``RequestTooLargeError``, ``UnknownModeError`` or ``ValueError`` without queueing anything.
-        """
+        """Queue ``prefix + chunks`` (text, token ids, ``ChunkRef`` or ``ChunkKV``) ``+ question``; returns its
+        handle. Raises ``EngineBusyError``, ``PromptTooLongError``, ``RequestTooLargeError``, ``UnknownModeError``
+        or ``ValueError`` without queueing anything."""
         req = self.make_request(prefix, chunks, question, params, **kw)
         handle = RequestHandle(self, req)
         self.enqueue(req)
@@ -232,53 +211,64 @@ class Engine:
         return True
 
     # ---- the step -----------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> bool:
-        """One scheduling iteration; returns whether it did any work."""
+        """One scheduling iteration; returns whether it did any work (no autograd: every tensor the
+        engine keeps across steps is made, and updated in place, in inference mode)."""
         with self._lock:
-            self._steps["all"] += 1
+            self._counts["steps"] += 1
             with self._inbox_lock:
                 while self._inbox:
                     self.scheduler.add(self._inbox.popleft())
             self._apply_cancels()
             self._take_fetched()
-            plan = self.scheduler.schedule(self._needs_fetch, self._prompt_tokens)
-            for r in plan.fetch:
+            fetches = self.scheduler.fetches(self._local) if self.config.scheduler.fetch_aware else []
+            for r in fetches:
                 self._start_fetch(r)
-            if plan.prefill:
-                self._steps["prefill"] += 1
-                for r in plan.prefill:
-                    self._dequeued()
+            admitted = self.scheduler.admit(self._local, self._cost)
+            if admitted:
+                self._counts["prefill_steps"] += 1
+                for r in admitted:
                     self._prefill(r)
                 self._maybe_fuse(transition=False)
-                self._track_peak()
-                return True
-            if self.scheduler.running:
-                self._steps["decode"] += 1
+            elif self.scheduler.running:
+                self._counts["decode_steps"] += 1
                 self._maybe_fuse(transition=True)
                 self._decode()
-                self._track_peak()
-                return True
-            return bool(plan.fetch)
+            else:
+                return bool(fetches)
+            self._track_peak()
+            return True
 
-    def _dequeued(self) -> None:
-        with self._inbox_lock:
-            self._n_queued -= 1
-
-    def _needs_fetch(self, r: Request) -> bool:
-        if r.resolved is not None:
-            return False
-        got = [self.fetcher.ready_now(c, r.needs_kv) for c in r.chunks]
-        if all(g is not None for g in got):
-            r.resolved = got
-            return False
-        return True
-
-    def _prompt_tokens(self, r: Request) -> int | None:
-        items = r.resolved if r.resolved is not None else r.chunks
+    # ---- chunk KV: at hand, or fetched ----------------------------------------------------------------
+    def _num_tokens(self, r: Request, items) -> int | None:
+        """Prompt rows to prefill (a preempted request's tokens so far included); None if not known yet."""
         toks = [as_tokens(c) for c in items]
         if any(t is None for t in toks):
             return None
-        return len(r.prefix) + sum(len(t) for t in toks) + len(r.question)
+        return len(r.prefix) + sum(map(len, toks)) + len(r.question) + len(r.output_ids)
+
+    def _check(self, r: Request, n: int) -> None:
+        self.model.check_length(n, r.params.max_new_tokens)
+        self.scheduler.check_fits(r, n)
+
+    def _local(self, r: Request) -> bool:
+        """Whether ``r``'s chunk KV is at hand (the blocking baseline fetches it now, in the step)."""
+        if r.resolved is None:
+            got = [self.fetcher.ready_now(c, r.needs_kv) for c in r.chunks]
+            if any(g is None for g in got):
+                if self.config.scheduler.fetch_aware:
+                    return False
+                r.metrics.fetch_start = time.perf_counter()
+                try:  # a failure is raised again at prefill, which fails the request
+                    got = self.fetcher.fetch_all(r.chunks, r.needs_kv)
+                    self._check(r, self._num_tokens(r, got))
+                except Exception as e:  # noqa: BLE001
+                    r.error, got = e, []
+                r.metrics.fetch_end = time.perf_counter()
+                r.metrics.num_chunks_fetched = len(got)
+            r.resolved = got
+        return True
 
     def _start_fetch(self, r: Request) -> None:
         r.metrics.fetch_start = time.perf_counter()
@@ -298,73 +288,66 @@ class Engine:
             r.metrics.fetch_end = t
             if r.finish_reason is not None:
                 continue  # cancelled while fetching
-            exc = fut.exception()
-            if exc is None:
+            try:
                 r.resolved = fut.result()
                 r.metrics.num_chunks_fetched = len(r.resolved)
-                try:
-                    n = self._prompt_tokens(r)
-                    self.model.check_length(n, r.params.max_new_tokens)
-                    self.scheduler.check_fits(r, n)
-                except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
-                    exc = e
-            if exc is not None:
-                self._dequeued()
-                self._fail(r, exc)
+                self._check(r, self._num_tokens(r, r.resolved))
+            except Exception as e:  # noqa: BLE001 - the request fails, the engine goes on
+                self._fail(r, e)
                 continue
             self.scheduler.fetched(r)
 
     # ---- prefill ------------------------------------------------------------------------------------
+    def _keys(self, r: Request, exact: int) -> list[str]:
+        """Content keys of the prompt's leading full blocks whose ``exact`` rows depend on the prompt
+        head only (all of them unless chunk KV is reused: blended rows are never shared)."""
+        if not self.config.share_prefix_blocks:
+            return []
+        ids = r.prefix + [t for c in r.resolved for t in as_tokens(c)] + r.question + r.output_ids
+        return block_keys(ids, self.config.block_size, exact // self.config.block_size, self._salt, exact)
+
+    def _cost(self, r: Request) -> tuple[int, int]:
+        """(prompt rows, blocks its prefill takes now: shared prompt-head blocks are not taken)."""
+        n = self._num_tokens(r, r.resolved)
+        exact = len(r.prefix) if r.needs_kv and r.chunks else n
+        shared = sum(map(len, self.pool.shared_blocks(self._keys(r, exact), n)))
+        return n, self.scheduler.blocks_needed(n) - shared
+
     def _prefill(self, r: Request) -> None:
-        cfg = self.config
+        cfg, recompute = self.config, r.detok is not None  # recompute: a preempted request comes back
         try:
-            if r.resolved is None:  # blocking baseline (not fetch-aware): fetch inside the step
-                r.metrics.fetch_start = time.perf_counter()
-                r.resolved = self.fetcher.fetch_all(r.chunks, r.needs_kv)
-                r.metrics.fetch_end = time.perf_counter()
-                r.metrics.num_chunks_fetched = len(r.resolved)
-                n = self._prompt_tokens(r)
-                self.model.check_length(n, r.params.max_new_tokens)
-                self.scheduler.check_fits(r, n)
-                need = self.scheduler.blocks_needed(n + r.params.max_new_tokens)
-                if need > self.scheduler.available():  # now that its length is known, it must wait
-                    r.status = RequestStatus.READY
-                    self.scheduler.ready.appendleft(r)
-                    with self._inbox_lock:
-                        self._n_queued += 1
-                    return
-                r.reserve = need
-            r.metrics.prefill_start = time.perf_counter()
-            items = r.resolved if r.needs_kv else [as_tokens(c) for c in r.resolved]
+            if r.error is not None:
+                raise r.error
+            r.metrics.prefill_start = r.metrics.prefill_start or time.perf_counter()
             res = prefill(
                 self.model,
                 r.prefix,
-                items,
-                r.question,
+                r.resolved,
+                r.question + r.output_ids,
                 r.mode,
                 r.ratio,
                 schedule=cfg.schedule if r.mode == "blend" else None,
                 prefix_cache=self.prefix_cache,
             )
-            seq = PagedSequence(self.pool)
             n = res.kv.num_tokens
-            keys = None
-            if cfg.share_prefix_blocks:
-                # rows whose KV depends on the prompt head only: all of them unless chunk KV was reused
-                # (blended rows also depend on later tokens through HKVD selection: never shared)
-                exact = n if res.stats.get("num_reused_rows", 0) == 0 else len(r.prefix)
-                ids = res.kv.token_ids.tolist()
-                keys = block_keys(ids, cfg.block_size, exact // cfg.block_size, self._salt, exact)
-            r.seq = seq
-            r.metrics.blocks_shared_at_load = seq.load_prompt(res.kv.k, res.kv.v, keys)
-            r.metrics.prefill_end = time.perf_counter()
-            r.metrics.num_prompt_tokens = n
-            r.prefill_stats = {k: v for k, v in res.stats.items() if not isinstance(v, torch.Tensor)}
-            self._counts["prompt_tokens"] += n
-            r.status = RequestStatus.RUNNING
+            keys = self._keys(r, n if res.stats.get("num_reused_rows", 0) == 0 else len(r.prefix))
+            r.seq = PagedSequence(self.pool)
+            while True:
+                try:
+                    shared = r.seq.load_prompt(res.kv.k, res.kv.v, keys)
+                    break
+                except OutOfBlocksError:  # sharing the admission counted on went away meanwhile
+                    if not self._preempt_newest():
+                        raise
             self.scheduler.running.append(r)
+            r.status = RequestStatus.RUNNING
+            if not recompute:
+                r.metrics.prefill_end = time.perf_counter()
+                r.metrics.num_prompt_tokens, r.metrics.blocks_shared_at_load = n, shared
+                r.prefill_stats = {k: v for k, v in res.stats.items() if not isinstance(v, torch.Tensor)}
+                self._counts["prompt_tokens"] += n
             if cfg.cff is not None:
-                joint.cff(self.pool, seq, cfg.cff, self.cff_stats)
+                joint.cff(self.pool, r.seq, cfg.cff, self.cff_stats)
             self._accept(r, res.logits)
             if r.finish_reason is None and cfg.bff is not None:
                 self._group.append(r)
@@ -374,40 +357,50 @@ class Engine:
             )
             self._fail(r, e)
 
-    # ---- tokens -------------------------------------------------------------------------------------
+    # ---- decode and preemption ----------------------------------------------------------------------
     def _accept(self, r: Request, logits: torch.Tensor) -> None:
         """Choose the next token from ``logits`` and emit it, or finish: ``Detokenizer.step``, the step
         of ``generate.stream`` (constraint, sampling, logprobs)."""
         if r.detok is None:
             r.detok = Detokenizer(self.model, r.params)
-        if r.detok.done:  # max_new_tokens == 0
-            r.emit(r.detok.finish_empty())
-            self._finish(r, "length")
-            return
+            if r.detok.done:  # max_new_tokens == 0
+                r.emit(r.detok.finish_empty())
+                return self._finish(r, "length")
         ev, reason = r.detok.step(logits, r.generator)
         if ev.is_token:
-            self._token(r, ev, time.perf_counter())
-        else:  # the closing event of a stop token: the finish reason and any held-back text
-            r.emit(ev)
+            now = time.perf_counter()
+            r.metrics.first_token = r.metrics.first_token or now
+            r.metrics.last_token = now
+            r.metrics.num_output_tokens += 1
+            self._counts["output_tokens"] += 1
+        r.emit(ev)  # a token, or the closing event of a stop token (the reason, any held-back text)
         if reason is not None:
             self._finish(r, reason)
         else:
             r.next_token = ev.token_id
 
-    def _token(self, r: Request, ev: TokenEvent, now: float) -> None:
-        if r.metrics.first_token is None:
-            r.metrics.first_token = now
-        r.metrics.last_token = now
-        r.metrics.num_output_tokens += 1
-        self._counts["output_tokens"] += 1
-        r.emit(ev)
+    def _preempt_newest(self) -> bool:
+        """Give the newest running request's blocks back (recomputed when admitted again); False if none runs."""
+        if not self.scheduler.running:
+            return False
+        r = self.scheduler.running[-1]
+        r.seq.release()
+        r.seq, r.next_token = None, None
+        if r in self._group:
+            self._group.remove(r)
+        self.scheduler.preempt(r)
+        self._counts["preemptions"] += 1
+        return True
 
     def _decode(self) -> None:
-        reqs = [r for r in self.scheduler.running if r.next_token is not None]
+        bs, L, mgr = self.pool.block_size, self.pool.num_layers, self.pool.manager
+        while L * sum(r.seq.length == r.seq.num_blocks * bs for r in self.scheduler.running) > mgr.num_free:
+            self._preempt_newest()  # the step's new blocks do not fit: the newest requests wait
+        reqs = self.scheduler.running
         if not reqs:
             return
         logits = batched_decode_step(self.model, [r.seq for r in reqs], [r.next_token for r in reqs])
-        for r, lg in zip(reqs, logits, strict=True):
+        for r, lg in zip(list(reqs), logits, strict=True):
             r.next_token = None
             try:
                 self._accept(r, lg)
@@ -430,19 +423,14 @@ class Engine:
     def _finish(self, r: Request, reason: str) -> None:
         if r.finish_reason is not None:
             return
-        r.finish_reason = reason
-        r.status = RequestStatus.FINISHED
-        r.next_token = None
+        r.finish_reason, r.status, r.next_token = reason, RequestStatus.FINISHED, None
         if r.seq is not None:
             r.seq.release()
         self.scheduler.remove(r)
         if r in self._group:
             self._group.remove(r)
-        now = time.perf_counter()
-        r.metrics.finished = now
-        self._t_last = now
-        key = {"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")
-        self._counts[key] += 1
+        r.metrics.finished = self._t_last = time.perf_counter()
+        self._counts["requests_" + {"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")] += 1
         with self._inbox_lock:
             self._live.pop(r.request_id, None)
         r.emit(r.output())
@@ -454,19 +442,14 @@ class Engine:
 
     def _apply_cancels(self) -> None:
         with self._inbox_lock:
-            ids = list(self._cancels)
+            reqs = [self._live.get(i) for i in self._cancels]
             self._cancels.clear()
-            reqs = [self._live.get(i) for i in ids]
             for r in reqs:  # cancelled before the scheduler saw it
                 if r is not None and r in self._inbox:
                     self._inbox.remove(r)
-                    self.scheduler.waiting.append(r)
         for r in reqs:
-            if r is None or r.finish_reason is not None:
-                continue
-            if r.status != RequestStatus.RUNNING:
-                self._dequeued()
-            self._finish(r, "cancelled")
+            if r is not None:
+                self._finish(r, "cancelled")
 
     # ---- driving ------------------------------------------------------------------------------------
     def wait_for_work(self, timeout: float) -> None:
@@ -515,8 +498,7 @@ class Engine:
                 log.exception("engine step failed")
                 worked = False
             if not worked:
-                self._wake.wait(0.02)
-                self._wake.clear()
+                self.wait_for_work(0.02)
 
     def shutdown(self, cancel: bool = True) -> None:
         """Stop the background loop (cancelling live requests) and the fetcher."""
@@ -542,10 +524,8 @@ class Engine:
     def kv_bytes_used(self) -> int:
         """Bytes of KV held now: used blocks (dense blocks, or HACK pages) + HACK's fp16 staging in use."""
         pool = self.pool
-        used = pool.manager.num_used * pool.block_bytes
-        if pool.hack is not None:
-            used += pool.hack.staging_bytes_in_use()
-        return used
+        staging = pool.hack.staging_bytes_in_use() if pool.hack is not None else 0
+        return pool.manager.num_used * pool.block_bytes + staging
 
     def kv_physical_bytes(self) -> int:
         """Bytes the KV storage occupies physically (every block, and HACK's staging capacity)."""
@@ -568,33 +548,24 @@ class Engine:
 
     def metrics(self) -> EngineMetrics:
         with self._lock:
-            now = time.perf_counter()
+            now, c, mgr, sch = time.perf_counter(), self._counts, self.pool.manager, self.scheduler
             span = ((self._t_last or now) - self._t0) if self._t0 is not None else 0.0
-            mgr = self.pool.manager
-            logical = sum(len(t) for r in self.scheduler.running for t in r.seq.tables)
-            c = self._counts
+            logical = sum(r.seq.table.numel() for r in sch.running)
             return EngineMetrics(
                 uptime_s=span,
-                requests_finished=c["finished"],
-                requests_cancelled=c["cancelled"],
-                requests_failed=c["failed"],
-                prompt_tokens=c["prompt_tokens"],
-                output_tokens=c["output_tokens"],
+                **c,
                 output_tokens_per_s=c["output_tokens"] / span if span > 0 else 0.0,
-                requests_per_s=c["finished"] / span if span > 0 else 0.0,
-                waiting=len(self.scheduler.waiting) + len(self._inbox),
-                waiting_for_kv=len(self.scheduler.waiting_for_kv),
-                ready=len(self.scheduler.ready),
-                running=len(self.scheduler.running),
+                requests_per_s=c["requests_finished"] / span if span > 0 else 0.0,
+                waiting=len(sch.waiting) + len(self._inbox),
+                waiting_for_kv=len(sch.waiting_for_kv),
+                ready=len(sch.ready),
+                running=len(sch.running),
                 kv_blocks_total=mgr.num_blocks,
                 kv_blocks_used=mgr.num_used,
                 kv_blocks_peak=mgr.peak_used,
                 kv_bytes_used=self.kv_bytes_used(),
                 kv_bytes_peak=self._peak_bytes,
                 compression_ratio=logical / mgr.num_used if mgr.num_used else 1.0,
-                steps=self._steps["all"],
-                prefill_steps=self._steps["prefill"],
-                decode_steps=self._steps["decode"],
                 bff=self.bff_stats.as_dict(),
                 cff=self.cff_stats.as_dict(),
             )

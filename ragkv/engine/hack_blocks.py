@@ -1,37 +1,16 @@
 """HACK storage of the engine's paged KV: quantized pages only, plus small bounded fp16 staging.
 
-**Pages.** One uint8 tensor ``[num_blocks, Hkv, block_size, token_bytes]`` in the vLLM backend's
-page layout (:class:`ragkv.attention.hack_paged.PagedLayout`: K codes per token, V codes per channel
-over the block, fp16 scale/min and code sums). A page holds one layer's block; there is no fp16
-copy of it anywhere.
-
-**fp16 staging** (bounded per running sequence, freed as rows get quantized):
-
-* *open blocks*: a sequence's newest block(s), whose rows are still in the recent window or whose V
-  partition is not full yet: one slot ``[L, block_size, Hkv, D]`` (K and V, every layer) per open
-  block, ``ceil((W + block_size - 1) / block_size)`` slots at most per sequence;
-* *sinks*: the first ``sink_tokens`` rows of every layer, one slot ``[L, S, Hkv, D]`` per sequence.
-
-Slots come from :class:`SlotPool`, grown on demand; its physical bytes are its capacity.
-
-**Row life** (the accurate preset's recent window, HACK's requantization elimination): K of row ``r``
-is quantized into its page once ``r < length - W``; V of a block is quantized (sealed) once all of
-its rows' K are. ``W = 0`` is HACK's own scheme: K quantized at once, the partial block's V fp16,
-exactly :class:`~ragkv.attention.hack_cache.HackKVCache` (tested: same greedy tokens). Sink rows
-are read from their fp16 slot; in the page they are masked, and block 0's V partition is
-quantized with them replaced by the mean of the other rows (sinks are outliers; HackKVCache keeps
-them out of its partitions too).
-
-**K smoothing** (``k_smooth``): one ``(shift, div)`` per layer for the whole pool, fixed from the
-first prompt written (:func:`ragkv.attention.hack_cache.smooth_stats`), so blocks shared between
-sequences (prefix sharing, BFF) are all in one basis.
-
-**Fusion** (BFF/CFF) reads sealed blocks dequantized from the pages and writes representatives back
-quantized (:meth:`HackPages.read_blocks` / :meth:`HackPages.write_blocks`); a fused block is stored
-as its home member's reconstruction ``n_home * u`` so it stays in K's range (smoothing, fp16 metadata).
+Pages: one uint8 tensor in the vLLM backend's page layout (:class:`ragkv.attention.hack_paged.PagedLayout`),
+a page per block of one layer, no fp16 copy. Staging: one fp16 slot ``[L, block_size, Hkv, D]`` per
+open block of a running sequence (rows in the recent window, or a V partition not full yet) and one
+sink slot ``[L, S, Hkv, D]`` per sequence. K smoothing statistics are per layer for the whole pool,
+fixed by the first prompt, so shared and fused blocks are in one basis. Row life, sinks and fusion
+of quantized blocks: docs/ENGINE.md, "HACK".
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -66,7 +45,7 @@ class SlotPool:
 
     @property
     def slot_bytes(self) -> int:
-        return 2 * self.k[0].numel() * 2 if self.capacity else 2 * 2 * _numel(self.shape)
+        return 2 * 2 * math.prod(self.shape)
 
     def take(self) -> int:
         if not self.free:
@@ -84,13 +63,6 @@ class SlotPool:
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class HackPages:
@@ -131,21 +103,16 @@ class HackPages:
 
     def staging_bytes_in_use(self) -> int:
         """fp16 bytes of the staging slots held by sequences now."""
-        out = self.stage.in_use * self.stage.slot_bytes
-        if self.sinks is not None:
-            out += self.sinks.in_use * self.sinks.slot_bytes
-        return out
+        return sum(p.in_use * p.slot_bytes for p in (self.stage, self.sinks) if p is not None)
 
     def staging_nbytes(self) -> int:
         """Physical bytes of the fp16 staging (open-block and sink slots: their capacity)."""
-        return self.stage.nbytes() + (self.sinks.nbytes() if self.sinks is not None else 0)
+        return sum(p.nbytes() for p in (self.stage, self.sinks) if p is not None)
 
     def nbytes(self) -> int:
         """Physical bytes: every page, the staging capacity, the smoothing statistics."""
-        out = self.pages.nbytes + self.stage.nbytes()
-        if self.sinks is not None:
-            out += self.sinks.nbytes()
-        return out + sum(2 * t.numel() for t in (self.k_shift, self.k_div) if t is not None)
+        stats = sum(2 * t.numel() for t in (self.k_shift, self.k_div) if t is not None)
+        return self.pages.nbytes + self.staging_nbytes() + stats
 
     # ---- K smoothing --------------------------------------------------------------------------------
     def fix_stats(self, k: Tensor) -> None:
@@ -157,38 +124,27 @@ class HackPages:
         if stats[0][1] is not None:
             self.k_div = torch.stack([dv for _, dv in stats]).to(self.device)
 
-    def _smooth(self, k: Tensor, layers: Tensor) -> Tensor:
-        """K rows ``[M, ..., Hkv, D]`` of ``layers [M]`` in the smoothing basis (fp32)."""
-        out = k.float()
-        if self.k_shift is None:
-            return out
-        shape = (-1,) + (1,) * (out.dim() - 3) + (self.hkv, self.d)
-        out = out - self.k_shift[layers].view(shape)
-        if self.k_div is not None:
-            out = out / self.k_div[layers].view(shape)
-        return out
-
-    def _unsmooth(self, k: Tensor, layers: Tensor) -> Tensor:
+    def _smooth(self, k: Tensor, layers: Tensor, inverse: bool = False) -> Tensor:
+        """K rows ``[M, ..., Hkv, D]`` of ``layers [M]`` into the smoothing basis (fp32), or back."""
+        k = k.float()
         if self.k_shift is None:
             return k
         shape = (-1,) + (1,) * (k.dim() - 3) + (self.hkv, self.d)
-        if self.k_div is not None:
-            k = k * self.k_div[layers].view(shape)
-        return k + self.k_shift[layers].view(shape)
+        shift = self.k_shift[layers].view(shape)
+        div = self.k_div[layers].view(shape) if self.k_div is not None else 1.0
+        return k * div + shift if inverse else (k - shift) / div
 
     # ---- quantizing into pages ---------------------------------------------------------------------
     def quantize_k(self, pages: Tensor, offs: Tensor, layers: Tensor, k: Tensor) -> None:
         """Quantize K rows ``k [M, Hkv, D]`` into row ``offs[i]`` of page ``pages[i]`` (layer ``layers[i]``)."""
         if not pages.numel():
             return
-        cfg, v = self.cfg, self.views
-        packed, scale, mn, sums = quantize_k_rows(
-            self._smooth(k.half(), layers), cfg.bits, self.layout.k_partition, **cfg.rounding(self.gen)
+        cfg, w = self.cfg, self.views
+        w.k_packed[pages, offs], w.k_scale[pages, offs], w.k_min[pages, offs], w.k_sum[pages, offs] = (
+            quantize_k_rows(
+                self._smooth(k.half(), layers), cfg.bits, self.layout.k_partition, **cfg.rounding(self.gen)
+            )
         )
-        v.k_packed[pages, offs] = packed
-        v.k_scale[pages, offs] = scale
-        v.k_min[pages, offs] = mn
-        v.k_sum[pages, offs] = sums
 
     def seal_v(self, pages: Tensor, v: Tensor, first: Tensor) -> None:
         """Quantize full blocks' V ``[M, bs, Hkv, D]`` into ``pages``; ``first[i]``: block 0 (holds the sinks)."""
@@ -203,10 +159,12 @@ class HackPages:
             v.reshape(-1, self.hkv, self.d), cfg.bits, bs, **cfg.rounding(self.gen)
         )
         w = self.views
-        w.v_packed[pages] = vp.view(pages.numel(), bs, self.hkv, -1)
-        w.v_scale[pages] = vs
-        w.v_min[pages] = vm
-        w.v_sum[pages] = vsum
+        w.v_packed[pages], w.v_scale[pages], w.v_min[pages], w.v_sum[pages] = (
+            vp.view(pages.numel(), bs, self.hkv, -1),
+            vs,
+            vm,
+            vsum,
+        )
 
     def write_blocks(self, pages: Tensor, layers: Tensor, k: Tensor, v: Tensor, first: Tensor) -> None:
         """Quantize whole blocks ``k, v [M, bs, Hkv, D]`` (every row's K and the V partition) into ``pages``."""
@@ -228,7 +186,7 @@ class HackPages:
         m, bs, h, d, pk = pages.numel(), self.bs, self.hkv, self.d, lay.k_partition
         kc = unpack_codes_float(w.k_packed[pages], lay.bits, d).view(m, bs, h, d // pk, pk)
         k = kc * w.k_scale[pages].float().unsqueeze(-1) + w.k_min[pages].float().unsqueeze(-1)
-        k = self._unsmooth(k.view(m, bs, h, d), layers)
+        k = self._smooth(k.view(m, bs, h, d), layers, inverse=True)
         vc = unpack_codes_float(w.v_packed[pages], lay.bits, d).permute(0, 2, 3, 1)  # [M, H, D, bs]
         v = Quantized(vc, w.v_scale[pages], w.v_min[pages]).dequantize().permute(0, 3, 1, 2)
         return k, v.contiguous()

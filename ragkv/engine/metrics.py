@@ -137,6 +137,7 @@ class EngineMetrics:
     kv_bytes_used: int
     kv_bytes_peak: int
     compression_ratio: float  # logical block references / physical blocks in use
+    preemptions: int  # running requests whose blocks were taken back (recomputed later)
     steps: int
     prefill_steps: int
     decode_steps: int

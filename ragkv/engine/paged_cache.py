@@ -1,32 +1,32 @@
-"""Paged KV: the block pool, a per-sequence ``KVCache`` over block tables, and batched decode.
+"""Paged KV: the block pool, a sequence's block tables (a ``KVCache``), and the batched decode step.
 
-The pool holds ``num_blocks`` physical blocks of ``block_size`` rows ``[Hkv, D]`` for K and V. A
-block belongs to one layer of one or more sequences; each sequence keeps one block table per layer
-(BFF/CFF may fuse different blocks in different layers) and, per table entry, the norms ``n_K, n_V``
-that rescale a fused representative for this member (1.0 for an ordinary block). Rows sit at
-positions ``0 .. length-1`` in table order. With ``attention="hack"`` the pool holds no fp16 blocks:
-:class:`~ragkv.engine.hack_blocks.HackPages` keeps quantized pages plus bounded fp16 staging, and
-sequences and decode steps go through ``hack_seq``.
+A block is ``block_size`` rows ``[Hkv, D]`` of K and V of one layer, held by one or more sequences.
+A sequence's tables are one tensor ``table [L, nb]`` (BFF/CFF may fuse different blocks per layer),
+with per-entry norms ``[2, L, nb]`` that rescale a fused representative for this member (1 otherwise).
+Tables live across steps; a decode step stacks the batch's once (:func:`batch_tables`). HACK pools
+hold quantized pages instead of fp16 blocks (``hack_blocks``, ``hack_seq``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import Counter
-from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ragkv.attention.dense import layer_windows
 from ragkv.attention.kvcache import KVCache, cache_geometry
 from ragkv.attention.paged import decode_mask, paged_attention
+from ragkv.engine import hack_seq
 from ragkv.engine.block_manager import BlockManager
 from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
 from ragkv.model.forward import run_layers
 
 
 class PagedCacheError(ValueError):
-    """Bad use of a paged sequence (non-contiguous positions, wrong shapes, layer out of range)."""
+    """Bad use of a paged sequence (non-contiguous positions, wrong shapes, a released sequence)."""
 
 
 class KVPool:
@@ -47,13 +47,9 @@ class KVPool:
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        #: per layer: its sliding window (None: full causal)
-        self.windows = layer_windows(sliding_window, num_layers)
+        self.block_size, self.num_layers, self.scale = block_size, num_layers, scale
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.windows = layer_windows(sliding_window, num_layers)  # per layer (None: full causal)
         self.device = torch.device(device)
         self.hack = None
         if hack_config is not None:
@@ -68,7 +64,6 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # HACK: empty (no fp16 blocks)
         self.v = torch.zeros_like(self.k)
         self.manager = BlockManager(num_blocks)
-        self.row_bytes = num_kv_heads * head_dim * self.k.element_size()  # one row of K (or V)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, hack_config=None) -> KVPool:
@@ -81,17 +76,16 @@ class KVPool:
         """Bytes of one block: dense K and V, or one HACK page."""
         if self.hack is not None:
             return self.hack.page_bytes
-        return 2 * self.block_size * self.row_bytes
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.k.element_size()
 
     def nbytes(self) -> int:
         """Physical bytes of the pool's KV storage (HACK: pages, staging capacity, smoothing stats)."""
-        if self.hack is not None:
-            return self.hack.nbytes()
-        return self.k.nbytes + self.v.nbytes
+        return self.hack.nbytes() if self.hack is not None else self.k.nbytes + self.v.nbytes
 
-    def free(self, block: int) -> None:
-        """Drop one reference (a freed HACK page is simply overwritten when next sealed)."""
-        self.manager.free(block)
+    def put(self, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Dense rows ``k, v [..., Hkv, D]`` into row ``offsets`` of ``blocks`` (same leading shape)."""
+        self.k[blocks, offsets] = k.to(self.dtype)
+        self.v[blocks, offsets] = v.to(self.dtype)
 
     def read_blocks(self, phys: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of blocks ``phys`` of ``layer``: ``[n, bs, Hkv, D]`` (HACK: dequantized sealed pages)."""
@@ -102,12 +96,27 @@ class KVPool:
     def write_blocks(self, phys: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite whole blocks ``phys`` of ``layer`` with ``k, v [n, bs, Hkv, D]`` (HACK: quantized)."""
         if self.hack is None:
-            self.k[phys] = k.to(self.dtype)
-            self.v[phys] = v.to(self.dtype)
-            return
-        self.hack.write_blocks(
-            phys, torch.full_like(phys, layer), k, v, torch.zeros_like(phys, dtype=torch.bool)
-        )
+            self.k[phys], self.v[phys] = k.to(self.dtype), v.to(self.dtype)
+        else:
+            self.hack.write_blocks(phys, torch.full_like(phys, layer), k, v, torch.zeros_like(phys).bool())
+
+    def sealed_blocks(self, num_tokens: int) -> int:
+        """Leading blocks of a ``num_tokens``-row sequence that are final (HACK: quantized, sealed)."""
+        return (num_tokens if self.hack is None else max(0, num_tokens - self.hack.window)) // self.block_size
+
+    def shared_blocks(self, keys: list[str], num_tokens: int) -> list[list[int]]:
+        """Per layer, the live blocks registered under ``keys`` (a shared prompt head) up to the first
+        miss, among the blocks a ``num_tokens``-row prompt seals."""
+        out = []
+        for layer in range(self.num_layers):
+            got = []
+            for key in keys[: self.sealed_blocks(num_tokens)]:
+                b = self.manager.lookup((key, layer))
+                if b is None:
+                    break
+                got.append(b)
+            out.append(got)
+        return out
 
 
 def block_keys(
@@ -131,271 +140,168 @@ def block_keys(
 
 
 class PagedSequence(KVCache):
-    """One sequence's KV in the pool: per-layer block tables and per-entry fusion norms."""
+    """One sequence's KV in the pool: block tables ``[L, nb]`` and fusion norms ``[2, L, nb]`` (tensors)."""
 
-    def __init__(self, pool: KVPool, on_alloc: Callable[[int], None] | None = None):
-        self.pool = pool
-        self.num_layers = pool.num_layers
-        self.tables: list[list[int]] = [[] for _ in range(self.num_layers)]
-        self.k_norm: list[list[float]] = [[] for _ in range(self.num_layers)]
-        self.v_norm: list[list[float]] = [[] for _ in range(self.num_layers)]
+    def __init__(self, pool: KVPool):
+        self.pool, self.num_layers = pool, pool.num_layers
+        self.table = torch.zeros(pool.num_layers, 0, dtype=torch.long, device=pool.device)
+        self.norms = torch.ones(2, pool.num_layers, 0, device=pool.device)
+        self.fused: list[set[int]] = [set() for _ in range(self.num_layers)]  # never fused again
         self._len = [0] * self.num_layers
-        self.on_alloc = on_alloc
-        self.allocated = 0  # blocks this sequence took from the free list (for reservations)
-        self.hack_state = None
-        if pool.hack is not None:
-            from ragkv.engine.hack_seq import HackSeqState
-
-            self.hack_state = HackSeqState()
-        #: per layer, the table entries that are fused members (never fused again)
-        self.fused: list[set[int]] = [set() for _ in range(self.num_layers)]
-        self._fused_cache: dict[int, tuple] = {}
+        self.hack_state = hack_seq.HackSeqState() if pool.hack is not None else None
         self.released = False
 
-    # ---- allocation ------------------------------------------------------------------------------
-    def _new_block(self, layer: int) -> int:
-        (b,) = self.pool.manager.allocate(1)
-        self.allocated += 1
-        if self.on_alloc is not None:
-            self.on_alloc(1)
-        self.tables[layer].append(b)
-        self.k_norm[layer].append(1.0)
-        self.v_norm[layer].append(1.0)
-        return b
+    @property
+    def num_blocks(self) -> int:
+        """Table entries per layer."""
+        return self.table.shape[1]
 
-    def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.num_layers:
-            raise PagedCacheError(f"layer {layer} out of range [0, {self.num_layers})")
-        if self.released:
-            raise PagedCacheError("sequence already released")
+    def _append(self, blocks: torch.Tensor) -> None:
+        self.table = torch.cat([self.table, blocks.to(self.pool.device)], 1)
+        self.norms = torch.cat([self.norms, self.norms.new_ones(2, self.num_layers, blocks.shape[1])], 2)
+
+    def grow(self) -> None:
+        """Append a fresh block to every layer's table (the next row starts a block)."""
+        self._append(torch.tensor(self.pool.manager.allocate(self.num_layers))[:, None])
 
     # ---- KVCache ---------------------------------------------------------------------------------
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append rows at the next positions of ``layer`` (paged rows are contiguous from 0).
-
-        HACK pools take rows through :meth:`load_prompt` and :func:`batched_decode_step` only (their
-        state is per sequence, all layers alike).
-        """
-        self._check_layer(layer)
-        if self.pool.hack is not None:
-            raise PagedCacheError("HACK pages are written by load_prompt and batched_decode_step")
-        n = int(k.shape[0])
-        start = self._len[layer]
-        want = torch.arange(start, start + n)
-        if positions.numel() != n or not torch.equal(positions.cpu().long(), want):
-            raise PagedCacheError(f"paged rows must be appended at positions {start}..{start + n - 1}")
-        if k.shape != v.shape or tuple(k.shape[1:]) != (self.pool.num_kv_heads, self.pool.head_dim):
-            raise PagedCacheError(f"k and v must be [n, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+        """Append rows at the next positions of ``layer`` (dense pools only: HACK rows enter through
+        :meth:`load_prompt` and :func:`batched_decode_step`, all layers alike)."""
+        start, n = self._len[layer], int(k.shape[0])
+        rows = torch.arange(start, start + n)
+        if self.pool.hack is not None or self.released or not torch.equal(positions.cpu().long(), rows):
+            raise PagedCacheError(f"rows of a live dense paged sequence are appended at {start}..")
+        while self.num_blocks * self.pool.block_size < start + n:
+            self.grow()
+        rows = rows.to(self.pool.device)
         bs = self.pool.block_size
-        row = 0
-        while row < n:
-            pos = start + row
-            j, s = divmod(pos, bs)
-            b = self.tables[layer][j] if j < len(self.tables[layer]) else self._new_block(layer)
-            take = min(bs - s, n - row)
-            self.pool.k[b, s : s + take] = k[row : row + take].to(self.pool.dtype)
-            self.pool.v[b, s : s + take] = v[row : row + take].to(self.pool.dtype)
-            row += take
+        self.pool.put(self.table[layer, rows // bs], rows % bs, k, v)
         self._len[layer] = start + n
 
     def attend(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-        self._check_layer(layer)
-        n = self._len[layer]
-        if n == 0:
-            raise PagedCacheError(f"attend on layer {layer} before any row was written")
-        p = self.pool
-        table = self.tables[layer]
+        p, n = self.pool, self._len[layer]
         if p.hack is not None:
-            from ragkv.engine.hack_seq import attend_one
-
-            return attend_one(self, layer, q, q_pos)
-        idx = torch.tensor(table, dtype=torch.long, device=p.device)
-        k_pos = torch.arange(len(table) * p.block_size, device=p.device)
-        k_pos = torch.where(k_pos < n, k_pos, torch.full_like(k_pos, -1))
+            return hack_seq.attend_one(self, layer, q, q_pos)
+        idx = self.table[layer]
+        k_pos = torch.arange(idx.numel() * p.block_size, device=p.device)
+        k_pos = torch.where(k_pos < n, k_pos, -1)
+        kn, vn = self.norms[:, layer]
         return norm_aware_attention(
-            q,
-            p.k[idx],
-            p.v[idx],
-            torch.tensor(self.k_norm[layer]),
-            torch.tensor(self.v_norm[layer]),
-            q_pos.to(p.device),
-            k_pos,
-            p.scale,
-            p.windows[layer],
+            q, p.k[idx], p.v[idx], kn, vn, q_pos.to(p.device), k_pos, p.scale, p.windows[layer]
         )
 
     @property
     def length(self) -> int:
         return self._len[-1]
 
-    def layer_length(self, layer: int) -> int:
-        return self._len[layer]
-
     def nbytes(self) -> int:
         """Bytes of the blocks this sequence references, each shared block split among its holders
         (HACK: plus its fp16 staging and sink slots)."""
-        total = 0.0
-        mgr = self.pool.manager
-        for layer in range(self.num_layers):
-            for b in self.tables[layer]:
-                total += self.pool.block_bytes / mgr.ref_count(b)
-        hp = self.pool.hack
-        if hp is not None:
-            total += len(self.hack_state.open) * hp.stage.slot_bytes
-            if hp.sinks is not None:
-                total += hp.sinks.slot_bytes
-        return int(total)
+        ref = self.pool.manager.ref_count
+        total = sum(self.pool.block_bytes / ref(b) for b in self.table.flatten().tolist())
+        return int(total + (hack_seq.staging_bytes(self) if self.hack_state is not None else 0))
 
-    # ---- prompt loading, sealing, release ----------------------------------------------------------
-    def load_prompt(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        keys: list[str] | None = None,
-    ) -> int:
+    # ---- prompt loading, fusion bookkeeping, release -----------------------------------------------
+    def load_prompt(self, k: torch.Tensor, v: torch.Tensor, keys: list[str] | None = None) -> int:
         """Write a prefill's post-RoPE ``k, v [L, N, Hkv, D]``; returns blocks shared instead of stored.
 
-        ``keys[j]`` (optional) is the content key of full block ``j`` for blocks whose KV depends on the
-        prompt head only; such blocks are shared with any live sequence that registered the same key.
+        ``keys[j]`` (optional) is the content key of full block ``j`` when its KV depends on the prompt
+        head only; such blocks are shared with any live sequence that registered the same key. Every
+        block is taken before anything is written: on ``OutOfBlocksError`` nothing changed.
         """
-        if any(self._len):
-            raise PagedCacheError("load_prompt on a sequence that already has rows")
         L, n = int(k.shape[0]), int(k.shape[1])
-        if L != self.num_layers:
-            raise PagedCacheError(f"prompt KV has {L} layers, the pool {self.num_layers}")
-        bs, mgr = self.pool.block_size, self.pool.manager
-        keys = keys or []
-        if self.pool.hack is not None:
-            from ragkv.engine import hack_seq
-
-            return hack_seq.load_prompt(self, k, v, keys)
-        shared = 0
-        for layer in range(L):
-            j = self.adopt_shared(layer, keys, n // bs)
-            shared += j
-            self._len[layer] = j * bs
-            pos = torch.arange(j * bs, n)
-            self.write(layer, pos, k[layer, j * bs :], v[layer, j * bs :])
-            for jj in range(j, min(len(keys), n // bs)):
-                mgr.register((keys[jj], layer), self.tables[layer][jj])
-        return shared
-
-    def adopt_shared(self, layer: int, keys: list[str], limit: int) -> int:
-        """Append the registered blocks of ``keys[:limit]`` to ``layer``'s table (a shared prefix), up to
-        the first one not registered; returns how many were adopted."""
-        mgr, j = self.pool.manager, 0
-        while j < min(len(keys), limit):
-            b = mgr.lookup((keys[j], layer))
-            if b is None:
-                break
-            mgr.incref(b)
-            self.tables[layer].append(b)
-            self.k_norm[layer].append(1.0)
-            self.v_norm[layer].append(1.0)
-            j += 1
-        return j
-
-    def fused_norms(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(table indices, n_K, n_V) of the fused entries of ``layer``, cached until more are fused."""
-        cached = self._fused_cache.get(layer)
-        if cached is None or cached[0] != len(self.fused[layer]):
-            js = sorted(self.fused[layer])
-            cached = (
-                len(js),
-                torch.tensor(js, dtype=torch.long),
-                torch.tensor([self.k_norm[layer][j] for j in js]),
-                torch.tensor([self.v_norm[layer][j] for j in js]),
+        if any(self._len) or self.released or L != self.num_layers:
+            raise PagedCacheError(
+                f"load_prompt of {L} layers on a used sequence or a {self.num_layers}-layer pool"
             )
-            self._fused_cache[layer] = cached
-        return cached[1], cached[2], cached[3]
+        pool, mgr, bs, keys = self.pool, self.pool.manager, self.pool.block_size, keys or []
+        shared = pool.shared_blocks(keys, n)
+        js, nblk = [len(s) for s in shared], -(-n // bs)
+        fresh = iter(mgr.allocate(L * nblk - sum(js)))
+        for b in itertools.chain(*shared):
+            mgr.incref(b)
+        self._append(torch.tensor([s + [next(fresh) for _ in range(nblk - len(s))] for s in shared]))
+        if self.hack_state is not None:
+            hack_seq.load_prompt(self, k, v, js)
+        else:  # one scatter of every row that is not in a shared block
+            rows = torch.arange(n, device=pool.device)
+            own = rows[None] >= torch.tensor(js, device=pool.device)[:, None] * bs
+            blk, off = self.table[:, rows // bs], (rows % bs).expand(L, n)
+            k, v = k.to(pool.device), v.to(pool.device)
+            if bool(own.all()):
+                pool.put(blk, off, k, v)
+            else:
+                pool.put(blk[own], off[own], k[own], v[own])
+        self._len = [n] * L
+        tab = self.table.tolist()
+        for layer, j in itertools.product(range(L), range(min(len(keys), pool.sealed_blocks(n)))):
+            mgr.register((keys[j], layer), tab[layer][j])
+        return sum(js)
 
-    def full_blocks(self, layer: int) -> int:
-        return self._len[layer] // self.pool.block_size
+    def set_norms(self, layer: int, j: int, k_norm: float, v_norm: float) -> None:
+        """Entry ``j`` of ``layer`` is a fused member: its norms, and it is never fused again."""
+        self.norms[0, layer, j], self.norms[1, layer, j] = k_norm, v_norm
+        self.fused[layer].add(j)
 
     def fusable_blocks(self, layer: int) -> int:
         """Leading blocks BFF/CFF may fuse: full ones (HACK: sealed ones, quantized in their pages)."""
         if self.hack_state is not None:
             return self.hack_state.sealed
-        return self.full_blocks(layer)
+        return self._len[layer] // self.pool.block_size
 
     def references(self) -> Counter:
         """How many times this sequence references each physical block (all layers)."""
-        return Counter(b for t in self.tables for b in t)
+        return Counter(self.table.flatten().tolist())
 
     def release(self) -> None:
         """Drop every block reference (idempotent)."""
         if self.released:
             return
         if self.hack_state is not None:
-            from ragkv.engine.hack_seq import release
-
-            release(self)
-        for layer in range(self.num_layers):
-            for b in self.tables[layer]:
-                self.pool.free(b)
-            self.tables[layer] = []
-            self.k_norm[layer] = []
-            self.v_norm[layer] = []
+            hack_seq.release(self)
+        for b in self.table.flatten().tolist():
+            self.pool.manager.free(b)
+        self.table, self.norms = self.table[:, :0], self.norms[:, :, :0]
         self.released = True
 
 
+def batch_tables(seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch's block tables ``[L, B, NB]`` (padded with block 0: masked by length) and, when some
+    entry is fused, its norms ``[2, L, B, NB]`` (else None); stacked once per step."""
+    nb = max(s.num_blocks for s in seqs)
+    tables = torch.stack([F.pad(s.table, (0, nb - s.num_blocks)) for s in seqs], 1)
+    if not any(f for s in seqs for f in s.fused):
+        return tables, None
+    return tables, torch.stack([F.pad(s.norms, (0, nb - s.num_blocks), value=1.0) for s in seqs], 2)
+
+
 class PagedBatchKV:
-    """The K/V of one decode step of a batch of paged sequences (a ``LayerKV`` for ``run_layers``).
+    """One decode step's K/V over dense paged sequences (a ``LayerKV`` for ``run_layers``): each new row
+    goes into its sequence's current block; attention is one padded batch over the tables, norm-aware
+    on layers holding fused blocks (masks per distinct window, built once)."""
 
-    Each new row is written into its sequence's current block and attention is one padded,
-    norm-aware batch over the block tables (masks per distinct window, built once per step). HACK
-    pools use :class:`ragkv.engine.hack_seq.HackStep` instead (same batching over quantized pages).
-    """
-
-    def __init__(self, seqs: list[PagedSequence], positions: list[int], device):
-        self.seqs, self.pool = seqs, seqs[0].pool
-        pool, bs = self.pool, self.pool.block_size
-        self.pos_list = positions
-        self.lengths = torch.tensor(positions, dtype=torch.long, device=device) + 1
-        for s, p in zip(seqs, positions, strict=True):  # a fresh block wherever a sequence crosses into one
-            if p % bs == 0:
-                for layer in range(s.num_layers):
-                    if p // bs == len(s.tables[layer]):
-                        s._new_block(layer)
-        nb = max(len(t) for s in seqs for t in s.tables)
-        self.nb = nb
-        self.masks = {w: decode_mask(self.lengths, nb * bs, w) for w in set(pool.windows)}
-        self.slots = torch.tensor([p % bs for p in positions], dtype=torch.long, device=device)
-        self.blocks = (self.lengths - 1) // bs
-        self.device = device
-        self._tables: torch.Tensor | None = None
+    def __init__(self, seqs: list[PagedSequence], pos: torch.Tensor, tables: torch.Tensor, norms):
+        pool = self.pool = seqs[0].pool
+        bs = pool.block_size
+        self.tables, self.norms, self.lengths = tables, norms, pos + 1
+        self.cur = tables[:, torch.arange(len(seqs), device=pos.device), pos // bs]  # [L, B]
+        self.slot = pos % bs
+        self.masks = {w: decode_mask(self.lengths, tables.shape[2] * bs, w) for w in set(pool.windows)}
+        self.fused = {layer for s in seqs for layer, f in enumerate(s.fused) if f}
 
     def write(self, layer, positions, k, v) -> None:
-        pool = self.pool
-        rows = [s.tables[layer] + [0] * (self.nb - len(s.tables[layer])) for s in self.seqs]
-        self._tables = torch.tensor(rows, dtype=torch.long, device=self.device)
-        cur = self._tables.gather(1, self.blocks[:, None]).squeeze(1)
-        pool.k[cur, self.slots] = k.to(pool.dtype)
-        pool.v[cur, self.slots] = v.to(pool.dtype)
+        self.pool.put(self.cur[layer], self.slot, k, v)
 
     def attend(self, layer, q, q_pos) -> torch.Tensor:
-        pool = self.pool
-        fused = None
-        if any(s.fused[layer] for s in self.seqs):
-            parts = [(i, *s.fused_norms(layer)) for i, s in enumerate(self.seqs) if s.fused[layer]]
-            dev = self.device
-            fused = (
-                torch.cat([torch.full_like(j, i) for i, j, _, _ in parts]).to(dev),
-                torch.cat([j for _, j, _, _ in parts]).to(dev),
-                torch.cat([kn for _, _, kn, _ in parts]).to(dev),
-                torch.cat([vn for _, _, _, vn in parts]).to(dev),
-            )
-        mask = self.masks[pool.windows[layer]]
-        if fused is None:  # plain paged attention; fusion only where a sequence holds fused blocks
-            return paged_attention(q, pool.k, pool.v, self._tables, self.lengths, pool.scale, mask=mask)
-        return paged_norm_attention(
-            q, pool.k, pool.v, self._tables, None, None, self.lengths, pool.scale, mask=mask, fused=fused
-        )
+        p, tab, mask = self.pool, self.tables[layer], self.masks[self.pool.windows[layer]]
+        if layer not in self.fused:  # plain paged attention unless a sequence holds fused blocks here
+            return paged_attention(q, p.k, p.v, tab, self.lengths, p.scale, mask=mask)
+        kn, vn = self.norms[:, layer]
+        return paged_norm_attention(q, p.k, p.v, tab, kn, vn, self.lengths, p.scale, mask=mask)
 
     def finish(self) -> None:
-        """Every layer of every sequence now holds its new row."""
-        for s, p in zip(self.seqs, self.pos_list, strict=True):
-            s._len = [p + 1] * s.num_layers
+        pass
 
 
 @torch.inference_mode()
@@ -403,22 +309,25 @@ def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) 
     """One token per sequence through every layer, appending its KV; returns fp32 logits ``[B, vocab]``.
 
     Rows run stacked through the projections and MLP (:func:`ragkv.model.forward.run_layers`); RoPE
-    is applied at each sequence's own position; attention is one padded batch over the block tables
-    (norm-aware; :class:`PagedBatchKV`), or one HACK batch over quantized pages
+    is applied at each sequence's own position; attention is one padded batch over the stacked block
+    tables (:class:`PagedBatchKV`), or one HACK batch over quantized pages
     (:class:`~ragkv.engine.hack_seq.HackStep`). Greedy tokens match
     :func:`ragkv.generate.decode_step` on each sequence alone.
     """
     if not seqs:
         raise ValueError("batched_decode_step needs at least one sequence")
-    dev = model.device
-    pos_list = [s.length for s in seqs]
-    if seqs[0].pool.hack is not None:
-        from ragkv.engine.hack_seq import HackStep
-
-        kv = HackStep(seqs, pos_list)
-    else:
-        kv = PagedBatchKV(seqs, pos_list, dev)
-    pos = torch.tensor(pos_list, dtype=torch.long, device=dev)
-    h, _ = run_layers(model, model.embed(torch.tensor(token_ids, dtype=torch.long, device=dev)), pos, kv)
+    pool, dev = seqs[0].pool, model.device
+    positions = [s.length for s in seqs]
+    for s, p in zip(seqs, positions, strict=True):
+        if p == s.num_blocks * pool.block_size:  # the new row starts a block (in every layer)
+            s.grow()
+    tables, norms = batch_tables(seqs)
+    pos = torch.tensor(positions, dtype=torch.long, device=pool.device)
+    step = PagedBatchKV if pool.hack is None else hack_seq.HackStep
+    kv = step(seqs, pos, tables, norms)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+    h, _ = run_layers(model, model.embed(ids), pos.to(dev), kv)
     kv.finish()
+    for s, p in zip(seqs, positions, strict=True):
+        s._len = [p + 1] * s.num_layers
     return model.logits(h).float()

@@ -1,17 +1,9 @@
-"""Where the engine gets a request's chunk KV: in memory now, or fetched in the background, both
-through the owner's :class:`~ragkv.blend.resolver.ChunkResolver` (the one chunk-KV resolver).
+"""Where the engine gets a request's chunk KV: at hand now, or fetched in the background, both
+through the owner's :class:`~ragkv.blend.resolver.ChunkResolver`.
 
-A request names each retrieved chunk by one of:
-
-* a token-id list: its KV is looked up by content key (memory, then the store) and computed when
-  missing (``compute_missing``), then stored;
-* a :class:`~ragkv.blend.spans.ChunkRef` of a chunk already in the store (by ``key``; a span it
-  may carry is not used here): its token ids and KV come from the store; a miss is an error (there
-  is nothing to recompute from);
-* a :class:`~ragkv.kv.ChunkKV` already in hand.
-
-``ready_now`` answers without I/O; everything else goes through ``fetch``, which the engine runs on
-its fetcher thread (KVFetcher's ``waiting_for_KV`` queue) so that requests needing no I/O go on.
+A chunk item is a token-id list (looked up by content, computed when missing and stored), a
+:class:`~ragkv.blend.spans.ChunkRef` of a stored chunk (a miss is an error: nothing to recompute
+from), or a :class:`~ragkv.kv.ChunkKV` in hand.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ _ids = itertools.count()
 class RequestStatus(str, Enum):
     WAITING = "waiting"  # queued; nothing fetched yet
     WAITING_FOR_KV = "waiting_for_kv"  # chunk KV being fetched in the background
-    READY = "ready"  # everything local; waiting for KV blocks / a running slot
+    READY = "ready"  # everything local (fetched, or preempted); waiting for KV blocks / a running slot
     RUNNING = "running"  # prefilled, decoding
     FINISHED = "finished"
 
@@ -61,24 +61,18 @@ class Request:
         sink: Callable[[object], None] | None = None,
     ):
         self.request_id = request_id or f"req-{next(_ids)}"
-        self.prefix = prefix
-        self.chunks = chunks
-        self.question = question
-        self.params = params
-        self.mode = mode
-        self.ratio = ratio
+        self.prefix, self.chunks, self.question = prefix, chunks, question
+        self.params, self.mode, self.ratio = params, mode, ratio
         self.status = RequestStatus.WAITING
         self.metrics = RequestMetrics()
         self.resolved: list | None = None  # chunk items after fetching (ChunkKV or token ids)
         self.seq: PagedSequence | None = None
-        self.reserve = 0  # KV blocks reserved for this request's whole life (prompt + max_new_tokens)
         self.detok: Detokenizer | None = None  # the generated tokens and text (set by the engine)
         self.next_token: int | None = None
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.prefill_stats: dict = {}
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.cancel_requested = False
         self.sink = sink
         self.done = threading.Event()
 

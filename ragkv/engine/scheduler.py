@@ -1,25 +1,17 @@
-"""Fetching-aware continuous batching: which requests fetch, which prefill, under a KV-block budget.
+"""Fetching-aware continuous batching (KVFetcher §3.3.1): which requests fetch, which prefill.
 
-Queues (KVFetcher §3.3.1, Fig. 15):
-
-* ``waiting``: submitted requests, FCFS;
-* ``waiting_for_kv``: requests whose chunk KV is being fetched by the background fetcher. They are
-  moved there as soon as they are seen (up to ``max_fetching`` in flight), whatever their position,
-  so a slow fetch never blocks the requests behind it;
-* ``ready``: fetched requests, admitted before newer ``waiting`` ones (they arrived earlier);
-* ``running``: prefilled requests, decoded together every decode step.
-
-Admission reserves, for the request's whole life, the blocks of its prompt plus ``max_new_tokens``
-(``L * ceil((prompt + new) / block_size)``) against free blocks minus what running requests may
-still allocate, so decode never runs out of blocks and nothing is ever preempted. Blocks freed by
-BFF/CFF or prefix sharing immediately raise what can be admitted. (vLLM instead over-admits and
-preempts; see docs/ENGINE.md.)
+Queues: ``waiting`` (FCFS), ``waiting_for_kv`` (fetching in the background: moved there as soon as
+seen, so a slow fetch never blocks the requests behind it), ``ready`` (fetched or preempted: admitted
+before newer waiting ones), ``running`` (decoding, in admission order). A request is admitted when its
+prompt's blocks (shared head blocks not counted) fit the free blocks less one per layer per running
+request; decode may still run out, and the engine then preempts the newest (:meth:`Scheduler.preempt`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ragkv.engine.block_manager import BlockManager
 from ragkv.engine.request import Request, RequestStatus
@@ -49,22 +41,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
 
 
-@dataclass
-class SchedulePlan:
-    """What one engine step does."""
-
-    fetch: list[Request] = field(default_factory=list)
-    prefill: list[Request] = field(default_factory=list)
-
-
 class Scheduler:
-    """The queues and admission policy; the engine executes the plans."""
+    """The queues and admission policy; the engine executes what it decides."""
 
     def __init__(self, cfg: SchedulerConfig, manager: BlockManager, block_size: int, num_layers: int):
-        self.cfg = cfg
-        self.manager = manager
-        self.block_size = block_size
-        self.num_layers = num_layers
+        self.cfg, self.manager, self.block_size, self.num_layers = cfg, manager, block_size, num_layers
         self.waiting: deque[Request] = deque()
         self.waiting_for_kv: dict[str, Request] = {}
         self.ready: deque[Request] = deque()
@@ -75,8 +56,8 @@ class Scheduler:
         return len(self.waiting) + len(self.waiting_for_kv) + len(self.ready)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a sequence of ``num_tokens`` rows takes over all layers (no sharing assumed)."""
-        return self.num_layers * (-(-num_tokens // self.block_size))
+        """Blocks a sequence of ``num_tokens`` rows takes over all layers (no sharing)."""
+        return self.num_layers * -(-num_tokens // self.block_size)
 
     def check_fits(self, req: Request, num_prompt_tokens: int) -> None:
         need = self.blocks_needed(num_prompt_tokens + req.params.max_new_tokens)
@@ -91,49 +72,40 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
-    def outstanding(self) -> int:
-        """Blocks running requests may still allocate under their reservations."""
-        return sum(max(0, r.reserve - r.seq.allocated) for r in self.running if r.seq is not None)
+    def fetches(self, local: Callable[[Request], bool]) -> list[Request]:
+        """Move waiting requests whose chunk KV is not ``local`` to ``waiting_for_kv`` (up to
+        ``max_fetching`` in flight); returns them, for the engine to start their fetches."""
+        out, keep, room = [], deque(), self.cfg.max_fetching - len(self.waiting_for_kv)
+        for r in self.waiting:
+            (out if len(out) < room and not local(r) else keep).append(r)
+        self.waiting = keep  # first out of one queue, then into the other: never counted twice
+        for r in out:
+            r.status = RequestStatus.WAITING_FOR_KV
+            self.waiting_for_kv[r.request_id] = r
+        return out
 
-    def available(self) -> int:
-        return self.manager.num_free - self.outstanding()
-
-    def schedule(self, needs_fetch, prompt_tokens) -> SchedulePlan:
-        """Plan a step. ``needs_fetch(req)``: chunk I/O needed; ``prompt_tokens(req)``: its length or None."""
-        plan = SchedulePlan()
-        # 1. requests needing remote KV leave ``waiting`` for ``waiting_for_kv`` (fetch-aware mode)
-        if self.cfg.fetch_aware:
-            keep: deque[Request] = deque()
-            for r in self.waiting:
-                if len(self.waiting_for_kv) < self.cfg.max_fetching and needs_fetch(r):
-                    r.status = RequestStatus.WAITING_FOR_KV
-                    self.waiting_for_kv[r.request_id] = r
-                    plan.fetch.append(r)
-                else:
-                    keep.append(r)
-            self.waiting = keep
-        # 2. admission: fetched requests first, then waiting ones, FCFS, under slots/tokens/blocks
+    def admit(
+        self, local: Callable[[Request], bool], cost: Callable[[Request], tuple[int, int]]
+    ) -> list[Request]:
+        """Requests to prefill now, FCFS (``ready``, then local ``waiting`` ones) under the running slots,
+        the prefill token budget and the free blocks; ``cost(r)``: (prompt tokens, blocks taken now)."""
+        out, tokens = [], 0
         slots = self.cfg.max_num_seqs - len(self.running)
-        budget = self.available()
-        tokens = 0
+        budget = self.manager.num_free - self.num_layers * len(self.running)
         for queue_ in (self.ready, self.waiting):
             while queue_ and slots > 0:
                 r = queue_[0]
-                if self.cfg.fetch_aware and queue_ is self.waiting and needs_fetch(r):
+                if queue_ is self.waiting and not local(r):
                     break  # it will move to waiting_for_kv once a fetch slot frees up
-                n = prompt_tokens(r)
-                if n is None:  # only in the blocking (not fetch-aware) mode: length known after the fetch
-                    n = 0
-                need = self.blocks_needed(n + r.params.max_new_tokens)
-                if need > budget or (plan.prefill and tokens + n > self.cfg.max_prefill_tokens):
-                    return plan
+                n, blocks = cost(r)
+                if blocks > budget or (out and tokens + n > self.cfg.max_prefill_tokens):
+                    return out
                 queue_.popleft()
-                r.reserve = need
-                budget -= need
+                budget -= blocks + self.num_layers
                 tokens += n
                 slots -= 1
-                plan.prefill.append(r)
-        return plan
+                out.append(r)
+        return out
 
     def fetched(self, req: Request) -> None:
         """A background fetch finished: the request becomes ready (if still tracked)."""
@@ -141,13 +113,15 @@ class Scheduler:
             req.status = RequestStatus.READY
             self.ready.append(req)
 
+    def preempt(self, req: Request) -> None:
+        """A running request gives its blocks back: first in line again (``ready``), recomputed then."""
+        self.running.remove(req)
+        req.status = RequestStatus.READY
+        self.ready.appendleft(req)
+
     def remove(self, req: Request) -> None:
         """Forget a request wherever it is (finished, cancelled or failed)."""
         self.waiting_for_kv.pop(req.request_id, None)
-        for q in (self.waiting, self.ready):
-            try:
+        for q in (self.waiting, self.ready, self.running):
+            if req in q:
                 q.remove(req)
-            except ValueError:
-                pass
-        if req in self.running:
-            self.running.remove(req)
