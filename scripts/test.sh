@@ -7,12 +7,15 @@
 # tier (-m "not slow": everything but the long end-to-end process/server tests) runs first with AVX2
 # kernels (ATen, and MKL / oneDNN capped alike, as on an AVX2-only machine), then the whole suite at
 # the native level; otherwise the whole suite runs once. The first failing run stops the script with
-# its exit status, and the output ends with that run's pytest summary line.
+# its exit status, and the output ends with that run's pytest summary line. Both runs use pytest-xdist
+# workers, whole test files to a worker (module fixtures: servers, models): RAGKV_TEST_WORKERS (default
+# 2; 0 runs in this process); arguments given here come after, so a caller's own -n wins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+workers=(-n "${RAGKV_TEST_WORKERS:-2}" --dist loadfile)
 ruff check ragkv eval tests
 ruff format --check ragkv eval tests
 # honours an ATEN_CPU_CAPABILITY already set by the caller (=avx2 gives one AVX2 run)
@@ -22,7 +25,7 @@ case "$native" in
     echo "== fast tier with AVX2 kernels (native level: $native)"
     rc=0
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
-      python -m pytest -q -m "not slow" "$@" || rc=$?
+      python -m pytest -q "${workers[@]}" -m "not slow" "$@" || rc=$?
     # 5: the caller's selection holds only slow tests, which the native run below covers
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
       exit "$rc"
@@ -33,4 +36,4 @@ case "$native" in
     echo "== whole suite with $native kernels (not AVX-512: no lower level to check)"
     ;;
 esac
-exec python -m pytest -q "$@"
+exec python -m pytest -q "${workers[@]}" "$@"
