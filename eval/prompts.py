@@ -201,7 +201,8 @@ class PromptBuilder:
         self.frame = frame
         self.instruction = instruction
         self.query = query
-        self.prefix_ids = model.encode(frame.head + instruction, add_bos=True)
+        # the frame is a rendered chat template: its control tokens' text is parsed (specials=True)
+        self.prefix_ids = model.encode(frame.head + instruction, add_bos=True, specials=True)
 
     def passage_ids(self, passage: str) -> list[int]:
         return self.model.encode(passage)
@@ -210,8 +211,8 @@ class PromptBuilder:
         return self.text_suffix_ids(query_text(self.query, question))
 
     def text_suffix_ids(self, text: str) -> list[int]:
-        """Any suffix text followed by the chat template's tail."""
-        return self.model.encode(text + self.frame.tail)
+        """Any suffix text followed by the chat template's tail (the evaluation's own text: parsed whole)."""
+        return self.model.encode(text + self.frame.tail, specials=True)
 
     def build(self, question: str, passages: list[str]) -> PromptIds:
         return PromptIds(self.prefix_ids, [self.passage_ids(p) for p in passages], self.suffix_ids(question))

@@ -192,7 +192,7 @@ def test_instruct_model_plain_completion_is_not_empty(tmp_path, embedder):
         # add) is kept: it was cut off as if the encoding would add it back
         rendered = llm.completion_prompt("What is the capital of France?")
         assert rendered.startswith("<|im_start|>system\n")
-        ids = r.model.encode(rendered, add_bos=True)
+        ids = r.model.encode(rendered, add_bos=True, specials=True)  # a rendered template: its tokens parsed
         assert ids[0] == r.model.config.bos_token_id and out.raw["ragkv"]["num_tokens"] == len(ids)
     finally:
         r.close()

@@ -146,7 +146,12 @@ def prompt_ids(model, prompt) -> list[int]:
         if len(prompt) != 1:
             raise BadRequestError(f"one prompt per request, got {len(prompt)}")
         prompt = prompt[0]
-    ids = model.encode(prompt, add_bos=True) if isinstance(prompt, str) else [int(t) for t in prompt]
+    # a completions prompt is the model's raw input (as vLLM reads it): special tokens' text is parsed
+    ids = (
+        model.encode(prompt, add_bos=True, specials=True)
+        if isinstance(prompt, str)
+        else [int(t) for t in prompt]
+    )
     if not ids:
         raise BadRequestError("empty prompt")
     vocab = model.config.vocab_size

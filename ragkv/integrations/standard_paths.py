@@ -227,13 +227,13 @@ def explicit_text(
         if found is None:
             continue  # not in the prompt (not even trimmed)
         at, lo, hi, piece = found
-        ids += model.encode(text[pos:at]) if at > pos else []
+        ids += model.encode(text[pos:at], specials=True) if at > pos else []
         toks = tuple(int(t) for t in r.token_ids)
         spans.append(Located(r.kv_key, toks, len(ids), lo, hi))
         ids += toks[lo:hi]
         used.append(r)
         pos = at + len(piece)
-    ids += model.encode(text[pos:]) if pos < len(text) else []
+    ids += model.encode(text[pos:], specials=True) if pos < len(text) else []
     return ids, spans, used
 
 

@@ -45,14 +45,50 @@ def chat_parts(
     tok = model.tokenizer
     if not has_chat_template(model):
         raise ValueError(f"model {model.name!r} has no chat template")
-    messages = [{"role": "system", "content": system}] if system is not None else []
-    for user, assistant in examples:
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-    messages.append({"role": "user", "content": f"{head}{_MARK}{tail}"})
+    # every message's content is a marker in the rendered template: the template's own text is
+    # encoded with its control tokens, the contents as text (a typed "<|im_end|>" stays text)
+    texts = [*([system] if system is not None else []), *(t for pair in examples for t in pair), head, tail]
+    if _trims_content(tok):
+        texts = [t.strip() for t in texts]
+    mark = [f"\u2063RAGKV_{i}\u2063" for i in range(len(texts))]
+    messages = [{"role": "system", "content": mark[0]}] if system is not None else []
+    at = len(messages)
+    for i in range(len(examples)):
+        messages += [
+            {"role": "user", "content": mark[at + 2 * i]},
+            {"role": "assistant", "content": mark[at + 2 * i + 1]},
+        ]
+    messages.append({"role": "user", "content": f"{mark[-2]}{_MARK}{mark[-1]}"})
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     before, after = rendered.split(_MARK)
-    prefix = tok.encode(before, add_special_tokens=False)
+    prefix = _encode_marked(tok, before, mark, texts)
     bos = model.config.bos_token_id
     if bos is not None and (not prefix or prefix[0] != bos):
         prefix = [bos] + prefix
-    return prefix, tok.encode(after, add_special_tokens=False)
+    return prefix, _encode_marked(tok, after, mark, texts)
+
+
+def _encode_marked(tok, rendered: str, marks: list[str], texts: list[str]) -> list[int]:
+    """Token ids of ``rendered``: template text with its special tokens parsed, each marker replaced
+    by its content encoded as text. The pieces meet where the template puts a role line or a
+    control token, so they tokenize as the whole string would (tested on the shipped templates)."""
+    ids: list[int] = []
+    rest = rendered
+    while rest:
+        hits = [(rest.find(m), i) for i, m in enumerate(marks) if m in rest]
+        if not hits:
+            ids += tok.encode(rest, add_special_tokens=False)
+            break
+        pos, i = min(hits)
+        if pos:
+            ids += tok.encode(rest[:pos], add_special_tokens=False)
+        if texts[i]:
+            ids += tok.encode(texts[i], add_special_tokens=False, split_special_tokens=True)
+        rest = rest[pos + len(marks[i]) :]
+    return ids
+
+
+def _trims_content(tok) -> bool:
+    """Whether the chat template strips a message's surrounding white space (Llama 3's ``| trim``)."""
+    probe = [{"role": "user", "content": " \u2063probe\u2063 "}]
+    return " \u2063probe\u2063 " not in tok.apply_chat_template(probe, tokenize=False)

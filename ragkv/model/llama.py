@@ -146,11 +146,15 @@ class Model:
             return (logits, *cap.stacked())
         return logits, None, None
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Tokenize without special tokens; ``add_bos`` starts with BOS if the tokenizer would."""
+    def encode(self, text: str, add_bos: bool = False, specials: bool = False) -> list[int]:
+        """Tokenize without adding special tokens; ``add_bos`` starts with BOS if the tokenizer would.
+
+        A special token's text inside ``text`` (``<|im_end|>`` typed in a question or a document) is
+        encoded as text, never as the control token; ``specials=True`` parses it, for text that is the
+        model's raw input by contract (a rendered template, an OpenAI completions prompt)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass token ids")
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not specials)
         if add_bos and self.adds_bos:
             ids = [self.config.bos_token_id] + ids
         return ids

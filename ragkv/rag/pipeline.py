@@ -612,7 +612,7 @@ class RAG:
         def part(text: str, add_bos: bool) -> tuple[list[int], list[Located]]:
             if reuse:
                 return self.segment_text(text, add_bos, collection)
-            return m.encode(text, add_bos=add_bos), []
+            return m.encode(text, add_bos=add_bos, specials=True), []
 
         ids, found = part(prefix, True)
         for c in chunks:
@@ -628,7 +628,7 @@ class RAG:
         yield from self._answer(job, [], t0, 0.0)
 
     def segment_text(
-        self, text: str, add_bos: bool = False, kv_collection: str | None = None
+        self, text: str, add_bos: bool = False, kv_collection: str | None = None, specials: bool = True
     ) -> tuple[list[int], list[Located]]:
         """``text``'s token ids with the stored chunks inside it given as themselves, and where.
 
@@ -639,18 +639,19 @@ class RAG:
         node's text) the rows found are given, as found. The ids then differ from tokenizing ``text``
         as a whole only at a chunk's edge, where the two could merge differently; a prompt with no
         stored chunk is tokenized as a whole. ``add_bos``: start with BOS when the tokenizer adds one;
-        ``kv_collection``: see :meth:`job`."""
+        ``kv_collection``: see :meth:`job`. ``specials``: ``text`` is a raw prompt (a framework's rendered
+        template), so a special token's text in it is that token; False encodes it as text."""
         from ragkv.rag.splitter import encode_with_offsets
 
         m = self.model
         head = m.encode("", add_bos=add_bos)
-        flat = m.encode(text)
+        flat = m.encode(text, specials=specials)
         found = self.resolver.find(flat, [], self.kv_visible(kv_collection)) if flat else []
         if not found:
             return head + flat, []
         as_found = head + flat, [replace_start(f, len(head)) for f in found]
         try:
-            same, offsets = encode_with_offsets(m.tokenizer, text)
+            same, offsets = encode_with_offsets(m.tokenizer, text, specials)
         except (NotImplementedError, TypeError, ValueError):  # a tokenizer without offsets
             return as_found
         if list(same) != flat:
@@ -672,11 +673,11 @@ class RAG:
                 a, b, lo, hi = at, end, 0, len(f.token_ids)
             else:
                 lo, hi = f.lo, f.hi
-            ids += m.encode(text[pos:a]) if a > pos else []
+            ids += m.encode(text[pos:a], specials=specials) if a > pos else []
             out.append(Located(f.key, f.token_ids, len(ids), lo, hi))
             ids += f.token_ids[lo:hi]
             pos = b
-        ids += m.encode(text[pos:]) if pos < len(text) else []
+        ids += m.encode(text[pos:], specials=specials) if pos < len(text) else []
         return ids, out
 
     def _chunk_text(self, kv_key: str) -> str | None:

@@ -59,13 +59,15 @@ class _TokenSpans:
         return self.encoding.token_to_chars(i)
 
 
-def encode_with_offsets(tokenizer, text: str):
-    """``(token ids, per-token (start, end) character offsets)`` of ``text`` without special tokens."""
-    return _encode(tokenizer, text)
+def encode_with_offsets(tokenizer, text: str, specials: bool = False):
+    """``(token ids, per-token (start, end) character offsets)`` of ``text`` without special tokens
+    (``specials``: a special token's text in ``text`` is that token, as in a model's raw prompt)."""
+    return _encode(tokenizer, text, specials)
 
 
-def _encode(tokenizer, text: str):
-    """(token ids, offsets) of ``text`` without special tokens.
+def _encode(tokenizer, text: str, specials: bool = False):
+    """(token ids, offsets) of ``text`` without special tokens; a special token's text in ``text``
+    is encoded as text (the Rust path parses it, so such a text takes the HF call).
 
     A fast tokenizer's Rust backend encodes with the GIL released (``encode_batch``) and offsets are
     read per token on demand: the HF call's full offset list of a 2M-character document holds the
@@ -84,11 +86,20 @@ def _encode(tokenizer, text: str):
         and backend.padding is None
         and not backend.encode_special_tokens
         and not getattr(tokenizer, "split_special_tokens", False)
+        and (specials or not any(t in text for t in _special_texts(tokenizer)))  # else: text, below
     ):
         enc = backend.encode_batch([text], add_special_tokens=False)[0]
         return enc.ids, _TokenSpans(enc)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(
+        text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=not specials
+    )
     return enc["input_ids"], enc["offset_mapping"]
+
+
+def _special_texts(tokenizer) -> list[str]:
+    """The texts of the tokenizer's special tokens: typed in a document they stay text (issue 24)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return [t.content for t in added.values() if getattr(t, "special", False) and t.content]
 
 
 def _starts_word(text: str, offsets, i: int) -> bool:
