@@ -48,8 +48,8 @@ def chat_parts(
     # every message's content is a marker in the rendered template: the template's own text is
     # encoded with its control tokens, the contents as text (a typed "<|im_end|>" stays text)
     texts = [*([system] if system is not None else []), *(t for pair in examples for t in pair), head, tail]
-    if _trims_content(tok):
-        texts = [t.strip() for t in texts]
+    if _trims_content(tok):  # as the template trims each message: head and tail are one message
+        texts = [t.strip() for t in texts[:-2]] + [texts[-2].lstrip(), texts[-1].rstrip()]
     mark = [f"\u2063RAGKV_{i}\u2063" for i in range(len(texts))]
     messages = [{"role": "system", "content": mark[0]}] if system is not None else []
     at = len(messages)
