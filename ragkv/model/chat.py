@@ -8,6 +8,7 @@ reused.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 _MARK = "\u2063RAGKV_CHUNKS\u2063"
@@ -72,23 +73,25 @@ def _encode_marked(tok, rendered: str, marks: list[str], texts: list[str]) -> li
     """Token ids of ``rendered``: template text with its special tokens parsed, each marker replaced
     by its content encoded as text. The pieces meet where the template puts a role line or a
     control token, so they tokenize as the whole string would (tested on the shipped templates)."""
+    content = dict(zip(marks, texts, strict=True))
     ids: list[int] = []
-    rest = rendered
-    while rest:
-        hits = [(rest.find(m), i) for i, m in enumerate(marks) if m in rest]
-        if not hits:
-            ids += tok.encode(rest, add_special_tokens=False)
-            break
-        pos, i = min(hits)
-        if pos:
-            ids += tok.encode(rest[:pos], add_special_tokens=False)
-        if texts[i]:
-            ids += tok.encode(texts[i], add_special_tokens=False, split_special_tokens=True)
-        rest = rest[pos + len(marks[i]) :]
+    for piece in re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered):
+        if piece in content:
+            text = content[piece]
+            ids += tok.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
+        elif piece:
+            ids += tok.encode(piece, add_special_tokens=False)
     return ids
+
+
+#: chat template text -> whether it trims message contents (rendered once per template)
+_TRIMS: dict[str, bool] = {}
 
 
 def _trims_content(tok) -> bool:
     """Whether the chat template strips a message's surrounding white space (Llama 3's ``| trim``)."""
-    probe = [{"role": "user", "content": " \u2063probe\u2063 "}]
-    return " \u2063probe\u2063 " not in tok.apply_chat_template(probe, tokenize=False)
+    template = str(tok.chat_template)
+    if template not in _TRIMS:
+        probe = [{"role": "user", "content": " \u2063probe\u2063 "}]
+        _TRIMS[template] = " \u2063probe\u2063 " not in tok.apply_chat_template(probe, tokenize=False)
+    return _TRIMS[template]
