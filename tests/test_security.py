@@ -579,3 +579,15 @@ def test_secrets_are_secret_strings():
     text = repr(s) + str(s.model_dump())
     assert HMAC_KEY not in text and "vllm-token" not in text and W_KEY not in text
     assert "hmac" not in repr(AUTH).lower().replace("hmac-sha256", "")
+
+
+def test_ingest_through_an_unreachable_service_is_a_clear_error(tmp_path, capsys):
+    """``ragkv ingest --url`` to nothing listening: a one-line error and exit 2, no traceback."""
+    from ragkv.cli import main, upload_documents
+
+    with pytest.raises(ValueError, match="cannot reach http://127.0.0.1:1"):
+        upload_documents("http://127.0.0.1:1", [{"text": "a"}], None, None)
+    f = tmp_path / "d.txt"
+    f.write_text("Mia found a key.")
+    assert main(["ingest", str(f), "--url", "http://127.0.0.1:1", "-q"]) == 2
+    assert capsys.readouterr().err.startswith("error: cannot reach http://127.0.0.1:1")
