@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 from pathlib import Path
 
@@ -242,28 +243,43 @@ def rag_prompts(model, n: int, length: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def first_token(
-    model, prompts: list[list[int]], cfgs: dict[str, HackConfig]
-) -> dict[str, tuple[float, float]]:
-    """Per config: (agreement of the argmax, mean KL(fp16 || hack)) of the first decoded token."""
+def first_token(model, prompts: list[list[int]], cfgs: dict[str, HackConfig]) -> dict[str, dict]:
+    """Per config: argmax agreement, mean KL(fp16 || hack) with a 95% bootstrap interval, and the
+    cache's bits per KV element (codes, scales, sums, fp16 rows: everything it holds) of the first
+    decoded token."""
     from ragkv.blend import prefill
     from ragkv.generate import decode_step, load_prompt, make_cache
 
-    stats = {name: ([], []) for name in cfgs}
+    stats = {name: ([], [], []) for name in cfgs}
+    c = model.config
     for p in prompts:
         res = prefill(model, p[:-1], [], [], "full")
         dense = make_cache(model, "fp16")
         load_prompt(dense, res)
         ref = decode_step(model, dense, p[-1], len(p) - 1)
         for name, cfg in cfgs.items():
-            cache = HackKVCache.for_model(model, cfg)
+            cache = make_cache(model, "hack", config=cfg)  # resolves a "rope" config's key plans
             load_prompt(cache, res)
+            elements = 2 * c.num_layers * len(p[:-1]) * c.num_kv_heads * c.head_dim
+            stats[name][2].append(8 * cache.nbytes() / elements)
             got = decode_step(model, cache, p[-1], len(p) - 1)
             stats[name][0].append(float(ref.argmax() == got.argmax()))
             stats[name][1].append(
                 float(torch.sum(ref.softmax(-1) * (ref.log_softmax(-1) - got.log_softmax(-1))))
             )
-    return {name: (statistics.mean(a), statistics.mean(k)) for name, (a, k) in stats.items()}
+    out = {}
+    for name, (a, k, b) in stats.items():
+        rng = random.Random(0)
+        boots = sorted(statistics.mean(rng.choices(k, k=len(k))) for _ in range(2000))
+        out[name] = {
+            "agreement": statistics.mean(a),
+            "kl": statistics.mean(k),
+            "kl_ci": (boots[49], boots[1949]),
+            "kl_max": max(k),
+            "code_bits": (cfgs[name].key_bits + cfgs[name].bits) / 2,
+            "bits_per_element": statistics.mean(b),
+        }
+    return out
 
 
 # ---- part 4: GPU -------------------------------------------------------------------------------------------------
@@ -496,7 +512,7 @@ def main(argv=None) -> dict:
                     flush=True,
                 )
 
-    ft: dict[str, tuple[float, float]] = {}
+    ft: dict[str, dict] = {}
     model_info = None
     if 3 in parts:
         from ragkv.model import load_model
@@ -527,9 +543,15 @@ def main(argv=None) -> dict:
         for name, cfg in ablations.items():
             if name != "paper":
                 cfgs[f"{name}@2"] = cfg
+        # 2.5 code bits per element: 3-bit keys over 2-bit values, uniform or RoPE-aware (KeyPlan)
+        cfgs["accurate_k3v2@2.5"] = HackConfig.preset("accurate", k_bits=3, k_partition=32)
+        cfgs["rope@2.5"] = HackConfig.preset("rope")
         ft = first_token(model, prompts, cfgs)
-        for name, (a, kl) in ft.items():
-            print(f"  {name:26s} agreement {a:.3f}  KL {kl:.4f}")
+        for name, r in ft.items():
+            print(
+                f"  {name:26s} code bits {r['code_bits']:.2f} (held {r['bits_per_element']:.2f})  agreement "
+                f"{r['agreement']:.3f}  KL {r['kl']:.4f} [{r['kl_ci'][0]:.4f}, {r['kl_ci'][1]:.4f}] max {r['kl_max']:.3f}"
+            )
 
     gpu = None
     speedup = None
@@ -559,10 +581,10 @@ def main(argv=None) -> dict:
         return r4(minilm[key]["mean"]) if key in minilm else None
 
     def agree(key: str):
-        return r4(ft[key][0]) if key in ft else None
+        return r4(ft[key]["agreement"]) if key in ft else None
 
     def kl(key: str):
-        return r4(ft[key][1]) if key in ft else None
+        return r4(ft[key]["kl"]) if key in ft else None
 
     last = geo[-1] if geo else None
     result = {
@@ -595,6 +617,13 @@ def main(argv=None) -> dict:
         "kl_2bit_paper": kl("paper@2"),
         "agreement_4bit_paper": agree("paper@4"),
         "kl_4bit_paper": kl("paper@4"),
+        "agreement_25bit": agree("rope@2.5"),
+        "kl_25bit": kl("rope@2.5"),
+        "kl_25bit_ci": [r4(x) for x in ft["rope@2.5"]["kl_ci"]] if "rope@2.5" in ft else None,
+        "held_bits_25bit": r4(ft["rope@2.5"]["bits_per_element"]) if "rope@2.5" in ft else None,
+        "agreement_k3v2_uniform": agree("accurate_k3v2@2.5"),
+        "kl_k3v2_uniform": kl("accurate_k3v2@2.5"),
+        "held_bits_2bit": r4(ft["accurate@2"]["bits_per_element"]) if "accurate@2" in ft else None,
         "cpu_ref_vs_sdpa_fp16_time_ratio": round(last["t_ref_ms"] / last["t_sdpa_fp16_ms"], 3)
         if last
         else None,

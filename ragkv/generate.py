@@ -231,9 +231,15 @@ def make_cache(model, attention: str = "fp16", capacity: int = 256, **hack_optio
     if attention in ("fp16", "dense"):
         return DenseKVCache.for_model(model, capacity)
     if attention == "hack":
-        from ragkv.attention.hack_cache import HackKVCache
+        from ragkv.attention.hack_cache import HackConfig, HackKVCache
 
-        return HackKVCache.for_model(model, **hack_options)
+        cfg = HackConfig.from_options(hack_options.pop("config", None), **hack_options)
+        plans = None
+        if cfg.k_plan == "rope":  # RoPE-aware key bits: the model's calibration (once per model)
+            from ragkv.kv.calibrate import hack_key_plans
+
+            plans = hack_key_plans(model, cfg.key_bits, cfg.k_part(model.config.head_dim))
+        return HackKVCache.for_model(model, cfg, key_plans=plans)
     raise ValueError(f"unknown attention {attention!r}; use 'fp16' or 'hack'")
 
 

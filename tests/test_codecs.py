@@ -270,7 +270,7 @@ def test_stepz_is_registered_and_records_its_profile_id():
 def test_block_bits_go_to_the_energetic_block_within_budget():
     import numpy as np
 
-    from ragkv.store.codecs.stepz import allocate_block_bits
+    from ragkv.kv.calibrate import allocate_block_bits
 
     e = np.ones((3, 2, 32))
     e[0, 0, 5] = 1e4  # one frequency block carries most of the energy
@@ -299,7 +299,8 @@ def test_rope_bits_make_the_dominant_block_of_synthetic_keys_finer():
     """Keys whose frequency block 3 (channels 3 and 35: half-split RoPE pairs) carries the energy."""
     import numpy as np
 
-    from ragkv.store.codecs.stepz import StepZCodec, allocate_block_bits
+    from ragkv.kv.calibrate import allocate_block_bits
+    from ragkv.store.codecs.stepz import StepZCodec
 
     g = torch.Generator().manual_seed(1)
     k = torch.randn(1, 200, 2, 64, generator=g)

@@ -525,3 +525,184 @@ def test_end_to_end_generate_api_and_lengths_no_crash():
         assert len(out.token_ids) == 2 and all(0 <= t < m.config.vocab_size for t in out.token_ids)
     cache = HackKVCache.for_model(m, hack_bits=2)
     assert cache.num_layers == m.config.num_layers and math.isclose(cache.scale, m.scale)
+
+
+# ---- RoPE-aware key bits (KeyPlan) --------------------------------------------------------------------------
+def _plan_cache(bits, order=None, d=64, hkv=2, k_part=32, t=150, v_bits=2, **cfg):
+    """One-layer cache with a KeyPlan (``order`` None: identity) and the same rows as ``filled_cache``."""
+    from ragkv.attention.hack_quant import KeyPlan
+
+    order = torch.arange(d).repeat(hkv, 1) if order is None else order
+    c = HackConfig(bits=v_bits, k_bits=round(sum(bits) / len(bits)), k_plan="rope", k_partition=k_part, **cfg)
+    cache = HackKVCache(1, hkv, d, d**-0.5, c, key_plans=[KeyPlan(order, tuple(bits))])
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(t, hkv, d, generator=g) + 2 * torch.randn(1, hkv, d, generator=g)
+    v = torch.randn(t, hkv, d, generator=g)
+    cache.write(0, torch.arange(t - 2), k[:-2], v[:-2])
+    for i in (t - 2, t - 1):
+        cache.write(0, torch.tensor([i]), k[i : i + 1], v[i : i + 1])
+    return cache, k, v
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.lists(st.sampled_from([2, 3, 4, 8]), min_size=1, max_size=4), lead=st.integers(1, 3))
+def test_pack_parts_round_trip_and_equal_widths_are_pack_codes(bits, lead):
+    from ragkv.attention.hack_quant import pack_parts, parts_width, unpack_parts
+
+    part = 16
+    g = torch.Generator().manual_seed(len(bits) * 7 + lead)
+    codes = torch.cat(
+        [torch.randint(0, 1 << b, (lead, part), generator=g, dtype=torch.uint8) for b in bits], -1
+    )
+    packed = pack_parts(codes, tuple(bits), part)
+    assert packed.shape[-1] == parts_width(tuple(bits), part)
+    assert torch.equal(unpack_parts(packed, tuple(bits), part), codes)
+    same = (bits[0],) * len(bits)
+    flat = codes.clamp(max=(1 << bits[0]) - 1)
+    assert torch.equal(pack_parts(flat, same, part), pack_codes(flat, bits[0]))
+
+
+def test_identity_key_plan_equals_uniform_keys():
+    """All options off equals plain: an identity order with k_bits everywhere is the uniform cache."""
+    plan, _, _ = _plan_cache((3, 3), v_bits=2)
+    c = HackConfig(bits=2, k_bits=3, k_partition=32)
+    plain = HackKVCache(1, 2, 64, 0.125, c)
+    _, k, v = _plan_cache((3, 3))
+    plain.write(0, torch.arange(148), k[:-2], v[:-2])
+    for i in (148, 149):
+        plain.write(0, torch.tensor([i]), k[i : i + 1], v[i : i + 1])
+    a, b = plan.layer_view(0), plain.layer_view(0)
+    assert torch.equal(a.k_packed, b.k_packed) and torch.equal(a.k_scale, b.k_scale)
+    q = torch.randn(2, 4, 64)
+    pos = torch.tensor([149, 149])
+    assert torch.equal(hack_attention(a, q, pos, 0.125), hack_attention(b, q, pos, 0.125))
+    assert plan.nbytes() == plain.nbytes()
+
+
+def test_reordered_keys_score_like_the_model_order():
+    """Reordering channels inside one partition changes no code: same attention up to float rounding."""
+    g = torch.Generator().manual_seed(3)
+    order = torch.stack([torch.randperm(64, generator=g) for _ in range(2)])
+    mixed, _, _ = _plan_cache((3,), order=order, k_part=64)
+    plain, _, _ = _plan_cache((3,), k_part=64)
+    q = torch.randn(3, 4, 64)
+    pos = torch.tensor([149, 149, 60])
+    a = hack_attention(mixed.layer_view(0), q, pos, 0.125)
+    b = hack_attention(plain.layer_view(0), q, pos, 0.125)
+    assert rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("smooth", ["none", "mean_scale"])
+def test_mixed_width_keys_are_homomorphic_and_bytes_exact(smooth):
+    g = torch.Generator().manual_seed(5)
+    order = torch.stack([torch.randperm(64, generator=g) for _ in range(2)])
+    cache, _, _ = _plan_cache((4, 2), order=order, k_smooth=smooth, sink_tokens=4, recent_window=16)
+    view = cache.layer_view(0)
+    assert view.key_bits == (4, 2) and not view.uniform_keys
+    q = torch.randn(3, 6, 64)
+    pos = torch.tensor([149, 149, 90])
+    h = hack_attention_parts(view, q, pos, 0.125)
+    o = dequant_attention_parts(view, q, pos, 0.125)
+    fin = torch.isfinite(o.scores)
+    assert float((h.scores - o.scores)[fin].abs().max()) <= 2e-5 * float(o.scores[fin].abs().max())
+    assert rel(h.out, o.out) < 3e-3
+    tq = view.num_quant_k
+    # codes: 32 channels x 4 bits + 32 x 2 bits = 24 bytes per row and head (uniform 3 bits: 24 too)
+    assert view.k_packed.shape == (tq, 2, 24)
+    assert cache.breakdown()["codes"] == tq * 2 * 24 + view.v_packed.numel()
+
+
+def test_energy_ordered_bits_beat_the_reverse_allocation():
+    """Four bits on the channels queries read most lower the score error (the reason for the plan)."""
+    g = torch.Generator().manual_seed(9)
+    d, hkv, t = 64, 1, 256
+    k = torch.randn(t, hkv, d, generator=g)
+    loud = torch.randperm(d, generator=g)  # the first half: where the queries put their energy
+    q = torch.randn(8, 2, d, generator=g) * 0.05
+    q[..., loud[:32]] *= 40
+    pos = torch.full((8,), t - 1)
+    exact = torch.einsum("nhd,td->nht", q, k[:, 0]) * 0.125
+    errs = {}
+    for name, order in (("energy", loud), ("reverse", loud.flip(0))):
+        from ragkv.attention.hack_quant import KeyPlan
+
+        cfg = HackConfig(bits=2, k_bits=3, k_plan="rope", k_partition=32)
+        c = HackKVCache(1, hkv, d, 0.125, cfg, key_plans=[KeyPlan(order[None], (4, 2))])
+        c.write(0, torch.arange(t), k, torch.randn(t, hkv, d, generator=g))
+        s = dequant_attention_parts(c.layer_view(0), q, pos, 0.125).scores
+        errs[name] = float((s - exact).square().mean())
+    assert errs["energy"] < 0.25 * errs["reverse"]
+
+
+def test_key_plan_validation_and_the_engine_refuses_mixed_keys():
+    from ragkv.attention.hack_quant import KeyPlan
+
+    cfg = HackConfig(bits=2, k_bits=3, k_plan="rope", k_partition=32)
+    with pytest.raises(HackConfigError, match="needs one calibrated KeyPlan"):
+        HackKVCache(2, 2, 64, 0.125, cfg)
+    plan = KeyPlan(torch.arange(64).repeat(2, 1), (4, 2))
+    with pytest.raises(HackConfigError, match="needs one calibrated KeyPlan"):
+        HackKVCache(2, 2, 64, 0.125, cfg, key_plans=[plan])
+    with pytest.raises(HackConfigError, match="averages"):
+        HackKVCache(1, 2, 64, 0.125, dataclasses.replace(cfg, k_bits=4), key_plans=[plan])
+    with pytest.raises(HackConfigError, match="does not fit"):
+        HackKVCache(1, 3, 64, 0.125, cfg, key_plans=[plan])
+    with pytest.raises(HackConfigError, match="key plans given"):
+        HackKVCache(1, 2, 64, 0.125, HackConfig(), key_plans=[plan])
+    with pytest.raises(HackConfigError, match="k_plan"):
+        HackConfig(k_plan="block")
+    with pytest.raises(HackConfigError, match="unsupported bit width"):
+        KeyPlan(torch.arange(64)[None], (5, 1))
+    from ragkv.engine.hack_blocks import HackPages
+
+    with pytest.raises(HackConfigError, match="one code width"):
+        HackPages(4, 16, 2, 2, 64, dataclasses.replace(cfg, partition=16), torch.device("cpu"))
+
+
+def test_hack_key_plans_are_calibrated_once_kept_and_recomputed_when_bad(tmp_path, monkeypatch, caplog):
+    import json
+
+    import ragkv.kv.calibrate as cal
+    from ragkv.generate import make_cache
+
+    m, prompts = _model_and_prompts()
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "_ENERGY", {})
+    c = m.config
+    plans = cal.hack_key_plans(m, 3, 8)  # head_dim 8: one partition, an order per head
+    path = cal.energy_path(m.fingerprint)
+    assert path.is_file() and len(plans) == c.num_layers
+    half = c.head_dim // 2
+    for p in plans:
+        assert p.bits == (3,) and sorted(p.order[0].tolist()) == list(range(c.head_dim))
+        # a partition holds whole RoPE blocks: channel j and its partner j + D/2
+        assert sorted(p.order[0, :half].tolist()) == sorted((p.order[0, half:] - half).tolist())
+    monkeypatch.setattr(cal, "_ENERGY", {})
+    mtime = path.stat().st_mtime_ns
+    assert [p.order.tolist() for p in cal.hack_key_plans(m, 3, 8)] == [p.order.tolist() for p in plans]
+    assert path.stat().st_mtime_ns == mtime  # loaded, not recomputed
+    for bad in ("{not json", json.dumps({"version": 1, "fingerprint": "other", "energy": []})):
+        path.write_text(bad)
+        monkeypatch.setattr(cal, "_ENERGY", {})
+        with caplog.at_level("WARNING", logger="ragkv.kv"):
+            again = cal.hack_key_plans(m, 3, 8)
+        assert "recomputed" in caplog.text and json.loads(path.read_text())["fingerprint"] == m.fingerprint
+        assert [p.order.tolist() for p in again] == [p.order.tolist() for p in plans]
+        caplog.clear()
+    # two partitions of 4 channels: widths from the layer's energies, 3 bits on average
+    e = cal.ensure_rope_energy(m)
+    two = cal.hack_key_plans(m, 3, 4, energy=e)
+    assert all(p.bits in ((4, 2), (3, 3)) for p in two)
+    # the "rope" preset end to end: make_cache resolves the model's plans
+    cache = make_cache(m, "hack", preset="rope")
+    assert cache.config.k_plan == "rope" and torch.equal(cache.layer_view(0).k_order, plans[0].order)
+    from ragkv.blend import prefill
+    from ragkv.generate import decode_step, load_prompt
+
+    res = prefill(m, prompts[0], [], [], "full")
+    load_prompt(cache, res)
+    dense = make_cache(m, "fp16")
+    load_prompt(dense, res)
+    tok = int(res.logits.argmax())
+    ref, got = (decode_step(m, x, tok, len(prompts[0])) for x in (dense, cache))
+    assert int(ref.argmax()) == int(got.argmax())

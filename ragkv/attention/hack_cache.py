@@ -21,6 +21,7 @@ fp16 rows stay raw and their scores use ``q . (k - mean)`` so all scores share t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -31,11 +32,13 @@ from ragkv.attention.hack_quant import (
     DEFAULT_CLIP_RATIOS,
     HackConfigError,
     HackError,
+    KeyPlan,
     check_bits,
     check_kv_rows,
     check_partition,
     k_partition_size,
     packed_width,
+    parts_width,
     quantize_k_rows,
     quantize_v_partitions,
     sum_dtype,
@@ -44,6 +47,7 @@ from ragkv.attention.hack_ref import BACKENDS, HackLayerView, hack_attention
 from ragkv.attention.kvcache import KVCache, cache_geometry
 
 K_SMOOTH_MODES = ("none", "mean", "mean_scale")
+K_PLANS = ("uniform", "rope")
 
 
 def smooth_stats(rows: Tensor, mode: str) -> tuple[Tensor | None, Tensor | None]:
@@ -68,11 +72,37 @@ class HackCacheError(HackError):
     """Bad input to the HACK cache (shapes, dtypes, positions, layer index)."""
 
 
+def _check_key_plans(
+    cfg: HackConfig, plans: Sequence[KeyPlan] | None, layers: int, hkv: int, head_dim: int
+) -> None:
+    """``k_plan="rope"`` takes one :class:`KeyPlan` per layer, of this geometry and ``k_bits`` on
+    average; ``"uniform"`` takes none."""
+    if cfg.k_plan == "uniform":
+        if plans is not None:
+            raise HackConfigError('key plans given with k_plan="uniform"')
+        return
+    if plans is None or len(plans) != layers:
+        raise HackConfigError(
+            f'k_plan="rope" needs one calibrated KeyPlan per layer ({layers}); got '
+            f"{'none' if plans is None else len(plans)} (ragkv.kv.calibrate.hack_key_plans)"
+        )
+    parts = head_dim // cfg.k_part(head_dim)
+    for i, p in enumerate(plans):
+        if tuple(p.order.shape) != (hkv, head_dim) or len(p.bits) != parts:
+            raise HackConfigError(f"key plan of layer {i} does not fit {hkv} kv heads x {parts} K partitions")
+        if p.mean_bits != cfg.key_bits:
+            raise HackConfigError(
+                f"key plan of layer {i} averages {p.mean_bits} bits, not k_bits={cfg.key_bits}"
+            )
+
+
 @dataclass(frozen=True)
 class HackConfig:
     """Settings of the HACK cache. Defaults are the paper's scheme (see docs/HACK.md for measurements)."""
 
     bits: int = 2  # K and V code bits: 2 (paper), 3, 4 or 8
+    k_bits: int | None = None  # K's (average) code bits if different from ``bits`` (V's)
+    k_plan: str = "uniform"  # "uniform" | "rope": RoPE-aware K bits per partition (KeyPlan)
     partition: int = 64  # Pi: V tokens per partition; K channels per partition, capped at head_dim
     k_partition: int | None = None  # K channels per partition if different from ``partition``
     qp_bits: int = 8  # bits of the transient Q and softmax P codes
@@ -98,6 +128,20 @@ class HackConfig:
             raise HackConfigError(f"k_smooth must be one of {K_SMOOTH_MODES}, got {self.k_smooth!r}")
         if self.backend not in BACKENDS:
             raise HackConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.k_bits is not None:
+            check_bits(self.k_bits)
+        if self.k_plan not in K_PLANS:
+            raise HackConfigError(f"k_plan must be one of {K_PLANS}, got {self.k_plan!r}")
+
+    @property
+    def key_bits(self) -> int:
+        """K's code bits (the average over partitions with ``k_plan="rope"``)."""
+        return self.k_bits or self.bits
+
+    @property
+    def uniform_keys(self) -> bool:
+        """K and V share one code width in the model's channel order (what paged layouts store)."""
+        return self.k_plan == "uniform" and self.key_bits == self.bits
 
     def k_part(self, head_dim: int) -> int:
         """Effective K partition size for ``head_dim``."""
@@ -147,6 +191,19 @@ class HackConfig:
 PRESETS: dict[str, dict] = {
     "paper": {},
     "accurate": {"sink_tokens": 4, "recent_window": 16, "k_smooth": "mean_scale", "clip_search": True},
+    # accurate + RoPE-aware 3-bit keys over 2-bit values: 2.5 code bits per element. On the real
+    # default model K carries the 2-bit error (K4V2 KL 0.03 vs K2V4 0.20); 4 bits on the
+    # higher-energy half of each head's RoPE blocks and 2 on the rest measured KL 0.035 where
+    # uniform 3-bit keys gave 0.083 (docs/HACK.md, "RoPE-aware key bits").
+    "rope": {
+        "sink_tokens": 4,
+        "recent_window": 16,
+        "k_smooth": "mean_scale",
+        "clip_search": True,
+        "k_bits": 3,
+        "k_plan": "rope",
+        "k_partition": 32,
+    },
 }
 
 
@@ -180,11 +237,14 @@ class _Buf:
 class _LayerStore:
     """All tensors of one layer (see the module docstring for the regions)."""
 
-    def __init__(self, hkv: int, d: int, cfg: HackConfig, device: torch.device):
+    def __init__(self, hkv: int, d: int, cfg: HackConfig, device: torch.device, plan: KeyPlan | None):
         pk = cfg.k_part(d)
+        #: code bits per K partition, and the channel order per KV head (RoPE-aware keys)
+        self.k_bits = plan.bits if plan else (cfg.key_bits,) * (d // pk)
+        self.k_order = plan.order.to(device) if plan else None
         pw = packed_width(d, cfg.bits)
-        ksd, vsd = sum_dtype(cfg.bits, pk), sum_dtype(cfg.bits, cfg.partition)
-        self.k_packed = _Buf((hkv, pw), torch.uint8, device)
+        ksd, vsd = sum_dtype(max(self.k_bits), pk), sum_dtype(cfg.bits, cfg.partition)
+        self.k_packed = _Buf((hkv, parts_width(self.k_bits, pk)), torch.uint8, device)
         self.k_scale = _Buf((hkv, d // pk), torch.float16, device)
         self.k_min = _Buf((hkv, d // pk), torch.float16, device)
         self.k_sum = _Buf((hkv, d // pk), ksd, device)
@@ -224,6 +284,8 @@ class _LayerStore:
             dense_pos=torch.cat([self.sink_pos, self.win_pos]),
             k_shift=self.k_shift,
             q_mul=self.k_div,
+            k_bits=None if set(self.k_bits) == {cfg.bits} else self.k_bits,
+            k_order=self.k_order,
         )
 
     def nbytes(self) -> dict[str, int]:
@@ -250,9 +312,11 @@ class HackKVCache(KVCache):
         config: HackConfig | None = None,
         device: str | torch.device = "cpu",
         sliding_window: int | None | tuple[int | None, ...] = None,
+        key_plans: Sequence[KeyPlan] | None = None,
     ):
         self.config = config or HackConfig()
         self.config.k_part(head_dim)  # validates head_dim against the K partition
+        _check_key_plans(self.config, key_plans, num_layers, num_kv_heads, head_dim)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -261,15 +325,22 @@ class HackKVCache(KVCache):
         self.windows = layer_windows(sliding_window, num_layers)
         self.device = torch.device(device)
         self._layers = [
-            _LayerStore(num_kv_heads, head_dim, self.config, self.device) for _ in range(num_layers)
+            _LayerStore(num_kv_heads, head_dim, self.config, self.device, key_plans[i] if key_plans else None)
+            for i in range(num_layers)
         ]
         self._gen = torch.Generator().manual_seed(self.config.seed)
 
     @classmethod
-    def for_model(cls, model, config: HackConfig | None = None, **options) -> HackKVCache:
-        """A cache matching ``model``'s geometry; ``options`` are HackConfig fields (``hack_`` prefix ok)."""
+    def for_model(
+        cls, model, config: HackConfig | None = None, key_plans: Sequence[KeyPlan] | None = None, **options
+    ) -> HackKVCache:
+        """A cache matching ``model``'s geometry; ``options`` are HackConfig fields (``hack_`` prefix ok).
+
+        ``k_plan="rope"`` needs the model's calibrated ``key_plans``
+        (:func:`ragkv.kv.calibrate.hack_key_plans`; ``ragkv.generate.make_cache`` passes them).
+        """
         cfg = HackConfig.from_options(config, **options)
-        return cls(**cache_geometry(model), config=cfg)
+        return cls(**cache_geometry(model), config=cfg, key_plans=key_plans)
 
     # ---- writing ----------------------------------------------------------------------------------
     def _check_write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
@@ -328,8 +399,11 @@ class HackKVCache(KVCache):
         cfg = self.config
         gen = self._gen if cfg.stochastic else None
         self._smooth_stats(st, k16)
+        ks = self._smoothed(st, k16)
+        if st.k_order is not None:  # RoPE-aware keys: stored in the plan's channel order
+            ks = ks.gather(-1, st.k_order.expand_as(ks))
         packed, scale, mn, sums = quantize_k_rows(
-            self._smoothed(st, k16), cfg.bits, cfg.k_part(self.head_dim), **cfg.rounding(gen)
+            ks, st.k_bits, cfg.k_part(self.head_dim), **cfg.rounding(gen)
         )
         st.k_packed.append(packed)
         st.k_scale.append(scale)

@@ -295,9 +295,66 @@ def unpack_codes_float(packed: Tensor, bits: int, n: int) -> Tensor:
     return out.reshape(*packed.shape[:-1], -1)[..., :n]
 
 
+@dataclass(frozen=True)
+class KeyPlan:
+    """RoPE-aware key bits of one layer: a channel order per KV head and code bits per K partition.
+
+    Block-GTQ's idea (RoPE frequency blocks differ by orders of magnitude in how much a key error
+    moves a logit) fitted to HACK's homomorphic product, which needs one scale/min per partition of
+    the inner dimension: channels are reordered per KV head so that the highest-energy RoPE blocks
+    (channel pairs ``j, j + D/2``) come first, and each partition of the reordered channels gets its
+    own bit width. Reordering the channels of Q and K alike leaves ``q . k`` unchanged.
+    Deviation from the paper: bits per partition of ``D / len(bits)`` channels (not per block), the
+    same for every KV head of a layer (one tensor layout), min/max codes instead of TurboQuant.
+    """
+
+    order: Tensor  # long [Hkv, D]: stored channel i of head h is model channel order[h, i]
+    bits: tuple[int, ...]  # code bits of each K partition of the reordered channels
+
+    def __post_init__(self):
+        for b in self.bits:
+            check_bits(b)
+        if self.order.dim() != 2 or self.order.shape[1] % len(self.bits):
+            raise HackConfigError(
+                f"key plan order {tuple(self.order.shape)} does not split into {len(self.bits)} partitions"
+            )
+
+    @property
+    def mean_bits(self) -> float:
+        return sum(self.bits) / len(self.bits)
+
+
+def parts_width(bits: tuple[int, ...], part: int) -> int:
+    """Bytes of one row of K codes packed partition by partition (:func:`pack_parts`)."""
+    return sum(packed_width(part, b) for b in bits)
+
+
+def pack_parts(codes: Tensor, bits: tuple[int, ...], part: int) -> Tensor:
+    """Pack codes ``[..., len(bits) * part]`` partition by partition, each with its own bit width.
+
+    With equal widths this is byte for byte :func:`pack_codes` of the whole row (partitions are
+    multiples of 8 codes).
+    """
+    if len(set(bits)) == 1:
+        return pack_codes(codes, bits[0])
+    return torch.cat([pack_codes(codes[..., i * part : (i + 1) * part], b) for i, b in enumerate(bits)], -1)
+
+
+def unpack_parts(packed: Tensor, bits: tuple[int, ...], part: int) -> Tensor:
+    """Inverse of :func:`pack_parts`: uint8 codes ``[..., len(bits) * part]``."""
+    if len(set(bits)) == 1:
+        return unpack_codes(packed, bits[0], part * len(bits))
+    out, at = [], 0
+    for b in bits:
+        w = packed_width(part, b)
+        out.append(unpack_codes(packed[..., at : at + w], b, part))
+        at += w
+    return torch.cat(out, -1)
+
+
 def quantize_k_rows(
     k: Tensor,
-    bits: int,
+    bits: int | tuple[int, ...],
     part: int,
     *,
     stochastic: bool = False,
@@ -306,18 +363,23 @@ def quantize_k_rows(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Quantize K rows [T, H, D] per token along head_dim: (packed codes, scale, min, sums).
 
-    Shapes: packed [T, H, packed_width(D)], scale/min fp16 [T, H, D/part], sums [T, H, D/part].
+    ``bits``: one width, or one per partition (a :class:`KeyPlan`'s, channels already reordered).
+    Shapes: packed [T, H, parts_width], scale/min fp16 [T, H, D/part], sums [T, H, D/part].
     """
     t, h, d = k.shape
-    q = quantize(
-        k.reshape(t, h, d // part, part),
-        bits,
-        stochastic=stochastic,
-        generator=generator,
-        clip_ratios=clip_ratios,
-    )
+    widths = (bits,) * (d // part) if isinstance(bits, int) else tuple(bits)
+    if len(widths) != d // part:
+        raise HackConfigError(f"{len(widths)} partition bit widths for {d // part} K partitions")
+    x = k.reshape(t, h, d // part, part)
+    opts = {"stochastic": stochastic, "generator": generator, "clip_ratios": clip_ratios}
+    if len(set(widths)) == 1:
+        q = quantize(x, widths[0], **opts)
+    else:  # partitions of different widths quantized apart, codes/meta reassembled in order
+        qs = [quantize(x[:, :, i : i + 1], b, **opts) for i, b in enumerate(widths)]
+        q = Quantized(*(torch.cat([getattr(p, f) for p in qs], 2) for f in ("codes", "scale", "minv")))
     codes = q.codes.reshape(t, h, d)
-    return pack_codes(codes, bits), q.scale, q.minv, code_sums(q.codes, bits, part)
+    sums = q.codes.to(torch.int32).sum(-1).to(sum_dtype(max(widths), part))
+    return pack_parts(codes, widths, part), q.scale, q.minv, sums
 
 
 def quantize_v_partitions(

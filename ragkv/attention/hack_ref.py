@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ragkv.attention.hack_quant import HackError, Quantized, quantize, unpack_codes
+from ragkv.attention.hack_quant import HackError, Quantized, quantize, unpack_codes, unpack_parts
 
 BACKENDS = ("float", "int")
 
@@ -54,6 +54,20 @@ class HackLayerView:
     dense_pos: Tensor  # long [Td]
     k_shift: Tensor | None = None  # fp32 [Hkv, D] or None
     q_mul: Tensor | None = None  # fp32 [Hkv, D] or None
+    #: RoPE-aware keys (:class:`~ragkv.attention.hack_quant.KeyPlan`): code bits per K partition
+    #: of the channels reordered by ``k_order`` [Hkv, D]; None: ``bits`` everywhere, model order
+    k_bits: tuple[int, ...] | None = None
+    k_order: Tensor | None = None
+
+    @property
+    def key_bits(self) -> tuple[int, ...]:
+        """Code bits of each K partition."""
+        return self.k_bits or (self.bits,) * (self.head_dim // self.k_part)
+
+    @property
+    def uniform_keys(self) -> bool:
+        """K codes are ``bits`` wide in the model's channel order (the paper's layout)."""
+        return self.k_order is None and set(self.key_bits) == {self.bits}
 
     @property
     def num_kv_heads(self) -> int:
@@ -68,8 +82,8 @@ class HackLayerView:
         return int(self.v_scale.shape[0])
 
     def k_codes(self) -> Tensor:
-        """Unpacked K codes ``[Tq, Hkv, D]`` (uint8)."""
-        return unpack_codes(self.k_packed, self.bits, self.head_dim)
+        """Unpacked K codes ``[Tq, Hkv, D]`` (uint8), channels in the stored (``k_order``) order."""
+        return unpack_parts(self.k_packed, self.key_bits, self.k_part)
 
     def v_codes(self) -> Tensor:
         """Unpacked V codes ``[nvp * v_part, Hkv, D]`` (uint8)."""
@@ -190,12 +204,18 @@ def _mask(q_pos: Tensor, k_pos: Tensor, sliding_window: int | None) -> Tensor:
 
 
 def _smoothed_q(q: Tensor, view: HackLayerView) -> Tensor:
-    """Q in the K-smoothing basis: ``q * q_mul`` per (kv head group, channel); identity without smoothing."""
-    if view.q_mul is None:
+    """Q in the stored keys' basis: ``q * q_mul`` (K smoothing), channels reordered as the keys
+    (``k_order``); identity without either."""
+    if view.q_mul is None and view.k_order is None:
         return q.float()
     n, hq, d = q.shape
-    hkv = view.q_mul.shape[0]
-    return (q.float().view(n, hkv, hq // hkv, d) * view.q_mul[None, :, None, :]).view(n, hq, d)
+    hkv = view.num_kv_heads
+    out = q.float().view(n, hkv, hq // hkv, d)
+    if view.q_mul is not None:
+        out = out * view.q_mul[None, :, None, :]
+    if view.k_order is not None:
+        out = out.gather(-1, view.k_order[None, :, None, :].expand_as(out))
+    return out.reshape(n, hq, d)
 
 
 @dataclass

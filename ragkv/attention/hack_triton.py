@@ -73,6 +73,7 @@ def triton_supported(view: HackLayerView) -> bool:
     return (
         HAS_TRITON
         and view.bits in KERNEL_BITS
+        and view.uniform_keys  # RoPE-aware keys (mixed widths, reordered) use the reference
         and _pow2(d)
         and _pow2(pk)
         and _pow2(pi)

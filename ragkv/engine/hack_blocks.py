@@ -82,6 +82,11 @@ class HackPages:
             raise HackConfigError(
                 f"the engine's HACK V partition must equal the KV block size ({block_size}), got {cfg.partition}"
             )
+        if not cfg.uniform_keys:  # one page layout (the vLLM one) holds one code width, model order
+            raise HackConfigError(
+                "the engine's HACK pages store K and V at one code width; k_bits / k_plan='rope' "
+                "are supported by the per-sequence HackKVCache only"
+            )
         self.cfg = cfg
         self.layout = PagedLayout(block_size, hkv, d, cfg.bits, cfg.k_part(d))
         self.pages = self.layout.allocate(num_blocks, device)

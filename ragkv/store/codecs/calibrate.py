@@ -5,16 +5,10 @@
 is recomputed) and saves it. Calibration material is the demo corpus shipped with ragkv (its
 passages as chunks, its questions as queries), never evaluation data.
 
-1. **RoPE-aware key bits** (Block-GTQ's idea): for every layer and KV head, the energy of RoPE
-   frequency block ``j`` (channels ``j`` and ``j + D/2``) is ``E|q_j|^2 * Var(k_j)``: the mean
-   squared norm of the block in the queries of the heads that share this KV head, times the block's
-   key variance over the chunk's tokens (a std-step quantizer's error in a channel is proportional
-   to its variance, and a key error enters a logit through ``q_j . R(theta_j) dk_j``, whose size the
-   rotation does not change). Integer bits per block: greedy marginal gain under the layer's budget
-   (:func:`~ragkv.store.codecs.stepz.allocate_block_bits`). Deviation: the paper's score is label-free
-   on keys; here the queries weight it because the model is at hand at calibration time and the
-   queries' block energies differ by orders of magnitude between frequencies (a high-energy key block
-   that no query reads costs nothing to coarsen).
+1. **RoPE-aware key bits** (Block-GTQ's idea): the energy of each RoPE frequency block per layer and
+   KV head (:func:`ragkv.kv.calibrate.rope_block_energy`, shared with HACK's key plans), then
+   integer bits per block by greedy marginal gain under the layer's budget
+   (:func:`ragkv.kv.calibrate.allocate_block_bits`).
 2. **Per-layer steps** (optional, ``calibrate(..., sensitivity=...)``; off by default, see :func:`calibrate`): blend
    first-token KL with one (tensor, layer) quantized at a probe step (the rest exact) on the
    calibration questions, then reverse water-filling to a total KL budget
@@ -29,14 +23,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import torch
-
+from ragkv.kv.calibrate import DEMO_CORPUS, allocate_block_bits, rope_block_energy
 from ragkv.store.codecs.stepz import (
     FALLBACK,
     StepProfile,
     StepZCodec,
-    allocate_block_bits,
     load_profile,
     register_profile,
     save_profile,
@@ -50,7 +41,6 @@ K_STEP, V_STEP = FALLBACK.k_steps[0], FALLBACK.v_steps[0]
 #: probe step (x std) of the optional per-layer sensitivity measurement, and its KL budget
 PROBE = 0.5
 TARGET_KL = 0.001
-DEMO_CORPUS = Path(__file__).resolve().parents[2] / "demo" / "corpus.json"
 BASE_BITS = 4
 STEP_RANGE = (0.05, 3.0)
 
@@ -71,42 +61,6 @@ def calibration_material(model, n_questions: int = 2, chunk_tokens: int = 128):
             prefix, suffix = [model.config.bos_token_id], model.encode(" question: " + q + " answer:")
         out.append((list(prefix), chunks, list(suffix)))
     return out
-
-
-@torch.inference_mode()
-def block_energy(model, chunk_ids: list[list[int]]) -> tuple[np.ndarray, list]:
-    """``[L, Hkv, D/2]`` energy per RoPE block, and the chunks' KV (reused by the sensitivity probes)."""
-    from ragkv.kv.compute import compute_chunk_kv
-
-    c = model.config
-    L, H, D, Hq = c.num_layers, c.num_kv_heads, c.head_dim, c.num_heads
-    half = D // 2
-    q_energy = np.zeros((L, Hq, D), dtype=np.float64)
-    rows = 0
-    orig = model.qkv
-
-    def capture(layer, h):
-        q, k, v = orig(layer, h)
-        q_energy[layer] += (q.double() ** 2).sum(0).cpu().numpy()
-        return q, k, v
-
-    chunks = []
-    model.qkv = capture  # instance attribute: only this calibration forward is observed
-    try:
-        for ids in chunk_ids:
-            chunks.append(compute_chunk_kv(model, ids))
-            rows += len(ids) + 1
-    finally:
-        del model.qkv
-    q_energy /= max(rows, 1)
-    qb = q_energy[..., :half] + q_energy[..., half:]  # [L, Hq, D/2]
-    qb = qb.reshape(L, H, Hq // H, half).mean(2)  # the query heads sharing each KV head
-    kvar = np.zeros((L, H, D), dtype=np.float64)
-    for ch in chunks:
-        kvar += ch.k.double().var(dim=1).cpu().numpy()
-    kvar /= len(chunks)
-    kb = kvar[..., :half] + kvar[..., half:]
-    return qb * kb, chunks
 
 
 def calibrate(
@@ -134,7 +88,7 @@ def calibrate(
     t0 = time.perf_counter()
     cases = calibration_material(model, n_questions, chunk_tokens)
     flat = [ids for _, chunks, _ in cases for ids in chunks]
-    energy, kv = block_energy(model, flat)
+    energy, kv = rope_block_energy(model, flat)
     L = model.config.num_layers
     k_bits = allocate_block_bits(energy, base_bits).tolist() if rope_bits else None
     k_steps, v_steps = [k_step] * L, [v_step] * L

@@ -13,8 +13,11 @@ in ``$RAGKV_CACHE_DIR/stepz/<fingerprint>.json``:
   allocated from measured blend sensitivity (``calibrate(..., sensitivity=...)``; measured to keep
   the KL but change more answers on the default model, so off by default);
 * ``k_bits[l][h][j]``: integer bits per RoPE frequency block ``j`` of key head ``h`` (Block-GTQ's
-  idea, :func:`allocate_block_bits`); block ``j`` gets the step multiplier
-  ``m = 2 ** (base_bits - bits)``.
+  idea, :func:`ragkv.kv.calibrate.allocate_block_bits`); block ``j`` gets the step multiplier
+  ``m = 2 ** (base_bits - bits)``. Deviation from Block-GTQ: the paper allocates bit widths of a
+  TurboQuant-MSE quantizer of post-RoPE keys; here keys are stored pre-RoPE (the chunk convention)
+  and coded with a step quantizer plus an entropy coder, so a "bit" is a halving of the block's
+  step (RoPE rotates within each block, so a block's error energy is the same before and after it).
 
 Decoding needs no profile: every segment carries its own per-channel steps and offsets. A chunk of
 a model without a calibration is encoded with :data:`FALLBACK` (uniform, conservative steps).
@@ -64,43 +67,6 @@ _QMAX = 127
 _CODE_MIN, _CODE_MAX = -8 * 100, 8 * 100  # scales 2**-100 .. 2**100
 _MAX_OFFSET = 1 << 23  # |q + offset| < 2**24: exact in float32
 PROFILE_VERSION = 1
-
-
-# ---- RoPE-aware bit allocation (Block-GTQ's idea) -----------------------------------------------
-def allocate_block_bits(
-    energy: np.ndarray, base_bits: int, min_bits: int | None = None, max_bits: int | None = None
-) -> np.ndarray:
-    """Integer bits per frequency block, greedily by marginal gain, ``sum == base_bits * n`` per row.
-
-    ``energy[..., j]``: how much a unit quantization error in block ``j`` moves the logits. At ``b``
-    bits a block's error energy is ``energy * 4**-b`` (uniform quantizer: one more bit halves the
-    step), so one more bit gains ``0.75 * energy * 4**-b``; starting from ``min_bits`` everywhere,
-    each remaining bit of the budget goes to the block with the largest gain (ties: lowest index).
-
-    Deviation from Block-GTQ: the paper allocates bit *widths* of a TurboQuant-MSE quantizer of
-    post-RoPE keys. Here the keys are stored pre-RoPE (the chunk convention) and coded with a step
-    quantizer plus an entropy coder, so a "bit" is a halving of the block's step; RoPE is a rotation
-    within each block, so a block's error energy is the same before and after it. ``min_bits`` /
-    ``max_bits`` (default ``base_bits -/+ 3``) bound the spread so a block that looked idle in
-    calibration is never reduced to noise, and one that looked dominant does not take the budget.
-    """
-    e = np.asarray(energy, dtype=np.float64)
-    lo = base_bits - 3 if min_bits is None else int(min_bits)
-    hi = base_bits + 3 if max_bits is None else int(max_bits)
-    if not lo <= base_bits <= hi:
-        raise ValueError(f"need min_bits <= base_bits <= max_bits, got {lo}, {base_bits}, {hi}")
-    flat = e.reshape(-1, e.shape[-1])
-    n = flat.shape[1]
-    out = np.full(flat.shape, lo, dtype=np.int64)
-    budget = (base_bits - lo) * n
-    for r in range(flat.shape[0]):
-        gain = 0.75 * np.maximum(flat[r], 0.0) * 4.0 ** (-lo)
-        for _ in range(budget):
-            gain_masked = np.where(out[r] < hi, gain, -1.0)
-            j = int(np.argmax(gain_masked))
-            out[r, j] += 1
-            gain[j] /= 4.0
-    return out.reshape(e.shape)
 
 
 # ---- profiles -----------------------------------------------------------------------------------
