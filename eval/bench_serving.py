@@ -150,6 +150,11 @@ def rag_batch(model, pool: list[list[int]], n: int, k: int, seed: int, frame=Non
     ]
 
 
+def hack_options(args) -> dict:
+    """The engine's HACK options from the command line (empty: the engine's defaults)."""
+    return dict(getattr(args, "hack", None) or {})
+
+
 def bff_run(
     model,
     resolver,
@@ -158,6 +163,7 @@ def bff_run(
     attention: str = "fp16",
     layers: list[int] | None = None,
     decode_steps: int = 0,
+    hack: dict | None = None,
 ) -> dict:
     """Prefill the batch, let the engine fuse it, then one decode step; logits + block counts
     (distinct physical blocks of ``layers``: by default the layers ``fusion`` fuses), then
@@ -171,6 +177,7 @@ def bff_run(
     cfg = EngineConfig(
         mode="blend",
         attention=attention,
+        hack=dict(hack or {}),
         num_blocks=n * model.config.num_layers * per_seq,
         bff=fusion,
         scheduler=SchedulerConfig(max_num_seqs=n, max_queue=n, max_prefill_tokens=1 << 30),
@@ -291,10 +298,15 @@ def part1(args) -> dict:
     res = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=mm)))
     arg = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=other)))
     rep = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=mm, attention="replicate")))
-    hack = fidelity(base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=mm), attention="hack"))
+    hopts = hack_options(args)
+    hack = fidelity(
+        base_e, bff_run(model, resolver, evalb, fcfg(thr, multi_match=mm), attention="hack", hack=hopts)
+    )
     steps = args.decode_steps
     dense_run = bff_run(model, resolver, evalb, None, layers=layers, decode_steps=steps)
-    hack_run = bff_run(model, resolver, evalb, None, attention="hack", layers=layers, decode_steps=steps)
+    hack_run = bff_run(
+        model, resolver, evalb, None, attention="hack", layers=layers, decode_steps=steps, hack=hopts
+    )
     hack0 = fidelity(base_e, hack_run)
     hack_mem = dict(
         physical_bytes_over_fp16=hack_run["kv_bytes"] / hack_run["fp16_bytes"],
@@ -489,7 +501,7 @@ def part2(args, threshold: float, multi_match: str) -> dict:
         "prefix": EngineConfig(mode="prefix"),
         "blend": EngineConfig(mode="blend"),
         "blend+bff": EngineConfig(mode="blend", bff=bff),
-        "blend+bff+hack": EngineConfig(mode="blend", bff=bff, attention="hack"),
+        "blend+bff+hack": EngineConfig(mode="blend", bff=bff, attention="hack", hack=hack_options(args)),
     }
     modes = {k: v for k, v in modes.items() if k in args.modes}
     for cfg in modes.values():
@@ -623,6 +635,13 @@ def main(argv=None) -> dict:
     )
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads for this process (0: torch's default)"
+    )
+    ap.add_argument(
+        "--hack",
+        type=json.loads,
+        default=None,
+        help='HACK options (JSON) of the engine\'s hack modes, e.g. \'{"preset": "rope", '
+        "\"recent_window\": 32}' (RoPE-aware 3-bit keys); default: the engine's own HACK defaults",
     )
     ap.add_argument(
         "--no-malloc-tune",

@@ -404,11 +404,19 @@ def test_hack_engine_matches_hack_cache_and_fuses_quantized_blocks(model, chunks
         assert all(h.result().finish_reason == "length" for h in hs)
 
 
-def _hack_pool(layers=1, hkv=3, d=64, blocks=400, **hack):
+def _hack_pool(layers=1, hkv=3, d=64, blocks=400, rope=False, **hack):
+    """A HACK pool; ``rope``: RoPE-aware keys (4 + 2 bits over two K partitions, random channel orders)."""
     from ragkv.attention.hack_cache import HackConfig
+    from ragkv.attention.hack_quant import KeyPlan
 
-    cfg = HackConfig.preset("accurate", partition=16, k_partition=64, **hack)
-    return KVPool(blocks, 16, layers, hkv, d, d**-0.5, hack_config=cfg)
+    plans = None
+    if rope:
+        hack = {"k_bits": 3, "k_plan": "rope", "k_partition": 32, **hack}
+        g = torch.Generator().manual_seed(7)
+        orders = [torch.stack([torch.randperm(d, generator=g) for _ in range(hkv)]) for _ in range(layers)]
+        plans = [KeyPlan(o, (4, 2)) for o in orders]
+    cfg = HackConfig.preset("accurate", **{"partition": 16, "k_partition": 64, **hack})
+    return KVPool(blocks, 16, layers, hkv, d, d**-0.5, hack_config=cfg, key_plans=plans)
 
 
 def _kv(layers, n, hkv, d, seed):
@@ -441,12 +449,14 @@ def test_hack_pages_hold_no_fp16_shadow_and_staging_stays_bounded():
     assert hp.stage.in_use == 0 and hp.sinks.in_use == 0 and pool.manager.num_used == 0
 
 
-def test_hack_batched_decode_equals_the_per_sequence_reference():
-    """One batched call (sinks, window, K smoothing, clip search) = hack_attention on each sequence's view."""
+@pytest.mark.parametrize("rope", [False, True], ids=["uniform", "rope-keys"])
+def test_hack_batched_decode_equals_the_per_sequence_reference(rope):
+    """One batched call (sinks, window, K smoothing, clip search, RoPE-aware key bits) = hack_attention
+    on each sequence's view."""
     from ragkv.attention.hack_ref import HackLayerView, hack_attention
     from ragkv.engine.hack_seq import HackAttendPlan
 
-    pool = _hack_pool(layers=1, recent_window=8)
+    pool = _hack_pool(layers=1, recent_window=8, rope=rope)
     hp, lay, bs = pool.hack, pool.hack.layout, 16
     seqs = []
     for i, n in enumerate((5, 40, 71, 130)):  # sinks only; open + sealed blocks; misaligned lengths
@@ -499,9 +509,52 @@ def test_hack_batched_decode_equals_the_per_sequence_reference():
             dense_pos=torch.cat([torch.arange(ns), orows[~tail & (orows >= ns)]]),
             k_shift=hp.k_shift[0],
             q_mul=hp.k_div[0],
+            k_bits=lay.k_bits,
+            k_order=hp.k_order[0] if rope else None,
         )
+        assert view.key_bits == ((4, 2) if rope else (2,))
         ref = hack_attention(view, q[b : b + 1], torch.tensor([n - 1]), pool.scale)[0]
         assert torch.allclose(out[b].float(), ref, atol=2e-4, rtol=2e-4), (n, (out[b] - ref).abs().max())
+
+
+def test_rope_key_pages_read_back_in_the_model_order():
+    """BFF reads sealed blocks back: K in the model's channel order and basis, within the code error."""
+    errs = {}
+    for rope in (False, True):
+        pool = _hack_pool(layers=2, recent_window=16, rope=rope)
+        k, v = _kv(2, 160, 3, 64, 3)
+        s = PagedSequence(pool)
+        s.load_prompt(k, v)
+        sealed = s.hack_state.sealed
+        kr, vr = pool.read_blocks(s.table[1, :sealed], 1)
+        kr, vr = kr.flatten(0, 1)[4:], vr.flatten(0, 1)[4:]  # the 4 sink rows live in fp16 slots
+        want = k[1, 4 : sealed * 16]
+        errs[rope] = float((kr - want).square().mean() / want.square().mean())
+        assert float((vr - v[1, 4 : sealed * 16]).abs().max()) < 1.5
+    # 4 + 2 bits (random channel orders here) sit between the 2-bit and 4-bit errors; a wrong
+    # inverse order would be an error of order 1
+    assert errs[True] < errs[False] < 0.2, errs
+
+
+def test_hack_engine_with_the_rope_preset_resolves_key_plans(model, chunks, tmp_path, monkeypatch):
+    """``hack={"preset": "rope"}`` gets the model's calibrated key plans (channel orders) in the pages.
+
+    The tiny model's head_dim 8 is one K partition, so its keys are 4-bit here (3 needs two)."""
+    import ragkv.kv.calibrate as cal
+    from ragkv.attention.hack_cache import HackConfig
+    from ragkv.attention.hack_quant import HackError
+
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "_ENERGY", {})
+    reqs = _reqs(model, chunks, 3, max_new=3)
+    assert _first_step_kl_cfg(model, reqs, HackConfig.preset("rope", partition=16, k_bits=4)) < 0.02
+    with Engine(model, EngineConfig(attention="hack", hack={"preset": "rope", "k_bits": 4})) as eng:
+        hp = eng.pool.hack
+        assert hp.k_order.shape == (model.config.num_layers, model.config.num_kv_heads, 8)
+        assert hp.layout.key_bits == (4,) and cal.energy_path(model.fingerprint).is_file()
+        assert len(eng.submit(**reqs[0]).result().token_ids) == 3
+    with pytest.raises(HackError, match="cannot average 3 bits"):  # head_dim 8: one partition
+        Engine(model, EngineConfig(attention="hack", hack={"preset": "rope"}))
 
 
 def test_hack_error_controls_lower_the_kl_against_fp16(model, chunks):

@@ -634,7 +634,7 @@ def test_energy_ordered_bits_beat_the_reverse_allocation():
     assert errs["energy"] < 0.25 * errs["reverse"]
 
 
-def test_key_plan_validation_and_the_engine_refuses_mixed_keys():
+def test_key_plan_validation_and_the_engine_needs_plans_for_mixed_keys():
     from ragkv.attention.hack_quant import KeyPlan
 
     cfg = HackConfig(bits=2, k_bits=3, k_plan="rope", k_partition=32)
@@ -655,7 +655,7 @@ def test_key_plan_validation_and_the_engine_refuses_mixed_keys():
         KeyPlan(torch.arange(64)[None], (5, 1))
     from ragkv.engine.hack_blocks import HackPages
 
-    with pytest.raises(HackConfigError, match="one code width"):
+    with pytest.raises(HackConfigError, match="one KeyPlan per layer"):
         HackPages(4, 16, 2, 2, 64, dataclasses.replace(cfg, partition=16), torch.device("cpu"))
 
 

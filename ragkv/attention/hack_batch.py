@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ragkv.attention.hack_paged import PagedLayout, PageViews, page_views
-from ragkv.attention.hack_quant import unpack_codes_float
+from ragkv.attention.hack_quant import packed_width, unpack_codes_float
 from ragkv.attention.hack_ref import quantize_p, quantize_q
 
 
@@ -50,6 +50,7 @@ class HackDecodeBatch:
     v_norm: Tensor | None = None  # fp32 [B, NB]
     k_shift: Tensor | None = None  # fp32 [H, D]
     q_mul: Tensor | None = None  # fp32 [H, D]
+    k_order: Tensor | None = None  # long [H, D]: page K channels in a KeyPlan's order (RoPE-aware bits)
 
 
 def _gqa(x: Tensor, h: int) -> Tensor:
@@ -76,6 +77,19 @@ def _codes(packed: Tensor, lay: PagedLayout) -> Tensor:
     )
 
 
+def _key_codes(packed: Tensor, lay: PagedLayout) -> Tensor:
+    """Gathered packed K rows ``[B, NB, bs, H, KPW]`` -> fp32 codes ``[B, H, nkp, NB * bs, Pk]``, one
+    partition (and its code width) at a time, each laid out for a batched matmul."""
+    b, nb, bs, h, pw = packed.shape
+    rows = packed.permute(0, 3, 1, 2, 4).reshape(b, h, nb * bs, pw)
+    pk, out, at = lay.k_partition, [], 0
+    for w in lay.key_bits:
+        n = packed_width(pk, w)
+        out.append(unpack_codes_float(rows[..., at : at + n], w, pk))
+        at += n
+    return out[0].unsqueeze(2) if len(out) == 1 else torch.stack(out, 2)
+
+
 def _page_scores(
     q: Tensor, views: PageViews, lay: PagedLayout, batch: HackDecodeBatch, qp_bits: int
 ) -> Tensor:
@@ -88,13 +102,15 @@ def _page_scores(
     qs = q.float()
     if batch.q_mul is not None:
         qs = (_gqa(qs, h) * batch.q_mul[None, :, None, :]).view(b, hq, d)
+    if batch.k_order is not None:  # Q's channels in the page keys' order
+        qs = _gqa(qs, h).gather(-1, batch.k_order[None, :, None, :].expand(b, h, g, d)).reshape(b, hq, d)
     qq = quantize_q(qs, pk, qp_bits)  # codes [B, Hq, nkp, pk], scale/min [B, Hq, nkp]
     qc = _gqa(qq.codes.float(), h)  # [B, H, G, nkp, pk]
-    kc = _codes(views.k_packed, lay).view(b, h, t, nkp, pk)
+    kc = _key_codes(views.k_packed, lay)  # [B, H, nkp, T, pk]
     if nkp == 1:  # one partition per row (Pk = D): a plain batched matmul
-        dot = torch.matmul(qc[:, :, :, 0], kc[:, :, :, 0].transpose(-1, -2)).unsqueeze(3)
-    else:
-        dot = torch.einsum("bhgpk,bhtpk->bhgpt", qc, kc)
+        dot = torch.matmul(qc[:, :, :, 0], kc[:, :, 0].transpose(-1, -2)).unsqueeze(3)
+    else:  # per partition (its own code width) a batched matmul, seen as [B, H, G, nkp, T]
+        dot = torch.matmul(qc.transpose(2, 3), kc.transpose(-1, -2)).transpose(2, 3)
 
     def k_meta(x: Tensor) -> Tensor:  # [B, NB, bs, H, nkp] -> [B, H, 1, nkp, T]
         return x.float().reshape(b, t, h, nkp).permute(0, 2, 3, 1).unsqueeze(2)
@@ -107,7 +123,6 @@ def _page_scores(
         s = s + torch.einsum("bhgd,hd->bhg", _gqa(q.float(), h), batch.k_shift).unsqueeze(-1)
     if batch.k_norm is not None:
         s = s * batch.k_norm.repeat_interleave(lay.block_size, 1)[:, None, None, :]
-    del g
     return s
 
 

@@ -51,6 +51,7 @@ from ragkv.attention.hack_quant import (
     check_kv_rows,
     k_partition_size,
     packed_width,
+    parts_width,
     quantize_k_rows,
     quantize_v_partitions,
     sum_dtype,
@@ -60,6 +61,16 @@ from ragkv.attention.hack_ref import HackLayerView, hack_attention
 
 PAGED_BITS = (2, 4, 8)  # byte-aligned codes: a token's codes never straddle a page row
 DEFAULT_K_PARTITION = 64  # K channels per partition (capped at head_dim); >= 32 for the Triton kernel
+
+
+def paged_key_widths(k_bits: int, parts: int) -> tuple[int, ...]:
+    """Byte-aligned K partition widths averaging ``k_bits`` (a page row holds 2/4/8-bit codes):
+    3 bits are 4 on the first (highest-energy) half of the partitions and 2 on the rest."""
+    if k_bits in PAGED_BITS:
+        return (k_bits,) * parts
+    if k_bits == 3 and parts % 2 == 0:
+        return (4,) * (parts // 2) + (2,) * (parts // 2)
+    raise HackPagedError(f"paged K codes cannot average {k_bits} bits over {parts} partition(s)")
 
 
 class HackPagedError(HackError):
@@ -79,6 +90,9 @@ class PagedLayout:
     head_dim: int
     bits: int = 2
     k_partition: int = DEFAULT_K_PARTITION
+    #: code bits per K partition (RoPE-aware keys, channels in a KeyPlan's order; the engine's
+    #: pages); None: ``bits`` everywhere (the vLLM pages)
+    k_bits: tuple[int, ...] | None = None
     offsets: dict[str, int] = field(init=False, compare=False, repr=False)
     token_bytes: int = field(init=False, compare=False)
 
@@ -94,13 +108,15 @@ class PagedLayout:
             raise HackPagedError(f"num_kv_heads must be positive, got {self.num_kv_heads}")
         object.__setattr__(self, "k_partition", k_partition_size(self.head_dim, self.k_partition))
         bs, d, nkp = self.block_size, self.head_dim, self.num_k_parts
+        if self.k_bits is not None and (len(self.k_bits) != nkp or not set(self.k_bits) <= set(PAGED_BITS)):
+            raise HackPagedError(f"K partition widths {self.k_bits}: need {nkp} of {PAGED_BITS} bits")
         pw = packed_width(d, self.bits)
         ks, vs = self.k_sum_dtype.itemsize, self.v_sum_dtype.itemsize
         # 2-byte fields first, then 1-byte ones: every fp16 / int16 field stays 2-byte aligned
         fields = [("k_scale", bs * nkp * 2), ("k_min", bs * nkp * 2), ("v_scale", d * 2), ("v_min", d * 2)]
         sums = [("k_sum", bs * nkp * ks, ks), ("v_sum", d * vs, vs)]
         fields += [(name, size) for name, size, _ in sorted(sums, key=lambda f: -f[2])]
-        fields += [("k_packed", bs * pw), ("v_packed", bs * pw)]
+        fields += [("k_packed", bs * self.k_packed_width), ("v_packed", bs * pw)]
         offsets, at = {}, 0
         for name, size in fields:
             offsets[name] = at
@@ -118,8 +134,17 @@ class PagedLayout:
         return packed_width(self.head_dim, self.bits)
 
     @property
+    def key_bits(self) -> tuple[int, ...]:
+        """Code bits of each K partition."""
+        return self.k_bits or (self.bits,) * self.num_k_parts
+
+    @property
+    def k_packed_width(self) -> int:
+        return parts_width(self.key_bits, self.k_partition)
+
+    @property
     def k_sum_dtype(self) -> torch.dtype:
-        return sum_dtype(self.bits, self.k_partition)
+        return sum_dtype(max(self.key_bits), self.k_partition)
 
     @property
     def v_sum_dtype(self) -> torch.dtype:
@@ -223,7 +248,7 @@ def page_views(cache: Tensor, lay: PagedLayout) -> PageViews:
     pages = _head_pages(cache, lay)
     bs, d, nkp, pw = lay.block_size, lay.head_dim, lay.num_k_parts, lay.packed_width
     return PageViews(
-        k_packed=_field(pages, lay, "k_packed", torch.uint8, bs, pw),
+        k_packed=_field(pages, lay, "k_packed", torch.uint8, bs, lay.k_packed_width),
         k_scale=_field(pages, lay, "k_scale", torch.float16, bs, nkp),
         k_min=_field(pages, lay, "k_min", torch.float16, bs, nkp),
         k_sum=_field(pages, lay, "k_sum", lay.k_sum_dtype, bs, nkp),

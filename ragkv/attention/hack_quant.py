@@ -340,14 +340,16 @@ def pack_parts(codes: Tensor, bits: tuple[int, ...], part: int) -> Tensor:
     return torch.cat([pack_codes(codes[..., i * part : (i + 1) * part], b) for i, b in enumerate(bits)], -1)
 
 
-def unpack_parts(packed: Tensor, bits: tuple[int, ...], part: int) -> Tensor:
-    """Inverse of :func:`pack_parts`: uint8 codes ``[..., len(bits) * part]``."""
+def unpack_parts(packed: Tensor, bits: tuple[int, ...], part: int, to_float: bool = False) -> Tensor:
+    """Inverse of :func:`pack_parts`: codes ``[..., len(bits) * part]``, uint8 (or fp32 with
+    ``to_float``, through :func:`unpack_codes_float`)."""
+    unpack = unpack_codes_float if to_float else unpack_codes
     if len(set(bits)) == 1:
-        return unpack_codes(packed, bits[0], part * len(bits))
+        return unpack(packed, bits[0], part * len(bits))
     out, at = [], 0
     for b in bits:
         w = packed_width(part, b)
-        out.append(unpack_codes(packed[..., at : at + w], b, part))
+        out.append(unpack(packed[..., at : at + w], b, part))
         at += w
     return torch.cat(out, -1)
 

@@ -92,14 +92,22 @@ class Engine:
         c = model.config
         hack_cfg = None
         if cfg.attention == "hack":
-            from ragkv.attention.hack_cache import HackConfig
-            from ragkv.attention.hack_paged import PagedLayout
+            from ragkv.attention.hack_cache import PRESETS, HackConfig
+            from ragkv.attention.hack_paged import PagedLayout, paged_key_widths
 
             # a named preset replaces the engine's defaults (the page layout's K partition stays)
-            base = HACK_DEFAULTS if "preset" not in cfg.hack else {"k_partition": 64}
+            preset = cfg.hack.get("preset", cfg.hack.get("hack_preset"))
+            base = (
+                HACK_DEFAULTS
+                if preset is None
+                else {"k_partition": PRESETS.get(preset, {}).get("k_partition", 64)}
+            )
             hack_cfg = HackConfig.from_options(**{**base, "partition": cfg.block_size, **cfg.hack})
             kp = hack_cfg.k_part(c.head_dim)  # a byte budget buys more blocks stored 2-bit (a page each)
-            block = PagedLayout(cfg.block_size, c.num_kv_heads, c.head_dim, hack_cfg.bits, kp).page_bytes
+            widths = paged_key_widths(hack_cfg.key_bits, c.head_dim // kp)
+            block = PagedLayout(
+                cfg.block_size, c.num_kv_heads, c.head_dim, hack_cfg.bits, kp, widths
+            ).page_bytes
         else:
             block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
         num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // block)

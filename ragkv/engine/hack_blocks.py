@@ -11,6 +11,7 @@ of quantized blocks: docs/ENGINE.md, "HACK".
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -19,10 +20,12 @@ from ragkv.attention.hack_cache import HackConfig, smooth_stats
 from ragkv.attention.hack_paged import PagedLayout, page_views
 from ragkv.attention.hack_quant import (
     HackConfigError,
+    KeyPlan,
     Quantized,
     quantize_k_rows,
     quantize_v_partitions,
     unpack_codes_float,
+    unpack_parts,
 )
 
 
@@ -65,6 +68,26 @@ class SlotPool:
         return self.k.nbytes + self.v.nbytes
 
 
+def _plan_order(
+    cfg: HackConfig, plans: Sequence[KeyPlan] | None, layers: int, hkv: int, d: int, device: torch.device
+) -> tuple[Tensor | None, tuple[int, ...] | None]:
+    """The pool's key channel order ``[L, Hkv, D]`` and K partition widths (None, None: uniform keys).
+
+    Pages are shared by every layer, so the plans must share one set of byte-aligned widths
+    (:func:`~ragkv.attention.hack_paged.paged_key_widths`)."""
+    if cfg.uniform_keys and plans is None:
+        return None, None
+    if cfg.k_plan != "rope" or plans is None or len(plans) != layers:
+        raise HackConfigError(
+            "the engine's HACK pages take K bits different from V's only as RoPE-aware keys: "
+            f"k_plan='rope' with one KeyPlan per layer ({layers})"
+        )
+    widths = plans[0].bits
+    if any(p.bits != widths or tuple(p.order.shape) != (hkv, d) for p in plans):
+        raise HackConfigError("the engine's key plans must share one geometry and one set of widths")
+    return torch.stack([p.order for p in plans]).to(device), widths
+
+
 class HackPages:
     """Quantized pages, fp16 staging slots and K smoothing statistics of a HACK :class:`KVPool`."""
 
@@ -77,18 +100,16 @@ class HackPages:
         d: int,
         cfg: HackConfig,
         device: torch.device,
+        key_plans: Sequence[KeyPlan] | None = None,
     ):
         if cfg.partition != block_size:
             raise HackConfigError(
                 f"the engine's HACK V partition must equal the KV block size ({block_size}), got {cfg.partition}"
             )
-        if not cfg.uniform_keys:  # one page layout (the vLLM one) holds one code width, model order
-            raise HackConfigError(
-                "the engine's HACK pages store K and V at one code width; k_bits / k_plan='rope' "
-                "are supported by the per-sequence HackKVCache only"
-            )
         self.cfg = cfg
-        self.layout = PagedLayout(block_size, hkv, d, cfg.bits, cfg.k_part(d))
+        #: RoPE-aware keys: page K channels in each layer's plan order ``[L, Hkv, D]``, bits per partition
+        self.k_order, k_bits = _plan_order(cfg, key_plans, num_layers, hkv, d, device)
+        self.layout = PagedLayout(block_size, hkv, d, cfg.bits, cfg.k_part(d), k_bits)
         self.pages = self.layout.allocate(num_blocks, device)
         self.views = page_views(self.pages, self.layout)
         self.bs, self.hkv, self.d, self.num_layers = block_size, hkv, d, num_layers
@@ -117,7 +138,8 @@ class HackPages:
     def nbytes(self) -> int:
         """Physical bytes: every page, the staging capacity, the smoothing statistics."""
         stats = sum(2 * t.numel() for t in (self.k_shift, self.k_div) if t is not None)
-        return self.pages.nbytes + self.staging_nbytes() + stats
+        order = self.k_order.numel() if self.k_order is not None else 0  # channel indices fit a byte
+        return self.pages.nbytes + self.staging_nbytes() + stats + order
 
     # ---- K smoothing --------------------------------------------------------------------------------
     def fix_stats(self, k: Tensor) -> None:
@@ -144,11 +166,12 @@ class HackPages:
         """Quantize K rows ``k [M, Hkv, D]`` into row ``offs[i]`` of page ``pages[i]`` (layer ``layers[i]``)."""
         if not pages.numel():
             return
-        cfg, w = self.cfg, self.views
+        cfg, w, lay = self.cfg, self.views, self.layout
+        ks = self._smooth(k.half(), layers)
+        if self.k_order is not None:  # RoPE-aware keys: stored in the layer's plan order
+            ks = ks.gather(-1, self.k_order[layers])
         w.k_packed[pages, offs], w.k_scale[pages, offs], w.k_min[pages, offs], w.k_sum[pages, offs] = (
-            quantize_k_rows(
-                self._smooth(k.half(), layers), cfg.bits, self.layout.k_partition, **cfg.rounding(self.gen)
-            )
+            quantize_k_rows(ks, lay.key_bits, lay.k_partition, **cfg.rounding(self.gen))
         )
 
     def seal_v(self, pages: Tensor, v: Tensor, first: Tensor) -> None:
@@ -189,9 +212,13 @@ class HackPages:
         """Dequantized K (unsmoothed) and V of sealed blocks: fp32 ``[M, bs, Hkv, D]`` each."""
         lay, w = self.layout, self.views
         m, bs, h, d, pk = pages.numel(), self.bs, self.hkv, self.d, lay.k_partition
-        kc = unpack_codes_float(w.k_packed[pages], lay.bits, d).view(m, bs, h, d // pk, pk)
-        k = kc * w.k_scale[pages].float().unsqueeze(-1) + w.k_min[pages].float().unsqueeze(-1)
-        k = self._smooth(k.view(m, bs, h, d), layers, inverse=True)
+        kc = unpack_parts(w.k_packed[pages], lay.key_bits, pk, to_float=True).view(m, bs, h, d // pk, pk)
+        k = (kc * w.k_scale[pages].float().unsqueeze(-1) + w.k_min[pages].float().unsqueeze(-1)).view(
+            m, bs, h, d
+        )
+        if self.k_order is not None:  # back to the model's channel order
+            k = torch.empty_like(k).scatter_(-1, self.k_order[layers][:, None].expand_as(k), k)
+        k = self._smooth(k, layers, inverse=True)
         vc = unpack_codes_float(w.v_packed[pages], lay.bits, d).permute(0, 2, 3, 1)  # [M, H, D, bs]
         v = Quantized(vc, w.v_scale[pages], w.v_min[pages]).dequantize().permute(0, 3, 1, 2)
         return k, v.contiguous()

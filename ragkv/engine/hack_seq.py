@@ -157,6 +157,7 @@ class HackAttendPlan:
             v_norm=norm(self.v_norm),
             k_shift=hp.k_shift[layer] if hp.k_shift is not None else None,
             q_mul=hp.k_div[layer] if hp.k_div is not None else None,
+            k_order=hp.k_order[layer] if hp.k_order is not None else None,
         )
         return hack_decode(q, hp.pages, hp.layout, batch, pool.scale, qp_bits=hp.cfg.qp_bits).to(q.dtype)
 

@@ -44,6 +44,7 @@ class KVPool:
         device: str | torch.device = "cpu",
         sliding_window: int | None | tuple[int | None, ...] = None,
         hack_config=None,
+        key_plans=None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -57,7 +58,14 @@ class KVPool:
 
             dtype = torch.float16  # HACK keeps its unquantized rows in fp16, as HackKVCache does
             self.hack = HackPages(
-                num_blocks, block_size, num_layers, num_kv_heads, head_dim, hack_config, self.device
+                num_blocks,
+                block_size,
+                num_layers,
+                num_kv_heads,
+                head_dim,
+                hack_config,
+                self.device,
+                key_plans,
             )
         self.dtype = dtype
         shape = (0 if self.hack else num_blocks, block_size, num_kv_heads, head_dim)
@@ -67,8 +75,22 @@ class KVPool:
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, hack_config=None) -> KVPool:
+        """A pool of ``model``'s geometry; a ``k_plan="rope"`` HACK config gets the model's key plans."""
+        plans = None
+        if hack_config is not None and hack_config.k_plan == "rope":
+            from ragkv.attention.hack_paged import paged_key_widths
+            from ragkv.kv.calibrate import hack_key_plans
+
+            kp = hack_config.k_part(model.config.head_dim)
+            widths = paged_key_widths(hack_config.key_bits, model.config.head_dim // kp)
+            plans = hack_key_plans(model, hack_config.key_bits, kp, widths=widths)
         return cls(
-            num_blocks, block_size, **cache_geometry(model), dtype=model.dtype, hack_config=hack_config
+            num_blocks,
+            block_size,
+            **cache_geometry(model),
+            dtype=model.dtype,
+            hack_config=hack_config,
+            key_plans=plans,
         )
 
     @property

@@ -156,14 +156,21 @@ def ensure_rope_energy(model, directory: Path | None = None) -> np.ndarray:
         return e
 
 
-def hack_key_plans(model, k_bits: int, k_part: int, energy: np.ndarray | None = None) -> list[KeyPlan]:
+def hack_key_plans(
+    model,
+    k_bits: int,
+    k_part: int,
+    energy: np.ndarray | None = None,
+    widths: tuple[int, ...] | None = None,
+) -> list[KeyPlan]:
     """One :class:`~ragkv.attention.hack_quant.KeyPlan` per layer for HACK keys of ``k_bits`` on average.
 
     Per KV head, RoPE blocks are ordered by energy (highest first) and grouped into partitions of
     ``k_part`` channels; a layer's partition widths come from :func:`allocate_block_bits` over the
-    partitions' energies summed across its KV heads (one layout per layer), within 2..4 bits. On the
-    real default model at 3 bits in two partitions this gives 4 + 2 bits on 88 of 90 heads' own
-    allocations (docs/HACK.md).
+    partitions' energies summed across its KV heads (one layout per layer), within 2..4 bits, or
+    are ``widths`` for every layer (paged pools share pages across layers). On the real default
+    model at 3 bits in two partitions this gives 4 + 2 bits on 88 of 90 heads' own allocations
+    (docs/HACK.md).
     """
     e = ensure_rope_energy(model) if energy is None else np.asarray(energy, dtype=np.float64)
     L, H, half = e.shape
@@ -175,7 +182,7 @@ def hack_key_plans(model, k_bits: int, k_part: int, energy: np.ndarray | None = 
     for layer in range(L):
         order = np.argsort(-e[layer], axis=1, kind="stable")  # [H, D/2] blocks, highest energy first
         ranked = np.take_along_axis(e[layer], order, axis=1).reshape(H, -1, per).sum(-1)  # [H, parts]
-        bits = allocate_block_bits(ranked.sum(0), k_bits, min_bits=lo, max_bits=hi)
+        bits = widths or allocate_block_bits(ranked.sum(0), k_bits, min_bits=lo, max_bits=hi)
         channels = np.concatenate(
             [np.concatenate([g, g + half], axis=1) for g in np.split(order, order.shape[1] // per, axis=1)],
             axis=1,
