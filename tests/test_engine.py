@@ -557,6 +557,28 @@ def test_hack_engine_with_the_rope_preset_resolves_key_plans(model, chunks, tmp_
         Engine(model, EngineConfig(attention="hack", hack={"preset": "rope"}))
 
 
+def test_engine_hack_defaults_to_rope_keys_where_the_head_allows(model, tmp_path, monkeypatch):
+    """The engine's HACK default: RoPE-aware 3-bit keys (head_dim >= 64), else keys as wide as values."""
+    import ragkv.kv.calibrate as cal
+
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "_ENERGY", {})
+    wide = random_model(
+        "llama", seed=2, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, vocab_size=64, max_position_embeddings=256,
+    )  # fmt: skip
+    with Engine(wide, EngineConfig(attention="hack", num_blocks=32)) as eng:
+        hp = eng.pool.hack
+        assert hp.cfg.k_plan == "rope" and hp.layout.key_bits == (4, 2) and hp.k_order.shape == (2, 1, 64)
+        assert hp.cfg.recent_window == 32 and hp.cfg.k_smooth == "mean_scale"
+        out = eng.submit(prefix=[1, 5, 7, 9] * 10, max_new_tokens=2).result()
+        assert len(out.token_ids) == 2
+    for m, hack in ((wide, {"bits": 4}), (model, {})):  # code widths asked for; a head of 8 channels
+        with Engine(m, EngineConfig(attention="hack", hack=hack, num_blocks=32)) as eng:
+            hp = eng.pool.hack
+            assert hp.cfg.k_plan == "uniform" and hp.k_order is None and hp.cfg.recent_window == 32
+
+
 def test_hack_error_controls_lower_the_kl_against_fp16(model, chunks):
     """On the trained tiny model: the accurate preset's controls on pages cut the first-step KL vs fp16."""
     from ragkv.attention.hack_cache import HackConfig

@@ -40,11 +40,15 @@ from ragkv.generate import Detokenizer, SamplingParams
 log = logging.getLogger("ragkv.engine")
 
 
-#: HACK in the engine: the ``accurate`` preset (fp16 sinks, K smoothing, clip search) with a 32-row
-#: fp16 recent window (16 left KL 0.35 on SmolLM2-135M's chat prompts, 32: 0.02; docs/BENCHMARKS.md)
-#: and 64-channel K partitions (capped at head_dim). ``hack={"preset": "paper"}`` (any named preset
-#: replaces these defaults) is HACK's own scheme
-HACK_DEFAULTS = {"preset": "accurate", "k_partition": 64, "recent_window": 32}
+#: HACK in the engine: the ``rope`` preset (fp16 sinks, K smoothing, clip search, RoPE-aware 3-bit
+#: keys over 2-bit values) with a 32-row fp16 recent window: on SmolLM2-135M first-decode-step KL
+#: 0.034 vs fp16, where 2-bit keys gave 0.117, for 17% more bytes (docs/BENCHMARKS.md, "RoPE-aware
+#: key bits"). A head too narrow for two 32-channel K partitions (head_dim < 64), or options that set
+#: code widths (``bits``, ``k_bits``, ``k_plan``), get :data:`HACK_UNIFORM_KEYS`: ``accurate`` with
+#: keys as wide as values. ``hack={"preset": "paper"}`` (any named preset replaces these defaults) is
+#: HACK's own scheme
+HACK_DEFAULTS = {"preset": "rope", "recent_window": 32}
+HACK_UNIFORM_KEYS = {"preset": "accurate", "k_partition": 64, "recent_window": 32}
 
 
 @dataclass
@@ -97,11 +101,11 @@ class Engine:
 
             # a named preset replaces the engine's defaults (the page layout's K partition stays)
             preset = cfg.hack.get("preset", cfg.hack.get("hack_preset"))
-            base = (
-                HACK_DEFAULTS
-                if preset is None
-                else {"k_partition": PRESETS.get(preset, {}).get("k_partition", 64)}
-            )
+            if preset is not None:
+                base = {"k_partition": PRESETS.get(preset, {}).get("k_partition", 64)}
+            else:
+                sets_widths = {"bits", "k_bits", "k_plan"} & {k.removeprefix("hack_") for k in cfg.hack}
+                base = HACK_DEFAULTS if c.head_dim >= 64 and not sets_widths else HACK_UNIFORM_KEYS
             hack_cfg = HackConfig.from_options(**{**base, "partition": cfg.block_size, **cfg.hack})
             kp = hack_cfg.k_part(c.head_dim)  # a byte budget buys more blocks stored 2-bit (a page each)
             widths = paged_key_widths(hack_cfg.key_bits, c.head_dim // kp)

@@ -65,7 +65,11 @@ def allocate_block_bits(
 
 
 def demo_chunks(model, n_chunks: int = 6, chunk_tokens: int = 128) -> list[list[int]]:
-    """Token ids of the first ``n_chunks`` demo-corpus documents, cut to ``chunk_tokens``."""
+    """Token ids of the first ``n_chunks`` demo-corpus documents, cut to ``chunk_tokens`` (a model
+    without a tokenizer, e.g. ``random_model``'s, gets seeded random ids: there is no text to read)."""
+    if model.tokenizer is None:
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, model.config.vocab_size, (n_chunks, chunk_tokens), generator=g).tolist()
     docs = [d["text"] for d in json.loads(DEMO_CORPUS.read_text())["documents"]]
     return [model.encode(docs[i % len(docs)])[:chunk_tokens] for i in range(n_chunks)]
 
