@@ -38,14 +38,17 @@ gathered from the pages. Prefill attends fresh rows in fp16 plus dequantized ear
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ragkv.attention.hack_cache import HackConfig
+from ragkv.attention.hack_cache import PRESETS, HackConfig
 from ragkv.attention.hack_quant import (
+    HackConfigError,
     HackError,
+    KeyPlan,
     Quantized,
     check_bits,
     check_kv_rows,
@@ -71,6 +74,46 @@ def paged_key_widths(k_bits: int, parts: int) -> tuple[int, ...]:
     if k_bits == 3 and parts % 2 == 0:
         return (4,) * (parts // 2) + (2,) * (parts // 2)
     raise HackPagedError(f"paged K codes cannot average {k_bits} bits over {parts} partition(s)")
+
+
+#: HACK pages (the engine's): the ``rope`` preset (fp16 sinks, K smoothing, clip search, RoPE-aware
+#: 3-bit keys over 2-bit values) with a 32-row fp16 recent window: on SmolLM2-135M first-decode-step
+#: KL 0.034 vs fp16, where 2-bit keys gave 0.117, for 17% more bytes (docs/BENCHMARKS.md, "RoPE-aware
+#: key bits"). Heads too narrow for two 32-channel K partitions (head_dim < 64), or options that set
+#: code widths (``bits``, ``k_bits``, ``k_plan``), get :data:`POOL_UNIFORM_KEYS`: ``accurate`` with
+#: keys as wide as values. A named preset replaces both (``{"preset": "paper"}``: HACK's own scheme)
+POOL_DEFAULTS = {"preset": "rope", "recent_window": 32}
+POOL_UNIFORM_KEYS = {"preset": "accurate", "k_partition": 64, "recent_window": 32}
+
+
+def pool_config(options: dict, head_dim: int, block_size: int) -> HackConfig:
+    """The :class:`HackConfig` of a page pool: ``options`` over :data:`POOL_DEFAULTS` (V partition =
+    ``block_size``); a named preset keeps its own K partition (64 when it names none)."""
+    preset = options.get("preset", options.get("hack_preset"))
+    if preset is not None:
+        base = {"k_partition": PRESETS.get(preset, {}).get("k_partition", 64)}
+    else:
+        sets_widths = {"bits", "k_bits", "k_plan"} & {k.removeprefix("hack_") for k in options}
+        base = POOL_DEFAULTS if head_dim >= 64 and not sets_widths else POOL_UNIFORM_KEYS
+    return HackConfig.from_options(**{**base, "partition": block_size, **options})
+
+
+def stack_key_plans(
+    cfg: HackConfig, plans: Sequence[KeyPlan] | None, lay: PagedLayout, layers: int, device
+) -> Tensor | None:
+    """A page pool's key channel orders ``[L, Hkv, D]`` (None: uniform keys). Pages are shared by every
+    layer, so every plan must have the layout's K widths."""
+    if cfg.uniform_keys and plans is None:
+        return None
+    if cfg.k_plan != "rope" or plans is None or len(plans) != layers:
+        raise HackConfigError(
+            "HACK pages take K bits different from V's only as RoPE-aware keys: "
+            f"k_plan='rope' with one KeyPlan per layer ({layers})"
+        )
+    shape = (lay.num_kv_heads, lay.head_dim)
+    if any(p.bits != lay.key_bits or tuple(p.order.shape) != shape for p in plans):
+        raise HackConfigError(f"the key plans of a page pool must all be {shape} with widths {lay.key_bits}")
+    return torch.stack([p.order for p in plans]).to(device)
 
 
 class HackPagedError(HackError):
@@ -180,6 +223,13 @@ class PagedLayout:
         # a K partition below 16 is head_dim itself (capped); HackConfig caps 128 to it the same way
         kp = self.k_partition if self.k_partition >= 16 else 128
         return HackConfig(bits=self.bits, partition=self.block_size, k_partition=kp, **overrides)
+
+    @classmethod
+    def for_config(cls, cfg: HackConfig, block_size: int, num_kv_heads: int, head_dim: int) -> PagedLayout:
+        """The pages of ``cfg``: its code bits and K partition, RoPE-aware keys as byte-aligned widths."""
+        kp = cfg.k_part(head_dim)
+        widths = paged_key_widths(cfg.key_bits, head_dim // kp)
+        return cls(block_size, num_kv_heads, head_dim, cfg.bits, kp, None if cfg.uniform_keys else widths)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         """Shape of a layer's uint8 cache: ``[num_blocks, num_kv_heads, block_size, token_bytes]``."""

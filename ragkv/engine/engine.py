@@ -40,17 +40,6 @@ from ragkv.generate import Detokenizer, SamplingParams
 log = logging.getLogger("ragkv.engine")
 
 
-#: HACK in the engine: the ``rope`` preset (fp16 sinks, K smoothing, clip search, RoPE-aware 3-bit
-#: keys over 2-bit values) with a 32-row fp16 recent window: on SmolLM2-135M first-decode-step KL
-#: 0.034 vs fp16, where 2-bit keys gave 0.117, for 17% more bytes (docs/BENCHMARKS.md, "RoPE-aware
-#: key bits"). A head too narrow for two 32-channel K partitions (head_dim < 64), or options that set
-#: code widths (``bits``, ``k_bits``, ``k_plan``), get :data:`HACK_UNIFORM_KEYS`: ``accurate`` with
-#: keys as wide as values. ``hack={"preset": "paper"}`` (any named preset replaces these defaults) is
-#: HACK's own scheme
-HACK_DEFAULTS = {"preset": "rope", "recent_window": 32}
-HACK_UNIFORM_KEYS = {"preset": "accurate", "k_partition": 64, "recent_window": 32}
-
-
 @dataclass
 class EngineConfig:
     """Engine settings. ``num_blocks`` wins over ``kv_memory_bytes`` (dense block bytes) when given."""
@@ -62,7 +51,7 @@ class EngineConfig:
     ratio: float = DEFAULT_RATIO
     schedule: BlendSchedule | None = None
     attention: str = "fp16"  # "fp16" (dense, model dtype) or "hack" (2-bit, HACK attention)
-    #: HackConfig options over the engine's defaults (:data:`HACK_DEFAULTS`, partition = block_size)
+    #: HackConfig options over the pages' defaults (``hack_paged.POOL_DEFAULTS``, partition = block_size)
     hack: dict = field(default_factory=dict)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     share_prefix_blocks: bool = True
@@ -96,22 +85,11 @@ class Engine:
         c = model.config
         hack_cfg = None
         if cfg.attention == "hack":
-            from ragkv.attention.hack_cache import PRESETS, HackConfig
-            from ragkv.attention.hack_paged import PagedLayout, paged_key_widths
+            from ragkv.attention.hack_paged import PagedLayout, pool_config
 
-            # a named preset replaces the engine's defaults (the page layout's K partition stays)
-            preset = cfg.hack.get("preset", cfg.hack.get("hack_preset"))
-            if preset is not None:
-                base = {"k_partition": PRESETS.get(preset, {}).get("k_partition", 64)}
-            else:
-                sets_widths = {"bits", "k_bits", "k_plan"} & {k.removeprefix("hack_") for k in cfg.hack}
-                base = HACK_DEFAULTS if c.head_dim >= 64 and not sets_widths else HACK_UNIFORM_KEYS
-            hack_cfg = HackConfig.from_options(**{**base, "partition": cfg.block_size, **cfg.hack})
-            kp = hack_cfg.k_part(c.head_dim)  # a byte budget buys more blocks stored 2-bit (a page each)
-            widths = paged_key_widths(hack_cfg.key_bits, c.head_dim // kp)
-            block = PagedLayout(
-                cfg.block_size, c.num_kv_heads, c.head_dim, hack_cfg.bits, kp, widths
-            ).page_bytes
+            hack_cfg = pool_config(cfg.hack, c.head_dim, cfg.block_size)
+            # a byte budget buys more blocks stored 2-bit (a page each)
+            block = PagedLayout.for_config(hack_cfg, cfg.block_size, c.num_kv_heads, c.head_dim).page_bytes
         else:
             block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
         num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // block)

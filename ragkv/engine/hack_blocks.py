@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ragkv.attention.hack_cache import HackConfig, smooth_stats
-from ragkv.attention.hack_paged import PagedLayout, page_views
+from ragkv.attention.hack_paged import PagedLayout, page_views, stack_key_plans
 from ragkv.attention.hack_quant import (
     HackConfigError,
     KeyPlan,
@@ -68,26 +68,6 @@ class SlotPool:
         return self.k.nbytes + self.v.nbytes
 
 
-def _plan_order(
-    cfg: HackConfig, plans: Sequence[KeyPlan] | None, layers: int, hkv: int, d: int, device: torch.device
-) -> tuple[Tensor | None, tuple[int, ...] | None]:
-    """The pool's key channel order ``[L, Hkv, D]`` and K partition widths (None, None: uniform keys).
-
-    Pages are shared by every layer, so the plans must share one set of byte-aligned widths
-    (:func:`~ragkv.attention.hack_paged.paged_key_widths`)."""
-    if cfg.uniform_keys and plans is None:
-        return None, None
-    if cfg.k_plan != "rope" or plans is None or len(plans) != layers:
-        raise HackConfigError(
-            "the engine's HACK pages take K bits different from V's only as RoPE-aware keys: "
-            f"k_plan='rope' with one KeyPlan per layer ({layers})"
-        )
-    widths = plans[0].bits
-    if any(p.bits != widths or tuple(p.order.shape) != (hkv, d) for p in plans):
-        raise HackConfigError("the engine's key plans must share one geometry and one set of widths")
-    return torch.stack([p.order for p in plans]).to(device), widths
-
-
 class HackPages:
     """Quantized pages, fp16 staging slots and K smoothing statistics of a HACK :class:`KVPool`."""
 
@@ -107,9 +87,9 @@ class HackPages:
                 f"the engine's HACK V partition must equal the KV block size ({block_size}), got {cfg.partition}"
             )
         self.cfg = cfg
-        #: RoPE-aware keys: page K channels in each layer's plan order ``[L, Hkv, D]``, bits per partition
-        self.k_order, k_bits = _plan_order(cfg, key_plans, num_layers, hkv, d, device)
-        self.layout = PagedLayout(block_size, hkv, d, cfg.bits, cfg.k_part(d), k_bits)
+        self.layout = PagedLayout.for_config(cfg, block_size, hkv, d)
+        #: RoPE-aware keys: page K channels in each layer's plan order ``[L, Hkv, D]``
+        self.k_order = stack_key_plans(cfg, key_plans, self.layout, num_layers, device)
         self.pages = self.layout.allocate(num_blocks, device)
         self.views = page_views(self.pages, self.layout)
         self.bs, self.hkv, self.d, self.num_layers = block_size, hkv, d, num_layers

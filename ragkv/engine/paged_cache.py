@@ -22,6 +22,7 @@ from ragkv.attention.paged import decode_mask, paged_attention
 from ragkv.engine import hack_seq
 from ragkv.engine.block_manager import BlockManager
 from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
+from ragkv.kv.calibrate import paged_key_plans
 from ragkv.model.forward import run_layers
 
 
@@ -76,14 +77,7 @@ class KVPool:
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, hack_config=None) -> KVPool:
         """A pool of ``model``'s geometry; a ``k_plan="rope"`` HACK config gets the model's key plans."""
-        plans = None
-        if hack_config is not None and hack_config.k_plan == "rope":
-            from ragkv.attention.hack_paged import paged_key_widths
-            from ragkv.kv.calibrate import hack_key_plans
-
-            kp = hack_config.k_part(model.config.head_dim)
-            widths = paged_key_widths(hack_config.key_bits, model.config.head_dim // kp)
-            plans = hack_key_plans(model, hack_config.key_bits, kp, widths=widths)
+        plans = paged_key_plans(model, hack_config) if hack_config is not None else None
         return cls(
             num_blocks,
             block_size,

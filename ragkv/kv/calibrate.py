@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ragkv.attention.hack_paged import paged_key_widths
 from ragkv.attention.hack_quant import KeyPlan
 from ragkv.kv.compute import compute_chunk_kv
 from ragkv.model.gguf import cache_root, write_json_atomic
@@ -193,3 +194,13 @@ def hack_key_plans(
         )  # each partition: its blocks' first channels, then their RoPE partners
         plans.append(KeyPlan(torch.from_numpy(channels).long(), tuple(int(b) for b in bits)))
     return plans
+
+
+def paged_key_plans(model, cfg) -> list[KeyPlan] | None:
+    """Key plans of a HACK page pool for ``cfg`` (a ``HackConfig``): one set of byte-aligned widths for
+    every layer, since pages are shared by all layers; None unless ``cfg.k_plan == "rope"``."""
+    if cfg.k_plan != "rope":
+        return None
+    kp = cfg.k_part(model.config.head_dim)
+    widths = paged_key_widths(cfg.key_bits, model.config.head_dim // kp)
+    return hack_key_plans(model, cfg.key_bits, kp, widths=widths)
