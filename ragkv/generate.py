@@ -227,13 +227,14 @@ class Generation:
 
 
 def make_cache(model, attention: str = "fp16", capacity: int = 256, **hack_options) -> KVCache:
-    """The decode KV cache for ``attention``: ``"fp16"`` (dense, model dtype) or ``"hack"`` (2-bit)."""
+    """The decode KV cache for ``attention``: ``"fp16"`` (dense, model dtype) or ``"hack"`` (quantized;
+    ``hack_options`` over HACK's defaults, :func:`ragkv.attention.hack_cache.default_config`)."""
     if attention in ("fp16", "dense"):
         return DenseKVCache.for_model(model, capacity)
     if attention == "hack":
-        from ragkv.attention.hack_cache import HackConfig, HackKVCache
+        from ragkv.attention.hack_cache import HackKVCache, default_config
 
-        cfg = HackConfig.from_options(hack_options.pop("config", None), **hack_options)
+        cfg = default_config(hack_options, model.config.head_dim)
         plans = None
         if cfg.k_plan == "rope":  # RoPE-aware key bits: the model's calibration (once per model)
             from ragkv.kv.calibrate import hack_key_plans

@@ -381,8 +381,10 @@ def test_hack_engine_matches_hack_cache_and_fuses_quantized_blocks(model, chunks
     refs = []
     for r in reqs:
         res = prefill(model, r["prefix"], r["chunks"], r["question"], "full")
-        refs.append(generate(model, res, r["params"], attention="hack", partition=16).token_ids)
-    paper = {"preset": "paper"}  # HACK's own scheme: what HackKVCache does by default
+        refs.append(
+            generate(model, res, r["params"], attention="hack", preset="paper", partition=16).token_ids
+        )
+    paper = {"preset": "paper"}  # HACK's own scheme (HackConfig()'s)
     with Engine(model, EngineConfig(num_blocks=600, attention="hack", hack=paper)) as eng:
         assert [o.token_ids for o in eng.generate(reqs)] == refs
         hack_peak = eng.metrics().kv_bytes_peak

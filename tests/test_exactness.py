@@ -193,7 +193,7 @@ def test_hack_decode_keeps_the_sliding_window(name, path):
     res = prefill(ours, [], [], ids, "full")
     cfg = HackConfig(bits=8, partition=16)
     if path == "dense":
-        cache = make_cache(ours, "hack", bits=8, partition=16)
+        cache = make_cache(ours, "hack", preset="paper", bits=8, partition=16)
         load_prompt(cache, res)
         logits = [decode_step(ours, cache, t, len(ids) + i) for i, t in enumerate(toks)]
     else:

@@ -482,9 +482,9 @@ def test_end_to_end_greedy_agreement_by_bit_width():
     m, prompts = _model_and_prompts()
     report = {}
     for name, opts in {
-        "8": {"bits": 8},
-        "4": {"bits": 4},
-        "2": {"bits": 2},
+        "8": {"bits": 8, "preset": "paper"},
+        "4": {"bits": 4, "preset": "paper"},
+        "2": {"bits": 2, "preset": "paper"},
         "2acc": {"bits": 2, "preset": "accurate"},
     }.items():
         res = [_teacher_forced_agreement(m, p, 16, **opts) for p in prompts]
@@ -706,3 +706,30 @@ def test_hack_key_plans_are_calibrated_once_kept_and_recomputed_when_bad(tmp_pat
     tok = int(res.logits.argmax())
     ref, got = (decode_step(m, x, tok, len(prompts[0])) for x in (dense, cache))
     assert int(ref.argmax()) == int(got.argmax())
+
+
+def test_every_surface_starts_from_the_same_hack_defaults():
+    """``make_cache``/``generate`` and the engine resolve options through one ``default_config``."""
+    from ragkv.attention.hack_cache import DEFAULTS, UNIFORM_KEYS, default_config
+
+    wide = default_config({}, 64)
+    assert (wide.k_plan, wide.key_bits, wide.bits, wide.recent_window) == ("rope", 3, 2, 32)
+    assert wide == HackConfig.preset("rope", recent_window=DEFAULTS["recent_window"])
+    narrow = default_config({}, 8)  # one K partition: no room for 4 + 2 bits
+    assert narrow == HackConfig.preset("accurate", k_partition=64, recent_window=32)
+    assert UNIFORM_KEYS == {"preset": "accurate", "k_partition": 64, "recent_window": 32}
+    assert default_config({"hack_bits": 4}, 64) == HackConfig.preset(
+        "accurate", k_partition=64, recent_window=32, bits=4
+    )  # code widths asked for: keys as wide as values
+    assert default_config({"preset": "paper"}, 64) == HackConfig()
+    assert default_config({"preset": "paper"}, 64, partition=16, preset_k_partition=64) == HackConfig(
+        partition=16, k_partition=64
+    )
+    given = HackConfig(bits=4)
+    assert default_config({"config": given, "sink_tokens": 2}, 64) == dataclasses.replace(
+        given, sink_tokens=2
+    )
+    m, _ = _model_and_prompts()
+    from ragkv.generate import make_cache
+
+    assert make_cache(m, "hack").config == default_config({}, m.config.head_dim)

@@ -207,6 +207,41 @@ PRESETS: dict[str, dict] = {
 }
 
 
+#: HACK's defaults on every surface (``generate``/``LLM`` with ``attention="hack"``, the engine's
+#: pages): the ``rope`` preset with a 32-row fp16 recent window. On SmolLM2-135M: first-token KL
+#: 0.036 vs fp16 in the per-sequence cache (the paper's 2-bit scheme: 2.6) and 0.034 on the engine's
+#: pages (2-bit keys with the same controls: 0.117), for 17% more bytes than 2-bit keys (docs/HACK.md,
+#: docs/BENCHMARKS.md "RoPE-aware key bits"). Heads too narrow for two 32-channel K partitions
+#: (head_dim < 64), or options that set code widths (``bits``, ``k_bits``, ``k_plan``), get
+#: :data:`UNIFORM_KEYS`. A named preset replaces both (``preset="paper"``: HACK's own scheme,
+#: ``HackConfig()``'s).
+DEFAULTS = {"preset": "rope", "recent_window": 32}
+UNIFORM_KEYS = {"preset": "accurate", "k_partition": 64, "recent_window": 32}
+
+
+def default_config(
+    options: dict, head_dim: int, partition: int | None = None, preset_k_partition: int | None = None
+) -> HackConfig:
+    """The :class:`HackConfig` a surface uses for ``options`` (``hack_`` prefixes accepted): a
+    ``config`` given as is, a named preset as it is, else :data:`DEFAULTS` / :data:`UNIFORM_KEYS`;
+    then the options over it. ``partition``: the V partition a surface fixes (the engine's block
+    size); ``preset_k_partition``: the K partition of a named preset that names none (the engine's 64).
+    """
+    options = dict(options)
+    config = options.pop("config", None)
+    fixed = {"partition": partition} if partition else {}
+    if config is not None:
+        return HackConfig.from_options(config, **fixed, **options)
+    preset = options.get("preset", options.get("hack_preset"))
+    if preset is not None:
+        named = PRESETS.get(preset, {}).get("k_partition", preset_k_partition)
+        base = {"k_partition": named} if named else {}
+    else:
+        sets_widths = {"bits", "k_bits", "k_plan"} & {k.removeprefix("hack_") for k in options}
+        base = DEFAULTS if head_dim >= 64 and not sets_widths else UNIFORM_KEYS
+    return HackConfig.from_options(**{**base, **fixed, **options})
+
+
 class _Buf:
     """An append-only tensor with doubling capacity along dim 0."""
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ragkv.attention.hack_cache import PRESETS, HackConfig
+from ragkv.attention.hack_cache import HackConfig
 from ragkv.attention.hack_quant import (
     HackConfigError,
     HackError,
@@ -74,28 +74,6 @@ def paged_key_widths(k_bits: int, parts: int) -> tuple[int, ...]:
     if k_bits == 3 and parts % 2 == 0:
         return (4,) * (parts // 2) + (2,) * (parts // 2)
     raise HackPagedError(f"paged K codes cannot average {k_bits} bits over {parts} partition(s)")
-
-
-#: HACK pages (the engine's): the ``rope`` preset (fp16 sinks, K smoothing, clip search, RoPE-aware
-#: 3-bit keys over 2-bit values) with a 32-row fp16 recent window: on SmolLM2-135M first-decode-step
-#: KL 0.034 vs fp16, where 2-bit keys gave 0.117, for 17% more bytes (docs/BENCHMARKS.md, "RoPE-aware
-#: key bits"). Heads too narrow for two 32-channel K partitions (head_dim < 64), or options that set
-#: code widths (``bits``, ``k_bits``, ``k_plan``), get :data:`POOL_UNIFORM_KEYS`: ``accurate`` with
-#: keys as wide as values. A named preset replaces both (``{"preset": "paper"}``: HACK's own scheme)
-POOL_DEFAULTS = {"preset": "rope", "recent_window": 32}
-POOL_UNIFORM_KEYS = {"preset": "accurate", "k_partition": 64, "recent_window": 32}
-
-
-def pool_config(options: dict, head_dim: int, block_size: int) -> HackConfig:
-    """The :class:`HackConfig` of a page pool: ``options`` over :data:`POOL_DEFAULTS` (V partition =
-    ``block_size``); a named preset keeps its own K partition (64 when it names none)."""
-    preset = options.get("preset", options.get("hack_preset"))
-    if preset is not None:
-        base = {"k_partition": PRESETS.get(preset, {}).get("k_partition", 64)}
-    else:
-        sets_widths = {"bits", "k_bits", "k_plan"} & {k.removeprefix("hack_") for k in options}
-        base = POOL_DEFAULTS if head_dim >= 64 and not sets_widths else POOL_UNIFORM_KEYS
-    return HackConfig.from_options(**{**base, "partition": block_size, **options})
 
 
 def stack_key_plans(

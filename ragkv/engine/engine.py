@@ -51,7 +51,7 @@ class EngineConfig:
     ratio: float = DEFAULT_RATIO
     schedule: BlendSchedule | None = None
     attention: str = "fp16"  # "fp16" (dense, model dtype) or "hack" (2-bit, HACK attention)
-    #: HackConfig options over the pages' defaults (``hack_paged.POOL_DEFAULTS``, partition = block_size)
+    #: HackConfig options over HACK's defaults (``hack_cache.DEFAULTS``, partition = block_size)
     hack: dict = field(default_factory=dict)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     share_prefix_blocks: bool = True
@@ -85,9 +85,11 @@ class Engine:
         c = model.config
         hack_cfg = None
         if cfg.attention == "hack":
-            from ragkv.attention.hack_paged import PagedLayout, pool_config
+            from ragkv.attention.hack_cache import default_config
+            from ragkv.attention.hack_paged import PagedLayout
 
-            hack_cfg = pool_config(cfg.hack, c.head_dim, cfg.block_size)
+            # V partition = block size; a preset that names no K partition keeps the pages' 64
+            hack_cfg = default_config(cfg.hack, c.head_dim, cfg.block_size, preset_k_partition=64)
             # a byte budget buys more blocks stored 2-bit (a page each)
             block = PagedLayout.for_config(hack_cfg, cfg.block_size, c.num_kv_heads, c.head_dim).page_bytes
         else:
