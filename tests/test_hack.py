@@ -653,6 +653,8 @@ def test_key_plan_validation_and_the_engine_needs_plans_for_mixed_keys():
         HackConfig(k_plan="block")
     with pytest.raises(HackConfigError, match="unsupported bit width"):
         KeyPlan(torch.arange(64)[None], (5, 1))
+    with pytest.raises(HackConfigError, match="permutation"):
+        KeyPlan(torch.arange(64).clamp(max=62)[None], (4, 2))
     from ragkv.engine.hack_blocks import HackPages
 
     with pytest.raises(HackConfigError, match="one KeyPlan per layer"):

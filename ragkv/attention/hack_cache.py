@@ -193,8 +193,8 @@ PRESETS: dict[str, dict] = {
     "accurate": {"sink_tokens": 4, "recent_window": 16, "k_smooth": "mean_scale", "clip_search": True},
     # accurate + RoPE-aware 3-bit keys over 2-bit values: 2.5 code bits per element. On the real
     # default model K carries the 2-bit error (K4V2 KL 0.03 vs K2V4 0.20); 4 bits on the
-    # higher-energy half of each head's RoPE blocks and 2 on the rest measured KL 0.035 where
-    # uniform 3-bit keys gave 0.083 (docs/HACK.md, "RoPE-aware key bits").
+    # higher-energy half of each head's RoPE blocks and 2 on the rest measured KL 0.036 where
+    # uniform 3-bit keys gave 0.064 (docs/HACK.md, "RoPE-aware key bits").
     "rope": {
         "sink_tokens": 4,
         "recent_window": 16,

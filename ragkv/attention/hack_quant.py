@@ -318,6 +318,9 @@ class KeyPlan:
             raise HackConfigError(
                 f"key plan order {tuple(self.order.shape)} does not split into {len(self.bits)} partitions"
             )
+        every = torch.arange(self.order.shape[1], device=self.order.device).expand_as(self.order)
+        if not torch.equal(self.order.sort(-1).values, every):  # a lost or repeated channel: wrong q . k
+            raise HackConfigError("a key plan's order must be a permutation of each head's channels")
 
     @property
     def mean_bits(self) -> float:
