@@ -44,9 +44,12 @@ def _set_threads(threads: str, hidden_size: int | None = None) -> None:
 # ---- demo -----------------------------------------------------------------------------------------
 def _demo(args) -> int:
     """Ingest the demo corpus (chunk KV stored once), then answer its questions with full and blend."""
+    import torch
+
     from ragkv import LLM
     from ragkv.metrics import answer_recall, max_over_golds, normalize_answer, token_f1
     from ragkv.rag import RAG, Embedder, prompt_options
+    from ragkv.store import default_store
 
     t_start = time.perf_counter()
     corpus = json.loads(Path(args.corpus).read_text())
@@ -64,8 +67,6 @@ def _demo(args) -> int:
         f"context {m.config.max_position}); blending self-check: "
         f"{'passed' if llm.gate.ok else 'FAILED (falls back to full)'}"
     )
-    from ragkv.store import default_store
-
     rag = RAG(
         llm,
         data_dir,
@@ -82,7 +83,7 @@ def _demo(args) -> int:
         f"ingested {len(docs)} passages into {data_dir}: {rep.documents_added} new, {rep.documents_unchanged} "
         f"unchanged; {len(rag.index)} chunks of <= {args.chunk_tokens} tokens; {rep.kv_computed} chunk KVs "
         f"computed ({rep.seconds:.1f} s). Asking {len(questions)} questions, top {args.top_k} chunks each, "
-        f"{args.repeats} timed run(s) per mode, {torch_threads()} torch thread(s)."
+        f"{args.repeats} timed run(s) per mode, {torch.get_num_threads()} torch thread(s)."
     )
     # 2) ask: the same retrieved chunks answered with full prefill and with their stored KV blended
     rows = []
@@ -171,12 +172,6 @@ def _demo(args) -> int:
         )
     )
     return 0
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 # ---- models ---------------------------------------------------------------------------------------

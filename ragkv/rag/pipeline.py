@@ -11,7 +11,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -620,7 +620,7 @@ class RAG:
             found.append(Located(chunk_key(toks, m.fingerprint), toks, len(ids), 0, len(toks)))
             ids += toks
         tail, inside = part(question, False)
-        found += [Located(f.key, f.token_ids, f.start + len(ids), f.lo, f.hi) for f in inside]
+        found += [replace(f, start=f.start + len(ids)) for f in inside]
         ids += tail
         if not chunks and not tail and len(ids) <= 1:
             raise ValueError("empty prompt")
@@ -649,7 +649,7 @@ class RAG:
         found = self.resolver.find(flat, [], self.kv_visible(kv_collection)) if flat else []
         if not found:
             return head + flat, []
-        as_found = head + flat, [replace_start(f, len(head)) for f in found]
+        as_found = head + flat, [replace(f, start=f.start + len(head)) for f in found]
         try:
             same, offsets = encode_with_offsets(m.tokenizer, text, specials)
         except (NotImplementedError, TypeError, ValueError):  # a tokenizer without offsets
@@ -662,7 +662,8 @@ class RAG:
             a, b = chars[k]
             if a < pos or not _own_chars(offsets, f.start, f.stop, len(flat)):
                 return as_found
-            whole = self._chunk_text(f.key)
+            recs = self.index.chunks_with_key(f.key)
+            whole = recs[0].text if recs else None
             at = text.find(whole, max(pos, a - len(whole))) if whole and whole.strip() else -1
             end = at + len(whole)
             limit = chars[k + 1][0] if k + 1 < len(found) else len(text)
@@ -679,11 +680,6 @@ class RAG:
             pos = b
         ids += m.encode(text[pos:], specials=specials) if pos < len(text) else []
         return ids, out
-
-    def _chunk_text(self, kv_key: str) -> str | None:
-        """The text of a stored chunk with this KV key (None if no indexed chunk has it)."""
-        recs = self.index.chunks_with_key(kv_key)
-        return recs[0].text if recs else None
 
     def job(
         self,
@@ -811,11 +807,6 @@ class RAG:
         if lock is not None:
             lock.close()
             self.writer_lock = None
-
-
-def replace_start(f: Located, shift: int) -> Located:
-    """``f`` moved ``shift`` rows later in the prompt."""
-    return Located(f.key, f.token_ids, f.start + shift, f.lo, f.hi)
 
 
 def _covers(text: str, at: int, end: int, a: int, b: int) -> bool:
