@@ -377,18 +377,11 @@ class ChunkIndex:
                     vecs = np.ascontiguousarray(d.vectors, dtype=np.float32)
                     ids = []
                     for (seq, text, tokens, key), vec in zip(d.chunks, vecs, strict=True):
+                        toks = np.asarray(tokens, dtype=np.int32).tobytes()
                         cur = self.db.execute(
                             "INSERT INTO chunks (collection, doc_id, seq, text, token_ids, kv_key, vector) "
                             "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            (
-                                d.collection,
-                                d.doc_id,
-                                seq,
-                                text,
-                                np.asarray(tokens, dtype=np.int32).tobytes(),
-                                key,
-                                vec.tobytes(),
-                            ),
+                            (d.collection, d.doc_id, seq, text, toks, key, vec.tobytes()),
                         )
                         ids.append(int(cur.lastrowid))
                     out[(d.collection, d.doc_id)] = ids
@@ -593,18 +586,11 @@ class ChunkIndex:
             return True
 
     # ---- chunks ----------------------------------------------------------------------------------
-    def _record(self, row, score: float = 0.0) -> ChunkRecord:
-        cid, doc_id, seq, text, tokens, key, meta, coll = row
+    def _record(self, row) -> ChunkRecord:
+        cid, doc_id, seq, text, blob, key, meta, coll = row
+        tokens = np.frombuffer(blob, dtype=np.int32).tolist()
         return ChunkRecord(
-            cid,
-            doc_id,
-            seq,
-            text,
-            np.frombuffer(tokens, dtype=np.int32).tolist(),
-            key,
-            json.loads(meta) if meta else {},
-            score,
-            coll,
+            cid, doc_id, seq, text, tokens, key, json.loads(meta) if meta else {}, collection=coll
         )
 
     _SELECT = (

@@ -226,12 +226,12 @@ class RAG:
         write-ahead record or chunk is written."""
         coll = collection_name(collection)
         docs = [self._as_document(d) for d in docs]
-        hold = pause or (lambda: None)
-        stop = cancel or (lambda: False)
 
         def step() -> None:
-            hold()
-            _check(stop)
+            if pause is not None:
+                pause()
+            if cancel is not None and cancel():
+                raise IngestCancelled("ingest cancelled before its commit; nothing of it was indexed")
 
         with self._ingest_lock:
             try:
@@ -822,8 +822,3 @@ def _own_chars(offsets, start: int, stop: int, n: int) -> bool:
     before = start == 0 or offsets[start - 1][1] <= offsets[start][0]
     after = stop >= n or offsets[stop - 1][1] <= offsets[stop][0]
     return before and after
-
-
-def _check(cancel: Callable[[], bool]) -> None:
-    if cancel():
-        raise IngestCancelled("ingest cancelled before its commit; nothing of it was indexed")
