@@ -34,6 +34,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -258,12 +259,8 @@ class ChunkIndex:
         if stale:
             index.remove_ids(np.fromiter(stale, dtype=np.int64))
         missing = sorted(db_ids - snap_ids)
-        for lo in range(0, len(missing), 4096):
-            part = missing[lo : lo + 4096]
-            marks = ",".join("?" * len(part))
-            rows = self.db.execute(
-                f"SELECT chunk_id, vector FROM chunks WHERE chunk_id IN ({marks})", part
-            ).fetchall()
+        sql = "SELECT chunk_id, vector FROM chunks WHERE chunk_id IN ({marks})"
+        for rows in self._select_in(sql, missing, size=4096):
             vecs = np.stack([np.frombuffer(v, dtype=np.float32) for _, v in rows])
             index.add_with_ids(vecs, np.asarray([r[0] for r in rows], dtype=np.int64))
         if stale or missing:
@@ -463,7 +460,7 @@ class ChunkIndex:
             before: set[str] = set()
             outside: set[str] = set()  # keys other documents of the collection use
             sql = "SELECT kv_key, doc_id FROM chunks WHERE collection=? AND kv_key IN ({marks})"
-            for key, doc_id in self._select_in(sql, list(keys), collection):
+            for key, doc_id in chain.from_iterable(self._select_in(sql, list(keys), collection)):
                 before.add(key)
                 if doc_id not in ids:
                     outside.add(key)
@@ -502,14 +499,12 @@ class ChunkIndex:
         sql = "SELECT 1 FROM documents WHERE collection=? AND doc_id=?"
         return self.db.execute(sql, (collection, doc_id)).fetchone() is not None
 
-    def _select_in(self, sql: str, values: list, *args) -> list:
-        """The rows of ``sql`` with ``args`` then ``values`` as its ``IN ({marks})`` list, in batches
-        (SQLite bounds the variables of one statement)."""
-        out = []
-        for lo in range(0, len(values), 500):
-            part = values[lo : lo + 500]
-            out += self.db.execute(sql.format(marks=",".join("?" * len(part))), (*args, *part)).fetchall()
-        return out
+    def _select_in(self, sql: str, values: list, *args, size: int = 500) -> Iterator[list]:
+        """The rows of ``sql`` with ``args`` then ``values`` as its ``IN ({marks})`` list, a batch of
+        ``size`` values at a time (SQLite bounds the variables of one statement)."""
+        for lo in range(0, len(values), size):
+            part = values[lo : lo + size]
+            yield self.db.execute(sql.format(marks=",".join("?" * len(part))), (*args, *part)).fetchall()
 
     def _referenced(self, key: str, collection: str | None = None) -> bool:
         if collection is None:
@@ -546,7 +541,9 @@ class ChunkIndex:
         """The ones of ``keys`` that a committed chunk of ``collection`` uses."""
         sql = "SELECT DISTINCT kv_key FROM chunks WHERE collection=? AND kv_key IN ({marks})"
         with self._lock:
-            return {r[0] for r in self._select_in(sql, list(dict.fromkeys(keys)), collection)}
+            return {
+                r[0] for rows in self._select_in(sql, list(dict.fromkeys(keys)), collection) for r in rows
+            }
 
     def add_intents(self, keys: list[str]) -> None:
         """Record, before writing them, KV keys that may end up in the store unreferenced."""
