@@ -193,8 +193,7 @@ class RAG:
         # orders "is this key still used?" + store write (write-back) against index change + store delete
         self._kv_lock = threading.Lock()
         self._warn = WarnThrottle(log)
-        #: corpus version (bumped by every commit and delete: the locator is rebuilt after) and the
-        #: locator of that version; one mutable record, so views (:meth:`using`) share it
+        #: the corpus's chunk locator (:meth:`chunk_locator`), in one record that views (:meth:`using`) share
         self._corpus = _Corpus()
         self.resolver.locator = self.chunk_locator
         #: what generates once a prompt is built (:mod:`ragkv.rag.generation`): threads by default

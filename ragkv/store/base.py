@@ -387,10 +387,9 @@ class BlobStore(ChunkStore):
 
         def run() -> BlobHeader | None:
             hdr = self._header(key, fresh=True)[0]
-            if hdr is not None and hdr.key != key:  # a valid blob of another chunk: corrupt, rewritten on put
-                self._forget(key)
-                raise BlobError(f"blob stored under {key[:16]} holds chunk {hdr.key[:16]}")
             if hdr is not None:
+                if hdr.key != key:  # a valid blob of another chunk: corrupt (_guard), rewritten on put
+                    raise BlobError(f"blob stored under {key[:16]} holds chunk {hdr.key[:16]}")
                 self._check_blob(hdr)
             return hdr
 
