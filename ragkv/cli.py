@@ -53,11 +53,8 @@ def _demo(args) -> int:
 
     t_start = time.perf_counter()
     corpus = json.loads(Path(args.corpus).read_text())
-    docs, questions = corpus["documents"], corpus["questions"]
-    if args.questions:
-        questions = questions[: args.questions]
-    if args.passages:
-        docs = docs[: args.passages]
+    docs = corpus["documents"][: args.passages or None]
+    questions = corpus["questions"][: args.questions or None]
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     m = llm.model
     _set_threads(args.threads, m.config.hidden_size)
@@ -187,8 +184,7 @@ def _models(args) -> int:
                 f"{name}{' (default)' if name == DEFAULT_MODEL else ''}: {m.description}; {m.license}; {here}"
             )
         return 0
-    names = args.names or [DEFAULT_MODEL]
-    for name in names:
+    for name in args.names or [DEFAULT_MODEL]:
         print(f"{name}: {pull(name, quiet=args.quiet)}")
     return 0
 
@@ -258,8 +254,7 @@ def _ingest(args) -> int:
         files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
         for f in files:
             docs += _read_docs(f, args.format)
-    if args.limit:
-        docs = docs[: args.limit]
+    docs = docs[: args.limit or None]
     if not docs:
         print("error: no documents found", file=sys.stderr)
         return 2
