@@ -168,8 +168,11 @@ class EngineGenerator:
             ratio = job.schedule.target_ratio
         prefix, pieces, suffix = job.parts()
         reuse = job.mode in ("reuse", "blend") and bool(job.chunks)
-        if job.save:
-            _store_pieces(rag, job.chunks)
+        if job.save:  # store the chunks' KV that the store lacks (asked explicitly by a writer)
+            for c in job.chunks:
+                if not rag.store.contains(c.key):
+                    check_cancelled()
+                    rag.resolver.save(rag.resolver.compute(c.token_ids, write_back=False))
         # what the engine's fetcher will find stored (it loads these and computes the rest)
         hits = sum(c.lo == 0 and c.hi == len(c.token_ids) and rag.store.contains(c.key) for c in job.chunks)
         self.engine.start()
@@ -197,11 +200,3 @@ class EngineGenerator:
 
     def close(self) -> None:
         self.engine.shutdown()
-
-
-def _store_pieces(rag: RAG, chunks: Sequence[Located]) -> None:
-    """Store the KV of ``chunks`` that the store lacks (``save`` asked explicitly by a writer)."""
-    for c in chunks:
-        if not rag.store.contains(c.key):
-            check_cancelled()
-            rag.resolver.save(rag.resolver.compute(c.token_ids, write_back=False))
