@@ -383,7 +383,7 @@ class ChunkIndex:
                         ids.append(int(cur.lastrowid))
                     out[(d.collection, d.doc_id)] = ids
                 new_keys = {c[3] for d in docs for c in d.chunks}
-                freed = {k for k in freed - new_keys if not self._referenced(k)}
+                freed = {k for k in freed - new_keys if not self.references(k)}
                 self._set_intents(freed, new_keys)
             self._usage.update(after)
             self._apply(removed, [(out[(d.collection, d.doc_id)], d.vectors) for d in docs])
@@ -402,12 +402,12 @@ class ChunkIndex:
         transaction, so a crash before the store deletes them is redone)."""
         with self._lock:
             with self._transaction():
-                if not self._has(collection, doc_id):
+                if not self.has_document(doc_id, collection):
                     raise KeyError(doc_id)
                 kept = collection in self._usage
                 after = self.usage_after(collection, [doc_id], [], deleted=True) if kept else None
                 removed, keys, _ = self._delete_rows(doc_id, collection)
-                freed = {k for k in keys if not self._referenced(k)}
+                freed = {k for k in keys if not self.references(k)}
                 self._set_intents(freed, ())
             if after is not None:
                 self._usage[collection] = after
@@ -454,7 +454,7 @@ class ChunkIndex:
             existing = 0
             for doc_id in ids:
                 old += self._rows_of(collection, doc_id)
-                existing += self._has(collection, doc_id)
+                existing += self.has_document(doc_id, collection)
             keys = dict(old)
             keys.update(chunks)
             before: set[str] = set()
@@ -495,23 +495,12 @@ class ChunkIndex:
             )
         ]
 
-    def _has(self, collection: str, doc_id: str) -> bool:
-        sql = "SELECT 1 FROM documents WHERE collection=? AND doc_id=?"
-        return self.db.execute(sql, (collection, doc_id)).fetchone() is not None
-
     def _select_in(self, sql: str, values: list, *args, size: int = 500) -> Iterator[list]:
         """The rows of ``sql`` with ``args`` then ``values`` as its ``IN ({marks})`` list, a batch of
         ``size`` values at a time (SQLite bounds the variables of one statement)."""
         for lo in range(0, len(values), size):
             part = values[lo : lo + size]
             yield self.db.execute(sql.format(marks=",".join("?" * len(part))), (*args, *part)).fetchall()
-
-    def _referenced(self, key: str, collection: str | None = None) -> bool:
-        if collection is None:
-            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? LIMIT 1", (key,)
-        else:
-            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? AND collection=? LIMIT 1", (key, collection)
-        return self.db.execute(sql, args).fetchone() is not None
 
     def _set_intents(self, add, drop) -> None:
         self.db.executemany("INSERT OR IGNORE INTO kv_intents VALUES (?)", [(k,) for k in add])
@@ -534,8 +523,11 @@ class ChunkIndex:
     def references(self, kv_key: str, collection: str | None = None) -> bool:
         """Whether a committed chunk (of ``collection``; None: of any) uses this KV key (a write-back
         must not store KV nobody uses; a request may reuse only its collection's KV)."""
-        with self._lock:
-            return self._referenced(kv_key, collection)
+        if collection is None:
+            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? LIMIT 1", (kv_key,)
+        else:
+            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? AND collection=? LIMIT 1", (kv_key, collection)
+        return bool(self._query(sql, args))
 
     def referenced_keys(self, keys, collection: str) -> set[str]:
         """The ones of ``keys`` that a committed chunk of ``collection`` uses."""
