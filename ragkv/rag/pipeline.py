@@ -495,9 +495,7 @@ class RAG:
     ) -> RagAnswer:
         """Retrieve (unless ``chunks`` are given) and answer; timings: retrieval, kv_fetch, ttft, total.
         ``collection``: see :meth:`answer_stream`."""
-        ans = None
-        for ans in self.answer_stream(question, k, mode, ratio, params, chunks, collection, **sampling):  # noqa: B007
-            pass
+        *_, ans = self.answer_stream(question, k, mode, ratio, params, chunks, collection, **sampling)
         assert isinstance(ans, RagAnswer)
         return ans
 
