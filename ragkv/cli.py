@@ -44,17 +44,17 @@ def _set_threads(threads: str, hidden_size: int | None = None) -> None:
 # ---- demo -----------------------------------------------------------------------------------------
 def _demo(args) -> int:
     """Ingest the demo corpus (chunk KV stored once), then answer its questions with full and blend."""
+    import torch
+
     from ragkv import LLM
     from ragkv.metrics import answer_recall, max_over_golds, normalize_answer, token_f1
     from ragkv.rag import RAG, Embedder, prompt_options
+    from ragkv.store import default_store
 
     t_start = time.perf_counter()
     corpus = json.loads(Path(args.corpus).read_text())
-    docs, questions = corpus["documents"], corpus["questions"]
-    if args.questions:
-        questions = questions[: args.questions]
-    if args.passages:
-        docs = docs[: args.passages]
+    docs = corpus["documents"][: args.passages or None]
+    questions = corpus["questions"][: args.questions or None]
     llm = LLM(args.model, dtype=args.dtype, device=args.device)
     m = llm.model
     _set_threads(args.threads, m.config.hidden_size)
@@ -64,8 +64,6 @@ def _demo(args) -> int:
         f"context {m.config.max_position}); blending self-check: "
         f"{'passed' if llm.gate.ok else 'FAILED (falls back to full)'}"
     )
-    from ragkv.store import default_store
-
     rag = RAG(
         llm,
         data_dir,
@@ -82,7 +80,7 @@ def _demo(args) -> int:
         f"ingested {len(docs)} passages into {data_dir}: {rep.documents_added} new, {rep.documents_unchanged} "
         f"unchanged; {len(rag.index)} chunks of <= {args.chunk_tokens} tokens; {rep.kv_computed} chunk KVs "
         f"computed ({rep.seconds:.1f} s). Asking {len(questions)} questions, top {args.top_k} chunks each, "
-        f"{args.repeats} timed run(s) per mode, {torch_threads()} torch thread(s)."
+        f"{args.repeats} timed run(s) per mode, {torch.get_num_threads()} torch thread(s)."
     )
     # 2) ask: the same retrieved chunks answered with full prefill and with their stored KV blended
     rows = []
@@ -173,12 +171,6 @@ def _demo(args) -> int:
     return 0
 
 
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 # ---- models ---------------------------------------------------------------------------------------
 def _models(args) -> int:
     """``ragkv models list`` / ``ragkv models pull NAME``: named models, fetched into ragkv's cache."""
@@ -192,8 +184,7 @@ def _models(args) -> int:
                 f"{name}{' (default)' if name == DEFAULT_MODEL else ''}: {m.description}; {m.license}; {here}"
             )
         return 0
-    names = args.names or [DEFAULT_MODEL]
-    for name in names:
+    for name in args.names or [DEFAULT_MODEL]:
         print(f"{name}: {pull(name, quiet=args.quiet)}")
     return 0
 
@@ -263,8 +254,7 @@ def _ingest(args) -> int:
         files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
         for f in files:
             docs += _read_docs(f, args.format)
-    if args.limit:
-        docs = docs[: args.limit]
+    docs = docs[: args.limit or None]
     if not docs:
         print("error: no documents found", file=sys.stderr)
         return 2

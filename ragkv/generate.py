@@ -352,12 +352,20 @@ def generate(
     """Generate to completion; ``timings`` has decode time and time per output token."""
     params = params or SamplingParams()
     t0 = time.perf_counter()
-    ids, parts, reason = [], [], "length"
-    for ev in stream(model, result, params, attention, **hack_options):
+    *_, (text, ids, reason) = collect(stream(model, result, params, attention, **hack_options))
+    dt = time.perf_counter() - t0
+    return Generation(text, ids, reason, {"decode_s": dt, "tpot_s": dt / max(1, len(ids) - 1)})
+
+
+def collect(events: Iterator[TokenEvent]) -> Iterator[TokenEvent | tuple[str, list[int], str]]:
+    """Pass a generation's events through, then one ``(text, token ids, finish reason)``."""
+    parts: list[str] = []
+    ids: list[int] = []
+    reason = "length"
+    for ev in events:
         if ev.is_token:
             ids.append(ev.token_id)
         parts.append(ev.text)
         reason = ev.finish_reason or reason
-    dt = time.perf_counter() - t0
-    text = "".join(parts)
-    return Generation(text, ids, reason, {"decode_s": dt, "tpot_s": dt / max(1, len(ids) - 1)})
+        yield ev
+    yield "".join(parts), ids, reason

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ragkv.blend.locate import Located
 from ragkv.blend.spans import check_cancelled
-from ragkv.generate import SamplingParams, TokenEvent, stream
+from ragkv.generate import SamplingParams, TokenEvent, collect, stream
 
 if TYPE_CHECKING:
     from ragkv.blend.core import BlendSchedule
@@ -84,20 +84,6 @@ class Generator(Protocol):
     def close(self) -> None: ...
 
 
-def _collect(events: Iterator[TokenEvent]) -> Iterator[TokenEvent | tuple[str, list[int], str | None]]:
-    """Pass events through, then one ``(text, token ids, finish reason)``."""
-    parts: list[str] = []
-    out: list[int] = []
-    reason = None
-    for ev in events:
-        if ev.is_token:
-            out.append(ev.token_id)
-        parts.append(ev.text)
-        reason = ev.finish_reason or reason
-        yield ev
-    yield "".join(parts), out, reason
-
-
 class ThreadGenerator:
     """Prefill and decode in the calling thread (the library's default; the service's worker threads)."""
 
@@ -143,7 +129,7 @@ class ThreadGenerator:
         stats["kv_recomputed_bad"] = bad
         if decision is not None:
             stats["controller"] = decision.as_dict()
-        for item in _collect(stream(rag.model, res, job.params, attention=rag.llm.attention)):
+        for item in collect(stream(rag.model, res, job.params, attention=rag.llm.attention)):
             if isinstance(item, tuple):
                 text, out, reason = item
                 wait = t_lookup + res.stats.get("t_load_wait_s", 0.0)
@@ -182,8 +168,11 @@ class EngineGenerator:
             ratio = job.schedule.target_ratio
         prefix, pieces, suffix = job.parts()
         reuse = job.mode in ("reuse", "blend") and bool(job.chunks)
-        if job.save:
-            _store_pieces(rag, job.chunks)
+        if job.save:  # store the chunks' KV that the store lacks (asked explicitly by a writer)
+            for c in job.chunks:
+                if not rag.store.contains(c.key):
+                    check_cancelled()
+                    rag.resolver.save(rag.resolver.compute(c.token_ids, write_back=False))
         # what the engine's fetcher will find stored (it loads these and computes the rest)
         hits = sum(c.lo == 0 and c.hi == len(c.token_ids) and rag.store.contains(c.key) for c in job.chunks)
         self.engine.start()
@@ -211,11 +200,3 @@ class EngineGenerator:
 
     def close(self) -> None:
         self.engine.shutdown()
-
-
-def _store_pieces(rag: RAG, chunks: Sequence[Located]) -> None:
-    """Store the KV of ``chunks`` that the store lacks (``save`` asked explicitly by a writer)."""
-    for c in chunks:
-        if not rag.store.contains(c.key):
-            check_cancelled()
-            rag.resolver.save(rag.resolver.compute(c.token_ids, write_back=False))

@@ -34,6 +34,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -258,12 +259,8 @@ class ChunkIndex:
         if stale:
             index.remove_ids(np.fromiter(stale, dtype=np.int64))
         missing = sorted(db_ids - snap_ids)
-        for lo in range(0, len(missing), 4096):
-            part = missing[lo : lo + 4096]
-            marks = ",".join("?" * len(part))
-            rows = self.db.execute(
-                f"SELECT chunk_id, vector FROM chunks WHERE chunk_id IN ({marks})", part
-            ).fetchall()
+        sql = "SELECT chunk_id, vector FROM chunks WHERE chunk_id IN ({marks})"
+        for rows in self._select_in(sql, missing, size=4096):
             vecs = np.stack([np.frombuffer(v, dtype=np.float32) for _, v in rows])
             index.add_with_ids(vecs, np.asarray([r[0] for r in rows], dtype=np.int64))
         if stale or missing:
@@ -359,9 +356,11 @@ class ChunkIndex:
             freed: set[str] = set()
             replaced = 0
             with self._transaction():
-                tracked = self._track(
-                    [(d.collection, d.doc_id, [(c[3], len(c[2])) for c in d.chunks]) for d in docs]
-                )
+                after: dict[str, CollectionCounts] = {}  # the new counts of collections whose counts are kept
+                for coll in {d.collection for d in docs} & set(self._usage):
+                    mine = [d for d in docs if d.collection == coll]
+                    chunks = [(key, len(toks)) for d in mine for _, _, toks, key in d.chunks]
+                    after[coll] = self.usage_after(coll, [d.doc_id for d in mine], chunks)
                 for d in docs:
                     gone, keys, existed = self._delete_rows(d.doc_id, d.collection)
                     removed += gone
@@ -375,26 +374,18 @@ class ChunkIndex:
                     vecs = np.ascontiguousarray(d.vectors, dtype=np.float32)
                     ids = []
                     for (seq, text, tokens, key), vec in zip(d.chunks, vecs, strict=True):
+                        toks = np.asarray(tokens, dtype=np.int32).tobytes()
                         cur = self.db.execute(
                             "INSERT INTO chunks (collection, doc_id, seq, text, token_ids, kv_key, vector) "
                             "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            (
-                                d.collection,
-                                d.doc_id,
-                                seq,
-                                text,
-                                np.asarray(tokens, dtype=np.int32).tobytes(),
-                                key,
-                                vec.tobytes(),
-                            ),
+                            (d.collection, d.doc_id, seq, text, toks, key, vec.tobytes()),
                         )
                         ids.append(int(cur.lastrowid))
                     out[(d.collection, d.doc_id)] = ids
                 new_keys = {c[3] for d in docs for c in d.chunks}
-                freed = {k for k in freed - new_keys if not self._referenced(k)}
+                freed = {k for k in freed - new_keys if not self.references(k)}
                 self._set_intents(freed, new_keys)
-                deltas = self._tracked_deltas(tracked)
-            self._apply_usage(deltas)
+            self._usage.update(after)
             self._apply(removed, [(out[(d.collection, d.doc_id)], d.vectors) for d in docs])
             for coll, gone in gone_by:
                 self._members.get(coll, set()).difference_update(gone)
@@ -411,14 +402,15 @@ class ChunkIndex:
         transaction, so a crash before the store deletes them is redone)."""
         with self._lock:
             with self._transaction():
-                if not self._has(collection, doc_id):
+                if not self.has_document(doc_id, collection):
                     raise KeyError(doc_id)
-                tracked = self._track([(collection, doc_id, None)])
+                kept = collection in self._usage
+                after = self.usage_after(collection, [doc_id], [], deleted=True) if kept else None
                 removed, keys, _ = self._delete_rows(doc_id, collection)
-                freed = {k for k in keys if not self._referenced(k)}
+                freed = {k for k in keys if not self.references(k)}
                 self._set_intents(freed, ())
-                deltas = self._tracked_deltas(tracked)
-            self._apply_usage(deltas)
+            if after is not None:
+                self._usage[collection] = after
             self._apply(removed, [])
             self._members.get(collection, set()).difference_update(removed)
             self._n_docs -= 1
@@ -448,10 +440,13 @@ class ChunkIndex:
                 u = self._usage[collection] = self._count(collection)
             return replace(u)
 
-    def usage_after(self, collection: str, doc_ids, chunks: list[tuple[str, int]]) -> CollectionCounts:
+    def usage_after(
+        self, collection: str, doc_ids, chunks: list[tuple[str, int]], deleted: bool = False
+    ) -> CollectionCounts:
         """``collection``'s counts if a commit replaced (or added) the documents ``doc_ids`` with chunks
-        ``(kv_key, tokens)`` (all of theirs together), computed without changing anything: a replaced
-        document's chunks leave, and a KV key counts while any chunk of the collection still uses it."""
+        ``(kv_key, tokens)`` (all of theirs together), or with ``deleted`` removed them, computed without
+        changing anything: a replaced document's chunks leave, and a KV key counts while any chunk of
+        the collection still uses it. Commits and deletes keep :meth:`usage`'s counts with it too."""
         ids = set(doc_ids)
         with self._lock:
             now = self.usage(collection)
@@ -459,18 +454,19 @@ class ChunkIndex:
             existing = 0
             for doc_id in ids:
                 old += self._rows_of(collection, doc_id)
-                existing += self._has(collection, doc_id)
+                existing += self.has_document(doc_id, collection)
             keys = dict(old)
             keys.update(chunks)
             before: set[str] = set()
             outside: set[str] = set()  # keys other documents of the collection use
-            for key, doc_id in self._key_users(collection, keys):
+            sql = "SELECT kv_key, doc_id FROM chunks WHERE collection=? AND kv_key IN ({marks})"
+            for key, doc_id in chain.from_iterable(self._select_in(sql, list(keys), collection)):
                 before.add(key)
                 if doc_id not in ids:
                     outside.add(key)
             after = outside | {k for k, _ in chunks}
             return CollectionCounts(
-                documents=now.documents + len(ids) - existing,
+                documents=now.documents + (0 if deleted else len(ids)) - existing,
                 chunks=now.chunks - len(old) + len(chunks),
                 tokens=now.tokens - sum(n for _, n in old) + sum(n for _, n in chunks),
                 kv_tokens=now.kv_tokens - sum(keys[k] for k in before) + sum(keys[k] for k in after),
@@ -499,68 +495,12 @@ class ChunkIndex:
             )
         ]
 
-    def _has(self, collection: str, doc_id: str) -> bool:
-        sql = "SELECT 1 FROM documents WHERE collection=? AND doc_id=?"
-        return self.db.execute(sql, (collection, doc_id)).fetchone() is not None
-
-    def _key_users(self, collection: str, keys) -> list[tuple[str, str]]:
-        """``(kv_key, doc_id)`` of the chunks of ``collection`` that use one of ``keys``."""
-        keys = list(keys)
-        out: list[tuple[str, str]] = []
-        for lo in range(0, len(keys), 500):
-            part = keys[lo : lo + 500]
-            marks = ",".join("?" * len(part))
-            out += self.db.execute(
-                f"SELECT kv_key, doc_id FROM chunks WHERE collection=? AND kv_key IN ({marks})",
-                (collection, *part),
-            ).fetchall()
-        return out
-
-    def _kv_tokens(self, collection: str, keys: dict[str, int]) -> int:
-        """The tokens of those of ``keys`` (key -> tokens) that a chunk of ``collection`` uses."""
-        return sum(keys[k] for k in {k for k, _ in self._key_users(collection, keys)})
-
-    def _track(self, changes: list[tuple[str, str, list[tuple[str, int]] | None]]) -> dict:
-        """Inside a commit's or delete's transaction, before it changes anything: for each collection
-        whose counts are kept (:meth:`usage`), what ``changes`` ((collection, doc_id, new chunks as
-        ``(kv_key, tokens)``, None for a delete)) add and remove, and the KV keys they touch."""
-        out: dict[str, list] = {}
-        for coll, doc_id, new in changes:
-            if coll not in self._usage:
-                continue
-            delta, keys, _ = out.setdefault(coll, [CollectionCounts(), {}, 0])
-            old = self._rows_of(coll, doc_id)
-            delta.documents += (new is not None) - self._has(coll, doc_id)
-            new = new or []
-            delta.chunks += len(new) - len(old)
-            delta.tokens += sum(n for _, n in new) - sum(n for _, n in old)
-            keys.update(old)
-            keys.update(new)
-        for coll, entry in out.items():
-            entry[2] = self._kv_tokens(coll, entry[1])
-        return out
-
-    def _tracked_deltas(self, tracked: dict) -> dict[str, CollectionCounts]:
-        """After the changes (still inside the transaction): the count deltas of :meth:`_track`'s collections."""
-        for coll, (delta, keys, before) in tracked.items():
-            delta.kv_tokens = self._kv_tokens(coll, keys) - before
-        return {coll: entry[0] for coll, entry in tracked.items()}
-
-    def _apply_usage(self, deltas: dict[str, CollectionCounts]) -> None:
-        for coll, d in deltas.items():
-            u = self._usage.get(coll)
-            if u is not None:
-                u.documents += d.documents
-                u.chunks += d.chunks
-                u.tokens += d.tokens
-                u.kv_tokens += d.kv_tokens
-
-    def _referenced(self, key: str, collection: str | None = None) -> bool:
-        if collection is None:
-            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? LIMIT 1", (key,)
-        else:
-            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? AND collection=? LIMIT 1", (key, collection)
-        return self.db.execute(sql, args).fetchone() is not None
+    def _select_in(self, sql: str, values: list, *args, size: int = 500) -> Iterator[list]:
+        """The rows of ``sql`` with ``args`` then ``values`` as its ``IN ({marks})`` list, a batch of
+        ``size`` values at a time (SQLite bounds the variables of one statement)."""
+        for lo in range(0, len(values), size):
+            part = values[lo : lo + size]
+            yield self.db.execute(sql.format(marks=",".join("?" * len(part))), (*args, *part)).fetchall()
 
     def _set_intents(self, add, drop) -> None:
         self.db.executemany("INSERT OR IGNORE INTO kv_intents VALUES (?)", [(k,) for k in add])
@@ -583,22 +523,19 @@ class ChunkIndex:
     def references(self, kv_key: str, collection: str | None = None) -> bool:
         """Whether a committed chunk (of ``collection``; None: of any) uses this KV key (a write-back
         must not store KV nobody uses; a request may reuse only its collection's KV)."""
-        with self._lock:
-            return self._referenced(kv_key, collection)
+        if collection is None:
+            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? LIMIT 1", (kv_key,)
+        else:
+            sql, args = "SELECT 1 FROM chunks WHERE kv_key=? AND collection=? LIMIT 1", (kv_key, collection)
+        return bool(self._query(sql, args))
 
     def referenced_keys(self, keys, collection: str) -> set[str]:
         """The ones of ``keys`` that a committed chunk of ``collection`` uses."""
-        keys = list(dict.fromkeys(keys))
-        out: set[str] = set()
-        for lo in range(0, len(keys), 512):
-            part = keys[lo : lo + 512]
-            marks = ",".join("?" * len(part))
-            rows = self._query(
-                f"SELECT DISTINCT kv_key FROM chunks WHERE collection=? AND kv_key IN ({marks})",
-                (collection, *part),
-            )
-            out.update(r[0] for r in rows)
-        return out
+        sql = "SELECT DISTINCT kv_key FROM chunks WHERE collection=? AND kv_key IN ({marks})"
+        with self._lock:
+            return {
+                r[0] for rows in self._select_in(sql, list(dict.fromkeys(keys)), collection) for r in rows
+            }
 
     def add_intents(self, keys: list[str]) -> None:
         """Record, before writing them, KV keys that may end up in the store unreferenced."""
@@ -638,18 +575,11 @@ class ChunkIndex:
             return True
 
     # ---- chunks ----------------------------------------------------------------------------------
-    def _record(self, row, score: float = 0.0) -> ChunkRecord:
-        cid, doc_id, seq, text, tokens, key, meta, coll = row
+    def _record(self, row) -> ChunkRecord:
+        cid, doc_id, seq, text, blob, key, meta, coll = row
+        tokens = np.frombuffer(blob, dtype=np.int32).tolist()
         return ChunkRecord(
-            cid,
-            doc_id,
-            seq,
-            text,
-            np.frombuffer(tokens, dtype=np.int32).tolist(),
-            key,
-            json.loads(meta) if meta else {},
-            score,
-            coll,
+            cid, doc_id, seq, text, tokens, key, json.loads(meta) if meta else {}, collection=coll
         )
 
     _SELECT = (

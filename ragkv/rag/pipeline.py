@@ -11,7 +11,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -193,8 +193,7 @@ class RAG:
         # orders "is this key still used?" + store write (write-back) against index change + store delete
         self._kv_lock = threading.Lock()
         self._warn = WarnThrottle(log)
-        #: corpus version (bumped by every commit and delete: the locator is rebuilt after) and the
-        #: locator of that version; one mutable record, so views (:meth:`using`) share it
+        #: the corpus's chunk locator (:meth:`chunk_locator`), in one record that views (:meth:`using`) share
         self._corpus = _Corpus()
         self.resolver.locator = self.chunk_locator
         #: what generates once a prompt is built (:mod:`ragkv.rag.generation`): threads by default
@@ -226,12 +225,12 @@ class RAG:
         write-ahead record or chunk is written."""
         coll = collection_name(collection)
         docs = [self._as_document(d) for d in docs]
-        hold = pause or (lambda: None)
-        stop = cancel or (lambda: False)
 
         def step() -> None:
-            hold()
-            _check(stop)
+            if pause is not None:
+                pause()
+            if cancel is not None and cancel():
+                raise IngestCancelled("ingest cancelled before its commit; nothing of it was indexed")
 
         with self._ingest_lock:
             try:
@@ -496,9 +495,7 @@ class RAG:
     ) -> RagAnswer:
         """Retrieve (unless ``chunks`` are given) and answer; timings: retrieval, kv_fetch, ttft, total.
         ``collection``: see :meth:`answer_stream`."""
-        ans = None
-        for ans in self.answer_stream(question, k, mode, ratio, params, chunks, collection, **sampling):  # noqa: B007
-            pass
+        *_, ans = self.answer_stream(question, k, mode, ratio, params, chunks, collection, **sampling)
         assert isinstance(ans, RagAnswer)
         return ans
 
@@ -620,7 +617,7 @@ class RAG:
             found.append(Located(chunk_key(toks, m.fingerprint), toks, len(ids), 0, len(toks)))
             ids += toks
         tail, inside = part(question, False)
-        found += [Located(f.key, f.token_ids, f.start + len(ids), f.lo, f.hi) for f in inside]
+        found += [replace(f, start=f.start + len(ids)) for f in inside]
         ids += tail
         if not chunks and not tail and len(ids) <= 1:
             raise ValueError("empty prompt")
@@ -649,7 +646,7 @@ class RAG:
         found = self.resolver.find(flat, [], self.kv_visible(kv_collection)) if flat else []
         if not found:
             return head + flat, []
-        as_found = head + flat, [replace_start(f, len(head)) for f in found]
+        as_found = head + flat, [replace(f, start=f.start + len(head)) for f in found]
         try:
             same, offsets = encode_with_offsets(m.tokenizer, text, specials)
         except (NotImplementedError, TypeError, ValueError):  # a tokenizer without offsets
@@ -662,7 +659,8 @@ class RAG:
             a, b = chars[k]
             if a < pos or not _own_chars(offsets, f.start, f.stop, len(flat)):
                 return as_found
-            whole = self._chunk_text(f.key)
+            recs = self.index.chunks_with_key(f.key)
+            whole = recs[0].text if recs else None
             at = text.find(whole, max(pos, a - len(whole))) if whole and whole.strip() else -1
             end = at + len(whole)
             limit = chars[k + 1][0] if k + 1 < len(found) else len(text)
@@ -679,11 +677,6 @@ class RAG:
             pos = b
         ids += m.encode(text[pos:], specials=specials) if pos < len(text) else []
         return ids, out
-
-    def _chunk_text(self, kv_key: str) -> str | None:
-        """The text of a stored chunk with this KV key (None if no indexed chunk has it)."""
-        recs = self.index.chunks_with_key(kv_key)
-        return recs[0].text if recs else None
 
     def job(
         self,
@@ -813,11 +806,6 @@ class RAG:
             self.writer_lock = None
 
 
-def replace_start(f: Located, shift: int) -> Located:
-    """``f`` moved ``shift`` rows later in the prompt."""
-    return Located(f.key, f.token_ids, f.start + shift, f.lo, f.hi)
-
-
 def _covers(text: str, at: int, end: int, a: int, b: int) -> bool:
     """Whether characters ``[at, end)`` cover ``[a, b)`` but for whitespace at either end."""
     if at >= b or end <= a:
@@ -831,8 +819,3 @@ def _own_chars(offsets, start: int, stop: int, n: int) -> bool:
     before = start == 0 or offsets[start - 1][1] <= offsets[start][0]
     after = stop >= n or offsets[stop - 1][1] <= offsets[stop][0]
     return before and after
-
-
-def _check(cancel: Callable[[], bool]) -> None:
-    if cancel():
-        raise IngestCancelled("ingest cancelled before its commit; nothing of it was indexed")

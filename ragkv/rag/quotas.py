@@ -61,11 +61,7 @@ class Quotas:
         return self.max_collection_tokens is not None or self.max_collection_kv_bytes is not None
 
     def limits(self) -> dict:
-        return {
-            "max_document_tokens": self.max_document_tokens,
-            "max_collection_tokens": self.max_collection_tokens,
-            "max_collection_kv_bytes": self.max_collection_kv_bytes,
-        }
+        return {name: v for name, v in asdict(self).items() if name.startswith("max_")}
 
 
 @dataclass(frozen=True)
@@ -174,11 +170,8 @@ def measure_kv_bytes_per_token(model, store, sample_tokens: int = 256) -> int:
     with _MEASURE_LOCK:
         if ident in _MEASURED:
             return _MEASURED[ident]
-        ids: list[int] = []
         one = list(model.tokenizer(SAMPLE_TEXT, add_special_tokens=False)["input_ids"])
-        while len(ids) < n:
-            ids += one
-        kv = compute_chunk_kv(model, ids[:n])
+        kv = compute_chunk_kv(model, (one * math.ceil(n / len(one)))[:n])
         if codec is None:
             size = kv.nbytes()
         else:

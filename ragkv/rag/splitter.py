@@ -27,7 +27,7 @@ def split_tokens(
         raise ValueError("chunk_tokens must be >= 1")
     if not 0 <= overlap < chunk_tokens:
         raise ValueError("overlap must be in [0, chunk_tokens)")
-    ids, offsets = _encode(tokenizer, text)
+    ids, offsets = encode_with_offsets(tokenizer, text)
     n = len(ids)
     chunks: list[TextChunk] = []
     start = 0
@@ -60,14 +60,9 @@ class _TokenSpans:
 
 
 def encode_with_offsets(tokenizer, text: str, specials: bool = False):
-    """``(token ids, per-token (start, end) character offsets)`` of ``text`` without special tokens
-    (``specials``: a special token's text in ``text`` is that token, as in a model's raw prompt)."""
-    return _encode(tokenizer, text, specials)
-
-
-def _encode(tokenizer, text: str, specials: bool = False):
-    """(token ids, offsets) of ``text`` without special tokens; a special token's text in ``text``
-    is encoded as text (the Rust path parses it, so such a text takes the HF call).
+    """``(token ids, per-token (start, end) character offsets)`` of ``text`` without special tokens. A
+    special token's text in ``text`` is encoded as text (the Rust path parses it, so such a text takes
+    the HF call), or with ``specials`` as that token (a model's raw prompt).
 
     A fast tokenizer's Rust backend encodes with the GIL released (``encode_batch``) and offsets are
     read per token on demand: the HF call's full offset list of a 2M-character document holds the

@@ -59,21 +59,11 @@ __all__ = [
     "store_from_url",
 ]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+#: byte-size suffixes (lower case): decimal ``k``/``kb`` ... ``t``/``tb``, binary ``kib`` ... ``tib``
+_UNITS = {"": 1, "b": 1} | {
+    unit: size
+    for i, p in enumerate("kmgt", 1)
+    for unit, size in ((p, 1000**i), (f"{p}b", 1000**i), (f"{p}ib", 1024**i))
 }
 _INT_OPTS = {"max_bytes", "mem_bytes", "retries", "max_staged"}
 _FLOAT_OPTS = {"socket_timeout", "connect_timeout", "down_backoff_s", "warn_every_s", "access_flush_s"}

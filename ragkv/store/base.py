@@ -102,22 +102,10 @@ class ChunkStore(ABC):
 
     def __init__(self) -> None:
         self._stats_lock = threading.Lock()
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "hits",
-                "misses",
-                "errors",
-                "corrupt",
-                "puts",
-                "puts_skipped",
-                "put_errors",
-                "bytes_read",
-                "bytes_written",
-                "evictions",
-                "full",
-            ),
-            0,
+        counters = (
+            "hits misses errors corrupt puts puts_skipped put_errors bytes_read bytes_written evictions full"
         )
+        self._stats: dict[str, int] = dict.fromkeys(counters.split(), 0)
         #: "backend unavailable" warnings at most every 30 s (``_warn.every_s``); corruption ones always
         self._warn = WarnThrottle(log, every_s=30.0)
         #: model fingerprint -> the KV geometry its blobs must have (see :meth:`expect_geometry`)
@@ -333,12 +321,9 @@ class BlobStore(ChunkStore):
         overwrite = key in self._corrupt
         try:
             written = self._write(key, bytes(blob), overwrite)
-        except StoreFullError as e:
-            self._count("full")
-            self._count("put_errors")
-            self._backend_failed("put", key, e)
-            return False
-        except self.backend_errors as e:
+        except (StoreFullError, *self.backend_errors) as e:
+            if isinstance(e, StoreFullError):
+                self._count("full")
             self._count("put_errors")
             self._backend_failed("put", key, e)
             return False
@@ -402,10 +387,9 @@ class BlobStore(ChunkStore):
 
         def run() -> BlobHeader | None:
             hdr = self._header(key, fresh=True)[0]
-            if hdr is not None and hdr.key != key:  # a valid blob of another chunk: corrupt, rewritten on put
-                self._forget(key)
-                raise BlobError(f"blob stored under {key[:16]} holds chunk {hdr.key[:16]}")
             if hdr is not None:
+                if hdr.key != key:  # a valid blob of another chunk: corrupt (_guard), rewritten on put
+                    raise BlobError(f"blob stored under {key[:16]} holds chunk {hdr.key[:16]}")
                 self._check_blob(hdr)
             return hdr
 

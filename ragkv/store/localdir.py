@@ -73,8 +73,9 @@ class LocalDirStore(BlobStore):
         self._pending_access: dict[str, float] = {}
         self._last_flush = time.monotonic()
         if fresh and any(self.root.glob(f"??/*{SUFFIX}")):
-            self.rebuild_index()
-        self._clean_tmp()
+            self.rebuild_index()  # cleans temp files too
+        else:
+            self._clean_tmp()
 
     def describe(self) -> str:
         return f"LocalDirStore({self.root})"
@@ -121,10 +122,7 @@ class LocalDirStore(BlobStore):
                     os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            Path(tmp).unlink(missing_ok=True)
             raise
         if self.fsync:
             dfd = os.open(path.parent, os.O_RDONLY)
@@ -190,21 +188,12 @@ class LocalDirStore(BlobStore):
                 continue
             st = path.stat()
             rows.append((key, st.st_size, hdr.created or st.st_mtime, st.st_mtime))
-        for tmp in self.root.glob("??/.*.tmp"):  # leftovers of writers that died mid-write
-            try:
-                if time.time() - tmp.stat().st_mtime > 3600:
-                    tmp.unlink()
-            except OSError:
-                pass
+        self._clean_tmp()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._db:  # commits, or rolls back on an exception
                 self._db.execute("DELETE FROM chunks")
                 self._db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?, ?)", rows)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
         return len(rows)
 
     def _clean_tmp(self) -> int:

@@ -97,27 +97,20 @@ class RedisStore(BlobStore):
             return None  # GETRANGE answers "" for a missing key; blobs are never empty
         return data
 
-    def _write(self, key: str, blob: bytes, overwrite: bool) -> bool:
-        def tx():
-            pipe = self._r.pipeline(transaction=True)
-            pipe.set(self._bkey(key), blob, nx=not overwrite)
-            pipe.hset(self.index_key, key, len(blob))
-            return pipe.execute()
+    def _tx(self, queue) -> list:
+        """The replies of the commands ``queue(pipeline)`` adds, run as one MULTI/EXEC transaction."""
+        return self._call(lambda: queue(self._r.pipeline(transaction=True)).execute())
 
-        set_ok, _ = self._call(tx)
+    def _write(self, key: str, blob: bytes, overwrite: bool) -> bool:
+        bkey, n = self._bkey(key), len(blob)
+        set_ok, _ = self._tx(lambda p: p.set(bkey, blob, nx=not overwrite).hset(self.index_key, key, n))
         return bool(set_ok)
 
     def _exists(self, key: str) -> bool:
         return bool(self._call(self._r.exists, self._bkey(key)))
 
     def _delete(self, key: str) -> bool:
-        def tx():
-            pipe = self._r.pipeline(transaction=True)
-            pipe.delete(self._bkey(key))
-            pipe.hdel(self.index_key, key)
-            return pipe.execute()
-
-        deleted, _ = self._call(tx)
+        deleted, _ = self._tx(lambda p: p.delete(self._bkey(key)).hdel(self.index_key, key))
         return bool(deleted)
 
     def _keys(self) -> list[str]:

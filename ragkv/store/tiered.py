@@ -34,13 +34,11 @@ class TieredStore(ChunkStore):
         super().__init__()
         self.backend = backend
         self.codec, self.auth = backend.codec, backend.auth
-        self.memory = (
-            memory
-            if memory is not None
-            else MemoryStore(
+        if memory is None:
+            memory = MemoryStore(
                 max_bytes=mem_bytes, codec=backend.codec, hmac_key=backend.auth, codecs=backend.allowed_codecs
             )
-        )
+        self.memory = memory
         self.max_staged = max_staged
         # key -> (header, {segment start layer: verified bytes}) of chunks being read layer by layer
         self._staged: OrderedDict[str, tuple[BlobHeader, dict[int, bytes]]] = OrderedDict()
