@@ -129,7 +129,7 @@ KV_READERS = {
     "ragkv/blend/resolver.py",  # the resolver
     "ragkv/kv/compute.py",  # compute_chunk_kv itself
     "ragkv/blend/gate.py",  # the self-check's own probe chunks, not a prompt's
-    "ragkv/store/codecs/calibrate.py",  # the stored-KV codec's calibration KV, not a prompt's
+    "ragkv/kv/calibrate.py",  # calibration KV (RoPE key-block energies of demo chunks), not a prompt's
     "ragkv/rag/quotas.py",  # one sample chunk's KV, to measure the codec's bytes per token for quotas
     "ragkv/blend/pipeline.py",  # StoredChunk: the lazy reader the resolver hands out
     "ragkv/integrations/vllm/connector.py",  # runs inside vLLM's worker, over vLLM's paged KV
