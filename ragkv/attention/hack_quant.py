@@ -184,26 +184,25 @@ def quantize(
         lo, scale = _meta(mn, mx, levels, fp16_meta)
         codes = _codes_for(xf, lo.float(), scale.float(), levels, stochastic, generator)
         return Quantized(codes.to(torch.uint8), scale, lo)
-    # MSE-optimal clipping: shrink [mn, mx] around its centre by each ratio; keep the best per partition.
+    # MSE-optimal clipping: shrink [mn, mx] around its centre by each ratio; keep the best per partition
+    # (the first on ties). Only the per-partition error, scale and min are carried across ratios; the
+    # codes are rounded once more for the winner (cheaper than selecting whole code tensors per ratio).
     centre = (mn + mx) / 2
     half = (mx - mn) / 2
-    best_err = None
-    best_codes = best_scale = best_lo = None
+    best_err = best_scale = best_lo = None
     for r in clip_ratios:
         lo, scale = _meta(centre - half * r, centre + half * r, levels, fp16_meta)
         codes = _codes_for(xf, lo.float(), scale.float(), levels, False, None)
         err = ((codes * scale.float().unsqueeze(-1) + lo.float().unsqueeze(-1)) - xf).square().sum(dim=-1)
         if best_err is None:
-            best_err, best_codes, best_scale, best_lo = err, codes, scale, lo
+            best_err, best_scale, best_lo = err, scale, lo
             continue
         take = err < best_err
         best_err = torch.where(take, err, best_err)
-        best_codes = torch.where(take.unsqueeze(-1), codes, best_codes)
         best_scale = torch.where(take, scale, best_scale)
         best_lo = torch.where(take, lo, best_lo)
-    if stochastic:
-        best_codes = _codes_for(xf, best_lo.float(), best_scale.float(), levels, True, generator)
-    return Quantized(best_codes.to(torch.uint8), best_scale, best_lo)
+    codes = _codes_for(xf, best_lo.float(), best_scale.float(), levels, stochastic, generator)
+    return Quantized(codes.to(torch.uint8), best_scale, best_lo)
 
 
 def packed_width(n: int, bits: int) -> int:
