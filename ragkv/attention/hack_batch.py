@@ -77,17 +77,19 @@ def _codes(packed: Tensor, lay: PagedLayout) -> Tensor:
     )
 
 
-def _key_codes(packed: Tensor, lay: PagedLayout) -> Tensor:
-    """Gathered packed K rows ``[B, NB, bs, H, KPW]`` -> fp32 codes ``[B, H, nkp, NB * bs, Pk]``, one
-    partition (and its code width) at a time, each laid out for a batched matmul."""
+def _key_dots(qc: Tensor, packed: Tensor, lay: PagedLayout) -> Tensor:
+    """Integer products ``Q' K'^T`` per K partition: Q codes ``[B, H, G, nkp, Pk]`` with the gathered
+    packed K rows ``[B, NB, bs, H, KPW]`` -> ``[B, H, G, nkp, NB * bs]``. Each partition's codes (its
+    own width) are unpacked and multiplied on their own, so only the small products are stacked."""
     b, nb, bs, h, pw = packed.shape
     rows = packed.permute(0, 3, 1, 2, 4).reshape(b, h, nb * bs, pw)
-    pk, out, at = lay.k_partition, [], 0
-    for w in lay.key_bits:
+    pk, dots, at = lay.k_partition, [], 0
+    for i, w in enumerate(lay.key_bits):
         n = packed_width(pk, w)
-        out.append(unpack_codes_float(rows[..., at : at + n], w, pk))
+        kc = unpack_codes_float(rows[..., at : at + n], w, pk)  # [B, H, T, Pk]
+        dots.append(torch.matmul(qc[:, :, :, i], kc.transpose(-1, -2)))  # [B, H, G, T]
         at += n
-    return out[0].unsqueeze(2) if len(out) == 1 else torch.stack(out, 2)
+    return torch.stack(dots, 3)
 
 
 def _page_scores(
@@ -106,11 +108,7 @@ def _page_scores(
         qs = _gqa(qs, h).gather(-1, batch.k_order[None, :, None, :].expand(b, h, g, d)).reshape(b, hq, d)
     qq = quantize_q(qs, pk, qp_bits)  # codes [B, Hq, nkp, pk], scale/min [B, Hq, nkp]
     qc = _gqa(qq.codes.float(), h)  # [B, H, G, nkp, pk]
-    kc = _key_codes(views.k_packed, lay)  # [B, H, nkp, T, pk]
-    if nkp == 1:  # one partition per row (Pk = D): a plain batched matmul
-        dot = torch.matmul(qc[:, :, :, 0], kc[:, :, 0].transpose(-1, -2)).unsqueeze(3)
-    else:  # per partition (its own code width) a batched matmul, seen as [B, H, G, nkp, T]
-        dot = torch.matmul(qc.transpose(2, 3), kc.transpose(-1, -2)).transpose(2, 3)
+    dot = _key_dots(qc, views.k_packed, lay)  # [B, H, G, nkp, T]
 
     def k_meta(x: Tensor) -> Tensor:  # [B, NB, bs, H, nkp] -> [B, H, 1, nkp, T]
         return x.float().reshape(b, t, h, nkp).permute(0, 2, 3, 1).unsqueeze(2)
