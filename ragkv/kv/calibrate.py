@@ -31,6 +31,7 @@ DEMO_CORPUS = Path(__file__).resolve().parents[1] / "demo" / "corpus.json"
 ENERGY_VERSION = 1
 _ENERGY: dict[str, np.ndarray] = {}
 _LOCK = threading.Lock()
+_CAPTURE_LOCK = threading.Lock()
 
 
 def allocate_block_bits(
@@ -99,13 +100,14 @@ def rope_block_energy(model, chunk_ids: list[list[int]]) -> tuple[np.ndarray, li
         return q, k, v
 
     chunks = []
-    model.qkv = capture  # instance attribute: only this calibration forward is observed
-    try:
-        for ids in chunk_ids:
-            chunks.append(compute_chunk_kv(model, ids))
-            rows += len(ids) + 1
-    finally:
-        del model.qkv
+    with _CAPTURE_LOCK:  # one capture at a time: a second one's ``del`` would drop the first's
+        model.qkv = capture  # instance attribute: only this calibration forward is observed
+        try:
+            for ids in chunk_ids:
+                chunks.append(compute_chunk_kv(model, ids))
+                rows += len(ids) + 1
+        finally:
+            del model.qkv
     q_energy /= max(rows, 1)
     qb = q_energy[..., :half] + q_energy[..., half:]  # [L, Hq, D/2]
     qb = qb.reshape(L, H, Hq // H, half).mean(2)  # the query heads sharing each KV head
