@@ -198,6 +198,8 @@ class PagedLayout:
 
     def config(self, **overrides) -> HackConfig:
         """The :class:`HackConfig` whose per-sequence cache stores exactly these codes."""
+        if self.k_bits is not None:  # its per-sequence equivalent also needs the key plans
+            raise HackPagedError("pages with RoPE-aware key widths have no plan-free per-sequence config")
         # a K partition below 16 is head_dim itself (capped); HackConfig caps 128 to it the same way
         kp = self.k_partition if self.k_partition >= 16 else 128
         return HackConfig(bits=self.bits, partition=self.block_size, k_partition=kp, **overrides)
