@@ -382,8 +382,7 @@ def quantize_k_rows(
         qs = [quantize(x[:, :, i : i + 1], b, **opts) for i, b in enumerate(widths)]
         q = Quantized(*(torch.cat([getattr(p, f) for p in qs], 2) for f in ("codes", "scale", "minv")))
     codes = q.codes.reshape(t, h, d)
-    sums = q.codes.to(torch.int32).sum(-1).to(sum_dtype(max(widths), part))
-    return pack_parts(codes, widths, part), q.scale, q.minv, sums
+    return pack_parts(codes, widths, part), q.scale, q.minv, code_sums(q.codes, max(widths), part)
 
 
 def quantize_v_partitions(
