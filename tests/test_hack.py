@@ -207,8 +207,8 @@ def test_tail_and_boundaries(t):
     v1 = c1.layer_view(0)
     for name in ("k_packed", "k_scale", "k_min", "k_sum", "v_packed", "v_scale", "v_min", "v_sum", "v_tail"):
         assert torch.equal(getattr(view, name), getattr(v1, name)), name
-    q = torch.randn(1, 4, 16)
-    out = c.attend(0, q, torch.tensor([t - 1]))
+    q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(t))  # seeded: the 0.3 bound below
+    out = c.attend(0, q, torch.tensor([t - 1]))  # is a statistical one (unseeded, it failed ~1 run in 6)
     assert rel(out, dequant_attention_parts(view, q, torch.tensor([t - 1]), 0.25).out) < 1e-3
     # all-tail V with 4-bit K: still close to exact attention
     assert rel(out, attention(q, k, v, torch.tensor([t - 1]), torch.arange(t), 0.25)) < 0.3
