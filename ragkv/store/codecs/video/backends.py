@@ -80,16 +80,14 @@ def register_decoder(decoder: HardwareDecoder) -> None:
         raise ValueError(f"a hardware decoder needs a name other than 'auto'/'cpu', got {decoder.name!r}")
     with _LOCK:
         _REGISTRY[decoder.name] = decoder
-        for key in [k for k in _REFUSED if k[0] == decoder.name]:
-            _REFUSED.discard(key)
+        _REFUSED.difference_update([k for k in _REFUSED if k[0] == decoder.name])
 
 
 def unregister_decoder(name: str) -> None:
     """Remove a registered decoder (and what it refused)."""
     with _LOCK:
         _REGISTRY.pop(name, None)
-        for key in [k for k in _REFUSED if k[0] == name]:
-            _REFUSED.discard(key)
+        _REFUSED.difference_update([k for k in _REFUSED if k[0] == name])
 
 
 def registered() -> list[str]:

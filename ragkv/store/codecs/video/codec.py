@@ -172,13 +172,8 @@ class VideoCodec(KVCodec):
 
     def with_slots(self, slots: int) -> VideoCodec:
         """The same codec writing another resolution version."""
-        kw = self.params() | {
-            "slots": int(slots),
-            "threads": self.threads,
-            "decoder": self.decoder,
-            "verify": self.verify,
-        }
-        return VideoCodec(**kw, fingerprint=self.fingerprint)
+        runtime = {"threads": self.threads, "decoder": self.decoder, "verify": self.verify}
+        return VideoCodec(**(self.params() | {"slots": int(slots)}), **runtime, fingerprint=self.fingerprint)
 
     # -- encode -------------------------------------------------------------------------------------
     def _steps(self, which: int, layer_start: int | None, g: int) -> np.ndarray | None:
@@ -233,8 +228,8 @@ class VideoCodec(KVCodec):
         _, g, t, c = q.shape
         mode = self.order_mode(c)
         if mode == "none":
-            return np.zeros((0, t), np.int64), np.broadcast_to(np.arange(t), (2, g, t))
-        if mode == "group":
+            stored = np.zeros((0, t), np.int64)
+        elif mode == "group":
             stored = greedy_chain(q.transpose(2, 0, 1, 3).reshape(t, -1))[None]
         elif mode == "tensor":
             stored = np.stack([greedy_chain(q[s].transpose(1, 0, 2).reshape(t, -1)) for s in range(2)])
@@ -292,16 +287,8 @@ class VideoCodec(KVCodec):
         qk, qv = self.quantize(k, v, layer_start)
         q = np.stack([qk.q, qv.q])
         stored, orders = self.token_orders(q)
-        side_raw = b"".join(
-            [
-                qk.code.tobytes(),
-                qk.offset.tobytes(),
-                qv.code.tobytes(),
-                qv.offset.tobytes(),
-                pack_orders(stored, t),
-            ]
-        )
-        side = zstandard.ZstdCompressor(level=19).compress(side_raw)
+        stats = [a.tobytes() for qt in (qk, qv) for a in (qt.code, qt.offset)]
+        side = zstandard.ZstdCompressor(level=19).compress(b"".join([*stats, pack_orders(stored, t)]))
         fill = self.k_quant.zero or (1 << (self.depth - 1))
         out: dict[int, bytes] = {}
         for slots in versions:
@@ -334,13 +321,10 @@ class VideoCodec(KVCodec):
         """
         attempts: list[tuple[str, str, str]] = []
         if self.encoder in ("nvenc", "auto"):
+            fmt = f"{self.planes}/{self.depth}-bit"
+            ok, reason = False, f"the NVENC path encodes 8-bit yuv444/yuv420 only, not {fmt}"
             if self.depth == 8 and self.planes in nvdec.NVDEC_PLANES:
                 ok, reason = nvdec.nvenc_status()
-            else:
-                ok, reason = (
-                    False,
-                    f"the NVENC path encodes 8-bit yuv444/yuv420 only, not {self.planes}/{self.depth}-bit",
-                )
             if ok:
                 attempts.append(("nvenc", self.preset, self.x265_params))
             elif self.encoder == "nvenc":
@@ -552,9 +536,8 @@ class VideoCodec(KVCodec):
         shapes = [(g, 1, c) if q[2] == "channel" else (g, t, 1) for q in (hdr.k_quant, hdr.v_quant)]
         n_orders = {"none": 0, "group": 1, "tensor": 2, "layer": 2 * g}[hdr.order]
         parts = [(shape, dt) for shape in shapes for dt in (np.int8, np.int32)]
-        want = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in parts) + packed_size(
-            n_orders, t
-        )
+        want = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in parts)
+        want += packed_size(n_orders, t)
         try:
             raw = zstandard.ZstdDecompressor().decompress(hdr.side, max_output_size=want)
         except zstandard.ZstdError as e:
