@@ -213,13 +213,7 @@ def chunk_kv_tensors(
         model.check_length(int(full.numel()))
     pos = torch.arange(full.numel(), device=model.device)
     cap = CapturePreRope(start)
-    run_layers(
-        model,
-        model.embed(full.to(model.device)),
-        pos,
-        CausalKV(model),
-        on_pre_rope=cap,
-        last_layer_attention=False,
-    )
+    h = model.embed(full.to(model.device))
+    run_layers(model, h, pos, CausalKV(model), on_pre_rope=cap, last_layer_attention=False)
     k, v = cap.stacked()
     return ids, k.contiguous(), v.contiguous(), start

@@ -187,11 +187,9 @@ def load_model(
     folder = resolve_model_dir(path_or_id)
     hf = AutoConfig.from_pretrained(folder)
     cfg = ModelConfig.from_hf(hf, generation_eos_ids(folder))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    digest = weights_digest(folder)  # FileNotFoundError when the folder holds no safetensors
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
                 weights[name] = sf.get_tensor(name).to(device=device, dtype=dtype)
@@ -201,7 +199,7 @@ def load_model(
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         tokenizer.model_max_length = 1 << 30  # ragkv checks lengths itself (PromptTooLongError)
-    fp = model_fingerprint(cfg, weights_digest(folder), dtype, tokenizer_digest(tokenizer))
+    fp = model_fingerprint(cfg, digest, dtype, tokenizer_digest(tokenizer))
     model = Model(cfg, weights, tokenizer=tokenizer, fingerprint=fp, name=str(path_or_id))
     log.info("loaded %s (%s, %d layers) fingerprint %s", path_or_id, cfg.model_type, cfg.num_layers, fp[:12])
     return model
