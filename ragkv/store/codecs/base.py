@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -108,6 +109,15 @@ def code_for_scale(step: np.ndarray, code_min: int, code_max: int) -> np.ndarray
     return c
 
 
+def log_once(logger: logging.Logger, level: int, key: tuple, msg: str, *args) -> None:
+    """``logger.log(level, msg, *args)`` the first time this process meets ``key``: a condition that
+    holds for every chunk (no calibration, no NVENC) is said once, not per segment."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.log(level, msg, *args)
+
+
+_LOGGED: set[tuple] = set()
 _REGISTRY: dict[str, Callable[..., KVCodec]] = {}
 #: the module of each built-in codec, imported on first use (video needs PyAV, an optional extra)
 _BUILTIN = {

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ragkv.store.codecs.base import CodecError, KVCodec
+from ragkv.store.codecs.base import CodecError, KVCodec, log_once
 from ragkv.store.codecs.video import backends, container, hevc_cpu, nvdec
 from ragkv.store.codecs.video.container import VideoHeader, frame_checksum
 from ragkv.store.codecs.video.hevc_cpu import DEFAULT_PRESET, DEFAULT_X265, HevcError
@@ -331,8 +331,11 @@ class VideoCodec(KVCodec):
                 raise CodecError(
                     f"NVENC requested but unavailable: {reason}; use encoder='libx265' or 'auto'"
                 )
-            else:
-                _note_nvenc_fallback(reason)
+            else:  # said once per process (a warning when a GPU is present)
+                level = logging.INFO if reason == "no CUDA device" else logging.WARNING
+                log_once(
+                    log, level, ("nvenc", reason), "NVENC unavailable (%s): encoding with libx265", reason
+                )
         if self.encoder in ("libx265", "auto"):
             attempts.append(("libx265", self.preset, self.x265_params))
             attempts += [
@@ -555,18 +558,6 @@ class VideoCodec(KVCodec):
             raise CodecError(f"video side info: {e}") from e
         stats = [(arrays[0], arrays[1]), (arrays[2], arrays[3])]
         return stats, np.ascontiguousarray(_expand_orders(stored, hdr.order, g, t))
-
-
-_NVENC_NOTED: set[str] = set()
-
-
-def _note_nvenc_fallback(reason: str) -> None:
-    """Say once per process why ``encoder="auto"`` encodes with libx265 (a warning when a GPU is present)."""
-    if reason in _NVENC_NOTED:
-        return
-    _NVENC_NOTED.add(reason)
-    level = logging.INFO if reason == "no CUDA device" else logging.WARNING
-    log.log(level, "NVENC unavailable (%s): encoding with libx265", reason)
 
 
 def _as_numpy(frame: torch.Tensor, depth: int) -> np.ndarray:
