@@ -239,9 +239,8 @@ def random_model(
     hf = random_hf_config(model_type, **overrides)
     cfg = ModelConfig.from_hf(hf)
     g = torch.Generator().manual_seed(seed)
-    shapes = random_weight_shapes(cfg)
     weights = {}
-    for name, shape in shapes.items():
+    for name, shape in random_weight_shapes(cfg).items():
         if name.endswith("norm.weight"):
             t = 1.0 + 0.1 * torch.randn(shape, generator=g)
         else:

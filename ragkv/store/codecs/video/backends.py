@@ -122,12 +122,9 @@ def select_decoder(
     """
     if choice == "cpu":
         return None, "the CPU decoder was asked for"
-    if choice == "auto":
-        names = registered()
-    else:
-        if get_decoder(choice) is None:
-            return None, f"no hardware decoder named {choice!r} is registered"
-        names = [choice]
+    if choice != "auto" and get_decoder(choice) is None:
+        return None, f"no hardware decoder named {choice!r} is registered"
+    names = registered() if choice == "auto" else [choice]
     reasons = []
     for name in names:
         dec = get_decoder(name)

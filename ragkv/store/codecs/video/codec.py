@@ -104,7 +104,7 @@ class VideoCodec(KVCodec):
             raise ValueError(f"order must be 'auto' or one of {ORDER_MODES}, got {order!r}")
         if encoder not in ENCODERS:
             raise ValueError(f"encoder must be one of {ENCODERS}, got {encoder!r}")
-        if decoder not in ("auto", "cpu") and decoder not in (*DECODERS, *backends.registered()):
+        if decoder not in (*DECODERS, *backends.registered()):
             raise ValueError(
                 f"decoder must be 'auto', 'cpu' or a registered hardware decoder, got {decoder!r}"
             )

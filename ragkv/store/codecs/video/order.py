@@ -64,7 +64,6 @@ def unpack_orders(data: bytes, count: int, tokens: int) -> np.ndarray:
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))[: count * tokens * nb]
     vals = (bits.reshape(count * tokens, nb).astype(np.int64) << np.arange(nb - 1, -1, -1)).sum(1)
     orders = vals.reshape(count, tokens)
-    for row in orders:
-        if not np.array_equal(np.sort(row), np.arange(tokens)):
-            raise ValueError("token order section is not a permutation")
+    if not (np.sort(orders, axis=1) == np.arange(tokens)).all():
+        raise ValueError("token order section is not a permutation")
     return orders
