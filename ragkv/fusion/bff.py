@@ -183,26 +183,21 @@ class AutoThreshold:
 
     def choose(self, k: torch.Tensor, v: torch.Tensor, item_sizes: list[int], multi_match: str) -> float:
         """The threshold for this set of blocks (one fusion per bisection step)."""
-        thr_cr = self.lo
+        thr_cr = thr_err = self.lo
         if self.target_cr is not None:
             lo, hi = self.lo, self.hi  # invariant: cr(lo) >= target (or lo is the floor)
             for _ in range(self.iters):
                 mid = (lo + hi) / 2
-                if fast_fusion(k, v, item_sizes, mid, multi_match).cr >= self.target_cr:
-                    lo = mid
-                else:
-                    hi = mid
+                reached = fast_fusion(k, v, item_sizes, mid, multi_match).cr >= self.target_cr
+                lo, hi = (mid, hi) if reached else (lo, mid)
             thr_cr = lo
-        thr_err = self.lo
         if self.max_error is not None:
             lo, hi = self.lo, 1.0 + 1e-6  # invariant: err(hi) <= budget (no fusion above 1)
             for _ in range(self.iters):
                 mid = (lo + hi) / 2
                 res = fast_fusion(k, v, item_sizes, mid, multi_match)
-                if float(relative_errors(k, res).mean()) <= self.max_error:
-                    hi = mid
-                else:
-                    lo = mid
+                within = float(relative_errors(k, res).mean()) <= self.max_error
+                lo, hi = (lo, mid) if within else (mid, hi)
             thr_err = hi
         return max(thr_cr, thr_err)
 
