@@ -185,8 +185,7 @@ def load_model(
 
     dtype = parse_dtype(dtype)
     folder = resolve_model_dir(path_or_id)
-    hf = AutoConfig.from_pretrained(folder)
-    cfg = ModelConfig.from_hf(hf, generation_eos_ids(folder))
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(folder), generation_eos_ids(folder))
     digest = weights_digest(folder)  # FileNotFoundError when the folder holds no safetensors
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):

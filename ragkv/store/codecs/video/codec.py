@@ -261,8 +261,7 @@ class VideoCodec(KVCodec):
         """``k``, ``v``: ``[G, T, Hkv, D]`` with ``G <= group_size``; returns the segment bytes.
 
         ``layer_start`` (the group's first layer in the chunk) is recorded in the header and is
-        required when per-layer steps are configured; ``token_start``
-        is recorded only.
+        required when per-layer steps are configured; ``token_start`` is recorded only.
         """
         segs = self.encode_versions(k, v, [self.slots], layer_start=layer_start, token_start=token_start)
         return segs[self.slots]
