@@ -115,6 +115,8 @@ def compile_schema(schema: Any) -> str:
 _ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 _LIST = ("items", "prefixItems", "anyOf", "oneOf")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: keywords that say what an object's unlisted keys may be
+_OTHER_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
 
 
 def close_objects(schema: Any) -> Any:
@@ -123,11 +125,7 @@ def close_objects(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if "properties" in out and not {
-        "additionalProperties",
-        "patternProperties",
-        "unevaluatedProperties",
-    } & set(out):
+    if "properties" in out and not _OTHER_KEYS & out.keys():
         out["additionalProperties"] = False
     for key in _ONE:
         if isinstance(out.get(key), dict):

@@ -177,7 +177,7 @@ def test_nvenc_request_without_a_gpu_is_a_clear_error_and_auto_falls_back():
 def test_nvenc_refusal_is_probed_once_and_auto_encodes_with_libx265_saying_why(caplog):
     """The H100/H200 case: FFmpeg's hevc_nvenc genuinely fails to open (probed for real, without the
     CUDA precondition); ``auto`` then encodes every stream with libx265 after one clear warning."""
-    from ragkv.store.codecs.video import codec as codec_mod
+    from ragkv.store.codecs import base
 
     ok, reason = nvdec.nvenc_status(refresh=True, require_cuda=False)
     try:
@@ -185,7 +185,7 @@ def test_nvenc_refusal_is_probed_once_and_auto_encodes_with_libx265_saying_why(c
             pytest.skip("this machine has a working NVENC")
         assert "hevc_nvenc" in reason and "H100" in reason, reason
         assert nvdec.nvenc_status() == (ok, reason)  # cached: one probe per process
-        codec_mod._NVENC_NOTED.clear()
+        base._LOGGED.difference_update([key for key in base._LOGGED if key[0] == "nvenc"])
         c = VideoCodec(encoder="auto")
         k, v = kv_like(3, 12, 4, 8, seed=30)
         with caplog.at_level("WARNING", logger="ragkv.store.video"):

@@ -17,6 +17,7 @@ into every matching row and its block-table entry ends on the *last* matching ro
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +103,7 @@ def fast_fusion(
     kf, vf = k.float(), v.float()
     k_norm, v_norm = kf.norm(dim=1), vf.norm(dim=1)
     ku, vu = F.normalize(kf, dim=1), F.normalize(vf, dim=1)
-    starts = [0]
-    for s in item_sizes:
-        starts.append(starts[-1] + s)
+    starts = [0, *itertools.accumulate(item_sizes)]
     parent = torch.arange(n)  # union-find over original blocks; roots are representatives' homes
 
     def rec(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -140,17 +139,8 @@ def fast_fusion(
         return torch.cat([hl, hr[keep_r]]), torch.cat([kl, kr[keep_r]]), torch.cat([vl, vr[keep_r]])
 
     if len(item_sizes) == 0 or n == 0:
-        empty = torch.empty(0, k.shape[1])
-        return FusionResult(
-            torch.empty(0, dtype=torch.long),
-            torch.empty(0, dtype=torch.long),
-            empty,
-            empty,
-            k_norm,
-            v_norm,
-            torch.empty(0, dtype=torch.long),
-            float(threshold),
-        )
+        none, empty = torch.empty(0, dtype=torch.long), torch.empty(0, k.shape[1])
+        return FusionResult(none, none, empty, empty, k_norm, v_norm, none, float(threshold))
     homes, k_rep, v_rep = rec(0, len(item_sizes))
     # resolve chains (a home merged higher up points at another home)
     root = parent.clone()
@@ -193,26 +183,21 @@ class AutoThreshold:
 
     def choose(self, k: torch.Tensor, v: torch.Tensor, item_sizes: list[int], multi_match: str) -> float:
         """The threshold for this set of blocks (one fusion per bisection step)."""
-        thr_cr = self.lo
+        thr_cr = thr_err = self.lo
         if self.target_cr is not None:
             lo, hi = self.lo, self.hi  # invariant: cr(lo) >= target (or lo is the floor)
             for _ in range(self.iters):
                 mid = (lo + hi) / 2
-                if fast_fusion(k, v, item_sizes, mid, multi_match).cr >= self.target_cr:
-                    lo = mid
-                else:
-                    hi = mid
+                reached = fast_fusion(k, v, item_sizes, mid, multi_match).cr >= self.target_cr
+                lo, hi = (mid, hi) if reached else (lo, mid)
             thr_cr = lo
-        thr_err = self.lo
         if self.max_error is not None:
             lo, hi = self.lo, 1.0 + 1e-6  # invariant: err(hi) <= budget (no fusion above 1)
             for _ in range(self.iters):
                 mid = (lo + hi) / 2
                 res = fast_fusion(k, v, item_sizes, mid, multi_match)
-                if float(relative_errors(k, res).mean()) <= self.max_error:
-                    hi = mid
-                else:
-                    lo = mid
+                within = float(relative_errors(k, res).mean()) <= self.max_error
+                lo, hi = (lo, mid) if within else (mid, hi)
             thr_err = hi
         return max(thr_cr, thr_err)
 

@@ -22,10 +22,8 @@ def normalize_answer(s: str) -> str:
 def token_f1(prediction: str, gold: str) -> float:
     """Word-overlap F1 of normalised strings (0 when either side is empty, 1 when both are)."""
     p, g = normalize_answer(prediction).split(), normalize_answer(gold).split()
-    if not p and not g:
-        return 1.0
     if not p or not g:
-        return 0.0
+        return float(p == g)  # both empty: 1
     same = sum((Counter(p) & Counter(g)).values())
     if same == 0:
         return 0.0

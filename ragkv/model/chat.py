@@ -54,11 +54,8 @@ def chat_parts(
     mark = [f"\u2063RAGKV_{i}\u2063" for i in range(len(texts))]
     messages = [{"role": "system", "content": mark[0]}] if system is not None else []
     at = len(messages)
-    for i in range(len(examples)):
-        messages += [
-            {"role": "user", "content": mark[at + 2 * i]},
-            {"role": "assistant", "content": mark[at + 2 * i + 1]},
-        ]
+    roles = ["user", "assistant"] * len(examples)
+    messages += [{"role": role, "content": mark[at + i]} for i, role in enumerate(roles)]
     messages.append({"role": "user", "content": f"{mark[-2]}{_MARK}{mark[-1]}"})
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     before, after = rendered.split(_MARK)

@@ -82,17 +82,8 @@ def window_attention(
     model: LayerModel, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
 ) -> torch.Tensor:
     """:meth:`LayerModel.attend` of a dense-attention model: ragkv's attention with the layer's window."""
-    return attention(
-        q,
-        k,
-        v,
-        q_pos,
-        k_pos,
-        model.scale,
-        causal_contiguous=contiguous,
-        sliding_window=model.config.window(layer),
-        position_blocks=position_blocks,
-    )
+    window = model.config.window(layer)
+    return attention(q, k, v, q_pos, k_pos, model.scale, contiguous, window, position_blocks)
 
 
 class LayerKV(Protocol):
@@ -213,13 +204,7 @@ def chunk_kv_tensors(
         model.check_length(int(full.numel()))
     pos = torch.arange(full.numel(), device=model.device)
     cap = CapturePreRope(start)
-    run_layers(
-        model,
-        model.embed(full.to(model.device)),
-        pos,
-        CausalKV(model),
-        on_pre_rope=cap,
-        last_layer_attention=False,
-    )
+    h = model.embed(full.to(model.device))
+    run_layers(model, h, pos, CausalKV(model), on_pre_rope=cap, last_layer_attention=False)
     k, v = cap.stacked()
     return ids, k.contiguous(), v.contiguous(), start

@@ -14,6 +14,7 @@ vocabulary, merges and chat template into a fast tokenizer), which ragkv takes f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -95,10 +96,8 @@ def file_digest(path: Path) -> str:
             h.update(block)
     digest = h.hexdigest()
     cache[ident] = digest
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache only costs hashing again
         write_json_atomic(cache_file, cache)
-    except OSError:
-        pass
     return digest
 
 
@@ -110,9 +109,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+    return default if f is None else f.contents()
 
 
 def dequantized_weights(path: Path) -> dict[str, torch.Tensor]:

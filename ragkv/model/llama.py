@@ -33,11 +33,8 @@ class LayerWeights:
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig):
         a = f"{prefix}.self_attn."
-        self.qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]], 0)
-        if cfg.qkv_bias:
-            self.qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]], 0)
-        else:
-            self.qkv_b = None
+        self.qkv_w = torch.cat([w[f"{a}{p}_proj.weight"] for p in "qkv"])
+        self.qkv_b = torch.cat([w[f"{a}{p}_proj.bias"] for p in "qkv"]) if cfg.qkv_bias else None
         self.o_w = w[a + "o_proj.weight"]
         self.o_b = w[a + "o_proj.bias"] if cfg.o_bias else None
         m = f"{prefix}.mlp."

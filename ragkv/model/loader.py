@@ -185,13 +185,10 @@ def load_model(
 
     dtype = parse_dtype(dtype)
     folder = resolve_model_dir(path_or_id)
-    hf = AutoConfig.from_pretrained(folder)
-    cfg = ModelConfig.from_hf(hf, generation_eos_ids(folder))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(folder), generation_eos_ids(folder))
+    digest = weights_digest(folder)  # FileNotFoundError when the folder holds no safetensors
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
                 weights[name] = sf.get_tensor(name).to(device=device, dtype=dtype)
@@ -201,7 +198,7 @@ def load_model(
 
         tokenizer = AutoTokenizer.from_pretrained(folder)
         tokenizer.model_max_length = 1 << 30  # ragkv checks lengths itself (PromptTooLongError)
-    fp = model_fingerprint(cfg, weights_digest(folder), dtype, tokenizer_digest(tokenizer))
+    fp = model_fingerprint(cfg, digest, dtype, tokenizer_digest(tokenizer))
     model = Model(cfg, weights, tokenizer=tokenizer, fingerprint=fp, name=str(path_or_id))
     log.info("loaded %s (%s, %d layers) fingerprint %s", path_or_id, cfg.model_type, cfg.num_layers, fp[:12])
     return model
@@ -241,9 +238,8 @@ def random_model(
     hf = random_hf_config(model_type, **overrides)
     cfg = ModelConfig.from_hf(hf)
     g = torch.Generator().manual_seed(seed)
-    shapes = random_weight_shapes(cfg)
     weights = {}
-    for name, shape in shapes.items():
+    for name, shape in random_weight_shapes(cfg).items():
         if name.endswith("norm.weight"):
             t = 1.0 + 0.1 * torch.randn(shape, generator=g)
         else:

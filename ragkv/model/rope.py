@@ -61,9 +61,6 @@ class Rotary:
         self.inv_freq = inv_freq.float()
         self.scaling = scaling
 
-    def to(self, device) -> Rotary:
-        return Rotary(self.inv_freq.to(device), self.scaling)
-
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[n, 1, head_dim]`` computed in fp32 then cast, as transformers does."""
         freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]

@@ -7,6 +7,9 @@ fetch and decode one group without the others (layer-wise pipelined loading).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import logging
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -101,13 +104,28 @@ def code_for_scale(step: np.ndarray, code_min: int, code_max: int) -> np.ndarray
     with np.errstate(divide="ignore"):
         c = np.ceil(8.0 * np.log2(np.maximum(step, 2.0 ** (code_min / 8))) - 1e-9)
     c = np.clip(c, code_min, code_max).astype(np.int32)
-    c[(scale_of(c) < step) & (c < code_max)] += (
-        1  # float rounding of log2: bump until the scale covers the step
-    )
+    # float rounding of log2: bump until the scale covers the step
+    c[(scale_of(c) < step) & (c < code_max)] += 1
     return c
 
 
+def log_once(logger: logging.Logger, level: int, key: tuple, msg: str, *args) -> None:
+    """``logger.log(level, msg, *args)`` the first time this process meets ``key``: a condition that
+    holds for every chunk (no calibration, no NVENC) is said once, not per segment."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.log(level, msg, *args)
+
+
+_LOGGED: set[tuple] = set()
 _REGISTRY: dict[str, Callable[..., KVCodec]] = {}
+#: the module of each built-in codec, imported on first use (video needs PyAV, an optional extra)
+_BUILTIN = {
+    "raw": "ragkv.store.codecs.raw",
+    "int8": "ragkv.store.codecs.quant",
+    "stepz": "ragkv.store.codecs.stepz",
+    "video": "ragkv.store.codecs.video",
+}
 
 
 def register_codec(name: str, factory: Callable[..., KVCodec]) -> None:
@@ -124,25 +142,12 @@ def get_codec(name: str, **options) -> KVCodec:
 
 
 def available_codecs() -> list[str]:
-    for n in ("raw", "int8", "stepz", "video"):
+    for n in _BUILTIN:
         _load_builtin(n)
     return sorted(_REGISTRY)
 
 
 def _load_builtin(name: str) -> None:
-    """Import the module of a built-in codec lazily (video needs PyAV, an optional extra)."""
-    import importlib
-
-    modules = {
-        "raw": "ragkv.store.codecs.raw",
-        "int8": "ragkv.store.codecs.quant",
-        "stepz": "ragkv.store.codecs.stepz",
-        "video": "ragkv.store.codecs.video",
-    }
-    mod = modules.get(name)
-    if mod is None:
-        return
-    try:
-        importlib.import_module(mod)
-    except ImportError:
-        pass
+    if name in _BUILTIN:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(_BUILTIN[name])

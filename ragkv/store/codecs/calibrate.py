@@ -81,9 +81,8 @@ def calibrate(
     ``sensitivity(model, cases, chunks_per_case, probe_codec, probe) -> (k_kl, v_kl)`` (the blend's
     first-token KL with one tensor of one layer quantized; ``eval.bench_stored_kv.layer_sensitivity``,
     outside the store layer because it blends) allocates per-layer steps to ``target_kl``: on the
-    real default model that kept
-    the first-token KL but changed more greedy answers than uniform steps of the same size, so it
-    is not the default (docs/BENCHMARKS.md, "Compact stored KV").
+    real default model that kept the first-token KL but changed more greedy answers than uniform
+    steps of the same size, so it is not the default (docs/BENCHMARKS.md, "Compact stored KV").
     """
     t0 = time.perf_counter()
     cases = calibration_material(model, n_questions, chunk_tokens)

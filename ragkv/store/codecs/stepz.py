@@ -54,6 +54,7 @@ from ragkv.store.codecs.base import (
     KVCodec,
     check_kv,
     code_for_scale,
+    log_once,
     register_codec,
     scale_of,
     unpack_head,
@@ -230,7 +231,12 @@ class StepZCodec(KVCodec):
             return self
         p = profile_for(fingerprint)
         if p is None:
-            _warn_fallback(fingerprint)
+            log_once(
+                log, logging.INFO, ("stepz", fingerprint),
+                "stepz: no calibration for model %s; storing its KV with the uniform fallback steps "
+                "(ragkv.store.codecs.calibrate.ensure_profile(model) calibrates once per model)",
+                fingerprint[:16],
+            )  # fmt: skip
             p = FALLBACK
         return StepZCodec(profile=p, level=self.level)
 
@@ -338,19 +344,6 @@ def _restore(codes: np.ndarray, off: np.ndarray, q: np.ndarray) -> np.ndarray:
     x += off.astype(np.float32)[:, None]
     x *= scale
     return x
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_fallback(fingerprint: str) -> None:
-    if fingerprint not in _WARNED:
-        _WARNED.add(fingerprint)
-        log.info(
-            "stepz: no calibration for model %s; storing its KV with the uniform fallback steps "
-            "(ragkv.store.codecs.calibrate.ensure_profile(model) calibrates once per model)",
-            fingerprint[:16],
-        )
 
 
 register_codec("stepz", StepZCodec)

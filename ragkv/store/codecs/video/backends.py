@@ -80,16 +80,14 @@ def register_decoder(decoder: HardwareDecoder) -> None:
         raise ValueError(f"a hardware decoder needs a name other than 'auto'/'cpu', got {decoder.name!r}")
     with _LOCK:
         _REGISTRY[decoder.name] = decoder
-        for key in [k for k in _REFUSED if k[0] == decoder.name]:
-            _REFUSED.discard(key)
+        _REFUSED.difference_update([k for k in _REFUSED if k[0] == decoder.name])
 
 
 def unregister_decoder(name: str) -> None:
     """Remove a registered decoder (and what it refused)."""
     with _LOCK:
         _REGISTRY.pop(name, None)
-        for key in [k for k in _REFUSED if k[0] == name]:
-            _REFUSED.discard(key)
+        _REFUSED.difference_update([k for k in _REFUSED if k[0] == name])
 
 
 def registered() -> list[str]:
@@ -124,12 +122,9 @@ def select_decoder(
     """
     if choice == "cpu":
         return None, "the CPU decoder was asked for"
-    if choice == "auto":
-        names = registered()
-    else:
-        if get_decoder(choice) is None:
-            return None, f"no hardware decoder named {choice!r} is registered"
-        names = [choice]
+    if choice != "auto" and get_decoder(choice) is None:
+        return None, f"no hardware decoder named {choice!r} is registered"
+    names = registered() if choice == "auto" else [choice]
     reasons = []
     for name in names:
         dec = get_decoder(name)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ragkv.store.codecs.base import CodecError, KVCodec
+from ragkv.store.codecs.base import CodecError, KVCodec, log_once
 from ragkv.store.codecs.video import backends, container, hevc_cpu, nvdec
 from ragkv.store.codecs.video.container import VideoHeader, frame_checksum
 from ragkv.store.codecs.video.hevc_cpu import DEFAULT_PRESET, DEFAULT_X265, HevcError
@@ -104,7 +104,7 @@ class VideoCodec(KVCodec):
             raise ValueError(f"order must be 'auto' or one of {ORDER_MODES}, got {order!r}")
         if encoder not in ENCODERS:
             raise ValueError(f"encoder must be one of {ENCODERS}, got {encoder!r}")
-        if decoder not in ("auto", "cpu") and decoder not in (*DECODERS, *backends.registered()):
+        if decoder not in (*DECODERS, *backends.registered()):
             raise ValueError(
                 f"decoder must be 'auto', 'cpu' or a registered hardware decoder, got {decoder!r}"
             )
@@ -172,13 +172,8 @@ class VideoCodec(KVCodec):
 
     def with_slots(self, slots: int) -> VideoCodec:
         """The same codec writing another resolution version."""
-        kw = self.params() | {
-            "slots": int(slots),
-            "threads": self.threads,
-            "decoder": self.decoder,
-            "verify": self.verify,
-        }
-        return VideoCodec(**kw, fingerprint=self.fingerprint)
+        runtime = {"threads": self.threads, "decoder": self.decoder, "verify": self.verify}
+        return VideoCodec(**(self.params() | {"slots": int(slots)}), **runtime, fingerprint=self.fingerprint)
 
     # -- encode -------------------------------------------------------------------------------------
     def _steps(self, which: int, layer_start: int | None, g: int) -> np.ndarray | None:
@@ -233,8 +228,8 @@ class VideoCodec(KVCodec):
         _, g, t, c = q.shape
         mode = self.order_mode(c)
         if mode == "none":
-            return np.zeros((0, t), np.int64), np.broadcast_to(np.arange(t), (2, g, t))
-        if mode == "group":
+            stored = np.zeros((0, t), np.int64)
+        elif mode == "group":
             stored = greedy_chain(q.transpose(2, 0, 1, 3).reshape(t, -1))[None]
         elif mode == "tensor":
             stored = np.stack([greedy_chain(q[s].transpose(1, 0, 2).reshape(t, -1)) for s in range(2)])
@@ -266,8 +261,7 @@ class VideoCodec(KVCodec):
         """``k``, ``v``: ``[G, T, Hkv, D]`` with ``G <= group_size``; returns the segment bytes.
 
         ``layer_start`` (the group's first layer in the chunk) is recorded in the header and is
-        required when per-layer steps are configured; ``token_start``
-        is recorded only.
+        required when per-layer steps are configured; ``token_start`` is recorded only.
         """
         segs = self.encode_versions(k, v, [self.slots], layer_start=layer_start, token_start=token_start)
         return segs[self.slots]
@@ -292,16 +286,8 @@ class VideoCodec(KVCodec):
         qk, qv = self.quantize(k, v, layer_start)
         q = np.stack([qk.q, qv.q])
         stored, orders = self.token_orders(q)
-        side_raw = b"".join(
-            [
-                qk.code.tobytes(),
-                qk.offset.tobytes(),
-                qv.code.tobytes(),
-                qv.offset.tobytes(),
-                pack_orders(stored, t),
-            ]
-        )
-        side = zstandard.ZstdCompressor(level=19).compress(side_raw)
+        stats = [a.tobytes() for qt in (qk, qv) for a in (qt.code, qt.offset)]
+        side = zstandard.ZstdCompressor(level=19).compress(b"".join([*stats, pack_orders(stored, t)]))
         fill = self.k_quant.zero or (1 << (self.depth - 1))
         out: dict[int, bytes] = {}
         for slots in versions:
@@ -334,21 +320,21 @@ class VideoCodec(KVCodec):
         """
         attempts: list[tuple[str, str, str]] = []
         if self.encoder in ("nvenc", "auto"):
+            fmt = f"{self.planes}/{self.depth}-bit"
+            ok, reason = False, f"the NVENC path encodes 8-bit yuv444/yuv420 only, not {fmt}"
             if self.depth == 8 and self.planes in nvdec.NVDEC_PLANES:
                 ok, reason = nvdec.nvenc_status()
-            else:
-                ok, reason = (
-                    False,
-                    f"the NVENC path encodes 8-bit yuv444/yuv420 only, not {self.planes}/{self.depth}-bit",
-                )
             if ok:
                 attempts.append(("nvenc", self.preset, self.x265_params))
             elif self.encoder == "nvenc":
                 raise CodecError(
                     f"NVENC requested but unavailable: {reason}; use encoder='libx265' or 'auto'"
                 )
-            else:
-                _note_nvenc_fallback(reason)
+            else:  # said once per process (a warning when a GPU is present)
+                level = logging.INFO if reason == "no CUDA device" else logging.WARNING
+                log_once(
+                    log, level, ("nvenc", reason), "NVENC unavailable (%s): encoding with libx265", reason
+                )
         if self.encoder in ("libx265", "auto"):
             attempts.append(("libx265", self.preset, self.x265_params))
             attempts += [
@@ -552,9 +538,8 @@ class VideoCodec(KVCodec):
         shapes = [(g, 1, c) if q[2] == "channel" else (g, t, 1) for q in (hdr.k_quant, hdr.v_quant)]
         n_orders = {"none": 0, "group": 1, "tensor": 2, "layer": 2 * g}[hdr.order]
         parts = [(shape, dt) for shape in shapes for dt in (np.int8, np.int32)]
-        want = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in parts) + packed_size(
-            n_orders, t
-        )
+        want = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in parts)
+        want += packed_size(n_orders, t)
         try:
             raw = zstandard.ZstdDecompressor().decompress(hdr.side, max_output_size=want)
         except zstandard.ZstdError as e:
@@ -572,18 +557,6 @@ class VideoCodec(KVCodec):
             raise CodecError(f"video side info: {e}") from e
         stats = [(arrays[0], arrays[1]), (arrays[2], arrays[3])]
         return stats, np.ascontiguousarray(_expand_orders(stored, hdr.order, g, t))
-
-
-_NVENC_NOTED: set[str] = set()
-
-
-def _note_nvenc_fallback(reason: str) -> None:
-    """Say once per process why ``encoder="auto"`` encodes with libx265 (a warning when a GPU is present)."""
-    if reason in _NVENC_NOTED:
-        return
-    _NVENC_NOTED.add(reason)
-    level = logging.INFO if reason == "no CUDA device" else logging.WARNING
-    log.log(level, "NVENC unavailable (%s): encoding with libx265", reason)
 
 
 def _as_numpy(frame: torch.Tensor, depth: int) -> np.ndarray:

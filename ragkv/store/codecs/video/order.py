@@ -31,15 +31,11 @@ def greedy_chain(x: np.ndarray, seed: int = 0) -> np.ndarray:
     sq = (a * a).sum(1)
     d = (sq[:, None] + sq[None, :] - 2.0 * (a @ a.T)).numpy()
     np.fill_diagonal(d, np.inf)
-    order = np.empty(t, dtype=np.int64)
-    cur = 0
-    order[0] = 0
+    order = np.zeros(t, dtype=np.int64)  # the chain starts at token 0
     d[:, 0] = np.inf
     for i in range(1, t):
-        nxt = int(np.argmin(d[cur]))
-        order[i] = nxt
-        d[:, nxt] = np.inf
-        cur = nxt
+        order[i] = np.argmin(d[order[i - 1]])
+        d[:, order[i]] = np.inf
     return order
 
 
@@ -68,7 +64,6 @@ def unpack_orders(data: bytes, count: int, tokens: int) -> np.ndarray:
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))[: count * tokens * nb]
     vals = (bits.reshape(count * tokens, nb).astype(np.int64) << np.arange(nb - 1, -1, -1)).sum(1)
     orders = vals.reshape(count, tokens)
-    for row in orders:
-        if not np.array_equal(np.sort(row), np.arange(tokens)):
-            raise ValueError("token order section is not a permutation")
+    if not (np.sort(orders, axis=1) == np.arange(tokens)).all():
+        raise ValueError("token order section is not a permutation")
     return orders

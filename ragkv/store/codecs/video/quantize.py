@@ -137,10 +137,7 @@ def quantize(x: torch.Tensor, cfg: QuantConfig, layer_steps: np.ndarray | None =
         )
     for _ in range(64):  # grow the step of any channel that still does not fit (rarely more than once)
         s = scale_of(code).astype(np.float64)
-        if cfg.mode == "minmax":
-            off = np.floor(lo / s)
-        else:
-            off = np.rint(a.mean(axis=axis, keepdims=True) / s)
+        off = np.floor(lo / s) if cfg.mode == "minmax" else np.rint(a.mean(axis=axis, keepdims=True) / s)
         qlo, qhi = np.rint(lo / s) - off + cfg.zero, np.rint(hi / s) - off + cfg.zero
         bad = (qlo < 0) | (qhi > top) | (np.abs(off) > _MAX_OFFSET)
         if not bad.any():
