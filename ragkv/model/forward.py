@@ -82,8 +82,17 @@ def window_attention(
     model: LayerModel, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
 ) -> torch.Tensor:
     """:meth:`LayerModel.attend` of a dense-attention model: ragkv's attention with the layer's window."""
-    window = model.config.window(layer)
-    return attention(q, k, v, q_pos, k_pos, model.scale, contiguous, window, position_blocks)
+    return attention(
+        q,
+        k,
+        v,
+        q_pos,
+        k_pos,
+        model.scale,
+        causal_contiguous=contiguous,
+        sliding_window=model.config.window(layer),
+        position_blocks=position_blocks,
+    )
 
 
 class LayerKV(Protocol):
