@@ -691,6 +691,15 @@ def test_hack_key_plans_are_calibrated_once_kept_and_recomputed_when_bad(tmp_pat
         assert "recomputed" in caplog.text and json.loads(path.read_text())["fingerprint"] == m.fingerprint
         assert [p.order.tolist() for p in again] == [p.order.tolist() for p in plans]
         caplog.clear()
+    # the stepz codec's default calibration reads the same energies instead of measuring them again
+    import ragkv.store.codecs.calibrate as stepz_cal
+
+    def again(*_):
+        raise AssertionError("measured twice")
+
+    monkeypatch.setattr(stepz_cal, "rope_block_energy", again)
+    prof = stepz_cal.calibrate(m)
+    assert prof.k_bits == cal.allocate_block_bits(cal.ensure_rope_energy(m), prof.base_bits).tolist()
     # two partitions of 4 channels: widths from the layer's energies, 3 bits on average
     e = cal.ensure_rope_energy(m)
     two = cal.hack_key_plans(m, 3, 4, energy=e)

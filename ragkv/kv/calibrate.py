@@ -23,7 +23,7 @@ import torch
 from ragkv.attention.hack_paged import paged_key_widths
 from ragkv.attention.hack_quant import KeyPlan
 from ragkv.kv.compute import compute_chunk_kv
-from ragkv.model.gguf import cache_root, write_json_atomic
+from ragkv.model.gguf import fingerprint_file, write_json_atomic
 
 log = logging.getLogger("ragkv.kv")
 
@@ -121,8 +121,7 @@ def rope_block_energy(model, chunk_ids: list[list[int]]) -> tuple[np.ndarray, li
 
 def energy_path(fingerprint: str, directory: Path | None = None) -> Path:
     """Where a model's block energies live: ``directory``, default ``$RAGKV_CACHE_DIR/calibration``."""
-    safe = "".join(ch for ch in fingerprint if ch.isalnum())[:64] or "unknown"
-    return (directory or cache_root() / "calibration") / f"{safe}.json"
+    return fingerprint_file("calibration", fingerprint, directory)
 
 
 def _load_energy(model, path: Path) -> np.ndarray | None:

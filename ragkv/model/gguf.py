@@ -57,6 +57,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("RAGKV_CACHE_DIR") or Path.home() / ".cache" / "ragkv").expanduser()
 
 
+def fingerprint_file(kind: str, fingerprint: str, directory: Path | None = None) -> Path:
+    """``<directory>/<fingerprint>.json`` (default directory ``$RAGKV_CACHE_DIR/<kind>``), the name
+    cleaned to 64 alphanumerics: where a per-model calibration is kept."""
+    safe = "".join(ch for ch in fingerprint if ch.isalnum())[:64] or "unknown"
+    return (directory or cache_root() / kind) / f"{safe}.json"
+
+
 def write_json_atomic(path: Path, obj, indent: int | None = None) -> None:
     """``obj`` as JSON at ``path``, through a temp file and a rename: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

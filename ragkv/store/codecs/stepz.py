@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import zstandard
 
-from ragkv.model.gguf import cache_root, write_json_atomic
+from ragkv.model.gguf import fingerprint_file, write_json_atomic
 from ragkv.store.codecs.base import (
     CODE_DTYPES,
     CodecError,
@@ -140,8 +140,7 @@ FALLBACK = StepProfile(k_steps=[0.12], v_steps=[0.2], meta={"fallback": True})
 
 def profile_path(fingerprint: str, directory: Path | None = None) -> Path:
     """Where a model's calibration lives: ``directory``, default ``$RAGKV_CACHE_DIR/stepz``."""
-    safe = "".join(ch for ch in fingerprint if ch.isalnum())[:64] or "unknown"
-    return (directory or cache_root() / "stepz") / f"{safe}.json"
+    return fingerprint_file("stepz", fingerprint, directory)
 
 
 def load_profile(fingerprint: str, directory: Path | None = None) -> StepProfile | None:
