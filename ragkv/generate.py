@@ -233,14 +233,10 @@ def make_cache(model, attention: str = "fp16", capacity: int = 256, **hack_optio
         return DenseKVCache.for_model(model, capacity)
     if attention == "hack":
         from ragkv.attention.hack_cache import HackKVCache, default_config
+        from ragkv.kv.calibrate import key_plans_for
 
         cfg = default_config(hack_options, model.config.head_dim)
-        plans = None
-        if cfg.k_plan == "rope":  # RoPE-aware key bits: the model's calibration (once per model)
-            from ragkv.kv.calibrate import hack_key_plans
-
-            plans = hack_key_plans(model, cfg.key_bits, cfg.k_part(model.config.head_dim))
-        return HackKVCache.for_model(model, cfg, key_plans=plans)
+        return HackKVCache.for_model(model, cfg, key_plans=key_plans_for(model, cfg))
     raise ValueError(f"unknown attention {attention!r}; use 'fp16' or 'hack'")
 
 

@@ -22,7 +22,7 @@ from ragkv.attention.paged import decode_mask, paged_attention
 from ragkv.engine import hack_seq
 from ragkv.engine.block_manager import BlockManager
 from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
-from ragkv.kv.calibrate import paged_key_plans
+from ragkv.kv.calibrate import key_plans_for
 from ragkv.model.forward import run_layers
 
 
@@ -77,7 +77,7 @@ class KVPool:
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, hack_config=None) -> KVPool:
         """A pool of ``model``'s geometry; a ``k_plan="rope"`` HACK config gets the model's key plans."""
-        plans = paged_key_plans(model, hack_config) if hack_config is not None else None
+        plans = key_plans_for(model, hack_config, paged=True) if hack_config is not None else None
         return cls(
             num_blocks,
             block_size,

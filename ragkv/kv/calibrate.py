@@ -197,11 +197,12 @@ def hack_key_plans(
     return plans
 
 
-def paged_key_plans(model, cfg) -> list[KeyPlan] | None:
-    """Key plans of a HACK page pool for ``cfg`` (a ``HackConfig``): one set of byte-aligned widths for
-    every layer, since pages are shared by all layers; None unless ``cfg.k_plan == "rope"``."""
+def key_plans_for(model, cfg, paged: bool = False) -> list[KeyPlan] | None:
+    """The key plans a HACK cache of ``cfg`` (a ``HackConfig``) needs on ``model``: None unless
+    ``cfg.k_plan == "rope"``. ``paged``: one set of byte-aligned widths for every layer, since a page
+    pool's pages are shared by all layers."""
     if cfg.k_plan != "rope":
         return None
     kp = cfg.k_part(model.config.head_dim)
-    widths = paged_key_widths(cfg.key_bits, model.config.head_dim // kp)
+    widths = paged_key_widths(cfg.key_bits, model.config.head_dim // kp) if paged else None
     return hack_key_plans(model, cfg.key_bits, kp, widths=widths)
