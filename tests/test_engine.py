@@ -579,6 +579,10 @@ def test_engine_hack_defaults_to_rope_keys_where_the_head_allows(model, tmp_path
         with Engine(m, EngineConfig(attention="hack", hack=hack, num_blocks=32)) as eng:
             hp = eng.pool.hack
             assert hp.cfg.k_plan == "uniform" and hp.k_order is None and hp.cfg.recent_window == 32
+    # keys wider than values in model order (no plan): 4-bit key pages over 2-bit values
+    with Engine(wide, EngineConfig(attention="hack", hack={"k_bits": 4}, num_blocks=32)) as eng:
+        assert eng.pool.hack.layout.key_bits == (4,) and eng.pool.hack.k_order is None
+        assert len(eng.submit(prefix=[1, 5, 7, 9] * 10, max_new_tokens=2).result().token_ids) == 2
 
 
 def test_hack_error_controls_lower_the_kl_against_fp16(model, chunks):

@@ -72,7 +72,7 @@ class HackCacheError(HackError):
     """Bad input to the HACK cache (shapes, dtypes, positions, layer index)."""
 
 
-def _check_key_plans(
+def check_key_plans(
     cfg: HackConfig, plans: Sequence[KeyPlan] | None, layers: int, hkv: int, head_dim: int
 ) -> None:
     """``k_plan="rope"`` takes one :class:`KeyPlan` per layer, of this geometry and ``k_bits`` on
@@ -351,7 +351,7 @@ class HackKVCache(KVCache):
     ):
         self.config = config or HackConfig()
         self.config.k_part(head_dim)  # validates head_dim against the K partition
-        _check_key_plans(self.config, key_plans, num_layers, num_kv_heads, head_dim)
+        check_key_plans(self.config, key_plans, num_layers, num_kv_heads, head_dim)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

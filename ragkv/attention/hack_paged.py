@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ragkv.attention.hack_cache import HackConfig
+from ragkv.attention.hack_cache import HackConfig, check_key_plans
 from ragkv.attention.hack_quant import (
     HackConfigError,
     HackError,
@@ -79,18 +79,14 @@ def paged_key_widths(k_bits: int, parts: int) -> tuple[int, ...]:
 def stack_key_plans(
     cfg: HackConfig, plans: Sequence[KeyPlan] | None, lay: PagedLayout, layers: int, device
 ) -> Tensor | None:
-    """A page pool's key channel orders ``[L, Hkv, D]`` (None: uniform keys). Pages are shared by every
-    layer, so every plan must have the layout's K widths."""
-    if cfg.uniform_keys and plans is None:
+    """A page pool's key channel orders ``[L, Hkv, D]`` (None: keys in model order). The plans are
+    checked as a per-sequence cache checks them; pages are shared by every layer, so every plan must
+    also have the layout's K widths."""
+    check_key_plans(cfg, plans, layers, lay.num_kv_heads, lay.head_dim)
+    if plans is None:
         return None
-    if cfg.k_plan != "rope" or plans is None or len(plans) != layers:
-        raise HackConfigError(
-            "HACK pages take K bits different from V's only as RoPE-aware keys: "
-            f"k_plan='rope' with one KeyPlan per layer ({layers})"
-        )
-    shape = (lay.num_kv_heads, lay.head_dim)
-    if any(p.bits != lay.key_bits or tuple(p.order.shape) != shape for p in plans):
-        raise HackConfigError(f"the key plans of a page pool must all be {shape} with widths {lay.key_bits}")
+    if any(p.bits != lay.key_bits for p in plans):
+        raise HackConfigError(f"the key plans of a page pool must all have the widths {lay.key_bits}")
     return torch.stack([p.order for p in plans]).to(device)
 
 
