@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-from ragkv.blend import DEFAULT_RATIO
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.model.registry import DEFAULT_MODEL, ModelFetchError
 from ragkv.store.codecs import DEFAULT_CODEC
@@ -55,7 +54,7 @@ def _demo(args) -> int:
     corpus = json.loads(Path(args.corpus).read_text())
     docs = corpus["documents"][: args.passages or None]
     questions = corpus["questions"][: args.questions or None]
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, fidelity=args.fidelity)
     m = llm.model
     _set_threads(args.threads, m.config.hidden_size)
     data_dir = Path(args.data_dir) / m.fingerprint[:12]  # one index per model: `--model X` never clobbers
@@ -74,6 +73,8 @@ def _demo(args) -> int:
         ratio=args.ratio,
         **prompt_options(corpus),
     )
+    op = llm.operating_point() if args.ratio is None else None
+    _print_fidelity(llm, op, Path(args.data_dir) / m.fingerprint[:12] / "fidelity.png")
     # 1) ingest: split, embed, index and precompute every chunk's KV once (persisted under data_dir)
     rep = rag.ingest(docs, show_progress=not args.quiet)
     print(
@@ -138,6 +139,10 @@ def _demo(args) -> int:
         f"blend's answer is full's on {sum(r['blend']['same_as_full'] for r in rows):.0f} of {len(rows)} "
         f"questions (output F1 vs full {mean('blend', 'f1_vs_full'):.2f})"
     )
+    if op is not None:
+        print(f"operating point: {op.describe()}")
+    else:
+        print(f"operating point: ratio {args.ratio} set explicitly (outside the fidelity gate)")
     for kind in dict.fromkeys(r["q"].get("kind", "?") for r in rows):
         print(
             f"{kind:10s} F1 full {mean('full', 'f1', kind):.2f} blend {mean('blend', 'f1', kind):.2f}; "
@@ -163,8 +168,99 @@ def _demo(args) -> int:
                 "recall_blend": round(mean("blend", "recall"), 4),
                 "same_as_full_blend": round(mean("blend", "same_as_full"), 4),
                 "f1_vs_full_blend": round(mean("blend", "f1_vs_full"), 4),
+                "fidelity_target": op.target if op is not None else "explicit",
+                "fidelity_point": op.point if op is not None else f"blend@{args.ratio:g}",
+                "ratio": op.ratio if op is not None else args.ratio,
+                "noise_floor_same": op.noise_floor_same if op is not None else None,
                 "ingest_s": round(rep.seconds, 2),
                 "total_s": round(time.perf_counter() - t_start, 2),
+            }
+        )
+    )
+    return 0
+
+
+def _print_fidelity(llm, op, png: Path) -> None:
+    """The operating point blend runs at, and the model's fidelity curve (a short table and a plot)."""
+    from ragkv.fidelity import GATE
+    from ragkv.fidelity.plot import plot_report
+
+    if op is None:
+        return
+    print(f"fidelity gate: {op.describe()}")
+    report = GATE.report(llm.model.fingerprint, llm.schedule)
+    if report is None:
+        return
+    print(
+        f"  the model's curve ({report.n_questions} calibration questions; same answer as float32 full prefill; "
+        f"noise floor = bf16 full prefill {report.floor.same:.2f}):"
+    )
+    for p in report.points:
+        mark = "  <- used" if p.name == op.point else ""
+        print(
+            f"    {p.name:10s} same {p.same:.2f} [{p.same_ci[0]:.2f}, {p.same_ci[1]:.2f}]  recall {p.recall:.2f}  "
+            f"compute {p.charged:.2f}  TTFT {p.speedup:.2f}x{mark}"
+        )
+    try:
+        print(f"  plot: {plot_report(report, png)}")
+    except (ImportError, OSError) as e:  # matplotlib missing, or the folder not writable: the table stands
+        print(f"  (no plot: {e})")
+
+
+# ---- calibrate ------------------------------------------------------------------------------------
+def _calibrate(args) -> int:
+    """Measure a model's fidelity report (every operating point against float32 full prefill)."""
+    import torch
+
+    from ragkv.fidelity import choose, parse_fidelity
+    from ragkv.fidelity.measure import LADDER, measure
+    from ragkv.fidelity.plot import plot_report
+    from ragkv.fidelity.report import cache_path, save_report
+    from ragkv.model import load_model
+
+    _set_threads(args.threads)
+    model = load_model(args.model, dtype="float32", device=args.device)
+    bf16 = load_model(args.model, dtype="bfloat16", device=args.device)
+    ladder = tuple(float(x) for x in args.ladder.split(",")) if args.ladder else LADDER
+    print(
+        f"measuring the fidelity of {args.model} ({model.fingerprint[:12]}) on "
+        f"{args.limit or 'all'} calibration questions, {torch.get_num_threads()} torch thread(s)"
+    )
+    report = measure(model, bf16, limit=args.limit, ladder=ladder, progress=not args.quiet)
+    out = Path(args.out) if args.out else cache_path(model.fingerprint)
+    save_report(report, out)
+    png = plot_report(report, out.with_suffix(".png"))
+    f = report.floor
+    print(f"\nfull prefill (float32) is the reference; gold recall {report.full_recall:.2f}")
+    print(
+        f"{'point':12s} {'same':>5s} {'95% CI':>13s} {'F1 vs full':>10s} {'KL':>7s} {'recall':>6s} {'compute':>7s} {'speed-up':>8s}"
+    )
+    for p in [f, *report.points]:
+        print(
+            f"{p.name:12s} {p.same:5.2f} [{p.same_ci[0]:.2f}, {p.same_ci[1]:.2f}] {p.f1_vs_full:10.2f} "
+            f"{p.kl:7.3f} {p.recall:6.2f} {p.charged:7.2f} {p.speedup:7.2f}x"
+        )
+    print(
+        f"noise floor (bf16 full prefill): {f.same:.2f}; compute to the floor: "
+        f"{report.compute_to_floor if report.compute_to_floor is not None else 'not reached by any blend point'}; "
+        f"monotone in the ratio: {'yes' if report.monotone_ok else 'NO: ' + '; '.join(report.monotone_violations)}"
+    )
+    chosen = {t: choose(report, parse_fidelity(t)) for t in ("floor", "fast", "exact")}
+    for op in chosen.values():
+        print(f"  {op.describe()}")
+    print(f"report: {out}\nplot: {png}")
+    print(
+        json.dumps(
+            {
+                "model": str(args.model),
+                "fingerprint": model.fingerprint,
+                "questions": report.n_questions,
+                "noise_floor_same": f.same,
+                "compute_to_floor": report.compute_to_floor,
+                "monotone_ok": report.monotone_ok,
+                **{f"{t}_point": op.point for t, op in chosen.items()},
+                "floor_speedup": chosen["floor"].speedup,
+                "report": str(out),
             }
         )
     )
@@ -436,7 +532,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--codec", default=None, help=f"stored-KV codec (default {DEFAULT_CODEC}; raw: lossless fp32)"
     )
-    d.add_argument("--ratio", type=float, default=DEFAULT_RATIO, help="blend recompute ratio")
+    d.add_argument(
+        "--ratio", type=float, default=None, help="blend recompute ratio (default: the fidelity gate's point)"
+    )
+    d.add_argument(
+        "--fidelity",
+        default="floor",
+        help="where blend runs without --ratio: floor (default), exact, fast, fast:X or a same-answer rate",
+    )
     d.add_argument("--repeats", type=int, default=1, help="timed runs per question and mode (median)")
     d.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     d.add_argument("--embedder", default="all-MiniLM-L6-v2")
@@ -445,6 +548,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", default="auto", help="torch threads: a number, or auto (1 for tiny models)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=_demo)
+
+    c = sub.add_parser(
+        "calibrate",
+        help="measure a model's fidelity report (which blend operating point keeps full's answers)",
+        description="Run the package's calibration set through float32 full prefill (the reference), "
+        "bf16 full prefill (the noise floor), exact prefill, reuse and the blend ladder; print the table, "
+        "write the report (the gate reads it: fidelity=floor/fast/exact) and a plot. Resumes an interrupted run.",
+    )
+    c.add_argument("--model", default=DEFAULT_MODEL, help="model name, GGUF file, folder or hub id")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--limit", type=int, default=None, help="only the first N questions (a quick look)")
+    c.add_argument("--ladder", default=None, help="blend ratios, comma list (default: the gate's ladder)")
+    c.add_argument(
+        "--out", default=None, help="report path (default: $RAGKV_CACHE_DIR/fidelity/<fingerprint>.json)"
+    )
+    c.add_argument("--threads", default="auto", help="torch threads: a number, or auto")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=_calibrate)
 
     mo = sub.add_parser(
         "models",

@@ -14,6 +14,7 @@ from ragkv.blend.core import DEFAULT_RATIO, BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, ensure_gate, gate_report
 from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.blend.resolver import ChunkResolver
+from ragkv.fidelity import OperatingPoint, explicit_point, operating_point, parse_fidelity
 from ragkv.generate import SamplingParams, TokenEvent, generate, stream
 from ragkv.kv.chunk import ChunkKV
 from ragkv.model.chat import chat_parts, has_chat_template
@@ -42,6 +43,11 @@ class LLM:
 
     ``store``: a ``ragkv.store`` chunk store that computed chunk KV is written to (a cache its owner
     manages); chunk KV is also kept in an in-process LRU of ``cache_bytes``.
+
+    ``fidelity``: how ``mode="blend"`` without a ratio runs (``ragkv.fidelity``): ``"floor"`` (the
+    default: the fastest point of the model's fidelity report that changes no more answers than a
+    dtype change does), ``"exact"``, ``"fast"`` / ``"fast:X"`` or a same-answer rate in (0, 1]. An
+    explicit ``ratio=`` (or a ``schedule=``) runs as asked and is reported as outside the gate.
     """
 
     def __init__(
@@ -54,7 +60,9 @@ class LLM:
         self_check_on_load: bool = True,
         attention: str = "fp16",
         schedule: BlendSchedule | None = None,
+        fidelity: str | float | None = None,
     ):
+        self.fidelity = parse_fidelity(fidelity)
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
         self.attention = attention
         self.schedule = schedule
@@ -66,11 +74,30 @@ class LLM:
         )
         if self_check_on_load:  # else it runs before the first reuse or blend (ragkv.blend.gate)
             ensure_gate(self.model)
+        log.info("model %s: %s", self.model.name, self.operating_point().describe())
 
     @property
     def gate(self) -> GateReport | None:
         """The blending self-check's report (None until it has run)."""
         return gate_report(self.model)
+
+    def operating_point(self, fidelity: str | float | None = None) -> OperatingPoint:
+        """Where ``mode="blend"`` without a ratio runs for ``fidelity`` (None: this LLM's setting)."""
+        if self.schedule is not None:  # the caller's own schedule: its ratios are theirs
+            return explicit_point("blend", self.schedule.target_ratio)
+        return operating_point(self.model, self.fidelity if fidelity is None else fidelity, self.schedule)
+
+    def plan(
+        self, mode: str, ratio: float | None, fidelity: str | float | None = None
+    ) -> tuple[str, float | None, OperatingPoint]:
+        """The one place a request's (mode, ratio, fidelity) becomes what runs: ``blend`` without a
+        ratio takes the fidelity gate's point; anything explicit runs as asked, marked outside the gate."""
+        if fidelity is not None:
+            fidelity = parse_fidelity(fidelity)
+        if mode == "blend" and ratio is None:
+            op = self.operating_point(fidelity)
+            return op.mode, op.ratio, op
+        return mode, ratio, explicit_point(mode, ratio)
 
     # ---- tokens ---------------------------------------------------------------------------
     def tokenize_prompt(
@@ -125,12 +152,15 @@ class LLM:
         probe_suffix: bool = False,
         chat: bool | None = None,
         system: str | None = None,
+        fidelity: str | float | None = None,
     ) -> PrefillResult:
         """Prefill ``prefix + chunks + question`` in ``mode``; the prefix's KV is cached and reused by
         every mode but ``full`` (the baseline that computes everything). With no ``chunks`` (a flat
         prompt, as frameworks format documents), ``reuse``/``blend`` find the stored chunks inside it
         (:meth:`ChunkResolver.locate`, when a corpus is known, e.g. a RAG's) and reuse their KV.
-        ``ratio``: the share recomputed (None: the schedule's, else ``DEFAULT_RATIO``)."""
+        ``ratio``: the share recomputed (None with ``blend``: the fidelity gate's operating point,
+        :meth:`plan`); the point used is in ``stats["fidelity"]``."""
+        mode, ratio, op = self.plan(mode, ratio, fidelity)
         pre, chs, q = self.tokenize_prompt(prefix, chunks, question, chat, system)
         items = self.resolver.items(chs) if mode in ("reuse", "blend") else chs
         located = None
@@ -152,6 +182,7 @@ class LLM:
         )
         if located is not None:
             res.stats["located_chunks"] = sum(not isinstance(it, list) for it in items)
+        res.stats["fidelity"] = op.as_stats()
         return res
 
     def _schedule(self, ratio: float | None) -> BlendSchedule | None:
@@ -175,16 +206,18 @@ class LLM:
         params: SamplingParams | None = None,
         chat: bool | None = None,
         system: str | None = None,
+        fidelity: str | float | None = None,
         **sampling,
     ) -> Answer:
         """Answer ``question`` over ``chunks``; TTFT covers chunk-KV lookup, prefill and the first token.
 
         ``chat``/``system``: see :meth:`tokenize_prompt` (the chat template is used when the model
-        has one); ``sampling``: :class:`SamplingParams` fields (``max_new_tokens``, ``temperature``...).
+        has one); ``fidelity``: this call's setting (see :class:`LLM`); ``sampling``:
+        :class:`SamplingParams` fields (``max_new_tokens``, ``temperature``...).
         """
         params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
-        res = self.prefill(prefix, chunks, question, mode, ratio, chat=chat, system=system)
+        res = self.prefill(prefix, chunks, question, mode, ratio, chat=chat, system=system, fidelity=fidelity)
         ttft = time.perf_counter() - t0
         gen = generate(self.model, res, params, attention=self.attention)
         return Answer(
@@ -207,9 +240,10 @@ class LLM:
         params: SamplingParams | None = None,
         chat: bool | None = None,
         system: str | None = None,
+        fidelity: str | float | None = None,
         **sampling,
     ) -> Iterator[TokenEvent]:
         """Like :meth:`generate` but yields tokens as they are produced."""
         params = params or SamplingParams(**sampling)
-        res = self.prefill(prefix, chunks, question, mode, ratio, chat=chat, system=system)
+        res = self.prefill(prefix, chunks, question, mode, ratio, chat=chat, system=system, fidelity=fidelity)
         yield from stream(self.model, res, params, attention=self.attention)

@@ -29,7 +29,9 @@ RANK = {
     "kv": 2,
     "store": 3,
     "blend": 4,
+    "prompt": 1.5,  # the prompt convention (chat templates of the model only)
     "generate": 5,
+    "fidelity": 5.5,  # the fidelity report and gate: on blend and generate, below every surface
     "llm": 6,
     "engine": 6,
     "rag": 7,

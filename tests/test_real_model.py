@@ -116,7 +116,7 @@ def test_chat_prompt_has_one_bos_and_reuses_the_cached_head(real_llm):
 
 
 def test_system_prompt_and_few_shot_turns_sit_in_the_cached_head(real_llm):
-    from ragkv.rag.prompt import prompt_parts
+    from ragkv.prompt import prompt_parts
 
     m = real_llm.model
     examples = [("Passage: Paris is in France.\n\nQuestion: Where is Paris?", "France")]
@@ -136,7 +136,7 @@ def test_system_prompt_and_few_shot_turns_sit_in_the_cached_head(real_llm):
 
 
 def test_few_shot_turns_without_a_chat_template_are_plain_text():
-    from ragkv.rag.prompt import prompt_parts
+    from ragkv.prompt import prompt_parts
 
     m = stories_model()
     pre, q = prompt_parts(
@@ -265,7 +265,7 @@ def test_special_token_text_in_user_input_stays_text(real_llm):
     prompt (``specials=True``: an OpenAI completions prompt, a framework's rendered template) keeps
     parsing them. Ordinary text tokenizes exactly as before (the same chunk keys)."""
     from ragkv.model.chat import chat_parts
-    from ragkv.rag.prompt import prompt_parts
+    from ragkv.prompt import prompt_parts
     from ragkv.rag.splitter import split_tokens
 
     m = real_llm.model

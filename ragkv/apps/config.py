@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
-from ragkv.blend import DEFAULT_RATIO
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+from ragkv.fidelity import parse_fidelity
 from ragkv.rag.collections import COLLECTION_PATTERN
 from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, Quotas
 from ragkv.store.codecs import DEFAULT_CODEC
@@ -114,7 +114,18 @@ class Settings(BaseSettings):
         "few-shot [user, answer] turns), e.g. the demo corpus ragkv/demo/corpus.json; None: ragkv's defaults",
     )
     mode: Literal["full", "prefix", "reuse", "blend"] = "blend"
-    ratio: float = Field(DEFAULT_RATIO, ge=0.0, le=1.0)
+    ratio: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="blend recompute ratio; None (default): the fidelity gate's operating point for `fidelity`",
+    )
+    fidelity: str = Field(
+        "floor",
+        description="how blend without a ratio runs (ragkv.fidelity): floor (default: changes no more answers "
+        "than a dtype change, per the model's fidelity report), exact, fast, fast:X (TTFT speed-up >= X) or a "
+        "same-answer rate in (0, 1]",
+    )
     # generation
     generation: Literal["threads", "engine", "vllm"] = Field(
         "threads",
@@ -254,6 +265,11 @@ class Settings(BaseSettings):
         if any(len(k.key.get_secret_value()) < MIN_API_KEY_CHARS for k in v):
             raise ValueError(f"API keys must have at least {MIN_API_KEY_CHARS} characters")
         return v
+
+    @field_validator("fidelity")
+    @classmethod
+    def _fidelity(cls, v: str) -> str:
+        return parse_fidelity(v)
 
     @field_validator("store_codec")
     @classmethod

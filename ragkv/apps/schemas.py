@@ -6,11 +6,21 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ragkv.apps.config import Settings
+from ragkv.fidelity import parse_fidelity
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
+#: a fidelity setting (ragkv.fidelity): a name or a same-answer rate, checked and made canonical
+Fidelity = Annotated[
+    Annotated[str, Field(max_length=32)] | Annotated[float, Field(gt=0.0, le=1.0)],
+    AfterValidator(parse_fidelity),
+]
+FIDELITY_HELP = (
+    "where blend without a ratio runs: floor (no more answer changes than a dtype change), exact, fast, "
+    "fast:X (TTFT speed-up >= X) or a same-answer rate in (0, 1]"
+)
 DOC_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 #: a metadata value: a string of at most 4096 characters, a number, a boolean or null
 MetaValue = Annotated[str, Field(max_length=4096)] | int | float | bool | None
@@ -161,6 +171,11 @@ class Health(BaseModel):
     blend_gate: Literal["passed", "failed", "pending"] = Field(
         description="the blending self-check: passed, failed (reuse and blend fall back to full), or "
         "pending (runs before the first reuse or blend)"
+    )
+    fidelity: dict = Field(
+        description="the operating point blend runs at (the fidelity gate's choice for the service's setting): "
+        "target, point, mode, ratio, its same-answer rate vs full prefill on the calibration set, the noise "
+        "floor's, its TTFT speed-up and charged compute"
     )
 
 
@@ -345,8 +360,12 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         )
         mode: Mode | None = Field(None, description=f"prefill mode (default {s.mode})")
         ratio: float | None = Field(
-            None, ge=0.0, le=1.0, description=f"blend recompute ratio (default {s.ratio})"
+            None,
+            ge=0.0,
+            le=1.0,
+            description=f"blend recompute ratio (default {s.ratio}; none: the fidelity gate's operating point)",
         )
+        fidelity: Fidelity | None = Field(None, description=f"{FIDELITY_HELP} (default {s.fidelity})")
         max_tokens: int | None = Field(
             None,
             ge=1,
@@ -399,6 +418,7 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         top_k: int | None = Field(None, ge=1, le=s.max_top_k)
         mode: Mode | None = None
         ratio: float | None = Field(None, ge=0.0, le=1.0)
+        fidelity: Fidelity | None = Field(None, description=FIDELITY_HELP)
 
     class StreamOptions(BaseModel):
         model_config = ConfigDict(strict=True)

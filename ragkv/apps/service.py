@@ -95,6 +95,7 @@ STAT_KEYS = (
     "kv_hits",
     "num_chunks",
     "fallback",
+    "fidelity",
     "t_prefill_s",
     "t_load_wait_s",
     "controller",
@@ -128,6 +129,7 @@ class QuerySpec:
     ratio: float | None = None
     params: SamplingParams | None = None
     collection: str = DEFAULT_COLLECTION
+    fidelity: str | None = None  # ragkv.fidelity's setting (None: the service's)
 
 
 class _Gate:
@@ -465,6 +467,7 @@ class Service:
             params=params,
             chunks=recs,
             collection=spec.collection,
+            fidelity=spec.fidelity,
         ):
             if isinstance(item, RagAnswer):
                 final = Final(item, n, reason, queue_s)
@@ -626,6 +629,21 @@ class Service:
                 ("state",),
             )
         )
+
+        def fidelity() -> dict:
+            op = self.rag.llm.operating_point(self.rag.fidelity)
+            labels = (op.target, op.point, op.mode)
+            return {(*labels, "same_as_full"): op.same or 0.0, (*labels, "speedup"): op.speedup or 1.0}
+
+        r.add(
+            Gauge(
+                "ragkv_fidelity",
+                "the operating point blend runs at (fidelity gate): its same-answer rate vs full prefill on the "
+                "calibration set and its TTFT speed-up",
+                fidelity,
+                ("target", "point", "mode", "figure"),
+            )
+        )
         r.add(
             Gauge(
                 "ragkv_quota_refusals",
@@ -688,6 +706,7 @@ def build_generator(s: Settings, rag: RAG):
         cfg = EngineConfig(
             mode=s.mode,
             ratio=s.ratio,
+            fidelity=s.fidelity,
             scheduler=SchedulerConfig(max_num_seqs=s.engine_max_seqs, max_queue=max(1, s.max_queue)),
         )
         return EngineGenerator(Engine(rag.model, cfg, resolver=rag.resolver))
@@ -719,7 +738,7 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
     data_dir = Path(s.data_dir)
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = lock_data_dir(data_dir) if writer else None
-    llm = LLM(s.model, dtype=s.dtype, device=s.device)
+    llm = LLM(s.model, dtype=s.dtype, device=s.device, fidelity=s.fidelity)
     prompt = prompt_options(s.prompt_file)  # the same prompt settings `ragkv demo` reads from its corpus
     prefix, suffix = prompt_parts(llm.model, "?", **prompt)
     key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None
@@ -736,6 +755,7 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
         top_k=s.top_k,
         mode=s.mode,
         ratio=s.ratio,
+        fidelity=s.fidelity,
         ingest_batch=s.ingest_batch_chunks,
         quotas=s.quotas(),
         **prompt,

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.blend import (
-    DEFAULT_RATIO,
     MODES,
     BlendSchedule,
     ChunkResolver,
@@ -34,6 +33,7 @@ from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step,
 from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
+from ragkv.fidelity import explicit_point, operating_point, parse_fidelity
 from ragkv.fusion.bff import FusionConfig
 from ragkv.generate import Detokenizer, SamplingParams
 
@@ -48,8 +48,10 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_memory_bytes: int = 256 << 20
     mode: str = "blend"
-    ratio: float = DEFAULT_RATIO
+    #: None: ``blend`` runs at the fidelity gate's operating point (``fidelity``); a number is explicit
+    ratio: float | None = None
     schedule: BlendSchedule | None = None
+    fidelity: str | float | None = None  # ragkv.fidelity's setting (None: "floor")
     attention: str = "fp16"  # "fp16" (dense, model dtype) or "hack" (2-bit, HACK attention)
     #: HackConfig options over HACK's defaults (``hack_cache.DEFAULTS``, partition = block_size)
     hack: dict = field(default_factory=dict)
@@ -62,8 +64,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise UnknownModeError(f"unknown prefill mode {self.mode!r}; use one of {MODES}")
-        if not 0.0 <= self.ratio <= 1.0:
+        if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        self.fidelity = parse_fidelity(self.fidelity)
         if self.attention not in ("fp16", "dense", "hack"):
             raise ValueError(f"unknown attention {self.attention!r}; use 'fp16' or 'hack'")
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
@@ -136,13 +139,25 @@ class Engine:
         mode: str | None = None,
         ratio: float | None = None,
         request_id: str | None = None,
+        fidelity: str | float | None = None,
         **sampling,
     ) -> Request:
-        """Validate and tokenize a request (strings via the model's tokenizer; BOS starts a text prefix)."""
+        """Validate and tokenize a request (strings via the model's tokenizer; BOS starts a text prefix).
+
+        ``blend`` with no ratio (here or in the config) and no config schedule runs at the fidelity
+        gate's operating point for ``fidelity`` (None: the config's); the point is in the prefill stats."""
         mode = mode or self.config.mode
         if mode not in MODES:
             raise UnknownModeError(f"unknown prefill mode {mode!r}; use one of {MODES}")
         ratio = self.config.ratio if ratio is None else ratio
+        sched = self.config.schedule
+        if mode == "blend" and ratio is None and sched is None:
+            op = operating_point(self.model, self.config.fidelity if fidelity is None else fidelity)
+            mode, ratio = op.mode, op.ratio
+        else:
+            ratio = sched.target_ratio if ratio is None and sched is not None and mode == "blend" else ratio
+            op = explicit_point(mode, ratio)
+        ratio = 0.0 if ratio is None else ratio
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         params = params or SamplingParams(**sampling)
@@ -155,6 +170,7 @@ class Engine:
             ratio,
             request_id,
         )
+        req.fidelity = op
         n = self._num_tokens(req, req.chunks)
         if n == 0:
             raise ValueError("empty prompt: no prefix, chunks or question")
@@ -337,6 +353,8 @@ class Engine:
                 r.metrics.prefill_end = time.perf_counter()
                 r.metrics.num_prompt_tokens, r.metrics.blocks_shared_at_load = n, shared
                 r.prefill_stats = {k: v for k, v in res.stats.items() if not isinstance(v, torch.Tensor)}
+                if r.fidelity is not None:
+                    r.prefill_stats["fidelity"] = r.fidelity.as_stats()
                 self._counts["prompt_tokens"] += n
             if cfg.cff is not None:
                 joint.cff(self.pool, r.seq, cfg.cff, self.cff_stats)

@@ -63,6 +63,7 @@ class Request:
         self.request_id = request_id or f"req-{next(_ids)}"
         self.prefix, self.chunks, self.question = prefix, chunks, question
         self.params, self.mode, self.ratio = params, mode, ratio
+        self.fidelity = None  # the fidelity gate's OperatingPoint the engine chose (Engine.make_request)
         self.status = RequestStatus.WAITING
         self.metrics = RequestMetrics()
         self.resolved: list | None = None  # chunk items after fetching (ChunkKV or token ids)

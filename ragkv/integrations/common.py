@@ -38,6 +38,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from ragkv.constrain import JsonConstraint, json_constraint
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+from ragkv.fidelity import parse_fidelity
 from ragkv.generate import SamplingParams, TokenEvent, request_params
 from ragkv.kv.chunk import chunk_key
 from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
@@ -160,6 +161,11 @@ class RagkvOptions(BaseModel):
     )
     mode: str | None = Field(None, description="prefill mode for chunked calls (None: the RAG's default)")
     ratio: float | None = Field(None, description="blend recompute ratio (None: the RAG's default)")
+    fidelity: str | float | None = Field(
+        None,
+        description="where blend without a ratio runs (ragkv.fidelity): floor, exact, fast, fast:X or a "
+        "same-answer rate; None: the RAG's setting. The point used is in the answer's stats['fidelity']",
+    )
     k: int | None = Field(
         None, ge=1, description="chunks to retrieve when retrieve=True (None: the RAG's top_k)"
     )
@@ -195,6 +201,11 @@ class RagkvOptions(BaseModel):
                 raise ValueError("give max_tokens or max_new_tokens, not both")
             data = {k: v for k, v in data.items() if k != "max_new_tokens"}
         return data
+
+    @field_validator("fidelity")
+    @classmethod
+    def _fidelity(cls, v: Any) -> Any:
+        return None if v is None else parse_fidelity(v)
 
     @field_validator("rag")
     @classmethod
@@ -414,13 +425,21 @@ class RagkvRunner:
         ratio: float | None = None,
         k: int | None = None,
         ingested: list[str] | None = None,
+        fidelity: str | float | None = None,
         **sampling,
     ) -> Iterator[TokenEvent | Completion]:
         """Answer ``question`` over ``records`` (None: retrieve ``k``) with ragkv's RAG prompt."""
         params = make_params(sampling)
         n, reason = 0, None
         for item in self.rag.answer_stream(
-            question, k=k, mode=mode, ratio=ratio, params=params, chunks=records, collection=self.coll
+            question,
+            k=k,
+            mode=mode,
+            ratio=ratio,
+            params=params,
+            chunks=records,
+            collection=self.coll,
+            fidelity=fidelity,
         ):
             if isinstance(item, RagAnswer):
                 yield Completion(
@@ -439,11 +458,16 @@ class RagkvRunner:
                 yield item
 
     def stream_prompt(
-        self, prompt: str, mode: str | None = None, ratio: float | None = None, **sampling
+        self,
+        prompt: str,
+        mode: str | None = None,
+        ratio: float | None = None,
+        fidelity: str | float | None = None,
+        **sampling,
     ) -> Iterator[TokenEvent | Completion]:
         """Complete a flattened prompt; text between :data:`CHUNK_SEPARATOR` markers becomes chunks."""
         prefix, chunk_texts, question = split_prompt(prompt)
-        return self.stream_parts(prefix, chunk_texts, question, mode, ratio, **sampling)
+        return self.stream_parts(prefix, chunk_texts, question, mode, ratio, fidelity, **sampling)
 
     def stream_parts(
         self,
@@ -452,6 +476,7 @@ class RagkvRunner:
         question: str,
         mode: str | None = None,
         ratio: float | None = None,
+        fidelity: str | float | None = None,
         **sampling,
     ) -> Iterator[TokenEvent | Completion]:
         """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after
@@ -459,7 +484,9 @@ class RagkvRunner:
         format) are found and given as themselves (:meth:`ragkv.rag.RAG.stream_text`), so a flat
         prompt is the same job as the same text with those chunks given explicitly."""
         params = make_params(sampling)
-        items = self.rag.stream_text(prefix, chunk_texts, question, mode, ratio, params, self.collection)
+        items = self.rag.stream_text(
+            prefix, chunk_texts, question, mode, ratio, params, self.collection, fidelity
+        )
         n, reason = 0, None
         for item in items:
             if isinstance(item, RagAnswer):
@@ -590,6 +617,7 @@ CALL_KEYS = (
     "chunk_ids",
     "mode",
     "ratio",
+    "fidelity",
     "k",
     "retrieve",
     "collection",
@@ -597,7 +625,7 @@ CALL_KEYS = (
     "response_format",
     *SAMPLING_KEYS,
 )
-DEFAULT_KEYS = ("mode", "ratio", "k", "retrieve", "collection", *SAMPLING_KEYS)
+DEFAULT_KEYS = ("mode", "ratio", "fidelity", "k", "retrieve", "collection", *SAMPLING_KEYS)
 
 
 def call_events(
@@ -631,8 +659,16 @@ def call_events(
     if chunks is not None or chunk_ids is not None:
         records, ingested = runner.resolve(chunks, chunk_ids)
         return runner.stream_answer(
-            question or prompt, records, o["mode"], o["ratio"], ingested=ingested, **sampling
+            question or prompt,
+            records,
+            o["mode"],
+            o["ratio"],
+            ingested=ingested,
+            fidelity=o["fidelity"],
+            **sampling,
         )
     if o["retrieve"]:
-        return runner.stream_answer(question or prompt, None, o["mode"], o["ratio"], k=o["k"], **sampling)
-    return runner.stream_prompt(prompt, o["mode"], o["ratio"], **sampling)
+        return runner.stream_answer(
+            question or prompt, None, o["mode"], o["ratio"], k=o["k"], fidelity=o["fidelity"], **sampling
+        )
+    return runner.stream_prompt(prompt, o["mode"], o["ratio"], o["fidelity"], **sampling)

@@ -1,5 +1,6 @@
 """Retriever-aware KV layer: ingest (split, embed, index, precompute KV), retrieve, answer."""
 
+from ragkv.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, PROMPT_KEYS, prompt_options, prompt_parts
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.rag.generation import (
     EngineGenerator,
@@ -19,7 +20,6 @@ from ragkv.rag.pipeline import (
     RagPrompt,
     WarnThrottle,
 )
-from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, PROMPT_KEYS, prompt_options, prompt_parts
 from ragkv.rag.quotas import QuotaExceededError, Quotas, Usage
 from ragkv.rag.splitter import TextChunk, split_tokens
 

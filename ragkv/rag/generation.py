@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ragkv.blend.locate import Located
 from ragkv.blend.spans import check_cancelled
+from ragkv.fidelity import OperatingPoint
 from ragkv.generate import SamplingParams, TokenEvent, collect, stream
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ class PromptJob:
     schedule: BlendSchedule | None = None  # an explicit blend schedule (``/v1/completions``)
     write_back: bool = True  # computed chunk KV goes to the owner's write-back policy
     save: bool = False  # also store computed KV the policy would not (an explicit request)
+    #: the fidelity gate's operating point this job runs at (``stats["fidelity"]`` of its answer)
+    fidelity: OperatingPoint | None = None
 
     def parts(self) -> tuple[list[int], list[list[int]], list[int]]:
         """``(prefix, pieces, suffix)`` as token ids: each chunk's rows, and the text between them."""
@@ -127,6 +130,8 @@ class ThreadGenerator:
             stats.update(kv_hits=items.hits, kv_misses=misses, kv_saved=saved)
             stats["num_chunks"] = len(job.chunks)  # text between chunks is not a chunk
         stats["kv_recomputed_bad"] = bad
+        if job.fidelity is not None:
+            stats["fidelity"] = job.fidelity.as_stats()
         if decision is not None:
             stats["controller"] = decision.as_dict()
         for item in collect(stream(rag.model, res, job.params, attention=rag.llm.attention)):
@@ -185,6 +190,8 @@ class EngineGenerator:
         out = handle.request.output()
         m = out.metrics
         stats = {**out.prefill_stats, "finish_reason": out.finish_reason}
+        if job.fidelity is not None:
+            stats["fidelity"] = job.fidelity.as_stats()
         if reuse:
             stats.update(num_chunks=len(job.chunks), kv_hits=hits, kv_misses=len(job.chunks) - hits)
         timings = {"engine_queue_s": m.queue_s or 0.0}

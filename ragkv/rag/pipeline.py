@@ -17,19 +17,19 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.locate import ChunkLocator, Located
 from ragkv.blend.prefill import MODES, UnknownModeError
 from ragkv.blend.resolver import ChunkResolver, WarnThrottle
+from ragkv.fidelity import explicit_point, parse_fidelity
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.llm import LLM
+from ragkv.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
 from ragkv.rag.collections import collection_name
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.rag.generation import Generated, Generator, PromptJob, ThreadGenerator
 from ragkv.rag.index import ChunkIndex, ChunkRecord, PendingDocument, text_sha
-from ragkv.rag.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
 from ragkv.rag.quotas import (
     QuotaExceededError,
     Quotas,
@@ -118,7 +118,7 @@ class RAG:
         top_k: int = 6,
         order: str = "score",
         mode: str = "blend",
-        ratio: float | str = DEFAULT_RATIO,
+        ratio: float | str | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
         question_template: str = DEFAULT_QUESTION,
         pipelined: bool = True,
@@ -131,6 +131,7 @@ class RAG:
         collect_garbage_on_open: bool = False,
         generator: Generator | None = None,
         quotas: Quotas | None = None,
+        fidelity: str | float | None = None,
     ):
         from ragkv.store import default_store, default_store_url
 
@@ -163,6 +164,8 @@ class RAG:
             raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
         self.chunk_tokens, self.overlap, self.top_k, self.order = chunk_tokens, overlap, top_k, order
         self.mode, self.ratio, self.pipelined, self.seed = mode, ratio, pipelined, seed
+        #: how ``blend`` without a ratio runs (``ragkv.fidelity``; None: the LLM's setting)
+        self.fidelity = None if fidelity is None else parse_fidelity(fidelity)
         self.instruction, self.question_template = instruction, question_template
         self.system = system
         self.examples = [(str(u), str(a)) for u, a in examples]
@@ -491,11 +494,14 @@ class RAG:
         params: SamplingParams | None = None,
         chunks: list[ChunkRecord] | None = None,
         collection: str | None = None,
+        fidelity: str | float | None = None,
         **sampling,
     ) -> RagAnswer:
         """Retrieve (unless ``chunks`` are given) and answer; timings: retrieval, kv_fetch, ttft, total.
-        ``collection``: see :meth:`answer_stream`."""
-        *_, ans = self.answer_stream(question, k, mode, ratio, params, chunks, collection, **sampling)
+        ``collection``, ``fidelity``: see :meth:`answer_stream`."""
+        *_, ans = self.answer_stream(
+            question, k, mode, ratio, params, chunks, collection, fidelity, **sampling
+        )
         assert isinstance(ans, RagAnswer)
         return ans
 
@@ -542,11 +548,13 @@ class RAG:
         params: SamplingParams | None = None,
         chunks: list[ChunkRecord] | None = None,
         collection: str | None = None,
+        fidelity: str | float | None = None,
         **sampling,
     ) -> Iterator:
         """Yield ``TokenEvent``s as they are generated, then the final :class:`RagAnswer`. Retrieval
         and the stored chunks reused from inside the question are ``collection``'s (default: the
-        default collection; :meth:`kv_visible`)."""
+        default collection; :meth:`kv_visible`). ``fidelity``: where ``blend`` without a ratio runs
+        (``ragkv.fidelity``; None: this RAG's setting); the point used is in ``stats["fidelity"]``."""
         coll = collection_name(collection)
         params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
@@ -556,7 +564,7 @@ class RAG:
             found.append(Located(r.kv_key, tuple(r.token_ids), len(ids), 0, len(r.token_ids)))
             ids += r.token_ids
         ids += rp.suffix
-        job = self.job(ids, found, mode, ratio, params, kv_collection=coll)
+        job = self.job(ids, found, mode, ratio, params, kv_collection=coll, fidelity=fidelity)
         yield from self._answer(job, rp.chunks, t0, rp.seconds)
 
     def stream_parts(
@@ -567,6 +575,7 @@ class RAG:
         mode: str | None = None,
         ratio: float | str | None = None,
         params: SamplingParams | None = None,
+        fidelity: str | float | None = None,
     ) -> Iterator:
         """Complete token-id ``prefix + chunks + suffix`` (a framework's prompt): token events, then a
         :class:`RagAnswer` without sources. Chunk KV is found by content; stored chunks inside the
@@ -579,7 +588,7 @@ class RAG:
             found.append(Located(chunk_key(toks, self.model.fingerprint), toks, len(ids), 0, len(toks)))
             ids += toks
         ids += [int(t) for t in suffix]
-        job = self.job(ids, found, mode, ratio, params)
+        job = self.job(ids, found, mode, ratio, params, fidelity=fidelity)
         yield from self._answer(job, [], t0, 0.0)
 
     def stream_text(
@@ -591,6 +600,7 @@ class RAG:
         ratio: float | str | None = None,
         params: SamplingParams | None = None,
         collection: str | None = None,
+        fidelity: str | float | None = None,
     ) -> Iterator:
         """Complete a framework's prompt given as text, ``prefix + chunks + question`` (``chunks``
         may be empty: one flat prompt): token events, then a :class:`RagAnswer` without sources.
@@ -621,7 +631,7 @@ class RAG:
         ids += tail
         if not chunks and not tail and len(ids) <= 1:
             raise ValueError("empty prompt")
-        job = self.job(ids, found, mode, ratio, params, kv_collection=collection)
+        job = self.job(ids, found, mode, ratio, params, kv_collection=collection, fidelity=fidelity)
         yield from self._answer(job, [], t0, 0.0)
 
     def segment_text(
@@ -687,6 +697,7 @@ class RAG:
         params: SamplingParams | None = None,
         locate: bool = True,
         kv_collection: str | None = None,
+        fidelity: str | float | None = None,
         **options,
     ) -> PromptJob:
         """A checked :class:`PromptJob` with this RAG's defaults (mode, ratio) for what is not given.
@@ -705,10 +716,15 @@ class RAG:
             raise ValueError("empty prompt")
         self.model.check_length(len(ids), params.max_new_tokens)
         ratio = self.ratio if ratio is None else ratio
+        if ratio == "auto" or options.get("schedule") is not None:  # the caller's own choice
+            op = explicit_point(mode, None if ratio == "auto" else options["schedule"].target_ratio)
+        else:  # blend without a ratio: the fidelity gate's operating point (LLM.plan, the one place)
+            mode, ratio, op = self.llm.plan(mode, ratio, self.fidelity if fidelity is None else fidelity)
         chunks = list(chunks)
         if locate and mode in ("reuse", "blend"):
             chunks = self.resolver.find(ids, chunks, self.kv_visible(kv_collection))
-        return PromptJob(ids, chunks, mode, ratio, params, **options)
+        ratio = 0.0 if ratio is None else ratio  # reuse / prefix / full: no rows chosen
+        return PromptJob(ids, chunks, mode, ratio, params, fidelity=op, **options)
 
     def using(self, generator: Generator) -> RAG:
         """A view of this RAG that generates with ``generator``: e.g. one RAG answering both in process

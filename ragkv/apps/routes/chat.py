@@ -68,7 +68,9 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
             constraint,
             logprobs,
         )
-        spec = QuerySpec(question, o.chunk_ids, o.retrieve, o.top_k, o.mode, o.ratio, params, collection)
+        spec = QuerySpec(
+            question, o.chunk_ids, o.retrieve, o.top_k, o.mode, o.ratio, params, collection, o.fidelity
+        )
         model_name = settings.model_name()
         cid = "chatcmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())

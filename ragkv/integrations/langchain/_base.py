@@ -70,6 +70,7 @@ class RagkvParams(RagkvOptions):
             "generation": self.rag.generator.name,
             "mode": self.mode or self.rag.mode,
             "ratio": self.ratio if self.ratio is not None else self.rag.ratio,
+            "fidelity": self.fidelity or self.rag.fidelity or self.rag.llm.fidelity,
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -1,4 +1,6 @@
-"""Prompt parts around the retrieved chunks: ``[instruction prefix] + chunks + [question suffix]``."""
+"""The prompt convention of every surface: ``[instruction prefix] + chunks + [question suffix]``.
+
+Below the LLM, RAG and the fidelity gate (which measures blends on the same prompts users send)."""
 
 from __future__ import annotations
 

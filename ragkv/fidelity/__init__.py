@@ -1,0 +1,31 @@
+"""Fidelity as a setting: a per-model report of how often each blend operating point keeps full
+prefill's answer, and the gate that picks the point a request runs at (``fidelity=``)."""
+
+from ragkv.fidelity.choose import (
+    DEFAULT_FAST_SPEEDUP,
+    DEFAULT_FIDELITY,
+    GATE,
+    OperatingPoint,
+    choose,
+    explicit_point,
+    operating_point,
+    parse_fidelity,
+    schedule_key,
+)
+from ragkv.fidelity.report import FidelityReport, PointStats, ReportError, load_report
+
+__all__ = [
+    "DEFAULT_FAST_SPEEDUP",
+    "DEFAULT_FIDELITY",
+    "GATE",
+    "FidelityReport",
+    "OperatingPoint",
+    "PointStats",
+    "ReportError",
+    "choose",
+    "explicit_point",
+    "load_report",
+    "operating_point",
+    "parse_fidelity",
+    "schedule_key",
+]

@@ -1,0 +1,362 @@
+"""The fidelity gate: reports are verified before they are trusted, targets pick the right operating
+point, every fallback is said, and the surfaces report the point they ran at."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+
+from ragkv import LLM
+from ragkv.fidelity import GATE, choose, parse_fidelity, schedule_key
+from ragkv.fidelity.measure import Point, load_calibration_set, measure, monotone_violations, summarize
+from ragkv.fidelity.report import (
+    CALIBRATION_SET,
+    SHIPPED_DIR,
+    FidelityReport,
+    PointStats,
+    ReportError,
+    cache_path,
+    calibration_set_digest,
+    load_report,
+    save_report,
+)
+from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION
+from tests.helpers import stories_model
+
+QUESTION = "What did Lily hold?"
+CHUNKS = ["Lily had a red ball. She liked to play with it.", "Tom ran in the park with his dog."]
+
+
+def _point(
+    name: str, same: float, charged: float, speedup: float, recall: float = 0.5, ratio=None
+) -> PointStats:
+    mode = "prefix" if name == "exact" else "reuse" if name == "reuse" else "blend"
+    if mode == "blend" and ratio is None:
+        ratio = float(name.split("@")[1])
+    ci = (max(0.0, same - 0.1), min(1.0, same + 0.1))
+    return PointStats(
+        name, mode, ratio, 40, same, ci, same, ci, 0.1, (0.0, 0.2), recall, ci, charged, speedup, ci
+    )
+
+
+def _report(
+    model, points: list[PointStats], floor_same: float = 0.8, full_recall: float = 0.5
+) -> FidelityReport:
+    return FidelityReport(
+        model=model.name,
+        fingerprint=model.fingerprint,
+        schedule=schedule_key(None),
+        calibration_set=calibration_set_digest(),
+        n_questions=40,
+        max_new_tokens=24,
+        full_recall=full_recall,
+        full_ttft_s=0.5,
+        floor=_point("full-bf16", floor_same, 1.0, 1.0, ratio=1.0),
+        points=points,
+        monotone_ok=True,
+        monotone_violations=[],
+        compute_to_floor=None,
+        measured_at="2026-11-27",
+        machine="test",
+    ).seal()
+
+
+LADDER = [
+    _point("exact", 1.0, 0.82, 1.1),
+    _point("reuse", 0.1, 0.1, 5.0, ratio=0.0),
+    _point("blend@0.3", 0.3, 0.38, 2.6),
+    _point("blend@0.5", 0.85, 0.55, 1.8),  # a lucky point below a dip: not trusted
+    _point("blend@0.7", 0.75, 0.71, 1.4),
+    _point("blend@0.8", 0.82, 0.78, 1.3),
+    _point("blend@0.9", 0.9, 0.85, 1.05),
+]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty ragkv cache for this test, and a gate that forgets what it read before."""
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    GATE.forget()
+    yield tmp_path
+    GATE.forget()
+
+
+@pytest.mark.parametrize(
+    "value,canon",
+    [
+        (None, "floor"),
+        ("floor", "floor"),
+        ("EXACT", "exact"),
+        ("fast", "fast"),
+        ("fast:3", "fast:3"),
+        (0.9, "0.9"),
+        ("0.85", "0.85"),
+    ],
+)
+def test_fidelity_settings_are_canonical(value, canon):
+    assert parse_fidelity(value) == canon
+
+
+@pytest.mark.parametrize("bad", ["fastest", "fast:0.5", "fast:x", 0.0, 1.5, -1, True, "", "0"])
+def test_fidelity_settings_outside_the_allowed_set_are_refused(bad):
+    with pytest.raises(ValueError, match="fidelity"):
+        parse_fidelity(bad)
+
+
+def test_floor_takes_the_cheapest_point_whose_ladder_above_meets_the_noise_floor():
+    m = stories_model()
+    op = choose(_report(m, LADDER), "floor")
+    # 0.5 meets the floor alone but 0.7 under it does not: the first trusted point is 0.8
+    assert (op.point, op.mode, op.ratio, op.source) == ("blend@0.8", "blend", 0.8, "report")
+    assert op.noise_floor_same == 0.8 and op.changed_answers == "7 of 40" and not op.outside_gate
+
+
+def test_floor_falls_back_to_exact_when_the_faithful_blend_costs_as_much():
+    m = stories_model()
+    ladder = [p for p in LADDER if p.name != "blend@0.8"]  # only 0.9 meets, at more than exact's compute
+    op = choose(_report(m, ladder), "floor")
+    assert (op.point, op.mode, op.source) == ("exact", "prefix", "report")
+
+
+def test_floor_also_needs_gold_recall_within_the_slack():
+    m = stories_model()
+    ladder = [dataclasses.replace(p, recall=0.45) if p.mode == "blend" else p for p in LADDER]
+    op = choose(_report(m, ladder, full_recall=0.5), "floor")
+    assert op.point == "exact" and op.source == "not-met"
+
+
+def test_fast_and_numeric_targets():
+    m = stories_model()
+    rep = _report(m, LADDER)
+    fast = choose(rep, "fast")
+    assert fast.point == "blend@0.3" and fast.speedup >= 2.5  # the most faithful point at >= 2.5x
+    assert choose(rep, "fast:6").source == "not-met"
+    assert choose(rep, "0.3").point == "blend@0.3"  # every point above 0.3 keeps >= 30%
+    assert choose(rep, "0.95").point == "exact"
+    assert choose(rep, "exact").mode == "prefix"
+
+
+def test_no_report_falls_back_to_exact_and_says_so_once(cache, caplog):
+    m = stories_model()
+    caplog.set_level(logging.WARNING, "ragkv.fidelity")
+    llm = LLM(m)
+    a = llm.generate("", CHUNKS, QUESTION, max_new_tokens=3)
+    b = llm.generate("", CHUNKS, QUESTION, max_new_tokens=3)
+    assert a.stats["mode"] == b.stats["mode"] == "prefix"
+    assert a.stats["fidelity"]["source"] == "no-report" and a.stats["fidelity"]["point"] == "exact"
+    said = [r for r in caplog.records if "falls back to exact prefill" in r.getMessage()]
+    assert len(said) == 1 and "ragkv calibrate" in said[0].getMessage()
+
+
+def test_the_gates_point_runs_and_an_explicit_ratio_is_outside_the_gate(cache):
+    m = stories_model()
+    save_report(_report(m, LADDER), cache_path(m.fingerprint))
+    llm = LLM(m)
+    a = llm.generate("", CHUNKS, QUESTION, max_new_tokens=3)
+    assert a.stats["mode"] == "blend" and a.stats["ratio"] == 0.8
+    assert a.stats["fidelity"]["point"] == "blend@0.8" and not a.stats["fidelity"]["outside_gate"]
+    b = llm.generate("", CHUNKS, QUESTION, ratio=0.3, max_new_tokens=3)
+    assert b.stats["ratio"] == 0.3 and b.stats["fidelity"]["outside_gate"]
+    c = llm.generate("", CHUNKS, QUESTION, fidelity="exact", max_new_tokens=3)
+    assert c.stats["mode"] == "prefix" and c.stats["fidelity"]["target"] == "exact"
+    assert LLM(m, fidelity="fast").operating_point().point == "blend@0.3"
+    with pytest.raises(ValueError, match="fidelity"):
+        llm.generate("", CHUNKS, QUESTION, fidelity="bogus")
+
+
+def test_the_exact_fallback_equals_full_prefill(cache):
+    """The gate's fallback is exact: the same greedy tokens and logits (fp32) as a full prefill."""
+    m = stories_model()
+    llm = LLM(m)
+    for _ in range(2):  # the second run reuses the cached instruction prefix
+        gated = llm.prefill("Read this.", CHUNKS, QUESTION, mode="blend")
+        full = llm.prefill("Read this.", CHUNKS, QUESTION, mode="full")
+        assert gated.stats["mode"] == "prefix"
+        torch.testing.assert_close(gated.logits, full.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("fingerprint", "0" * 64),
+        ("convention", CHUNK_CONVENTION_VERSION + 1),
+        ("schedule", "BlendSchedule(selector='kdev')"),
+        ("calibration_set", "f" * 64),
+        ("version", 0),
+    ],
+)
+def test_a_report_of_another_model_convention_schedule_or_set_is_not_trusted(cache, change, caplog):
+    m = stories_model()
+    rep = _report(m, LADDER)
+    setattr(rep, *change)
+    save_report(rep, cache_path(m.fingerprint))  # sealed: only the content disagrees
+    caplog.set_level(logging.WARNING, "ragkv.fidelity")
+    assert load_report(m.fingerprint, schedule_key(None)) is None
+    assert any("ignoring fidelity report" in r.getMessage() for r in caplog.records)
+    assert choose(None, "floor").source == "no-report"
+
+
+def test_a_hand_edited_or_corrupt_report_is_not_trusted(cache):
+    m = stories_model()
+    path = cache_path(m.fingerprint)
+    save_report(_report(m, LADDER), path)
+    assert load_report(m.fingerprint, schedule_key(None)) is not None
+    doc = json.loads(path.read_text())
+    doc["points"][3]["same"] = 0.99  # a better-looking point, digest left as it was
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ReportError, match="digest"):
+        FidelityReport.from_json(path.read_text())
+    assert load_report(m.fingerprint, schedule_key(None)) is None
+    path.write_text(path.read_text()[:100])  # truncated
+    assert load_report(m.fingerprint, schedule_key(None)) is None
+    path.write_bytes(b"\xff\xfe not json")
+    assert load_report(m.fingerprint, schedule_key(None)) is None
+
+
+def test_monotonicity_defects_are_reported():
+    ok = [_point("blend@0.3", 0.3, 0.4, 2.0), _point("blend@0.5", 0.5, 0.6, 1.5)]
+    assert monotone_violations(ok) == []
+    drop = [_point("blend@0.3", 0.6, 0.4, 2.0), _point("blend@0.5", 0.2, 0.6, 1.5)]  # 0.5's CI tops at 0.3
+    assert monotone_violations(drop) and "blend@0.5" in monotone_violations(drop)[0]
+
+
+def test_the_shipped_calibration_set_is_large_disjoint_and_deterministic():
+    from eval.make_fidelity_set import build
+
+    passages, questions = load_calibration_set()
+    assert len(questions) >= 48 and {q["split"] for q in questions} == {"short", "long"}
+    assert all(q["gold_passage"] in q["passages"] for q in questions)
+    assert all(any(q["answers"][0] in passages[p] for p in q["passages"]) for q in questions)
+    demo = (CALIBRATION_SET.parents[1] / "demo" / "corpus.json").read_text().lower()
+    assert not any(p.lower()[:40] in demo for p in passages.values())
+    data = json.loads(CALIBRATION_SET.read_text())
+    assert build(data["seed"], **data["shape"]) == data  # what the package ships is what the script writes
+
+
+def test_shipped_reports_verify():
+    """Every report the package ships parses, verifies its digest and is of this convention and set."""
+    files = sorted(SHIPPED_DIR.glob("*.json"))
+    assert files, "the default model's report ships with the package"
+    for f in files:
+        rep = FidelityReport.from_json(f.read_text())
+        assert rep.convention == CHUNK_CONVENTION_VERSION and rep.calibration_set == calibration_set_digest()
+        assert rep.n_questions >= 48 and f.stem == rep.fingerprint
+
+
+def test_measure_resumes_and_reports_every_point(cache, tmp_path):
+    """A small calibration run on the tiny model: exact prefill is exact, reuse is cheapest, records resume."""
+    from ragkv.model import load_model
+    from tests.helpers import stories_path
+
+    m, bf16 = stories_model(), load_model(stories_path(), dtype="bfloat16")
+    passages = {
+        f"p{i}": f"Lily had a {c} ball and a {a} cat."
+        for i, (c, a) in enumerate([("red", "big"), ("blue", "small"), ("green", "fat"), ("pink", "shy")])
+    }
+    qs = [
+        {
+            "id": f"q{i}",
+            "split": "short",
+            "question": "What color was the ball?",
+            "answers": ["red"],
+            "passages": [f"p{(i + j) % 4}" for j in range(3)],
+            "gold_passage": "p0",
+        }
+        for i in range(3)
+    ]
+    set_path = tmp_path / "set.json"
+    set_path.write_text(
+        json.dumps({"passages": [{"id": k, "text": v} for k, v in passages.items()], "questions": qs})
+    )
+    records = tmp_path / "records.jsonl"
+    kw = dict(
+        limit=None, records_path=records, ladder=(0.5,), max_new_tokens=4, progress=False, set_path=set_path
+    )
+    rep = measure(m, bf16, **kw)
+    assert rep.n_questions == 3 and [p.name for p in rep.points] == ["exact", "reuse", "blend@0.5"]
+    exact, reuse, half = rep.points
+    assert exact.same == 1.0 and exact.kl < 1e-6
+    assert reuse.charged < half.charged < 1.0
+    assert 0.0 <= rep.floor.same <= 1.0 and rep.calibration_set == calibration_set_digest(set_path)
+    lines = records.read_text().splitlines()
+    again = measure(m, bf16, **kw)  # nothing left to measure: the same report from the records
+    assert records.read_text().splitlines() == lines and again.points == rep.points
+    by_id = {}
+    for line in lines:
+        r = json.loads(line)
+        by_id.setdefault(r["id"], set()).add(r["point"])
+    assert all(v == {"full-bf16", "exact", "reuse", "blend@0.5"} for v in by_id.values())
+    rebuilt = summarize(
+        m,
+        None,
+        [json.loads(x) for x in lines],
+        [Point("exact", "prefix"), Point("reuse", "reuse", 0.0), Point("blend@0.5", "blend", 0.5)],
+        4,
+        rep.calibration_set,
+    )
+    assert rebuilt.points == rep.points
+
+
+def test_prefill_refuses_nothing_new_for_plain_modes(cache):
+    """full / reuse keep running as asked (explicit), with the fidelity entry saying so."""
+    m = stories_model()
+    llm = LLM(m)
+    for mode in ("full", "reuse"):
+        res = llm.prefill("", CHUNKS, QUESTION, mode=mode)
+        assert res.stats["mode"] == mode and res.stats["fidelity"]["source"] == "explicit"
+
+
+def test_the_service_says_its_operating_point_and_refuses_bad_settings(cache, tmp_path):
+    """/healthz, /metrics and every answer's stats name the point; a bad ``fidelity`` is a 400 (query)
+    and a settings error; an explicit ratio is marked outside the gate."""
+    from fastapi.testclient import TestClient
+    from pydantic import ValidationError
+
+    from ragkv.apps.config import Settings
+    from ragkv.apps.server import create_app
+    from ragkv.apps.service import Service, build_rag
+    from tests.helpers import stories_path
+
+    m = stories_model()
+    save_report(_report(m, LADDER), cache_path(m.fingerprint))
+    with pytest.raises(ValidationError, match="fidelity"):
+        Settings(model=str(stories_path()), data_dir=tmp_path / "x", fidelity="sometimes")
+    s = Settings(
+        model=str(stories_path()),
+        data_dir=tmp_path / "data",
+        chunk_tokens=32,
+        torch_threads=1,
+        max_new_tokens=2,
+        allowed_hosts=["testserver"],
+    )
+    svc = Service(s, build_rag(s))
+    svc.start()
+    c = TestClient(create_app(s, svc), base_url="http://testserver")
+    try:
+        r = c.post("/v1/documents", json={"documents": [{"id": "d", "text": " ".join(CHUNKS)}]})
+        assert r.status_code == 200, r.text
+        health = c.get("/healthz").json()["fidelity"]
+        assert (health["target"], health["point"], health["ratio"]) == ("floor", "blend@0.8", 0.8)
+        assert 'ragkv_fidelity{target="floor",point="blend@0.8",mode="blend",figure="same_as_full"} 0.82' in (
+            c.get("/metrics").text
+        )
+        r = c.post("/v1/query", json={"question": QUESTION})
+        assert r.status_code == 200, r.text
+        got = r.json()["stats"]
+        assert got["mode"] == "blend" and got["fidelity"]["point"] == "blend@0.8"
+        r = c.post("/v1/query", json={"question": QUESTION, "fidelity": "exact"})
+        assert r.json()["stats"]["mode"] == "prefix" and r.json()["stats"]["fidelity"]["target"] == "exact"
+        r = c.post("/v1/query", json={"question": QUESTION, "ratio": 0.3})
+        assert r.json()["stats"]["fidelity"]["outside_gate"] is True
+        for bad in ("sometimes", 1.5, "fast:1"):
+            r = c.post("/v1/query", json={"question": QUESTION, "fidelity": bad})
+            assert r.status_code in (400, 422) and "fidelity" in r.text, (bad, r.text)
+        body = {"model": s.model_name(), "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2}
+        r = c.post("/v1/chat/completions", json={**body, "ragkv": {"fidelity": "exact"}})
+        assert r.status_code == 200, r.text
+    finally:
+        svc.close()
