@@ -141,6 +141,7 @@ def test_llamaindex_openai_like_query_engine(service):
         max_tokens=NEW,
         temperature=0,
         max_retries=0,
+        timeout=600,  # the client's default 60 s is shorter than a loaded 2-core machine's prefill
         http_client=rec.client(),
         additional_kwargs={"extra_body": {"return_token_ids": True}},
     )
