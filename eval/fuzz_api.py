@@ -61,7 +61,6 @@ DELIBERATE = [
     # strict types (issue 16): an integer field refuses 2.0; JSON Schema counts 2.0 as an integer
     ("integral float for an integer", "ST202", 422, r"Input should be a valid integer"),
     # semantic rules a JSON Schema does not state
-    ("chat without user text", "ST202", 422, r"must contain a user message with text"),
     ("whitespace-only text", "ST202", 422, r"must contain non-whitespace text"),
     ("token id outside the vocabulary", "ST202", 400, r"outside the vocabulary"),
     ("malformed kv_transfer_params", "ST202", 400, r"kv_transfer_params"),
@@ -70,7 +69,13 @@ DELIBERATE = [
     ("prompt + max_tokens over the context", "ST202", 413, r"context|longer than|too long"),
     # the OpenAI routes answer the same rejections as OpenAI does: 400 (context: context_length_exceeded)
     ("integral float for an integer (OpenAI routes)", "ST202", 400, r"Input should be a valid integer"),
-    ("chat without user text (OpenAI routes)", "ST202", 400, r"must contain a user message with text"),
+    # a chat with retrieval needs a question: its last message a user message with text
+    ("RAG chat without a question (OpenAI routes)", "ST202", 400, r"last message must be a user message"),
+    # ragkv options that would be ignored are refused (top_k without retrieval, chunk_ids and retrieve)
+    ("ragkv option without retrieval (OpenAI routes)", "ST202", 400, r"applies to retrieval|not both"),
+    # the model's chat template refuses a conversation (roles that do not alternate ...)
+    ("chat template refusal (OpenAI routes)", "ST202", 400, r"chat template refused"),
+    ("a model id not served (OpenAI routes)", "ST202", 404, r"model_not_found"),
     ("prompt + max_tokens over the context (OpenAI routes)", "ST202", 400, r"context_length_exceeded"),
     # OpenAI parameters this server does not serve are refused by name, never ignored (docs/API.md)
     ("unsupported OpenAI parameter", "ST202", 400, r'"code": "unsupported_parameter"'),

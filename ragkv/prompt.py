@@ -49,6 +49,7 @@ def prompt_parts(
     use_chat_template: bool | None = None,
     system: str | None = None,
     examples: Sequence[tuple[str, str]] = (),
+    conversation: Sequence[tuple[str, str]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Token ids of the prefix (BOS + instruction, chat head) and suffix (question, chat tail).
 
@@ -58,14 +59,28 @@ def prompt_parts(
     replaces the template's default system prompt; ``examples`` are few-shot ``(user, answer)``
     turns before the question's turn (without a template: plain text after the instruction).
     Both sit in the prefix, whose KV the prefix cache keeps.
+
+    ``conversation``: a chat client's ``(role, text)`` turns before the question (the service's
+    ``/v1/chat/completions`` with retrieval). Its leading system (or developer) messages take the
+    place of ``system``; its other turns follow the few-shot examples, as turns (without a template:
+    ``Role: text`` lines after them). The question's turn, where the passages go, is the same as
+    without a conversation.
     """
     if not question or not question.strip():
         raise ValueError("empty question")
     q = question_template.format(question=question.strip())
+    turns = list(conversation or ())
+    lead = 0
+    while lead < len(turns) and turns[lead][0] in ("system", "developer"):
+        lead += 1
+    if lead:
+        system = "\n\n".join(t for _, t in turns[:lead])
+    history = turns[lead:]
     if use_chat_template is None:
         use_chat_template = has_chat_template(model)
     if use_chat_template and has_chat_template(model):
-        return chat_parts(model, f"{instruction}\n\n", q, system=system, examples=examples)
+        return chat_parts(model, f"{instruction}\n\n", q, system=system, examples=examples, history=history)
     head = (f"{system}\n\n" if system else "") + f"{instruction}\n\n"
     head += "".join(f"{user}\n{answer}\n\n" for user, answer in examples)
+    head += "".join(f"{str(r).capitalize()}: {t}\n" for r, t in history) + ("\n" if history else "")
     return model.encode(head, add_bos=True), model.encode(q)

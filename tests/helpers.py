@@ -173,3 +173,45 @@ def check_stop_strings(pieces: list[str], max_new: int, complete) -> None:
             for streamed in (False, True):
                 got = complete(stop, limit, streamed)
                 assert got == (text, reason), (stop, limit, streamed, got)
+
+
+#: a ChatML template (SmolLM2's, without its default system turn): contents between role markers
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: a Llama-2 / Mistral style template: BOS from the template, the system prompt folded into the first
+#: user turn, roles that must alternate (a template's own refusal, ``raise_exception``)
+INST_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
+    "{% set msgs = messages[1:] %}{% else %}{% set sys = '' %}{% set msgs = messages %}{% endif %}"
+    "{% for m in msgs %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ '[INST] ' }}{% if loop.first and sys %}{{ '<<SYS>>\n' + sys + "
+    "'\n<</SYS>>\n\n' }}{% endif %}{{ m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + "
+    "eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def templated_checkpoint(dest: Path, template: str) -> Path:
+    """A copy of the tiny test model whose tokenizer has ``template`` as its chat template (what an
+    instruct checkpoint ships in ``tokenizer_config.json``)."""
+    import json
+    import shutil
+
+    shutil.copytree(stories_path(), dest)
+    cfg_path = dest / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return dest
+
+
+def template_ids(checkpoint: Path, messages: list[dict]) -> list[int]:
+    """transformers' own token ids of ``messages`` rendered by the checkpoint's chat template, with
+    the generation prompt (``apply_chat_template(..., tokenize=True)``: what vLLM prefills)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)

@@ -64,8 +64,8 @@ def test_validation_errors_are_400_with_param_and_string_code(server, client):
     assert "max_tokens" in _openai_error(_chat(server, max_tokens=-1), 400, "max_tokens", "invalid_value")
     _openai_error(_chat(server, messages=[]), 400, "messages", "invalid_value")
     _openai_error(_chat(server, stream=0), 400, "stream", "invalid_type")
-    no_user = _chat(server, messages=[{"role": "system", "content": "hi"}])
-    assert "user message" in _openai_error(no_user, 400, "messages", "invalid_value")
+    no_user = _chat(server, model=MODEL + "+rag", messages=[{"role": "system", "content": "hi"}])
+    assert "user message" in _openai_error(no_user, 400, "messages", "invalid_value")  # RAG: a question
     bad_json = httpx.post(
         server + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
     )
@@ -105,6 +105,13 @@ def test_context_overflow_is_400_context_length_exceeded(server, client, chunk_i
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=48, extra_body=too_long
         )
+    # one message longer than the context: judged by its tokens (was invalid_value, a character cap)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Once upon a time. " * 200}], max_tokens=8
+        )
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    assert "512" in e.value.message  # the numbers: the prompt's tokens and the context
 
 
 def test_langchain_chat_openai_raises_context_overflow_error(server, chunk_ids):

@@ -501,6 +501,29 @@ class ForcedCall:
     constraint: JsonConstraint
 
 
+#: what the model id of the served model's RAG variant adds to its name (``GET /v1/models`` lists both)
+RAG_MODEL_SUFFIX = "+rag"
+
+
+def served_model_ids(settings: Settings) -> list[str]:
+    """The model ids the OpenAI routes serve: the model (the messages as sent), and
+    ``<model>+rag`` (chat with retrieval, for clients that cannot send ``extra_body``)."""
+    name = settings.model_name()
+    return [name, name + RAG_MODEL_SUFFIX]
+
+
+def chat_model(settings: Settings, model: str | None) -> bool:
+    """Whether a chat request's ``model`` selects the RAG variant; 404 ``model_not_found`` for an id
+    that is not served (as vLLM answers), none: the served model."""
+    from ragkv.apps.errors import NotFoundError
+
+    if model is None or model == settings.model_name():
+        return False
+    if model == settings.model_name() + RAG_MODEL_SUFFIX:
+        return True
+    raise NotFoundError(f"The model `{model}` does not exist.")
+
+
 def chat_tool_call(req) -> ForcedCall | None:
     """The function call a chat request forces (``tool_choice`` naming a function, or ``"required"``
     with one tool), generated as JSON arguments constrained by its ``parameters`` schema (vLLM's

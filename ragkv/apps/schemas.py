@@ -306,6 +306,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"]
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated token ids")
 
 
 class RagkvInfo(BaseModel):
@@ -324,6 +325,9 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     ragkv: RagkvInfo
+    prompt_token_ids: list[int] | None = Field(
+        None, description="with return_token_ids: the prompt's token ids, as prefilled"
+    )
 
 
 # ---- requests (limits from the settings) -------------------------------------------------------
@@ -383,39 +387,51 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         def _q(cls, v: str) -> str:
             return _not_blank(v)
 
+    # a message is bounded by the request body (max_body_bytes, 413) and its tokens by the model's
+    # context (400 context_length_exceeded), not by a character count: the bound stated here is the
+    # body's, which a JSON string cannot exceed
     class ContentPart(BaseModel):
         model_config = ConfigDict(strict=True)
         type: Literal["text"]
-        text: str = Field(max_length=s.max_question_chars)
+        text: str = Field(max_length=s.max_body_bytes)
 
     class ChatMessageIn(BaseModel):
         model_config = ConfigDict(extra="ignore", strict=True)
         role: Literal["system", "developer", "user", "assistant", "tool"]
-        content: str | Annotated[list[ContentPart], Field(max_length=64)] | None = Field(
-            None, description="a string, or at most 64 text parts"
-        )
+        content: (
+            Annotated[str, Field(max_length=s.max_body_bytes)]
+            | Annotated[list[ContentPart], Field(max_length=64)]
+            | None
+        ) = Field(None, description="a string, or at most 64 text parts (joined by newlines, as vLLM does)")
         name: str | None = Field(None, max_length=256)
-
-        @field_validator("content")
-        @classmethod
-        def _size(cls, v):
-            text = v if isinstance(v, str) or v is None else "".join(p.text for p in v)
-            if text is not None and len(text) > s.max_question_chars:
-                raise ValueError(f"message content longer than {s.max_question_chars} characters")
-            return v
 
         def text(self) -> str:
             if self.content is None:
                 return ""
-            return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+            return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+        def template_message(self) -> dict:
+            """The message as a chat template reads it: role, content (text) and name if given."""
+            m = {"role": self.role, "content": self.text()}
+            if self.name is not None:
+                m["name"] = self.name
+            return m
 
     class RagkvOptions(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
         chunk_ids: list[Annotated[int, Field(ge=0, le=MAX_ID)]] | None = Field(
-            None, max_length=s.max_chunk_ids, description="answer over these chunks (no retrieval)"
+            None,
+            max_length=s.max_chunk_ids,
+            description="answer over these chunks, put in the last user message as retrieved ones are",
         )
-        retrieve: bool = Field(True, description="retrieve chunks when no chunk_ids are given")
-        top_k: int | None = Field(None, ge=1, le=s.max_top_k)
+        retrieve: bool | None = Field(
+            None,
+            description="retrieve top_k chunks of the collection for the last user message and put them in "
+            "it (default: false, or true for the model id '<model>+rag')",
+        )
+        top_k: int | None = Field(
+            None, ge=1, le=s.max_top_k, description="chunks to retrieve (with retrieve)"
+        )
         mode: Mode | None = None
         ratio: float | None = Field(None, ge=0.0, le=1.0)
         fidelity: Fidelity | None = Field(None, description=FIDELITY_HELP)
@@ -425,8 +441,10 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         include_usage: bool = False
 
     class ChatCompletionRequest(BaseModel):
-        """OpenAI chat completion; the last user message is the question, earlier turns are prepended.
-        ragkv options go in the extra field ``ragkv`` (``extra_body={"ragkv": {...}}`` in the client)."""
+        """OpenAI chat completion: the messages rendered by the model's chat template as vLLM renders
+        them, stored chunks inside them reused. Retrieval on request (``ragkv.retrieve``, or the model
+        id ``<model>+rag``). ragkv options go in the extra field ``ragkv`` (``extra_body={"ragkv": {...}}``
+        in the client)."""
 
         model_config = ConfigDict(extra="ignore", strict=True)
         model: str | None = Field(None, max_length=256)
@@ -460,6 +478,9 @@ def build_schemas(s: Settings) -> SimpleNamespace:
             None,
             max_length=32,
             description="functions; one is called when tool_choice names it (or is 'required' with one tool)",
+        )
+        return_token_ids: bool | None = Field(
+            None, description="vLLM's option: prompt_token_ids in the response, token_ids in the choice"
         )
         tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
             None,

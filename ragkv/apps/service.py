@@ -119,7 +119,13 @@ class Final:
 @dataclass
 class QuerySpec:
     """One question: chunks by id (or none, or retrieved), prefill mode, sampling, and the collection
-    it is asked in (retrieval, chunk ids and reused chunk KV are that collection's)."""
+    it is asked in (retrieval, chunk ids and reused chunk KV are that collection's).
+
+    ``conversation``: a chat's ``(role, text)`` turns before the question, kept as turns around the
+    RAG prompt. ``messages``: an OpenAI chat to complete as sent instead (``{"role", "content",
+    "name"?}``, rendered by the model's chat template as vLLM renders it, tokenized in the worker;
+    ``question``, ``chunk_ids`` and ``retrieve`` are then unused): the stored chunks inside it are
+    reused, nothing is retrieved. ``mode`` / ``ratio`` None: the RAG's defaults (:meth:`RAG.job`)."""
 
     question: str
     chunk_ids: list[int] | None = None
@@ -129,6 +135,8 @@ class QuerySpec:
     ratio: float | None = None
     params: SamplingParams | None = None
     collection: str = DEFAULT_COLLECTION
+    conversation: list[tuple[str, str]] | None = None
+    messages: list[dict] | None = None
     fidelity: str | None = None  # ragkv.fidelity's setting (None: the service's)
 
 
@@ -450,6 +458,9 @@ class Service:
     def _answer_iter(self, spec: QuerySpec, queue_s: float) -> Iterator[TokenEvent | Final]:
         rag = self.rag
         params = spec.params or SamplingParams(max_new_tokens=self.settings.max_new_tokens)
+        if spec.messages is not None:
+            yield from self._finals(self._chat_items(spec, params), queue_s)
+            return
         recs: list[ChunkRecord] | None = None
         if spec.chunk_ids is not None:
             try:
@@ -458,8 +469,7 @@ class Service:
                 raise NotFoundError(str(e.args[0]) if e.args else "unknown chunk id") from None
         elif not spec.retrieve:
             recs = []
-        n, reason = 0, None
-        for item in rag.answer_stream(
+        items = rag.answer_stream(
             spec.question,
             k=spec.top_k,
             mode=spec.mode,
@@ -467,8 +477,27 @@ class Service:
             params=params,
             chunks=recs,
             collection=spec.collection,
+            conversation=spec.conversation,
             fidelity=spec.fidelity,
-        ):
+        )
+        yield from self._finals(items, queue_s)
+
+    def _chat_items(self, spec: QuerySpec, params: SamplingParams) -> Iterator:
+        """An OpenAI chat completed as sent (:attr:`QuerySpec.messages`): rendered and tokenized here,
+        in the worker, after admission (a long conversation queues like any other work)."""
+        from ragkv.model.chat import ChatTemplateError, chat_prompt_ids
+
+        try:
+            ids = chat_prompt_ids(self.rag.model, spec.messages)
+        except ChatTemplateError as e:
+            raise InvalidRequestError(str(e)) from None
+        # mode / ratio None: the RAG's default operating point, decided in RAG.job
+        return self.rag.stream_ids(ids, spec.mode, spec.ratio, params, spec.collection, spec.fidelity)
+
+    def _finals(self, items: Iterator, queue_s: float) -> Iterator[TokenEvent | Final]:
+        """Token events, then the :class:`Final` of the :class:`RagAnswer` that ends ``items``."""
+        n, reason = 0, None
+        for item in items:
             if isinstance(item, RagAnswer):
                 final = Final(item, n, reason, queue_s)
                 self._observe(final)

@@ -14,6 +14,11 @@ slice ``[lo, hi)`` of the chunk's rows: the boundary tokens that tokenized diffe
 it and are computed as fresh rows by the blend. Built once (O(chunks)) and then kept in step with the corpus by
 :meth:`ChunkLocator.add` / :meth:`ChunkLocator.remove` (O(changed chunks)), so a prompt with no
 stored chunk costs one rolling hash over its tokens and an ingest never rebuilds it.
+
+Locating stays linear in the prompt however many chunks are stored: an anchor window is shared by
+at most :data:`MAX_BUCKET` chunks. Chunks that begin (or end) alike, e.g. documents under the same
+boilerplate header, take the nearest window inward that is still distinctive, so a prompt position
+is verified against a bounded number of chunks (the work a call did is counted in ``work``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ragkv.blend.spans import _HASH_BASE, _HASH_MOD, ANCHOR_TOKENS, check_cancelled
+
+#: most chunks anchored at one window hash; a chunk whose window is that common anchors further in
+MAX_BUCKET = 4
 
 
 @dataclass(frozen=True)
@@ -75,12 +83,45 @@ class ChunkLocator:
                 continue
             toks = tuple(int(t) for t in toks)
             hashes = []
-            for a in self._anchors_at(len(toks)):
-                h = _hash(toks[a : a + ANCHOR_TOKENS])
+            for a, h in self._distinct_anchors(toks):
                 self._anchors[h] = (*self._anchors.get(h, ()), (key, toks, a))
                 hashes.append(h)
             if hashes:
                 self._hash_of[key] = tuple(hashes)
+
+    def _distinct_anchors(self, toks: tuple[int, ...]) -> list[tuple[int, int]]:
+        """``(offset, hash)`` of a chunk's anchors: at :meth:`_anchors_at`'s offsets, or where that
+        window already anchors :data:`MAX_BUCKET` chunks, the nearest window inward (towards the
+        chunk's middle) that anchors fewer; if none does, the least shared one. O(1) hashes unless
+        the chunk's usual windows are that common, O(chunk tokens) then."""
+        n, q = len(toks), ANCHOR_TOKENS
+        rolled: list[int] = []
+
+        def window(a: int) -> int:
+            if not rolled:  # every window's hash, rolled, once a usual window was too common
+                rolled.append(_hash(toks[:q]))
+                for i in range(n - q):
+                    h = ((rolled[-1] - (toks[i] + 1) * self._lead) * _HASH_BASE + toks[i + q] + 1) % _HASH_MOD
+                    rolled.append(h)
+            return rolled[a]
+
+        def load(h: int) -> int:
+            return len(self._anchors.get(h, ()))
+
+        mid = (n - q) // 2
+        out: list[tuple[int, int]] = []
+        for k, a in enumerate(self._anchors_at(n)):
+            h = _hash(toks[a : a + q])
+            if load(h) >= MAX_BUCKET:
+                inward = range(a, mid + 1) if k == 0 else range(a, min(mid, a) - 1, -1)
+                a = next(
+                    (b for b in inward if load(window(b)) < MAX_BUCKET),
+                    min(inward, key=lambda b: load(window(b)), default=a),
+                )
+                h = window(a)
+            if all(a != b for b, _ in out):
+                out.append((a, h))
+        return out
 
     def remove(self, keys: Iterable[str]) -> None:
         """Forget the chunks with these keys (KV no indexed chunk references any more)."""
@@ -101,7 +142,12 @@ class ChunkLocator:
         last = n - self.margin - ANCHOR_TOKENS
         return (first, last) if last >= first + ANCHOR_TOKENS else (first,)
 
-    def find(self, prompt_ids: Sequence[int], visible: Callable[[str], bool] | None = None) -> list[Located]:
+    def find(
+        self,
+        prompt_ids: Sequence[int],
+        visible: Callable[[str], bool] | None = None,
+        work: dict | None = None,
+    ) -> list[Located]:
         """Non-overlapping stored chunks in ``prompt_ids``, in prompt order.
 
         Every match is found first (each anchor hit verified and extended as far as the tokens
@@ -110,7 +156,9 @@ class ChunkLocator:
         never takes them from the chunk that matches them all, wherever in the prompt either match
         was found. ``visible``: only chunks whose key it
         accepts are candidates, so a hidden chunk never takes a visible one's rows (asked once per
-        matching key and call)."""
+        matching key and call). ``work``: a dict that gets the call's cost added, ``positions``
+        (prompt positions hashed), ``candidates`` (chunks verified at an anchor hit) and ``compared``
+        (tokens compared verifying and extending them)."""
         ids = [int(t) for t in prompt_ids]
         seen: dict[str, bool] = {}
 
@@ -126,6 +174,7 @@ class ChunkLocator:
             return []
         found: list[Located] = []
         searched_to: dict[str, int] = {}  # per key: rows before this are inside its last match
+        cost = [0, 0]  # candidates verified, tokens compared
         h = _hash(ids[:q])
         for i in range(n - q + 1):
             if i % (1 << 14) == 0:
@@ -133,12 +182,15 @@ class ChunkLocator:
             for key, toks, a in self._anchors.get(h, ()):
                 if i < searched_to.get(key, 0) or not shown(key):
                     continue  # its match here, if any, is the one already found (its other anchor)
-                m = self._match(ids, i, toks, a)
+                m = self._match(ids, i, toks, a, cost)
                 if m is not None:
                     found.append(Located(key, toks, *m))
                     searched_to[key] = m[0] + m[2] - m[1]
             if i + q < n:
                 h = ((h - (ids[i] + 1) * self._lead) * _HASH_BASE + ids[i + q] + 1) % _HASH_MOD
+        if work is not None:
+            for name, v in (("positions", n - q + 1), ("candidates", cost[0]), ("compared", cost[1])):
+                work[name] = work.get(name, 0) + v
         return self._disjoint(found)
 
     def _disjoint(self, found: list[Located]) -> list[Located]:
@@ -178,9 +230,14 @@ class ChunkLocator:
             bisect.insort(taken, (start, stop))
         return sorted(out, key=lambda f: f.start)
 
-    def _match(self, ids: list[int], at: int, toks: tuple[int, ...], a: int) -> tuple[int, int, int] | None:
+    def _match(
+        self, ids: list[int], at: int, toks: tuple[int, ...], a: int, cost: list[int] | None = None
+    ) -> tuple[int, int, int] | None:
         """``(prompt start, lo, hi)`` of chunk ``toks`` whose anchor at offset ``a`` is at prompt row
-        ``at``, or None."""
+        ``at``, or None. ``cost``: ``[candidates, tokens compared]``, added to."""
+        if cost is not None:
+            cost[0] += 1
+            cost[1] += ANCHOR_TOKENS
         if ids[at : at + ANCHOR_TOKENS] != list(toks[a : a + ANCHOR_TOKENS]):
             return None  # a hash collision, never taken for a match
         hi = a + ANCHOR_TOKENS
@@ -189,6 +246,8 @@ class ChunkLocator:
         lo = a
         while lo > 0 and at - (a - lo) - 1 >= 0 and ids[at - (a - lo) - 1] == toks[lo - 1]:
             lo -= 1
+        if cost is not None:
+            cost[1] += hi - lo - ANCHOR_TOKENS + 2  # the tokens that agreed, and the two that did not
         if hi - lo < self.min_share * len(toks):
             return None
         return at - (a - lo), lo, hi

@@ -94,6 +94,8 @@ class RagAnswer:
     mode: str
     timings: dict
     stats: dict
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt's token ids, as prefilled
+    token_ids: list[int] = field(default_factory=list)  # the answer's
 
 
 @dataclass
@@ -505,8 +507,11 @@ class RAG:
         assert isinstance(ans, RagAnswer)
         return ans
 
-    def prompt_parts(self, question: str) -> tuple[list[int], list[int]]:
-        """Token ids of the head (system, instruction, few-shot turns) and tail (question) of a prompt."""
+    def prompt_parts(
+        self, question: str, conversation: Sequence[tuple[str, str]] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """Token ids of the head (system, instruction, few-shot turns) and tail (question) of a prompt;
+        ``conversation``: a chat's turns before the question (:func:`ragkv.prompt.prompt_parts`)."""
         return prompt_parts(
             self.model,
             question,
@@ -514,6 +519,7 @@ class RAG:
             self.question_template,
             system=self.system,
             examples=self.examples,
+            conversation=conversation,
         )
 
     def prompt(
@@ -523,6 +529,7 @@ class RAG:
         chunks: list[ChunkRecord] | None = None,
         max_new_tokens: int = 0,
         collection: str | None = None,
+        conversation: Sequence[tuple[str, str]] | None = None,
     ) -> RagPrompt:
         """The prompt of ``question``: its token-id head and tail, and the chunks between them.
 
@@ -531,7 +538,7 @@ class RAG:
         backend (in process here, a vLLM server in ``ragkv.integrations.vllm``) so they ask the same thing.
         """
         t0 = time.perf_counter()
-        prefix, suffix = self.prompt_parts(question)
+        prefix, suffix = self.prompt_parts(question, conversation)
         if chunks is not None:
             recs = list(chunks)
         else:
@@ -548,17 +555,20 @@ class RAG:
         params: SamplingParams | None = None,
         chunks: list[ChunkRecord] | None = None,
         collection: str | None = None,
+        conversation: Sequence[tuple[str, str]] | None = None,
         fidelity: str | float | None = None,
         **sampling,
     ) -> Iterator:
         """Yield ``TokenEvent``s as they are generated, then the final :class:`RagAnswer`. Retrieval
         and the stored chunks reused from inside the question are ``collection``'s (default: the
-        default collection; :meth:`kv_visible`). ``fidelity``: where ``blend`` without a ratio runs
-        (``ragkv.fidelity``; None: this RAG's setting); the point used is in ``stats["fidelity"]``."""
+        default collection; :meth:`kv_visible`). ``conversation``: a chat's ``(role, text)`` turns
+        before the question, kept as turns around the RAG prompt (:meth:`prompt_parts`). ``fidelity``:
+        where ``blend`` without a ratio runs (``ragkv.fidelity``; None: this RAG's setting); the point
+        used is in ``stats["fidelity"]``."""
         coll = collection_name(collection)
         params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
-        rp = self.prompt(question, k, chunks, params.max_new_tokens, coll)
+        rp = self.prompt(question, k, chunks, params.max_new_tokens, coll, conversation)
         ids, found = list(rp.prefix), []
         for r in rp.chunks:
             found.append(Located(r.kv_key, tuple(r.token_ids), len(ids), 0, len(r.token_ids)))
@@ -566,6 +576,24 @@ class RAG:
         ids += rp.suffix
         job = self.job(ids, found, mode, ratio, params, kv_collection=coll, fidelity=fidelity)
         yield from self._answer(job, rp.chunks, t0, rp.seconds)
+
+    def stream_ids(
+        self,
+        prompt_ids: Sequence[int],
+        mode: str | None = None,
+        ratio: float | str | None = None,
+        params: SamplingParams | None = None,
+        collection: str | None = None,
+        fidelity: str | float | None = None,
+    ) -> Iterator:
+        """Complete ``prompt_ids`` exactly as given (an OpenAI client's rendered messages): token
+        events, then a :class:`RagAnswer` without sources. In the modes that reuse KV the stored
+        chunks found inside the ids are reused (:meth:`job`, ``collection``'s; None: any); the ids
+        never change, so ``mode="full"`` prefills the same ids in full."""
+        params = params or SamplingParams()
+        t0 = time.perf_counter()
+        job = self.job(prompt_ids, [], mode, ratio, params, kv_collection=collection, fidelity=fidelity)
+        yield from self._answer(job, [], t0, 0.0)
 
     def stream_parts(
         self,
@@ -753,7 +781,9 @@ class RAG:
                     **item.timings,
                 }
                 stats = {**item.stats, "kv_hits": item.stats.get("kv_hits", 0)}
-                yield RagAnswer(item.text, sources, item.mode, timings, stats)
+                yield RagAnswer(
+                    item.text, sources, item.mode, timings, stats, list(job.prompt_ids), list(item.token_ids)
+                )
             else:
                 if ttft is None:
                     ttft = time.perf_counter() - t0

@@ -46,6 +46,12 @@ def router(limits: Settings, auth: Auth) -> APIRouter:
         other callers reuse any stored chunk, as a vLLM server with the ragkv plugin does (this route
         may serve another ragkv whose index is not this one's)."""
         model_name = settings.model_name()
+        if req.model == model_name + oc.RAG_MODEL_SUFFIX:
+            raise oc.invalid_value(
+                "model",
+                f"`{req.model}` (retrieval) is served on /v1/chat/completions; /v1/completions completes "
+                f"the prompt as sent: use `{model_name}`",
+            )
         if req.model and req.model != model_name:
             raise NotFoundError(f"The model `{req.model}` does not exist.")
         oc.check_generation_options(req, settings.generation)

@@ -7,16 +7,15 @@ from fastapi.responses import PlainTextResponse, Response
 
 from ragkv.apps import openai_compat as oc
 from ragkv.apps import schemas as sc
-from ragkv.apps.config import Settings
 from ragkv.apps.deps import Auth, ServiceDep, SettingsDep
 from ragkv.apps.metrics import CONTENT_TYPE
 from ragkv.apps.service import NotFoundError, Service
 from ragkv.blend.gate import gate_state
 
 
-def served_model(settings: Settings, svc: Service) -> dict:
-    """The served model as OpenAI lists it."""
-    return {"id": settings.model_name(), "object": "model", "created": svc.started_at, "owned_by": "ragkv"}
+def served_model(model_id: str, svc: Service) -> dict:
+    """A served model id as OpenAI lists it."""
+    return {"id": model_id, "object": "model", "created": svc.started_at, "owned_by": "ragkv"}
 
 
 def router(auth: Auth) -> APIRouter:
@@ -27,24 +26,24 @@ def router(auth: Auth) -> APIRouter:
         "/v1/models",
         response_model=sc.ModelList,
         tags=["openai"],
-        summary="The served model",
+        summary="The served model, and its RAG variant '<model>+rag' (chat with retrieval)",
         dependencies=auth.read,
     )
     async def models(svc: ServiceDep, settings: SettingsDep):
-        return {"object": "list", "data": [served_model(settings, svc)]}
+        return {"object": "list", "data": [served_model(m, svc) for m in oc.served_model_ids(settings)]}
 
     @r.get(
         "/v1/models/{model_id:path}",
         response_model=sc.ModelCard,
         responses={404: oc.OPENAI_ERRORS[404]},
         tags=["openai"],
-        summary="One served model (404 for any other id)",
+        summary="One served model id (404 for any other)",
         dependencies=auth.read,
     )
     async def model_card(model_id: str, svc: ServiceDep, settings: SettingsDep):
-        if model_id != settings.model_name():
+        if model_id not in oc.served_model_ids(settings):
             raise NotFoundError(f"The model `{model_id}` does not exist.")
-        return served_model(settings, svc)
+        return served_model(model_id, svc)
 
     @r.get("/healthz", response_model=sc.Health, tags=["ops"], summary="Liveness and size")
     async def healthz(svc: ServiceDep, settings: SettingsDep):

@@ -65,7 +65,7 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
             req.ratio,
             sampling(settings, req.max_tokens, req.temperature, req.top_p, req.seed, req.stop),
             collection,
-            req.fidelity,
+            fidelity=req.fidelity,
         )
         rid = "q-" + uuid.uuid4().hex[:16]
         if not req.stream:
