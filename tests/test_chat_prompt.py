@@ -6,10 +6,10 @@ prompt of a chat with retrieval keeps the conversation's turns around ``/v1/quer
 from __future__ import annotations
 
 import pytest
-from ragkv.prompt import prompt_parts
 
 from ragkv.model import load_model
 from ragkv.model.chat import ChatTemplateError, chat_prompt_ids, plain_chat_text
+from ragkv.prompt import prompt_parts
 from tests.helpers import CHATML_TEMPLATE, INST_TEMPLATE, stories_model, template_ids, templated_checkpoint
 
 CONVERSATIONS = [
