@@ -23,6 +23,7 @@ from eval import faults
 from ragkv import LLM
 from ragkv.apps.config import Settings
 from ragkv.apps.service import ClientGoneError, Service, UnavailableError
+from ragkv.blend import DEFAULT_RATIO
 from ragkv.rag import RAG, ChunkIndex, IngestCancelled
 from ragkv.store import LocalDirStore
 from ragkv.store import blob as blobfmt
@@ -33,6 +34,7 @@ R_KEY = "read-key-0123456789abcdef"
 
 
 def _rag(path: Path, embedder, **kw) -> RAG:
+    kw.setdefault("ratio", DEFAULT_RATIO)  # blending mechanics: an explicit ratio (outside the fidelity gate)
     kw.setdefault("chunk_tokens", 64)
     kw.setdefault("top_k", 3)
     return RAG(LLM(stories_model()), path, embedder=embedder, **kw)

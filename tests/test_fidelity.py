@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from ragkv import LLM
+from ragkv import LLM, SamplingParams
 from ragkv.fidelity import GATE, choose, parse_fidelity, schedule_key
 from ragkv.fidelity.measure import Point, load_calibration_set, measure, monotone_violations, summarize
 from ragkv.fidelity.report import (
@@ -360,3 +360,26 @@ def test_the_service_says_its_operating_point_and_refuses_bad_settings(cache, tm
         assert r.status_code == 200, r.text
     finally:
         svc.close()
+
+
+def test_the_engine_runs_blend_at_the_gates_point(cache):
+    """``EngineConfig`` with no ratio: blend requests take the gate's point (no report here: exact),
+    with the point in the prefill stats; a per-request ratio is explicit; bad settings are refused."""
+    from ragkv.engine import Engine, EngineConfig
+
+    m = stories_model()
+    pre, chs, q = LLM(m).tokenize_prompt("", CHUNKS, QUESTION)
+    with Engine(m, EngineConfig(num_blocks=200)) as eng:
+        gated = eng.submit(pre, chs, q, SamplingParams(max_new_tokens=2), mode="blend").result()
+        explicit = eng.submit(pre, chs, q, SamplingParams(max_new_tokens=2), mode="blend", ratio=0.5).result()
+    assert (
+        gated.prefill_stats["mode"] == "prefix" and gated.prefill_stats["fidelity"]["source"] == "no-report"
+    )
+    assert explicit.prefill_stats["mode"] == "blend" and explicit.prefill_stats["fidelity"]["outside_gate"]
+    save_report(_report(m, LADDER), cache_path(m.fingerprint))
+    GATE.forget()
+    with Engine(m, EngineConfig(num_blocks=200, fidelity="fast")) as eng:
+        fast = eng.submit(pre, chs, q, SamplingParams(max_new_tokens=2)).result()
+    assert fast.prefill_stats["ratio"] == 0.3 and fast.prefill_stats["fidelity"]["point"] == "blend@0.3"
+    with pytest.raises(ValueError, match="fidelity"):
+        EngineConfig(fidelity="often")

@@ -11,6 +11,9 @@ import pytest
 from ragkv import LLM
 from ragkv.apps.config import Settings
 from ragkv.apps.service import QuerySpec, Service
+from ragkv.blend import (
+    DEFAULT_RATIO,  # tests of blending mechanics: an explicit ratio (outside the fidelity gate)
+)
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.locate import Located
 from ragkv.blend.spans import SearchCancelled, cancel_scope
@@ -30,7 +33,12 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def rag(tmp_path_factory):
     r = RAG(
-        LLM(stories_model()), tmp_path_factory.mktemp("gen"), embedder=Embedder(), chunk_tokens=32, top_k=3
+        LLM(stories_model()),
+        tmp_path_factory.mktemp("gen"),
+        embedder=Embedder(),
+        chunk_tokens=32,
+        top_k=3,
+        ratio=DEFAULT_RATIO,
     )
     r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(TEXTS)], show_progress=False)
     yield r
@@ -39,7 +47,11 @@ def rag(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_rag(rag):
-    view = rag.using(EngineGenerator(Engine(rag.model, EngineConfig(num_blocks=400), resolver=rag.resolver)))
+    view = rag.using(
+        EngineGenerator(
+            Engine(rag.model, EngineConfig(num_blocks=400, ratio=DEFAULT_RATIO), resolver=rag.resolver)
+        )
+    )
     yield view
     view.close()  # the view's close stops its engine; the RAG is closed by its own fixture
 

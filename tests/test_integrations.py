@@ -7,6 +7,10 @@ import operator
 
 import pytest
 
+from ragkv.blend import (
+    DEFAULT_RATIO,  # tests of blending mechanics: an explicit ratio (outside the fidelity gate)
+)
+
 pytest.importorskip("langchain_core")
 pytest.importorskip("llama_index.core")
 
@@ -38,6 +42,7 @@ def rag(tmp_path_factory, one_thread, embedder, samples):
         embedder=embedder,
         chunk_tokens=64,
         top_k=3,
+        ratio=DEFAULT_RATIO,
     )
     docs = [
         {"id": f"s{i}-p{j}", "text": c["text"][:300]}
@@ -192,7 +197,14 @@ def test_the_wrappers_work_inside_one_collection(tmp_path, one_thread, embedder,
     from ragkv.integrations.langchain import RagkvTextSplitter
     from ragkv.integrations.llama_index import RagkvNodeParser
 
-    r = RAG(LLM(stories_model()), tmp_path / "data", embedder=embedder, chunk_tokens=64, top_k=2)
+    r = RAG(
+        LLM(stories_model()),
+        tmp_path / "data",
+        embedder=embedder,
+        chunk_tokens=64,
+        top_k=2,
+        ratio=DEFAULT_RATIO,
+    )
     try:
         texts = [c["text"][:300] for s in samples for c in s["ctxs"][:2]]
         r.ingest(
@@ -496,7 +508,11 @@ def flat_rag(tmp_path_factory, embedder):
     model's 512 positions; each is two stored chunks."""
     texts = _short_texts(160)
     r = RAG(
-        LLM(stories_model()), tmp_path_factory.mktemp("lcel") / "data", embedder=embedder, chunk_tokens=64
+        LLM(stories_model()),
+        tmp_path_factory.mktemp("lcel") / "data",
+        embedder=embedder,
+        chunk_tokens=64,
+        ratio=DEFAULT_RATIO,
     )
     r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
     r.texts = texts

@@ -11,6 +11,10 @@ import time
 
 import pytest
 
+from ragkv.blend import (
+    DEFAULT_RATIO,  # tests of blending mechanics: an explicit ratio (outside the fidelity gate)
+)
+
 pytest.importorskip("llama_index.core")
 
 from llama_index.core import Document as LlamaDocument  # noqa: E402
@@ -39,7 +43,11 @@ def texts() -> list[str]:
 @pytest.fixture(scope="module")
 def rag(tmp_path_factory, one_thread, embedder, texts):
     r = RAG(
-        LLM(str(stories_path())), tmp_path_factory.mktemp("li") / "data", embedder=embedder, chunk_tokens=64
+        LLM(str(stories_path())),
+        tmp_path_factory.mktemp("li") / "data",
+        embedder=embedder,
+        chunk_tokens=64,
+        ratio=DEFAULT_RATIO,
     )
     r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
     yield r
@@ -51,7 +59,13 @@ def chat_rag(tmp_path_factory, one_thread, embedder):
     """The tiny model with a chat template on its (real) tokenizer: what an instruct model has."""
     llm = LLM(str(stories_path()))
     llm.model.tokenizer.chat_template = CHATML
-    r = RAG(llm, tmp_path_factory.mktemp("li-chat") / "data", embedder=embedder, chunk_tokens=64)
+    r = RAG(
+        llm,
+        tmp_path_factory.mktemp("li-chat") / "data",
+        embedder=embedder,
+        chunk_tokens=64,
+        ratio=DEFAULT_RATIO,
+    )
     yield r
     r.close()
 

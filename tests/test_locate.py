@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from ragkv import LLM
+from ragkv.blend import (
+    DEFAULT_RATIO,  # tests of blending mechanics: an explicit ratio (outside the fidelity gate)
+)
 from ragkv.blend.locate import ChunkLocator, Located
 from ragkv.generate import SamplingParams
 from ragkv.rag import RAG
@@ -25,7 +28,13 @@ DOCS = [
 
 @pytest.fixture(scope="module")
 def rag(tmp_path_factory, one_thread):
-    r = RAG(LLM(stories_model()), tmp_path_factory.mktemp("flat"), embedder=Embedder(), chunk_tokens=48)
+    r = RAG(
+        LLM(stories_model()),
+        tmp_path_factory.mktemp("flat"),
+        embedder=Embedder(),
+        chunk_tokens=48,
+        ratio=DEFAULT_RATIO,
+    )
     r.ingest(DOCS, show_progress=False)
     yield r
     r.close()
@@ -42,7 +51,9 @@ def _flat(rag, sep: str = "\n\n") -> str:
 
 def test_a_flat_prompt_reuses_the_stored_chunks_inside_it(rag):
     recs = [r for r in rag.index.all_chunks() if len(r.token_ids) >= 8]  # shorter ones are not located
-    ans = rag.llm.generate("", [], _flat(rag), mode="blend", chat=False, max_new_tokens=2)
+    ans = rag.llm.generate(
+        "", [], _flat(rag), mode="blend", ratio=DEFAULT_RATIO, chat=False, max_new_tokens=2
+    )
     assert ans.stats["located_chunks"] == len(recs)
     assert ans.stats["num_reused_rows"] >= 0.9 * sum(len(r.token_ids) for r in recs)
     full = rag.llm.generate("", [], _flat(rag), mode="full", chat=False, max_new_tokens=2)
@@ -207,7 +218,7 @@ def test_a_langchain_llm_given_a_flat_prompt_reuses_the_stored_chunks(rag):
 def test_the_locator_follows_ingest_replace_and_delete_without_a_rebuild(tmp_path):
     """Built once, then updated by every commit and delete (O(changed chunks)): an ingest never
     makes the next query rebuild it, and a deleted or replaced document's chunks are not found."""
-    r = RAG(LLM(stories_model()), tmp_path, embedder=Embedder(), chunk_tokens=48)
+    r = RAG(LLM(stories_model()), tmp_path, embedder=Embedder(), chunk_tokens=48, ratio=DEFAULT_RATIO)
     r.ingest([{"id": "a", "text": DOCS[0]}], show_progress=False)
     enc = r.model.encode
     loc = r.chunk_locator()
@@ -222,7 +233,7 @@ def test_the_locator_follows_ingest_replace_and_delete_without_a_rebuild(tmp_pat
     assert loc.find(enc(DOCS[1])) == []
     # the same index reopened builds a locator that finds the same
     r.close()
-    again = RAG(LLM(stories_model()), tmp_path, embedder=Embedder(), chunk_tokens=48)
+    again = RAG(LLM(stories_model()), tmp_path, embedder=Embedder(), chunk_tokens=48, ratio=DEFAULT_RATIO)
     fresh = again.chunk_locator()
     assert fresh.num_chunks == loc.num_chunks and len(fresh.find(enc(DOCS[2]))) >= 1
     again.close()

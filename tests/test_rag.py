@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ragkv import LLM
-from ragkv.blend import prefill
+from ragkv.blend import DEFAULT_RATIO, prefill
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory
 from ragkv.kv import compute_chunk_kv
@@ -33,6 +33,7 @@ def _docs(samples, per_sample=3):
 
 
 def _rag(tmp_path, embedder, store=None, **kw):
+    kw.setdefault("ratio", DEFAULT_RATIO)  # blending mechanics: an explicit ratio (outside the fidelity gate)
     kw.setdefault("chunk_tokens", 80)
     kw.setdefault("top_k", 4)
     return RAG(LLM(stories_model()), tmp_path / "data", store=store, embedder=embedder, **kw)

@@ -208,6 +208,9 @@ def test_demo_runs_on_the_tiny_model_and_ends_with_json(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["questions"] == 2 and out["passages"] == 3 and out["speedup"] > 0
     assert {"model", "f1_full", "f1_blend", "recall_full", "recall_blend", "ttft_full_median_s"} <= set(out)
+    # the tiny model has no fidelity report: the demo says so and runs exact, never silently blended
+    assert out["fidelity_target"] == "floor" and out["fidelity_point"] == "exact" and out["ratio"] is None
+    assert "no trusted fidelity report" in r.stdout and "operating point:" in r.stdout
 
 
 def test_default_blend_beats_reuse_on_the_real_model(real_llm, one_thread):
@@ -347,3 +350,27 @@ def test_rope_key_bits_beat_uniform_keys_on_the_real_model(real_llm, one_thread,
             load_prompt(cache, res)
             kl[name] += first_token_kl(ref, decode_step(m, cache, p[-1], len(p) - 1)) / 4
     assert kl["rope"] < 0.8 * kl["k3v2"] and kl["rope"] < 0.4 * kl["2bit"] and kl["rope"] < 0.06, kl
+
+
+@pytest.mark.slow
+def test_the_default_models_fidelity_report_ships_and_sets_the_default(real_llm, tmp_path, monkeypatch):
+    """The shipped report verifies for the real model (no cache needed) and the default setting runs
+    at a point that changes no more answers than bf16 full prefill does on the calibration set."""
+    from ragkv.fidelity import GATE
+    from ragkv.fidelity.choose import schedule_key
+    from ragkv.fidelity.report import load_report
+
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))  # the shipped copy alone
+    GATE.forget()
+    try:
+        m = real_llm.model
+        rep = load_report(m.fingerprint, schedule_key(None))
+        assert rep is not None and rep.n_questions >= 48 and rep.monotone_ok
+        assert 0.6 <= rep.floor.same < 1.0  # a dtype change alone changes some answers
+        op = real_llm.operating_point()
+        assert op.source == "report" and op.same >= rep.floor.same
+        assert real_llm.operating_point("fast").speedup >= 2.5
+        ans = real_llm.generate("", ["Lily had a red ball."], "What color was the ball?", max_new_tokens=4)
+        assert ans.stats["fidelity"]["point"] == op.point and ans.stats["mode"] == op.mode
+    finally:
+        GATE.forget()

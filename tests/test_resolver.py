@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 from ragkv import LLM
-from ragkv.blend import ChunkNotFoundError, ChunkResolver
+from ragkv.blend import (
+    DEFAULT_RATIO,  # tests of blending mechanics: an explicit ratio (outside the fidelity gate)
+    ChunkNotFoundError,
+    ChunkResolver,
+)
 from ragkv.engine import Engine, EngineConfig
 from ragkv.generate import SamplingParams
 from ragkv.rag import RAG
@@ -21,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def rag(tmp_path, embedder, one_thread):
-    r = RAG(LLM(stories_model()), tmp_path, embedder=embedder, chunk_tokens=64, top_k=3)
+    r = RAG(LLM(stories_model()), tmp_path, embedder=embedder, chunk_tokens=64, top_k=3, ratio=DEFAULT_RATIO)
     r.ingest([{"id": "d", "text": "Tom had a big red kite. " * 20}], show_progress=False)
     yield r
     r.close()
@@ -130,6 +134,7 @@ KV_READERS = {
     "ragkv/kv/compute.py",  # compute_chunk_kv itself
     "ragkv/blend/gate.py",  # the self-check's own probe chunks, not a prompt's
     "ragkv/kv/calibrate.py",  # calibration KV (RoPE key-block energies of demo chunks), not a prompt's
+    "ragkv/fidelity/measure.py",  # the fidelity report's calibration prompts, measured apart from any store
     "ragkv/rag/quotas.py",  # one sample chunk's KV, to measure the codec's bytes per token for quotas
     "ragkv/blend/pipeline.py",  # StoredChunk: the lazy reader the resolver hands out
     "ragkv/integrations/vllm/connector.py",  # runs inside vLLM's worker, over vLLM's paged KV
@@ -214,7 +219,7 @@ def test_gc_command_collects_a_data_folder(tmp_path, embedder, capsys, one_threa
     from ragkv.kv import compute_chunk_kv
     from tests.helpers import stories_path
 
-    r = RAG(LLM(stories_model()), tmp_path, embedder=embedder, chunk_tokens=64)
+    r = RAG(LLM(stories_model()), tmp_path, embedder=embedder, chunk_tokens=64, ratio=DEFAULT_RATIO)
     r.ingest(["Lily had a red ball."], show_progress=False)
     r.store.put(compute_chunk_kv(r.model, [7, 8, 9]))
     r.close()

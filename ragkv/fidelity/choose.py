@@ -208,10 +208,11 @@ class FidelityGate:
             return self._reports[key]
 
     def forget(self, fingerprint: str | None = None) -> None:
-        """Drop cached reports (all, or one model's): the next request reads the files again."""
+        """Drop cached reports (all, or one model's): the next request reads the files again (and a fallback is said again)."""
         with self._lock:
             for key in [k for k in self._reports if fingerprint in (None, k[0])]:
                 del self._reports[key]
+            self._logged = {k for k in self._logged if fingerprint not in (None, k[0])}
 
     def point(
         self,

@@ -23,6 +23,9 @@ def plot_report(report: FidelityReport, path: Path) -> Path:
     ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label="blend: same answer as full (95% CI)")
     for p in ladder:
         ax.annotate(p.name, (p.charged, p.same), textcoords="offset points", xytext=(4, -12), fontsize=7)
+    for p in report.points:
+        if p.mode == "prefix":  # exact prefill: what the gate falls back to
+            ax.plot([p.charged], [p.same], "g*", ms=12, label=f"exact prefill ({p.speedup:.2f}x TTFT)")
     ax.axhline(
         report.floor.same,
         color="crimson",
