@@ -121,8 +121,9 @@ class OperatingPoint:
         if self.source == "not-met":
             head += ", as no measured point meets the target"
         return (
-            f"{head}: keeps full prefill's answer on {self.same:.0%} of the calibration set "
-            f"(noise floor {self.noise_floor_same:.0%}), {self.speedup:.2f}x TTFT, charged compute {self.charged:.2f}"
+            f"{head}: keeps full prefill's answer on {self.same:.0%} of the calibration set (changes "
+            f"{self.changed_answers}; noise floor {self.noise_floor_same:.0%}), {self.speedup:.2f}x TTFT, "
+            f"charged compute {self.charged:.2f}"
         )
 
 
