@@ -14,6 +14,8 @@ slice ``[lo, hi)`` of the chunk's rows: the boundary tokens that tokenized diffe
 it and are computed as fresh rows by the blend. Built once (O(chunks)) and then kept in step with the corpus by
 :meth:`ChunkLocator.add` / :meth:`ChunkLocator.remove` (O(changed chunks)), so a prompt with no
 stored chunk costs one rolling hash over its tokens and an ingest never rebuilds it.
+:attr:`ChunkLocator.counts` counts that work (probes, anchor hits, tokens compared): the cost model a
+test checks by counting instead of timing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ragkv.blend.spans import _HASH_BASE, _HASH_MOD, ANCHOR_TOKENS, check_cancelled
+
+
+@dataclass
+class LocateCounts:
+    """Work of :meth:`ChunkLocator.find` calls so far: the cost model in numbers, not seconds.
+
+    ``probes``: prompt positions whose rolling hash was looked up (one per position: linear in the
+    prompt, whatever the number of stored chunks); ``hits``: anchors found there and verified;
+    ``compared``: prompt tokens compared while verifying and extending those hits (a match counts its
+    tokens plus 2, the comparisons that may have ended it). Updated once per call and per hit (no cost
+    per position); approximate while finds run in several threads at once.
+    """
+
+    probes: int = 0
+    hits: int = 0
+    compared: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,7 @@ class ChunkLocator:
         self._anchors: dict[int, tuple[tuple[str, tuple[int, ...], int], ...]] = {}
         self._hash_of: dict[str, tuple[int, ...]] = {}  # key -> its anchors' hashes (one per key)
         self._lead = pow(_HASH_BASE, ANCHOR_TOKENS - 1, _HASH_MOD)  # the leaving token's weight
+        self.counts = LocateCounts()  # the work of every find so far (tests count it)
         self.add(chunks)
 
     @property
@@ -126,6 +145,7 @@ class ChunkLocator:
             return []
         found: list[Located] = []
         searched_to: dict[str, int] = {}  # per key: rows before this are inside its last match
+        self.counts.probes += n - q + 1
         h = _hash(ids[:q])
         for i in range(n - q + 1):
             if i % (1 << 14) == 0:
@@ -133,6 +153,7 @@ class ChunkLocator:
             for key, toks, a in self._anchors.get(h, ()):
                 if i < searched_to.get(key, 0) or not shown(key):
                     continue  # its match here, if any, is the one already found (its other anchor)
+                self.counts.hits += 1
                 m = self._match(ids, i, toks, a)
                 if m is not None:
                     found.append(Located(key, toks, *m))
@@ -182,6 +203,7 @@ class ChunkLocator:
         """``(prompt start, lo, hi)`` of chunk ``toks`` whose anchor at offset ``a`` is at prompt row
         ``at``, or None."""
         if ids[at : at + ANCHOR_TOKENS] != list(toks[a : a + ANCHOR_TOKENS]):
+            self.counts.compared += ANCHOR_TOKENS
             return None  # a hash collision, never taken for a match
         hi = a + ANCHOR_TOKENS
         while hi < len(toks) and at + hi - a < len(ids) and ids[at + hi - a] == toks[hi]:
@@ -189,6 +211,7 @@ class ChunkLocator:
         lo = a
         while lo > 0 and at - (a - lo) - 1 >= 0 and ids[at - (a - lo) - 1] == toks[lo - 1]:
             lo -= 1
+        self.counts.compared += hi - lo + 2  # the matched tokens, and the two that may have ended it
         if hi - lo < self.min_share * len(toks):
             return None
         return at - (a - lo), lo, hi
