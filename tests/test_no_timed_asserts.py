@@ -9,9 +9,10 @@ docs/BENCHMARKS.md "Timing properties moved out of the suite").
 The lint parses every ``tests/*.py`` with :mod:`ast` and reports an ``assert`` (or an ``assert*``
 call, or an ``if`` that fails the test) whose expression involves a *difference* of clock readings
 (``time.perf_counter()``, ``time.monotonic()``, ``time.time()`` and their ``_ns`` forms): directly,
-through a variable or container that holds one, or through a helper function that returns one. A
-polling deadline (``deadline = time.monotonic() + 10``, ``while time.monotonic() < deadline``) is
-no difference: it waits for a condition and is not reported.
+through a variable or container that holds one, or through a helper function that returns one; and
+a hypothesis ``settings(deadline=...)`` other than None (the suite's profile has none). A polling
+deadline (``deadline = time.monotonic() + 10``, ``while time.monotonic() < deadline``) is no
+difference: it waits for a condition and is not reported.
 """
 
 from __future__ import annotations
@@ -234,12 +235,26 @@ def _fails(body: list[ast.stmt]) -> bool:
     return False
 
 
+def _hypothesis_deadlines(tree: ast.Module) -> list[tuple[str, int, str]]:
+    """``settings(deadline=...)`` with a deadline other than None: hypothesis's wall-time assert."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "settings":
+            for kw in node.keywords:
+                if kw.arg == "deadline" and not (
+                    isinstance(kw.value, ast.Constant) and kw.value.value is None
+                ):
+                    found.append(("settings", node.lineno, ast.unparse(node)[:120]))
+    return found
+
+
 def timed_asserts(source: str) -> list[tuple[str, int, str]]:
-    """``(function, line, source)`` of every assertion on a duration in a test module's source."""
+    """``(function, line, source)`` of every assertion on a duration in a test module's source (and
+    every hypothesis deadline, reported as function ``settings``)."""
     tree = ast.parse(source)
     mod = _Module(tree)
     if not mod.reads_clock:
-        return []
+        return _hypothesis_deadlines(tree)
     tops = [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         tops += [n for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
@@ -260,7 +275,7 @@ def timed_asserts(source: str) -> list[tuple[str, int, str]]:
                 checked = node.test
             if checked is not None and mod.is_duration(checked, scope):
                 found.append((fn.name, node.lineno, ast.unparse(checked)[:120]))
-    return found
+    return found + _hypothesis_deadlines(tree)
 
 
 # ---- the lint -------------------------------------------------------------------------------------
@@ -276,6 +291,15 @@ def test_no_test_asserts_on_wall_time_outside_the_allow_list():
         f"ALLOWED with its reason): {unexpected}"
     )
     assert set(ALLOWED) <= set(found), f"allowed but gone (remove them): {set(ALLOWED) - set(found)}"
+
+
+def test_hypothesis_has_no_wall_time_limits_in_this_suite():
+    """The suite's hypothesis profile (tests/conftest.py) has no per-example deadline and no "too
+    slow" health check: both time the shared machine (a JSON round trip test failed under load)."""
+    from hypothesis import HealthCheck, settings
+
+    assert settings.default.deadline is None
+    assert HealthCheck.too_slow in settings.default.suppress_health_check
 
 
 def _lint(src: str) -> list[str]:
@@ -364,6 +388,12 @@ def test_the_lint_finds_duration_asserts_however_they_are_written():
             def test_unittest(self):
                 t0 = time.perf_counter()
                 self.assertLess(time.perf_counter() - t0, 1.0)
+
+
+        @settings(max_examples=10, deadline=500)
+        @given(st.integers())
+        def test_hypothesis_deadline(x):
+            assert x == x
     """
     assert _lint(bad) == [
         "test_direct",
@@ -376,6 +406,7 @@ def test_the_lint_finds_duration_asserts_however_they_are_written():
         "test_arrival_times",
         "test_if_fail",
         "test_unittest",
+        "settings",
     ]
 
 
@@ -413,5 +444,11 @@ def test_the_lint_leaves_polling_deadlines_and_untimed_asserts_alone():
         def test_library_timings(answer, event):
             assert 0 < answer.ttft_s <= answer.total_s
             assert event.wait(30)
+
+
+        @settings(max_examples=30, deadline=None)
+        @given(st.integers())
+        def test_hypothesis_without_deadline(x):
+            assert x == x
     """
     assert _lint(good) == []
