@@ -6,11 +6,18 @@ and the service's default limits (or uses ``--url``), ingests a few passages, th
 worst-case request one at a time while a probe polls ``/healthz``: the most chunk references
 (``MAX_CHUNK_REFS`` copies of a stored chunk's key, and 4,096 refs), the longest stop list allowed
 and a longer one, the largest JSON body, and the longest NDJSON line (and one byte more). For each it
-prints the status, the request's wall time and the worst ``/healthz`` latency meanwhile; it ends with
+prints the status, the request's wall time and the worst ``/healthz`` latency meanwhile; then a
+``/healthz`` on a fresh connection beside ``--half-open`` connections that never finish their
+request head (more than ``max_connections``: the cap on pending ones closes the oldest). It ends with
 one JSON line whose ``worst_s`` is the costliest request.
+
+A started service gets ``--max-body-bytes`` / ``--max-line-bytes`` as its limits (the upload limit
+raised to fit two such lines), so ``--max-line-bytes 37748736`` times the 36 MiB line
+``tests/test_security.py`` sends (that test keeps a 10x bound; the figure is measured here).
 
     python -m eval.bench_worst_request
     python -m eval.bench_worst_request --model smollm2-135m-instruct   # the default model
+    python -m eval.bench_worst_request --max-line-bytes 37748736        # the test's 36 MiB line
     python -m eval.bench_worst_request --url http://127.0.0.1:8000 --key WRITE_KEY
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import tempfile
 import threading
@@ -32,13 +40,34 @@ from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.blend.spans import MAX_CHUNK_REFS
 
 
-def start_server(data_dir: Path, model: str = str(TINY_MODEL)) -> tuple[subprocess.Popen, str]:
+def start_server(
+    data_dir: Path, model: str = str(TINY_MODEL), limits: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
     """The service on a free loopback port with ``model`` (the tiny one: one torch thread) and the
-    default limits."""
+    default limits, or ``limits`` (``RAGKV_*`` settings) over them."""
     env = {"RAGKV_MODEL": model, "RAGKV_DATA_DIR": str(data_dir), "RAGKV_LOG_LEVEL": "warning"}
     if model == str(TINY_MODEL):
         env["RAGKV_TORCH_THREADS"] = "1"
-    return launch_server(env, data_dir.parent / "server.log")
+    return launch_server({**env, **(limits or {})}, data_dir.parent / "server.log")
+
+
+def healthz_beside_half_open(base: str, n: int) -> tuple[int, float]:
+    """(status, seconds) of ``/healthz`` on a fresh connection once ``n`` connections have sent an
+    unfinished request head (a slowloris attack: they hold the server's connection slots)."""
+    host, port = base.removeprefix("http://").split(":")
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # ... and nothing more
+            socks.append(s)
+        time.sleep(0.5)  # the server has accepted them all
+        t0 = time.perf_counter()
+        r = httpx.get(base + "/healthz", timeout=60)
+        return r.status_code, time.perf_counter() - t0
+    finally:
+        for s in socks:
+            s.close()
 
 
 def timed(base: str, send: Callable[[], httpx.Response]) -> tuple[int, float, float]:
@@ -82,12 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-body-bytes", type=int, default=8 << 20, help="the service's max_body_bytes")
     ap.add_argument("--max-line-bytes", type=int, default=16 << 20, help="its max_upload_line_bytes")
+    ap.add_argument("--half-open", type=int, default=300, help="half-open connections beside /healthz")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="ragkv-worst-")
     proc = None
     base = args.url
     if base is None:
-        proc, base = start_server(Path(tmp.name) / "data", args.model)
+        limits = {
+            "RAGKV_MAX_BODY_BYTES": str(args.max_body_bytes),
+            "RAGKV_MAX_UPLOAD_LINE_BYTES": str(args.max_line_bytes),
+            "RAGKV_MAX_UPLOAD_BYTES": str(max(256 << 20, 2 * args.max_line_bytes + 1024)),
+        }
+        proc, base = start_server(Path(tmp.name) / "data", args.model, limits)
     headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
     rows: list[dict] = []
     try:
@@ -180,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 shown = f"{extra:14.3f}" if extra is not None else f"{'':14}"
                 print(f"{name:32} {status!s:>12} {took:8.3f} {shown} {worst:12.3f}")
+            half_status, half_s = healthz_beside_half_open(base, args.half_open)
+            print(f"/healthz beside {args.half_open} half-open connections: {half_status} in {half_s:.3f} s")
     finally:
         if proc is not None:
             stop_server(proc, 30)
@@ -196,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 "worst_request": worst_row["request"],
                 "worst_over_baseline_s": round(extra, 3),
                 "healthz_max_s": round(max(r["healthz_max_s"] for r in rows), 3),
+                "longest_ndjson_line_bytes": args.max_line_bytes - 13,
+                "half_open": args.half_open,
+                "healthz_beside_half_open": {"status": half_status, "seconds": round(half_s, 3)},
                 "requests": [
                     {
                         **r,

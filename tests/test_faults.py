@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import shutil
 import socket
 import sqlite3
@@ -174,68 +175,81 @@ def _settings(**kw) -> Settings:
 
 @pytest.mark.slow  # fault injection
 def test_queue_deadline_is_enforced_while_waiting_and_the_work_is_dropped():
+    """A request queued behind a running ingest gets 503 once it has waited ``queue_timeout_s`` (the
+    service's own reckoning: "waited 0.5 s"), while that ingest is still running (the test holds it),
+    not when it ends; the queued work is dropped and never starts, though the worker goes on to the
+    next job. Ordering, not a stopwatch."""
     svc = Service(_settings())
-    ran = []
+    started, release = threading.Event(), threading.Event()
+    ran, after = [], []
 
-    async def main():
-        slow = asyncio.ensure_future(svc.run_ingest(lambda c: time.sleep(2.0)))
-        await asyncio.sleep(0.05)
-        t0 = time.perf_counter()
-        with pytest.raises(UnavailableError, match="waited"):
+    async def main() -> tuple[str, bool]:
+        slow = asyncio.ensure_future(svc.run_ingest(lambda c: started.set() or release.wait(60)))
+        assert await asyncio.to_thread(started.wait, 60)  # the one ingest worker is busy
+        with pytest.raises(UnavailableError, match="waited") as refused:
             await svc.run_ingest(lambda c: ran.append(1))
-        waited = time.perf_counter() - t0
-        await slow
-        return waited
+        held = not release.is_set() and not slow.done()
+        release.set()
+        assert await slow
+        # one worker, first in first out: the dropped job was taken (and skipped) before this one ran
+        await svc.run_ingest(lambda c: after.append(1))
+        return str(refused.value), held
 
-    waited = asyncio.run(main())
-    assert 0.4 < waited < 1.2  # the 503 comes at the deadline, not when the slow ingest ends
-    time.sleep(0.1)
-    assert ran == []  # dropped, never started
+    message, held = asyncio.run(main())
+    assert held  # the 503 came while the slow ingest was still running
+    waited = float(re.search(r"waited ([0-9.]+) s", message)[1])
+    assert waited >= 0.5 and "limit 0.5 s" in message  # never before the deadline
+    assert ran == [] and after == [1]  # dropped, never started
     assert svc.ingests.pending == 0
     assert svc.close()
 
 
 def test_client_that_goes_away_cancels_its_ingest():
-    svc = Service(_settings(queue_timeout_s=5))
-    seen = threading.Event()
+    """A client that leaves while its ingest runs gets ClientGoneError, and the running work is told
+    to stop (its cancel event), as the ingest checks between its steps."""
+    svc = Service(_settings(queue_timeout_s=60))
+    started, seen = threading.Event(), threading.Event()
 
     def work(cancel: threading.Event) -> None:
-        assert cancel.wait(5), "never cancelled"
+        started.set()
+        assert cancel.wait(60), "never cancelled"
         seen.set()
         raise IngestCancelled("stopped")
 
     async def main():
-        t0 = time.perf_counter()
-
         async def gone() -> bool:
-            return time.perf_counter() - t0 > 0.3
+            return started.is_set()  # the client leaves once its ingest is running
 
         with pytest.raises(ClientGoneError):
             await svc.run_ingest(work, gone)
 
     asyncio.run(main())
-    assert seen.wait(2)
+    assert seen.wait(60)
     assert svc.close()
 
 
 def test_shutdown_is_bounded_even_if_work_does_not_stop():
+    """``close(timeout)`` gives up on work that ignores its cancel: it returns False while that work
+    is still running (the test holds it until close has returned), instead of waiting for it; the
+    work, once let go, still ends cleanly, and nothing new is accepted. (``eval.bench_timing``
+    times close(0.5) itself.)"""
     svc = Service(_settings())
-    done = threading.Event()
+    started, release = threading.Event(), threading.Event()
 
-    async def main():
-        task = asyncio.ensure_future(svc.run_ingest(lambda c: done.wait(10)))
-        await asyncio.sleep(0.1)
-        t0 = time.perf_counter()
-        finished = await asyncio.to_thread(svc.close, 0.5)
-        took = time.perf_counter() - t0
-        done.set()
-        assert await asyncio.wait_for(task, 5)  # the work that would not stop still ends cleanly
+    async def main() -> tuple[bool, bool]:
+        task = asyncio.ensure_future(svc.run_ingest(lambda c: started.set() or release.wait(120)))
+        assert await asyncio.to_thread(started.wait, 60)
+        # a generous deadline against hanging; what is checked is that close returns before the work
+        finished = await asyncio.wait_for(asyncio.to_thread(svc.close, 0.5), 60)
+        held = not release.is_set() and not task.done()
+        release.set()
+        assert await asyncio.wait_for(task, 60)  # the work that would not stop still ends cleanly
         with pytest.raises(UnavailableError):  # and nothing new is accepted
             await svc.run_ingest(lambda c: None)
-        return finished, took
+        return finished, held
 
-    finished, took = asyncio.run(main())
-    assert not finished and took < 1.5
+    finished, held = asyncio.run(main())
+    assert not finished and held
 
 
 # ---- a store outage: answers go on, warnings are throttled ------------------------------------------
@@ -327,6 +341,48 @@ def app_factory(tmp_path_factory, embedder):
 
     yield make
     rag.close()
+
+
+def test_healthz_answers_while_every_worker_is_held(tmp_path, embedder, one_thread):
+    """Health never queues behind queries or ingest: with every query worker and the ingest worker
+    held by the test (and one more query queued), ``/healthz`` answers 200 and reports them. An
+    ordering witness; the end-to-end test under 32 clients keeps only a loose bound on its latency."""
+    from ragkv.apps.server import create_app
+
+    rag = _rag(tmp_path, embedder)
+    s = Settings(max_concurrency=2, allowed_hosts=["testserver"])
+    svc = Service(s, rag)
+    svc.start()
+    app = create_app(s, svc)
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def held(wait: float):
+        started.release()
+        release.wait(60)
+        yield "done"
+
+    async def query() -> list:
+        return [x async for x in svc.run_stream(held)]
+
+    async def main() -> tuple[int, dict]:
+        work = [asyncio.ensure_future(query()) for _ in range(s.max_concurrency + 1)]
+        work.append(asyncio.ensure_future(svc.run_ingest(lambda c: started.release() or release.wait(60))))
+        for _ in range(s.max_concurrency + 1):  # both query workers and the ingest worker are busy
+            assert await asyncio.to_thread(started.acquire, True, 60)
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as c:
+                r = await c.get("/healthz")
+        finally:
+            release.set()
+        assert [await w for w in work] == [["done"]] * (s.max_concurrency + 1) + [True]
+        return r.status_code, r.json()
+
+    try:
+        status, body = asyncio.run(main())
+    finally:
+        svc.close()
+    assert status == 200 and body["running"] == s.max_concurrency and body["queued"] == 1, body
 
 
 def test_writes_need_a_write_key_when_keys_are_configured(app_factory, one_thread):
@@ -452,7 +508,7 @@ def test_slow_bodies_get_408_and_half_open_connections_cannot_starve_healthz(tmp
                 reply = _read_until_closed(s, 30)
                 took = time.perf_counter() - t0
             assert reply.startswith(b"HTTP/1.1 408 "), (path, reply[:300])
-            assert b"request_timeout" in reply and 1.2 < took < 10, (path, took)
+            assert b"request_timeout" in reply and 1.2 < took < 15, (path, took)  # 1.5 s: 10x
         socks = []
         try:
             for _ in range(20):
@@ -486,7 +542,7 @@ def test_32_clients_race_deletes_and_queries_against_a_serial_reference(tmp_path
     churn = [{"id": f"ch-{i}", "text": d["text"]} for i, d in enumerate(faults.make_docs(8, seed=12))]
     extra = {"RAGKV_MAX_QUEUE": "64", "RAGKV_HEADER_TIMEOUT_S": "1.5", "RAGKV_QUEUE_TIMEOUT_S": "120"}
     with running_server(tmp_path, **extra) as base, httpx.Client(base_url=base, timeout=120) as c:
-        assert 1.0 < _slow_client_is_cut(base) < 10
+        assert 1.0 < _slow_client_is_cut(base) < 15  # header timeout 1.5 s: 10x
         r = c.post("/v1/documents", json={"documents": stable})
         assert r.status_code == 200, r.text
         stable_ids = {d["id"]: d["chunk_ids"] for d in r.json()["documents"]}
@@ -576,9 +632,11 @@ def test_32_clients_race_deletes_and_queries_against_a_serial_reference(tmp_path
                 }
             )
         )
-        # health never queues behind queries or ingest; the bound is loose because the measuring client
-        # shares this process (and its GIL) with the 32 load threads on 2 cores
-        assert max(health_s) < 5.0
+        # health never queues behind queries or ingest (test_healthz_answers_while_every_worker_is_held
+        # checks that by ordering); here only a regression of kind: the measuring client shares this
+        # process (and its GIL) with the 32 load threads on 2 cores, and a busy machine stretches it
+        # (2.3 s seen at load average 7, niced): 25 s is 10x that
+        assert max(health_s) < 25.0
     # the server has exited (its write-backs flushed): no KV of a deleted document came back
     db = sqlite3.connect(tmp_path / "data" / "index" / "chunks.sqlite")
     used = {k for (k,) in db.execute("SELECT kv_key FROM chunks")}

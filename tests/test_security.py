@@ -7,6 +7,7 @@ guards; each fails on the code before the fix (see the docstrings).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -345,10 +346,12 @@ def test_locator_matches_a_naive_search():
         assert locate_chunks(prompt, needles) == expect
 
 
-def test_duplicate_refs_read_each_header_once_and_locate_in_linear_time(tmp_path):
+def test_duplicate_refs_read_each_header_once_and_locate_in_linear_time(tmp_path, monkeypatch):
     """Finding: key-only refs were searched one by one with no dedup (4,096 refs: 1.37 s). 256 refs
-    of one stored chunk read its header once (old code: 256 reads) and locating them in an 8K prompt
-    takes well under a second; more than MAX_CHUNK_REFS refs is refused."""
+    of one stored chunk read its header once (old code: 256 reads) and are located in one pass over
+    the 8K prompt with one distinct needle (old code: 256 passes), counted, not timed
+    (``eval.bench_worst_request`` times the request); more than MAX_CHUNK_REFS refs is refused."""
+    from ragkv.blend import spans as spans_mod
     from ragkv.blend.spans import MAX_CHUNK_REFS, ChunkRef, SpanError, request_spans
 
     chunk = _real_chunk(4)
@@ -359,12 +362,17 @@ def test_duplicate_refs_read_each_header_once_and_locate_in_linear_time(tmp_path
     one = store.stats()["bytes_read"]
     request_spans(prompt, [ChunkRef(chunk.key)], store, chunk.fingerprint)
     per_header = store.stats()["bytes_read"] - one
-    t0 = time.perf_counter()
+    passes = []
+    find = spans_mod.find_occurrences
+    monkeypatch.setattr(
+        spans_mod,
+        "find_occurrences",
+        lambda ids, needles, *a: passes.append((len(ids), len(needles))) or find(ids, needles, *a),
+    )
     spans = request_spans(prompt, [ChunkRef(chunk.key)] * MAX_CHUNK_REFS, store, chunk.fingerprint)
-    took = time.perf_counter() - t0
     assert len(spans) == min(MAX_CHUNK_REFS, len(prompt) // (40 + len(toks)))
     assert store.stats()["bytes_read"] - one - per_header == per_header  # one header read for 256 refs
-    assert took < 1.0, took
+    assert passes == [(len(prompt), 1)]  # one pass over the prompt, one distinct needle for 256 refs
     with pytest.raises(SpanError, match="at most"):
         request_spans(prompt, [ChunkRef(chunk.key)] * (MAX_CHUNK_REFS + 1), store, chunk.fingerprint)
 
@@ -457,11 +465,53 @@ def test_bounded_request_lists(open_server):
     assert r.status_code == 400, r.text
 
 
+def test_ndjson_upload_scans_each_byte_once_whatever_its_line_length():
+    """The finding behind the long-line test below, counted instead of timed: every received byte is
+    scanned for a newline exactly once, whether a line fits in one 4 KiB piece or spans hundreds (the
+    quadratic code rescanned its growing buffer at every piece), and each line is whole."""
+    from pydantic import BaseModel
+
+    from ragkv.apps.routes.documents import read_ndjson
+
+    scanned = [0]
+
+    class Piece(bytes):
+        """A received piece that counts the bytes its newline searches look at."""
+
+        def find(self, sub, start=0, *rest):
+            at = bytes.find(self, sub, start, *rest)
+            scanned[0] += (at + 1 if at >= 0 else len(self)) - start
+            return at
+
+    class Doc(BaseModel):
+        text: str
+
+    class Upload:
+        """A request whose body streams in as 4 KiB pieces."""
+
+        def __init__(self, blob: bytes):
+            self.blob = blob
+
+        async def stream(self):
+            for i in range(0, len(self.blob), 4096):
+                yield Piece(self.blob[i : i + 4096])
+
+    for text_len in (100, 100_000, 2_000_000):
+        blob = b"".join(b'{"text": "' + b"a" * text_len + b'"}\n' for _ in range(3))
+        scanned[0] = 0
+        docs = asyncio.run(read_ndjson(Upload(blob), Doc, len(blob), len(blob)))
+        assert [len(d["text"]) for d in docs] == [text_len] * 3
+        assert scanned[0] == len(blob)
+
+
 @pytest.mark.slow  # a live server
 def test_long_ndjson_line_does_not_stall_the_server(open_server):
     """Finding: one long NDJSON line was assembled quadratically on the event loop (32 MiB: 8.5 s with
-    every request stalled). A 36 MiB line now streams in linearly (0.4 s here; the old code 6.0 s),
-    /healthz answers within 1 s throughout, and a line over max_upload_line_bytes is a 413."""
+    every request stalled). A 36 MiB line now streams in linearly (each byte scanned once: the test
+    above) and /healthz answers throughout: 0.41 s and 0.10 s worst (``eval.bench_worst_request
+    --max-line-bytes 37748736``), 0.61 s and 0.29 s at load average 10 (the old code: 6.0 s on a
+    quiet machine); the bounds are 10x the loaded figures, against a regression of kind. A line over
+    max_upload_line_bytes is a 413."""
     c, _ = open_server
     piece = b'{"id": "long", "text": "' + b"a" * (36 << 20) + b'"}\n'
     worst = [0.0]
@@ -490,7 +540,7 @@ def test_long_ndjson_line_does_not_stall_the_server(open_server):
         t.join()
     print(f"36 MiB NDJSON line: {took:.2f} s, /healthz worst {worst[0]:.3f} s")
     assert r.status_code == 422, r.text[:300]  # a valid line, but a text over max_document_chars
-    assert worst[0] < 1.0 and took < 4.0, (worst, took)
+    assert worst[0] < 3.0 and took < 6.0, (worst, took)
     over = b'{"text": "' + b"a" * (41 << 20) + b'"}\n'
     r = c.post("/v1/documents", content=chunks(over), headers={"content-type": "application/x-ndjson"})
     assert r.status_code == 413 and "line 1 longer" in r.json()["error"]["message"], r.text[:300]

@@ -7,12 +7,13 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from eval.harness import launch_server, stop_server
+from eval.harness import free_port, launch_server, stop_server
 from ragkv.apps.config import ConfigError, Settings, load_settings
 from tests.helpers import check_stop_strings, musique_samples, stories_path
 
@@ -195,29 +196,109 @@ def test_query_answers_with_sources_timings_and_reuse(client, ingested, samples)
     assert [s["chunk_id"] for s in one["sources"]] == ids
 
 
-def test_query_stream_delivers_tokens_incrementally(client, ingested, samples):
-    arrivals = []
-    t_start = time.perf_counter()
-    with client.stream(
-        "POST", "/v1/query", json={"question": samples[1]["question"], "stream": True, "max_tokens": 48}
-    ) as r:
+def _stream_events(client: httpx.Client, body: dict, on_event=None) -> list[tuple[str, dict]]:
+    """``(event, data)`` of a ``/v1/query`` SSE stream, ``on_event(event)`` called as each arrives."""
+    events = []
+    with client.stream("POST", "/v1/query", json={**body, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         event = None
         for line in r.iter_lines():
             if line.startswith("event: "):
                 event = line[7:]
             elif line.startswith("data: "):
-                arrivals.append((time.perf_counter(), event, json.loads(line[6:])))
-    kinds = [e for _, e, _ in arrivals]
+                events.append((event, json.loads(line[6:])))
+                if on_event is not None:
+                    on_event(event)
+    return events
+
+
+def test_query_stream_events_make_up_the_answer(client, ingested, samples):
+    """The real server's stream: token events, then one answer whose text they add up to."""
+    events = _stream_events(client, {"question": samples[1]["question"], "max_tokens": 48})
+    kinds = [e for e, _ in events]
     assert kinds[-1] == "answer" and kinds.count("token") >= 2 and "error" not in kinds
-    tokens = [d["text"] for _, e, d in arrivals if e == "token"]
-    final = arrivals[-1][2]
+    tokens = [d["text"] for e, d in events if e == "token"]
+    final = events[-1][1]
     assert "".join(tokens) == final["answer"] and final["usage"]["completion_tokens"] == len(tokens)
-    # the tokens arrived spread over the generation, not together at its end (a buffered answer
-    # would put every event in one read, microseconds apart)
-    token_times = [t for t, e, _ in arrivals if e == "token"]
-    spread = token_times[-1] - token_times[0]
-    assert spread > 0.2 * (arrivals[-1][0] - t_start), (spread, arrivals[-1][0] - t_start)
+
+
+@contextlib.contextmanager
+def serving_in_process(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port in a thread of this process (so a test can
+    hold the generation with an event it controls); yields the base URL."""
+    import threading
+
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:  # a deadline for start-up, not a measure
+        if not thread.is_alive() or time.monotonic() > deadline:
+            pytest.fail("the in-process server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_query_stream_delivers_tokens_incrementally(tmp_path, embedder, one_thread, samples, monkeypatch):
+    """Streaming streams: the generation is held before its second token until the client has
+    received the first token's event (an event the client sets), so a buffered answer, sent when
+    the generation ends, would never arrive in time (the hold gives up after 60 s: a failure).
+    Ordering, not arrival times; the served service in process with the tiny model."""
+    import threading
+
+    from ragkv import LLM
+    from ragkv.apps.server import create_app
+    from ragkv.apps.service import Service
+    from ragkv.generate import Detokenizer
+    from ragkv.rag import RAG
+
+    rag = RAG(
+        LLM(str(stories_path())),
+        tmp_path / "data",
+        embedder=embedder,
+        chunk_tokens=int(LIMITS["RAGKV_CHUNK_TOKENS"]),
+        top_k=int(LIMITS["RAGKV_TOP_K"]),
+    )
+    rag.ingest(_docs(samples), show_progress=False)
+    settings = Settings(max_new_tokens=NEW, max_new_tokens_limit=48, allowed_hosts=["127.0.0.1"])
+    svc = Service(settings, rag)
+    svc.start()  # the RAG is given: this picks the generator (no lifespan)
+    received = threading.Event()  # set by the client when the first token event has arrived
+    held: list[bool] = []
+    accept = Detokenizer.accept
+
+    def held_accept(self, tok):
+        if len(self.ids) == 1:  # the second token: not before the client has the first
+            held.append(received.wait(60))
+        return accept(self, tok)
+
+    monkeypatch.setattr(Detokenizer, "accept", held_accept)
+
+    def on_event(event: str) -> None:
+        if event == "token":
+            received.set()
+
+    try:
+        with (
+            serving_in_process(create_app(settings, svc)) as base,
+            httpx.Client(base_url=base, timeout=120) as c,
+        ):
+            body = {"question": samples[1]["question"], "max_tokens": 48}
+            events = _stream_events(c, body, on_event)
+    finally:
+        svc.close()
+    kinds = [e for e, _ in events]
+    assert kinds[-1] == "answer" and kinds.count("token") >= 2 and "error" not in kinds
+    assert held == [True]  # the first token reached the client while the generation waited for it
+    tokens = [d["text"] for e, d in events if e == "token"]
+    assert "".join(tokens) == events[-1][1]["answer"]
 
 
 def test_client_that_goes_away_stops_its_generation(client, ingested, samples):

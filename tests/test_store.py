@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -583,31 +584,48 @@ def test_two_processes_share_one_redis_store(redis_server):
     assert sorted(store.keys()) == sorted([mine.key, theirs.key])
 
 
-def test_redis_killed_mid_run_gives_misses_and_one_warning(make_redis_server, caplog):
+def test_redis_killed_mid_run_gives_misses_and_one_warning(make_redis_server, caplog, monkeypatch):
+    """A killed Redis: every call is a miss or a failed put, with one warning. After the first failed
+    call no call touches the network until ``down_backoff_s`` is over (a query with 6 chunks x 32
+    layers must not wait 192 connect timeouts): connection attempts are counted while the store's
+    clock stands still, then the clock is moved past the back-off and the store reconnects."""
+    import redis
+
+    from ragkv.store import redis_store
     from ragkv.store.redis_store import RedisStore
 
+    now = [1000.0]  # the store's clock (its back-off deadline), moved by the test only
+    monkeypatch.setattr(redis_store, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    connects: list[int] = []
+    connect = redis.connection.AbstractConnection.connect
+    monkeypatch.setattr(
+        redis.connection.AbstractConnection, "connect", lambda c: connects.append(1) or connect(c)
+    )
     server = make_redis_server()
     store = RedisStore(server.url, prefix="kill:", down_backoff_s=0.3, warn_every_s=60.0, socket_timeout=1.0)
     a, b = make_chunk(70), make_chunk(71)
     assert store.put(a) and store.get(a.key, FP) is not None
     server.kill()
-    t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, "ragkv.store"):
+        before = len(connects)
         assert store.get(a.key, FP) is None
+        first = len(connects)
+        assert 1 <= first - before <= 2  # the failed call: one attempt and its one retry at most
         for layer in range(L):
             assert store.load_layers(a.key, layer, layer + 1, FP) is None
         assert store.put(b) is False
         assert store.contains(a.key) is False and store.keys() == [] and store.nbytes() == 0
         assert store.header(a.key) is None and store.ping() is False
-    assert time.monotonic() - t0 < 5.0
+    assert len(connects) == first  # backing off: none of those calls tried to connect
     msgs = warnings_of(caplog)
     assert len(msgs) == 1 and "unavailable" in msgs[0] and "recomputed" in msgs[0]  # rate-limited
     st = store.stats()
     assert st["errors"] >= 8 and st["put_errors"] == 1 and st["misses"] >= 5
 
-    server.start()  # back (empty: no persistence); the store reconnects after its back-off
-    time.sleep(0.35)
-    assert store.get(a.key, FP) is None
+    server.start()  # back (empty: no persistence)
+    assert store.get(a.key, FP) is None and len(connects) == first  # still backing off: not asked
+    now[0] += 0.3  # the back-off is over: the store reconnects
+    assert store.get(a.key, FP) is None and len(connects) > first
     assert store.put(b)
     assert_same(store.get(b.key, FP), b)
 

@@ -18,7 +18,8 @@ stored chunk costs one rolling hash over its tokens and an ingest never rebuilds
 Locating stays linear in the prompt however many chunks are stored: an anchor window is shared by
 at most :data:`MAX_BUCKET` chunks. Chunks that begin (or end) alike, e.g. documents under the same
 boilerplate header, take the nearest window inward that is still distinctive, so a prompt position
-is verified against a bounded number of chunks (the work a call did is counted in ``work``).
+is verified against a bounded number of chunks. :attr:`ChunkLocator.counts` counts that work
+(probes, anchor hits, tokens compared): the cost model a test checks by counting instead of timing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,22 @@ from ragkv.blend.spans import _HASH_BASE, _HASH_MOD, ANCHOR_TOKENS, check_cancel
 
 #: most chunks anchored at one window hash; a chunk whose window is that common anchors further in
 MAX_BUCKET = 4
+
+
+@dataclass
+class LocateCounts:
+    """Work of :meth:`ChunkLocator.find` calls so far: the cost model in numbers, not seconds.
+
+    ``probes``: prompt positions whose rolling hash was looked up (one per position: linear in the
+    prompt, whatever the number of stored chunks); ``hits``: anchors found there and verified;
+    ``compared``: prompt tokens compared while verifying and extending those hits (a match counts its
+    tokens plus 2, the comparisons that may have ended it). Updated once per call and per hit (no cost
+    per position); approximate while finds run in several threads at once.
+    """
+
+    probes: int = 0
+    hits: int = 0
+    compared: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,7 @@ class ChunkLocator:
         self._anchors: dict[int, tuple[tuple[str, tuple[int, ...], int], ...]] = {}
         self._hash_of: dict[str, tuple[int, ...]] = {}  # key -> its anchors' hashes (one per key)
         self._lead = pow(_HASH_BASE, ANCHOR_TOKENS - 1, _HASH_MOD)  # the leaving token's weight
+        self.counts = LocateCounts()  # the work of every find so far (tests count it)
         self.add(chunks)
 
     @property
@@ -146,7 +164,6 @@ class ChunkLocator:
         self,
         prompt_ids: Sequence[int],
         visible: Callable[[str], bool] | None = None,
-        work: dict | None = None,
     ) -> list[Located]:
         """Non-overlapping stored chunks in ``prompt_ids``, in prompt order.
 
@@ -156,9 +173,7 @@ class ChunkLocator:
         never takes them from the chunk that matches them all, wherever in the prompt either match
         was found. ``visible``: only chunks whose key it
         accepts are candidates, so a hidden chunk never takes a visible one's rows (asked once per
-        matching key and call). ``work``: a dict that gets the call's cost added, ``positions``
-        (prompt positions hashed), ``candidates`` (chunks verified at an anchor hit) and ``compared``
-        (tokens compared verifying and extending them)."""
+        matching key and call). The call's work is added to :attr:`counts`."""
         ids = [int(t) for t in prompt_ids]
         seen: dict[str, bool] = {}
 
@@ -174,7 +189,7 @@ class ChunkLocator:
             return []
         found: list[Located] = []
         searched_to: dict[str, int] = {}  # per key: rows before this are inside its last match
-        cost = [0, 0]  # candidates verified, tokens compared
+        self.counts.probes += n - q + 1
         h = _hash(ids[:q])
         for i in range(n - q + 1):
             if i % (1 << 14) == 0:
@@ -182,15 +197,13 @@ class ChunkLocator:
             for key, toks, a in self._anchors.get(h, ()):
                 if i < searched_to.get(key, 0) or not shown(key):
                     continue  # its match here, if any, is the one already found (its other anchor)
-                m = self._match(ids, i, toks, a, cost)
+                self.counts.hits += 1
+                m = self._match(ids, i, toks, a)
                 if m is not None:
                     found.append(Located(key, toks, *m))
                     searched_to[key] = m[0] + m[2] - m[1]
             if i + q < n:
                 h = ((h - (ids[i] + 1) * self._lead) * _HASH_BASE + ids[i + q] + 1) % _HASH_MOD
-        if work is not None:
-            for name, v in (("positions", n - q + 1), ("candidates", cost[0]), ("compared", cost[1])):
-                work[name] = work.get(name, 0) + v
         return self._disjoint(found)
 
     def _disjoint(self, found: list[Located]) -> list[Located]:
@@ -230,15 +243,11 @@ class ChunkLocator:
             bisect.insort(taken, (start, stop))
         return sorted(out, key=lambda f: f.start)
 
-    def _match(
-        self, ids: list[int], at: int, toks: tuple[int, ...], a: int, cost: list[int] | None = None
-    ) -> tuple[int, int, int] | None:
+    def _match(self, ids: list[int], at: int, toks: tuple[int, ...], a: int) -> tuple[int, int, int] | None:
         """``(prompt start, lo, hi)`` of chunk ``toks`` whose anchor at offset ``a`` is at prompt row
-        ``at``, or None. ``cost``: ``[candidates, tokens compared]``, added to."""
-        if cost is not None:
-            cost[0] += 1
-            cost[1] += ANCHOR_TOKENS
+        ``at``, or None."""
         if ids[at : at + ANCHOR_TOKENS] != list(toks[a : a + ANCHOR_TOKENS]):
+            self.counts.compared += ANCHOR_TOKENS
             return None  # a hash collision, never taken for a match
         hi = a + ANCHOR_TOKENS
         while hi < len(toks) and at + hi - a < len(ids) and ids[at + hi - a] == toks[hi]:
@@ -246,8 +255,7 @@ class ChunkLocator:
         lo = a
         while lo > 0 and at - (a - lo) - 1 >= 0 and ids[at - (a - lo) - 1] == toks[lo - 1]:
             lo -= 1
-        if cost is not None:
-            cost[1] += hi - lo - ANCHOR_TOKENS + 2  # the tokens that agreed, and the two that did not
+        self.counts.compared += hi - lo + 2  # the matched tokens, and the two that may have ended it
         if hi - lo < self.min_share * len(toks):
             return None
         return at - (a - lo), lo, hi

@@ -79,9 +79,8 @@ def encode_with_offsets(tokenizer, text: str, specials: bool = False):
         and isinstance(backend, Tokenizer)
         and backend.truncation is None
         and backend.padding is None
-        and not backend.encode_special_tokens
         and not getattr(tokenizer, "split_special_tokens", False)
-        and (specials or not any(t in text for t in _special_texts(tokenizer)))  # else: text, below
+        and _specials_agree(tokenizer, backend, text, specials)
     ):
         enc = backend.encode_batch([text], add_special_tokens=False)[0]
         return enc.ids, _TokenSpans(enc)
@@ -89,6 +88,17 @@ def encode_with_offsets(tokenizer, text: str, specials: bool = False):
         text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=not specials
     )
     return enc["input_ids"], enc["offset_mapping"]
+
+
+def _specials_agree(tokenizer, backend, text: str, specials: bool) -> bool:
+    """Whether the Rust backend, as it is now, treats special tokens' texts as asked. ``specials``: it
+    must parse them (transformers' own calls with ``split_special_tokens=True``, e.g. rendering a chat
+    prompt, leave the shared backend splitting them). A document's text (not ``specials``) must have
+    none (such a text takes the HF call, which keeps them text); without one the backend's flag
+    changes nothing, so a flag left set never sends every later split down the GIL-holding path."""
+    if specials:
+        return not backend.encode_special_tokens
+    return not any(t in text for t in _special_texts(tokenizer))
 
 
 def _special_texts(tokenizer) -> list[str]:
