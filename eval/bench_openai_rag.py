@@ -76,14 +76,18 @@ def stuff_chain(llm):
     return ChatPromptTemplate([("system", SYSTEM), ("human", HUMAN)]) | llm
 
 
-def start_service(data_dir: Path, model: str, threads: int, passages: list[str]) -> tuple:
-    """A live ``python -m ragkv.apps.server`` on ``model`` with ``passages`` ingested (ids ``p0``...)."""
+def start_service(
+    data_dir: Path, model: str, threads: int, passages: list[str], ratio: float | None = None
+) -> tuple:
+    """A live ``python -m ragkv.apps.server`` on ``model`` with ``passages`` ingested (ids ``p0``...);
+    ``ratio``: an explicit blend ratio for the service (None: the fidelity gate's operating point)."""
     env = {
         "RAGKV_MODEL": model,
         "RAGKV_TORCH_THREADS": str(threads),
         "RAGKV_DATA_DIR": str(data_dir),
         "RAGKV_LOG_LEVEL": "warning",
         "RAGKV_MAX_CONCURRENCY": "1",
+        **({"RAGKV_RATIO": str(ratio)} if ratio is not None else {}),
     }
     proc, base = launch_server(env, data_dir.parent / "server.log", 600)
     docs = [{"id": f"p{i}", "text": t} for i, t in enumerate(passages)]

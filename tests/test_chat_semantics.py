@@ -131,7 +131,14 @@ def test_stored_chunks_are_reused_without_changing_the_prompt(served, client, tm
     stats = out.model_extra["ragkv"]["stats"]
     assert stats["kv_hits"] >= 2 and stats["num_reused_rows"] > 0
     assert out.usage.prompt_tokens_details.cached_tokens == stats["num_reused_rows"] + stats["num_exact_rows"]
-    settings = load_settings(None, model=str(ckpt), data_dir=str(tmp_path / "data"), chunk_tokens=64, top_k=3)
+    settings = load_settings(
+        None,
+        model=str(ckpt),
+        data_dir=str(tmp_path / "data"),
+        chunk_tokens=64,
+        top_k=3,
+        ratio=float(LIMITS["RAGKV_RATIO"]),
+    )
     rag = build_rag(settings)
     try:
         rag.ingest(

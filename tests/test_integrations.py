@@ -630,7 +630,7 @@ def test_standard_lcel_chain_on_the_real_model(tmp_path, embedder, one_thread):
     except ModelFetchError as e:
         pytest.skip(f"default model not available: {e}")
     texts = _short_texts(700)
-    r = RAG(LLM(DEFAULT_MODEL), tmp_path / "data", embedder=embedder, chunk_tokens=128)
+    r = RAG(LLM(DEFAULT_MODEL), tmp_path / "data", embedder=embedder, chunk_tokens=128, ratio=DEFAULT_RATIO)
     try:
         r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
         store = InMemoryVectorStore(RagkvEmbeddings(embedder))

@@ -199,7 +199,7 @@ def test_instruct_model_plain_completion_is_not_empty(tmp_path, embedder):
         pull(DEFAULT_MODEL, quiet=True)
     except ModelFetchError as e:
         pytest.skip(f"default model not available: {e}")
-    r = RAG(LLM(DEFAULT_MODEL), tmp_path / "data", embedder=embedder)
+    r = RAG(LLM(DEFAULT_MODEL), tmp_path / "data", embedder=embedder, ratio=DEFAULT_RATIO)
     try:
         llm = RagkvLlamaLLM(rag=r, max_tokens=12)
         out = llm.complete("What is the capital of France?")
@@ -307,8 +307,12 @@ def real_rag(tmp_path_factory, embedder):
     except ModelFetchError as e:
         pytest.skip(f"default model not available: {e}")
     texts = [c["text"].strip()[:700] for s in musique_samples(2) for c in s["ctxs"][:3]]
-    r = RAG(
-        LLM(DEFAULT_MODEL), tmp_path_factory.mktemp("li-real") / "data", embedder=embedder, chunk_tokens=128
+    r = RAG(  # the reuse paths at an explicit ratio (the gate's default on this model is exact prefill)
+        LLM(DEFAULT_MODEL),
+        tmp_path_factory.mktemp("li-real") / "data",
+        embedder=embedder,
+        chunk_tokens=128,
+        ratio=DEFAULT_RATIO,
     )
     r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
     r.texts = texts

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import pytest
 
+from ragkv.blend import DEFAULT_RATIO
+
 pytest.importorskip("langchain_openai")
 
 from eval.bench_openai_rag import Recorder, chat_openai, musique_passages, start_service, stuff_chain  # noqa: E402
@@ -44,10 +46,12 @@ def service(tmp_path_factory):
         pytest.skip(f"default model not available: {e}")
     question, passages = musique_passages(18)
     data = tmp_path_factory.mktemp("openai-rag") / "data"
-    proc, base = start_service(data, DEFAULT_MODEL, 2, passages)
+    # the reuse path at an explicit ratio (the gate's default on this model is exact prefill: no reuse)
+    proc, base = start_service(data, DEFAULT_MODEL, 2, passages, ratio=DEFAULT_RATIO)
     rag = None
     try:
-        rag = build_rag(load_settings(None, model=DEFAULT_MODEL, data_dir=str(data)), collect_garbage=False)
+        settings = load_settings(None, model=DEFAULT_MODEL, data_dir=str(data), ratio=DEFAULT_RATIO)
+        rag = build_rag(settings, collect_garbage=False)
         yield base, DEFAULT_MODEL, question, passages, rag
     finally:
         if rag is not None:

@@ -15,6 +15,7 @@ import pytest
 
 from eval.harness import free_port, launch_server, stop_server
 from ragkv.apps.config import ConfigError, Settings, load_settings
+from ragkv.blend import DEFAULT_RATIO
 from tests.helpers import check_stop_strings, musique_samples, stories_path
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
@@ -37,6 +38,9 @@ LIMITS = {  # small limits keep every request (and the schemathesis run) cheap o
     "RAGKV_MAX_CHUNK_IDS": "8",
     "RAGKV_MAX_MESSAGES": "6",
     "RAGKV_LOG_LEVEL": "warning",
+    # the service's tests check the reuse/blend paths: an explicit ratio (outside the fidelity gate;
+    # the tiny model has no fidelity report, so the gate's default would run exact prefill)
+    "RAGKV_RATIO": str(DEFAULT_RATIO),
 }
 
 

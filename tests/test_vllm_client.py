@@ -135,6 +135,7 @@ def rag(servers, one_thread, samples):
         embedder=Embedder(),
         chunk_tokens=int(LIMITS["RAGKV_CHUNK_TOKENS"]),
         top_k=int(LIMITS["RAGKV_TOP_K"]),
+        ratio=float(LIMITS["RAGKV_RATIO"]),  # as the served app (an explicit ratio: the blend path)
     )
     assert r.ingest(_docs(samples), show_progress=False).chunks_added > 0
     yield r
