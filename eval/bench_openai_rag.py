@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="2,4,6,10", help="passages per prompt")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help="the service's blend ratio (default: the fidelity gate's point)",
+    )
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
     question, passages = musique_passages(18)
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
-        proc, base = start_service(Path(d) / "data", args.model, args.threads, passages)
+        proc, base = start_service(Path(d) / "data", args.model, args.threads, passages, args.ratio)
         print(f"service up, 18 passages ingested in {time.perf_counter() - t0:.0f} s", flush=True)
         try:
             name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
