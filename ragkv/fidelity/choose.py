@@ -225,8 +225,11 @@ class FidelityGate:
         target = parse_fidelity(fidelity)
         op = choose(self.report(fingerprint, schedule), target)
         key = (fingerprint, target, op.source)
-        if op.source in ("no-report", "not-met") and key not in self._logged:
-            self._logged.add(key)
+        with self._lock:  # said once, even when a model's first requests arrive together
+            first = op.source in ("no-report", "not-met") and key not in self._logged
+            if first and len(self._logged) < 4096:  # bounded: clients may send many numeric targets
+                self._logged.add(key)
+        if first:
             why = (
                 "it has no trusted fidelity report (run `ragkv calibrate --model ...`)"
                 if op.source == "no-report"
