@@ -121,6 +121,9 @@ def test_the_built_wheel_ships_only_the_ragkv_package(tmp_path):
     assert {t for t in top if not t.endswith(".dist-info")} == {"ragkv"}, sorted(top)
     for module in ("ragkv/apps/server.py", "ragkv/integrations/vllm/plugin.py", "ragkv/demo/corpus.json"):
         assert module in names
+    # the fidelity gate's data: the calibration set and every shipped report (the default model's)
+    shipped = [p.relative_to(REPO).as_posix() for p in (REPO / "ragkv/fidelity/reports").glob("*.json")]
+    assert shipped and {"ragkv/fidelity/calibration_set.json", *shipped} <= set(names)
     assert "ragkv = ragkv.integrations.vllm.plugin:register" in entry_points
 
 
