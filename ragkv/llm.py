@@ -45,7 +45,7 @@ class LLM:
     manages); chunk KV is also kept in an in-process LRU of ``cache_bytes``.
 
     ``fidelity``: how ``mode="blend"`` without a ratio runs (``ragkv.fidelity``): ``"floor"`` (the
-    default: the fastest point of the model's fidelity report that changes no more answers than a
+    default: the cheapest point of the model's fidelity report that changes no more answers than a
     dtype change does), ``"exact"``, ``"fast"`` / ``"fast:X"`` or a same-answer rate in (0, 1]. An
     explicit ``ratio=`` (or a ``schedule=``) runs as asked and is reported as outside the gate.
     """
