@@ -278,7 +278,7 @@ def measure(
         for q in tqdm(todo, desc="fidelity", unit="question", disable=not progress):
             for r in runner.question(q, passages, points):
                 r["key"] = key
-                records = [x for x in records if (x["id"], x["point"]) != (r["id"], r["point"])] + [r]
+                records.append(r)
                 f.write(json.dumps(r) + "\n")
             f.flush()
-    return summarize(model, schedule, records, points, max_new_tokens, key["set"])
+    return summarize(model, schedule, records, points, max_new_tokens, key["set"])  # newest record wins

@@ -590,10 +590,7 @@ class RAG:
         events, then a :class:`RagAnswer` without sources. In the modes that reuse KV the stored
         chunks found inside the ids are reused (:meth:`job`, ``collection``'s; None: any); the ids
         never change, so ``mode="full"`` prefills the same ids in full."""
-        params = params or SamplingParams()
-        t0 = time.perf_counter()
-        job = self.job(prompt_ids, [], mode, ratio, params, kv_collection=collection, fidelity=fidelity)
-        yield from self._answer(job, [], t0, 0.0)
+        return self.stream_parts(prompt_ids, [], [], mode, ratio, params, fidelity, collection)
 
     def stream_parts(
         self,
@@ -604,10 +601,12 @@ class RAG:
         ratio: float | str | None = None,
         params: SamplingParams | None = None,
         fidelity: str | float | None = None,
+        collection: str | None = None,
     ) -> Iterator:
         """Complete token-id ``prefix + chunks + suffix`` (a framework's prompt): token events, then a
         :class:`RagAnswer` without sources. Chunk KV is found by content; stored chunks inside the
-        rest of the prompt are located (transparent reuse of a flat prompt, :meth:`job`)."""
+        rest of the prompt are located (transparent reuse of a flat prompt, :meth:`job`; only
+        ``collection``'s, None: any)."""
         params = params or SamplingParams()
         t0 = time.perf_counter()
         ids, found = [int(t) for t in prefix], []
@@ -616,7 +615,7 @@ class RAG:
             found.append(Located(chunk_key(toks, self.model.fingerprint), toks, len(ids), 0, len(toks)))
             ids += toks
         ids += [int(t) for t in suffix]
-        job = self.job(ids, found, mode, ratio, params, fidelity=fidelity)
+        job = self.job(ids, found, mode, ratio, params, kv_collection=collection, fidelity=fidelity)
         yield from self._answer(job, [], t0, 0.0)
 
     def stream_text(
