@@ -232,8 +232,16 @@ def _calibrate(args) -> int:
         f"measuring the fidelity of {args.model} ({model.fingerprint[:12]}) on "
         f"{args.limit or 'all'} calibration questions, {torch.get_num_threads()} torch thread(s)"
     )
-    report = measure(model, bf16, limit=args.limit, ladder=ladder, progress=not args.quiet)
-    out = Path(args.out) if args.out else cache_path(model.fingerprint)
+    adapter = None
+    if args.adapter:
+        from ragkv.adapter.kv_adapter import KVAdapter
+
+        adapter = KVAdapter.load(args.adapter, model)
+        print(
+            f"reuse and blend read stored chunk KV through the KV adapter {adapter.identity} ({args.adapter})"
+        )
+    report = measure(model, bf16, limit=args.limit, ladder=ladder, progress=not args.quiet, adapter=adapter)
+    out = Path(args.out) if args.out else cache_path(model.fingerprint, adapter=report.adapter)
     save_report(report, out)
     png = plot_report(report, out.with_suffix(".png"))
     f = report.floor
@@ -260,6 +268,7 @@ def _calibrate(args) -> int:
             {
                 "model": str(args.model),
                 "fingerprint": model.fingerprint,
+                "adapter": report.adapter or None,
                 "questions": report.n_questions,
                 "noise_floor_same": f.same,
                 "compute_to_floor": report.compute_to_floor,
@@ -512,6 +521,39 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-file", help=PROMPT_FILE_HELP)
 
 
+def _adapter(args: argparse.Namespace) -> int:
+    """``ragkv adapter train``: one adapter for ``--model``, its summary as one JSON line."""
+    from ragkv.adapter.train import TrainConfig, main_json, train
+    from ragkv.model import load_model
+    from ragkv.model.gguf import cache_root
+
+    _set_threads(args.threads)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(args.model, dtype="float32", device=device)
+    cfg = TrainConfig(
+        rank=args.rank,
+        epochs=args.epochs,
+        lr=args.lr,
+        batch=args.batch,
+        seed=args.seed,
+        n_facts=args.facts,
+        n_real=args.real,
+        n_continue=args.continuations,
+    )
+    out = (
+        Path(args.out)
+        if args.out
+        else cache_root() / "adapters" / f"{model.fingerprint[:16]}-r{args.rank}.safetensors"
+    )
+    print(
+        f"training a rank-{args.rank} KV adapter for {args.model} ({model.fingerprint[:12]}) on {device} -> {out}"
+    )
+    print(main_json(train(model, out, cfg, progress=not args.quiet)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ragkv", description="RAG with reused, blended chunk KV.")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -570,8 +612,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="report path (default: $RAGKV_CACHE_DIR/fidelity/<fingerprint>.json)"
     )
     c.add_argument("--threads", default="auto", help="torch threads: a number, or auto")
+    c.add_argument(
+        "--adapter", default=None, help="a KV adapter file: measure the (model, adapter) pair's own report"
+    )
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_calibrate)
+
+    ad = sub.add_parser(
+        "adapter",
+        help="train a KV adapter for a model (ragkv adapter train --model M)",
+        description="Train a small correction of reused chunk KV by KL to the model's own float32 full "
+        "prefill (ragkv/adapter; docs/ADAPTER.md). CPU by default, CUDA when present; resumes from its "
+        "checkpoint; ends with one JSON line. Check it with `python -m eval.bench_adapter --adapters "
+        "name=PATH` and `ragkv calibrate --adapter PATH` before using it.",
+    )
+    ad.add_argument("action", choices=["train"])
+    ad.add_argument("--model", default=DEFAULT_MODEL, help="model name, GGUF file, folder or hub id")
+    ad.add_argument("--out", default=None, help="adapter file (default: $RAGKV_CACHE_DIR/adapters/...)")
+    ad.add_argument("--rank", type=int, default=16, help="0: a learned constant offset per layer")
+    ad.add_argument("--epochs", type=int, default=2)
+    ad.add_argument("--lr", type=float, default=2e-3)
+    ad.add_argument("--batch", type=int, default=4)
+    ad.add_argument("--facts", type=int, default=200, help="questions over invented facts")
+    ad.add_argument("--real", type=int, default=40, help="real questions from a checkout's data/")
+    ad.add_argument("--continuations", type=int, default=30, help="generic continuation samples")
+    ad.add_argument("--seed", type=int, default=0)
+    ad.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ad.add_argument("--threads", default="auto", help="torch threads: a number, or auto")
+    ad.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ad.set_defaults(func=_adapter)
 
     mo = sub.add_parser(
         "models",

@@ -383,3 +383,60 @@ def test_the_engine_runs_blend_at_the_gates_point(cache):
     assert fast.prefill_stats["ratio"] == 0.3 and fast.prefill_stats["fidelity"]["point"] == "blend@0.3"
     with pytest.raises(ValueError, match="fidelity"):
         EngineConfig(fidelity="often")
+
+
+def test_a_kv_adapter_gets_its_own_report_reusing_what_it_cannot_change(cache, tmp_path):
+    """``measure(adapter=...)``: the pair's report; bf16 and exact come from the model's own records;
+    each report is found under its own (model, adapter) key and never for the other."""
+    from ragkv.adapter.kv_adapter import KVAdapter
+    from ragkv.fidelity.report import cache_path, load_report, save_report
+    from ragkv.model import load_model
+    from tests.helpers import stories_path
+
+    m, bf16 = stories_model(), load_model(stories_path(), dtype="bfloat16")
+    passages = {
+        f"p{i}": f"Tom saw a {c} bird near the {p}."
+        for i, (c, p) in enumerate([("red", "pond"), ("blue", "tree"), ("grey", "house")])
+    }
+    qs = [
+        {
+            "id": f"q{i}",
+            "split": "short",
+            "question": "What did Tom see?",
+            "answers": ["bird"],
+            "passages": ["p0", "p1", "p2"][i:] + ["p0", "p1", "p2"][:i],
+            "gold_passage": "p0",
+        }
+        for i in range(2)
+    ]
+    set_path = tmp_path / "set.json"
+    set_path.write_text(
+        json.dumps({"passages": [{"id": k, "text": v} for k, v in passages.items()], "questions": qs})
+    )
+    kw = dict(limit=None, ladder=(0.5,), max_new_tokens=4, progress=False, set_path=set_path)
+    base = measure(m, bf16, **kw)
+    ad = KVAdapter.for_model(m, rank=2)  # untrained: reads the stored KV unchanged
+    rep = measure(m, bf16, adapter=ad, **kw)
+    assert rep.adapter == ad.identity and base.adapter == ""
+    own = cache_path(m.fingerprint, adapter=ad.identity).with_suffix(".records.jsonl")
+    points = {json.loads(line)["point"] for line in own.read_text().splitlines()}
+    assert points == {"reuse", "blend@0.5"}  # bf16 and exact were not measured again
+    assert rep.floor == base.floor and rep.point("exact") == base.point("exact")
+    assert (
+        rep.point("reuse").same == base.point("reuse").same
+        and rep.point("reuse").kl == base.point("reuse").kl
+    )
+    sched = base.schedule
+    save_report(base, cache_path(m.fingerprint))
+    save_report(rep, cache_path(m.fingerprint, adapter=ad.identity))
+    # the shipped calibration set is what load_report trusts; these were measured on a test set
+    assert load_report(m.fingerprint, sched) is None
+    assert load_report(m.fingerprint, sched, adapter=ad.identity) is None
+    from ragkv.fidelity.report import FidelityReport, ReportError, check_report
+
+    both = FidelityReport.from_json(cache_path(m.fingerprint, adapter=ad.identity).read_text())
+    check_report(both, m.fingerprint, sched, rep.calibration_set, ad.identity)
+    with pytest.raises(ReportError, match="KV adapter"):
+        check_report(both, m.fingerprint, sched, rep.calibration_set)
+    with pytest.raises(ReportError, match="KV adapter"):
+        check_report(base, m.fingerprint, sched, base.calibration_set, ad.identity)

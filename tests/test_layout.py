@@ -32,6 +32,7 @@ RANK = {
     "prompt": 1.5,  # the prompt convention (chat templates of the model only)
     "generate": 5,
     "fidelity": 5.5,  # the fidelity report and gate: on blend and generate, below every surface
+    "adapter": 5.7,  # KV adapters: the file, applying one (prefill takes it duck-typed), training one
     "llm": 6,
     "engine": 6,
     "rag": 7,

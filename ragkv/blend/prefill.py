@@ -68,6 +68,7 @@ def prefill(
     prefix_cache_insert: bool = True,
     preselected: Sequence[int] | None = None,
     offset_oracle: Callable | None = None,
+    adapter=None,
 ) -> PrefillResult:
     """Prefill the assembled prompt in ``mode``; see the module docstring.
 
@@ -76,7 +77,9 @@ def prefill(
     reference whose layers are loaded lazily). ``source_factory(pieces)`` builds the per-layer KV
     source (default: sequential; ``ragkv.blend.pipeline.PipelinedSource`` overlaps loading).
     ``preselected`` (prompt rows) and ``offset_oracle``: diagnostics of
-    :func:`ragkv.blend.core.selective_prefill` (blend mode only).
+    :func:`ragkv.blend.core.selective_prefill` (blend mode only). ``adapter``: a KV adapter
+    (:class:`ragkv.adapter.kv_adapter.KVAdapter`, anything with ``wrap(piece)`` and ``identity``)
+    through which every REUSED chunk's stored KV is read; rows the blend recomputes never see it.
     """
     if mode not in MODES:
         raise UnknownModeError(f"unknown prefill mode {mode!r}; use one of {MODES}")
@@ -120,7 +123,7 @@ def prefill(
             classes += [EXACT] * len(seg)
         elif mode in ("reuse", "blend") and _has_kv(item):
             classes += [REUSED] * len(seg)
-            pieces.append(item)
+            pieces.append(adapter.wrap(item) if adapter is not None else item)
         else:
             classes += [COMPUTED] * len(seg)
     classes += [COMPUTED] * len(suffix_ids)
@@ -167,6 +170,7 @@ def prefill(
         num_chunks=len(chunks),
         num_head_segments_cached=n_head_cached,
         fallback=fallback,
+        adapter=adapter.identity if adapter is not None and mode in ("reuse", "blend") else None,
         t_total_s=time.perf_counter() - t0,
     )
     return res

@@ -198,14 +198,17 @@ class FidelityGate:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._reports: dict[tuple[str, str], FidelityReport | None] = {}
-        self._logged: set[tuple[str, str, str]] = set()
+        self._reports: dict[tuple[str, str, str], FidelityReport | None] = {}
+        self._logged: set[tuple[str, str, str, str]] = set()
 
-    def report(self, fingerprint: str, schedule: BlendSchedule | None = None) -> FidelityReport | None:
-        key = (fingerprint, schedule_key(schedule))
+    def report(
+        self, fingerprint: str, schedule: BlendSchedule | None = None, adapter: str = ""
+    ) -> FidelityReport | None:
+        """The trusted report of (model, schedule, KV adapter), read once per process."""
+        key = (fingerprint, schedule_key(schedule), adapter)
         with self._lock:
             if key not in self._reports:
-                self._reports[key] = load_report(fingerprint, key[1])
+                self._reports[key] = load_report(fingerprint, key[1], adapter=adapter)
             return self._reports[key]
 
     def forget(self, fingerprint: str | None = None) -> None:
@@ -221,10 +224,11 @@ class FidelityGate:
         fingerprint: str,
         fidelity: str | float | None,
         schedule: BlendSchedule | None = None,
+        adapter: str = "",
     ) -> OperatingPoint:
         target = parse_fidelity(fidelity)
-        op = choose(self.report(fingerprint, schedule), target)
-        key = (fingerprint, target, op.source)
+        op = choose(self.report(fingerprint, schedule, adapter), target)
+        key = (fingerprint, adapter, target, op.source)
         with self._lock:  # said once, even when a model's first requests arrive together
             first = op.source in ("no-report", "not-met") and key not in self._logged
             if first and len(self._logged) < 4096:  # bounded: clients may send many numeric targets
@@ -249,10 +253,11 @@ GATE = FidelityGate()
 
 
 def operating_point(
-    model, fidelity: str | float | None = None, schedule: BlendSchedule | None = None
+    model, fidelity: str | float | None = None, schedule: BlendSchedule | None = None, adapter: str = ""
 ) -> OperatingPoint:
-    """The point a blend with no explicit ratio runs at on ``model`` (a loaded ``ragkv`` model)."""
-    return GATE.point(model.name, model.fingerprint, fidelity, schedule)
+    """The point a blend with no explicit ratio runs at on ``model`` (a loaded ``ragkv`` model), with
+    the KV adapter of identity ``adapter`` ("": none): each pair is judged by its own report."""
+    return GATE.point(model.name, model.fingerprint, fidelity, schedule, adapter)
 
 
 def explicit_point(mode: str, ratio: float | None) -> OperatingPoint:

@@ -81,9 +81,14 @@ class Measurer:
     """Runs every point of the ladder on one question at a time, paired with full prefill."""
 
     def __init__(
-        self, model, bf16_model, schedule: BlendSchedule | None, max_new_tokens: int = MAX_NEW_TOKENS
+        self,
+        model,
+        bf16_model,
+        schedule: BlendSchedule | None,
+        max_new_tokens: int = MAX_NEW_TOKENS,
+        adapter=None,
     ):
-        self.model, self.bf16 = model, bf16_model
+        self.model, self.bf16, self.adapter = model, bf16_model, adapter
         self.schedule = schedule or BlendSchedule()
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         self.prefix_cache = PrefixCache(max_bytes=1 << 28)
@@ -95,13 +100,18 @@ class Measurer:
             kw.update(prefix_cache=self.prefix_cache, prefix_cache_insert=False)
         if mode == "blend":
             kw["schedule"] = BlendSchedule(**{**self.schedule.__dict__, "ratios": (float(ratio),)})
+        if mode in ("reuse", "blend") and self.adapter is not None:
+            kw["adapter"] = self.adapter
         t0 = time.perf_counter()
         res = prefill(self.model, prefix, items, suffix, mode, **kw)
         int(res.logits.argmax())
         return res, time.perf_counter() - t0
 
-    def question(self, q: dict, passages: dict[str, str], points: list[Point]) -> list[dict]:
-        """Every point's record for ``q`` ([] when its prompt does not fit the model's context)."""
+    def question(
+        self, q: dict, passages: dict[str, str], points: list[Point], floor: bool = True
+    ) -> list[dict]:
+        """Every point's record for ``q`` ([] when its prompt does not fit the model's context);
+        ``floor=False``: without bf16's (an adapter's run takes it from the model's own run)."""
         m = self.model
         prefix, suffix = prompt_parts(m, q["question"])
         chunks = [m.encode(passages[pid]) for pid in q["passages"]]
@@ -116,12 +126,11 @@ class Measurer:
         golds = q["answers"]
         base = {"id": q["id"], "split": q["split"], "full_output": full_text, "ttft_full_s": t_full}
         base["full_recall"] = max_over_golds(answer_recall, full_text, golds)
-        bf = prefill(self.bf16, prefix, chunks, suffix, "full")
-        out = [
-            self._record(
-                base, "full-bf16", bf, generate(self.bf16, bf, self.params).text, full, golds, t_full
-            )
-        ]
+        out = []
+        if floor:
+            bf = prefill(self.bf16, prefix, chunks, suffix, "full")
+            text = generate(self.bf16, bf, self.params).text
+            out.append(self._record(base, "full-bf16", bf, text, full, golds, t_full))
         for p in points:
             res, t = self._timed(prefix, chunks if p.mode == "prefix" else kvs, suffix, p.mode, p.ratio)
             out.append(self._record(base, p.name, res, generate(m, res, self.params).text, full, golds, t))
@@ -193,7 +202,13 @@ def monotone_violations(ladder: list[PointStats]) -> list[str]:
 
 
 def summarize(
-    model, schedule, records: list[dict], points: list[Point], max_new_tokens: int, set_digest: str
+    model,
+    schedule,
+    records: list[dict],
+    points: list[Point],
+    max_new_tokens: int,
+    set_digest: str,
+    adapter: str = "",
 ) -> FidelityReport:
     """The report from the per-question records (every question that finished every point)."""
     by: dict[str, dict[str, dict]] = {}
@@ -229,6 +244,7 @@ def summarize(
         compute_to_floor=min((s.charged for s in meets), default=None),
         measured_at=datetime.now(UTC).strftime("%Y-%m-%d"),
         machine=f"{platform.machine()} {torch.get_num_threads()} threads, {model.device.type}",
+        adapter=adapter,
     ).seal()
 
 
@@ -242,12 +258,16 @@ def measure(
     max_new_tokens: int = MAX_NEW_TOKENS,
     progress: bool = True,
     set_path: Path = CALIBRATION_SET,
+    adapter=None,
 ) -> FidelityReport:
     """Measure (or resume) ``model``'s report on the calibration set; ``limit``: the first N questions.
 
     Questions whose prompt does not fit the model's context are left out (the report counts those it
     holds). ``set_path``: another calibration set of the same format (the gate trusts only reports of
-    the package's own set; another set's report is for reading)."""
+    the package's own set; another set's report is for reading). ``adapter``: a KV adapter that reuse and
+    blend read stored chunk KV through; its report is the (model, adapter) pair's, and the points the
+    adapter cannot change (bf16 full prefill, exact prefill) are taken from the model's own records
+    when it has them."""
     from tqdm.auto import tqdm
 
     passages, questions = load_calibration_set(set_path)
@@ -258,27 +278,48 @@ def measure(
         "set": calibration_set_digest(set_path),
         "max_new_tokens": max_new_tokens,
     }
-    records_path = records_path or cache_path(model.fingerprint).with_suffix(".records.jsonl")
-    records: list[dict] = []
-    if records_path.is_file():
-        for line in records_path.read_text().splitlines():
+    adapter_id = adapter.identity if adapter is not None else ""
+    records_path = records_path or cache_path(model.fingerprint, adapter=adapter_id).with_suffix(
+        ".records.jsonl"
+    )
+    records = _read_records(records_path, {**key, "adapter": adapter_id} if adapter_id else key)
+    if adapter_id:  # what the adapter cannot change, from the model's own run
+        own = cache_path(model.fingerprint).with_suffix(".records.jsonl")
+        have = {(r["id"], r["point"]) for r in records}
+        records += [
+            r
+            for r in _read_records(own, key)
+            if r["point"] in ("full-bf16", "exact") and (r["id"], r["point"]) not in have
+        ]
+        key = {**key, "adapter": adapter_id}
+    done = {(r["id"], r["point"]) for r in records}
+    names = ["full-bf16"] + [p.name for p in points]
+    todo = [q for q in questions if not all((q["id"], n) in done for n in names)]
+    records = [r for r in records if r["id"] in {q["id"] for q in questions}]
+    runner = Measurer(model, bf16_model, schedule, max_new_tokens, adapter)
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    with records_path.open("a") as f:
+        for q in tqdm(todo, desc="fidelity", unit="question", disable=not progress):
+            floor = (q["id"], "full-bf16") not in done
+            run = [p for p in points if (q["id"], p.name) not in done]
+            for r in runner.question(q, passages, run, floor=floor):
+                r["key"] = key
+                records.append(r)
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+    report = summarize(model, schedule, records, points, max_new_tokens, key["set"], adapter_id)
+    return report  # newest record wins
+
+
+def _read_records(path: Path, key: dict) -> list[dict]:
+    """The records of ``path`` measured under ``key`` (a torn last line is skipped)."""
+    out: list[dict] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
             try:
                 r = json.loads(line)
             except ValueError:
                 continue  # a torn last line from an interrupted run
             if r.get("key") == key:
-                records.append(r)
-    done = {(r["id"], r["point"]) for r in records}
-    names = ["full-bf16"] + [p.name for p in points]
-    todo = [q for q in questions if not all((q["id"], n) in done for n in names)]
-    records = [r for r in records if r["id"] in {q["id"] for q in questions}]
-    runner = Measurer(model, bf16_model, schedule, max_new_tokens)
-    records_path.parent.mkdir(parents=True, exist_ok=True)
-    with records_path.open("a") as f:
-        for q in tqdm(todo, desc="fidelity", unit="question", disable=not progress):
-            for r in runner.question(q, passages, points):
-                r["key"] = key
-                records.append(r)
-                f.write(json.dumps(r) + "\n")
-            f.flush()
-    return summarize(model, schedule, records, points, max_new_tokens, key["set"])  # newest record wins
+                out.append(r)
+    return out

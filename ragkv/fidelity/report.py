@@ -86,6 +86,8 @@ class FidelityReport:
     machine: str
     version: int = REPORT_VERSION
     convention: int = CHUNK_CONVENTION_VERSION
+    #: the KV adapter the reused chunks were read through ("": none): a (model, adapter) pair's own report
+    adapter: str = ""
     digest: str = ""
 
     # ---- serialization -----------------------------------------------------------------------
@@ -136,21 +138,28 @@ def calibration_set_digest(path: Path = CALIBRATION_SET) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def cache_path(fingerprint: str, directory: Path | None = None) -> Path:
+def report_id(fingerprint: str, adapter: str = "") -> str:
+    """The name of a report's file: the model's fingerprint, or a digest of (model, adapter)."""
+    return hashlib.sha256(f"{fingerprint}+{adapter}".encode()).hexdigest() if adapter else fingerprint
+
+
+def cache_path(fingerprint: str, directory: Path | None = None, adapter: str = "") -> Path:
     """Where ``ragkv calibrate`` keeps a model's report (``$RAGKV_CACHE_DIR/fidelity/<fp>.json``)."""
-    return fingerprint_file("fidelity", fingerprint, directory)
+    return fingerprint_file("fidelity", report_id(fingerprint, adapter), directory)
 
 
-def shipped_path(fingerprint: str) -> Path:
-    return fingerprint_file("fidelity", fingerprint, SHIPPED_DIR)
+def shipped_path(fingerprint: str, adapter: str = "") -> Path:
+    return fingerprint_file("fidelity", report_id(fingerprint, adapter), SHIPPED_DIR)
 
 
 def save_report(report: FidelityReport, path: Path) -> None:
     write_json_atomic(path, json.loads(report.seal().to_json()), indent=1)
 
 
-def check_report(report: FidelityReport, fingerprint: str, schedule: str, set_digest: str) -> None:
-    """``ReportError`` unless ``report`` was measured for this model, convention, schedule and set."""
+def check_report(
+    report: FidelityReport, fingerprint: str, schedule: str, set_digest: str, adapter: str = ""
+) -> None:
+    """``ReportError`` unless ``report`` was measured for this model, adapter, convention, schedule and set."""
     wrong = [
         what
         for what, have, want in (
@@ -159,6 +168,7 @@ def check_report(report: FidelityReport, fingerprint: str, schedule: str, set_di
             ("chunk convention", report.convention, CHUNK_CONVENTION_VERSION),
             ("blend schedule", report.schedule, schedule),
             ("calibration set", report.calibration_set, set_digest),
+            ("KV adapter", report.adapter, adapter),
         )
         if have != want
     ]
@@ -166,19 +176,21 @@ def check_report(report: FidelityReport, fingerprint: str, schedule: str, set_di
         raise ReportError(f"fidelity report of another {', '.join(wrong)}")
 
 
-def load_report(fingerprint: str, schedule: str, directory: Path | None = None) -> FidelityReport | None:
+def load_report(
+    fingerprint: str, schedule: str, directory: Path | None = None, adapter: str = ""
+) -> FidelityReport | None:
     """The model's trusted report: the measured one in the cache, else the shipped one, else None.
 
     A file that fails verification is logged and skipped (never trusted): the gate then falls back
     to exact prefill until ``ragkv calibrate`` measures the model again.
     """
     set_digest = calibration_set_digest()
-    for path in (cache_path(fingerprint, directory), shipped_path(fingerprint)):
+    for path in (cache_path(fingerprint, directory, adapter), shipped_path(fingerprint, adapter)):
         if not path.is_file():
             continue
         try:
             report = FidelityReport.from_json(path.read_text())
-            check_report(report, fingerprint, schedule, set_digest)
+            check_report(report, fingerprint, schedule, set_digest, adapter)
             return report
         except (ReportError, OSError, UnicodeDecodeError) as e:
             log.warning("ignoring fidelity report %s: %s", path, e)

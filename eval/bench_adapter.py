@@ -1,0 +1,202 @@
+"""Chunk KV written or read differently, side by side on the one blend loop (issue 38's go/no-go and candidates).
+
+    python -m eval.bench_adapter [--limit 24] [--ratios 0,0.12,0.5] [--adapters const=PATH,wkv16=PATH]
+        [--conditions iso,other,mean2,fixed] [--records runs/adapter/dev.records.jsonl] [--set dev|calibration]
+
+Per question of the dev split (invented facts, ``ragkv.adapter.data.dev_set``; never the gate's set
+unless ``--set calibration``), on the prompt users send, with float32 full prefill as the reference:
+
+* ``iso``: today's chunk convention (each passage after BOS alone);
+* ``other``: each passage's KV written after the 3 first passages of *another* question's prompt (a
+  real prompt's context that is not this one's: the digest's check (a));
+* ``mean2``: K/V averaged over two such draws (check (b));
+* ``fixed``: written after one fixed generic context (3 training passages; check (c));
+* each ``--adapters`` entry: iso KV read through that adapter file (check (d) is the rank-0 one).
+
+Each condition runs at every ``--ratios`` point (0 = reuse; else the default blend schedule at that
+ratio). Reported: same greedy answer as full, output F1 vs full, first-token KL, gold recall,
+charged compute, each with a bootstrap interval and the paired difference against ``iso``. Ends with
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from ragkv.adapter.data import Item, dev_set, training_set
+from ragkv.adapter.kv_adapter import AdaptedPiece, KVAdapter
+from ragkv.adapter.train import item_ids
+from ragkv.blend.core import BlendSchedule
+from ragkv.blend.prefill import prefill
+from ragkv.blend.prefix_cache import PrefixCache
+from ragkv.fidelity.measure import bootstrap_ci, load_calibration_set
+from ragkv.generate import SamplingParams, generate
+from ragkv.kv.chunk import ChunkKV
+from ragkv.kv.compute import compute_chunk_kv
+from ragkv.metrics import first_token_kl, normalize_answer, token_f1
+from ragkv.metrics.text import answer_recall, max_over_golds
+from ragkv.model import DEFAULT_MODEL, load_model
+from ragkv.model.forward import chunk_kv_tensors
+
+MAX_NEW = 16
+
+
+def primed_kv(model, ids: list[int], contexts: list[list[int]]) -> ChunkKV:
+    """A chunk's KV written after each of ``contexts`` (averaged when several)."""
+    ks, vs = [], []
+    for ctx in contexts:
+        t, k, v, _ = chunk_kv_tensors(model, ids, ctx)
+        ks.append(k)
+        vs.append(v)
+    k = torch.stack(ks).mean(0) if len(ks) > 1 else ks[0]
+    v = torch.stack(vs).mean(0) if len(vs) > 1 else vs[0]
+    # start_pos 1: the stored rows are re-positioned like any chunk's (RoPE is applied at read)
+    return ChunkKV(token_ids=t, k=k, v=v, start_pos=1, fingerprint=model.fingerprint)
+
+
+def calibration_items(limit: int | None) -> list[Item]:
+    passages, qs = load_calibration_set()
+    return [
+        Item("facts", [passages[p] for p in q["passages"]], q["question"], q["answers"], id=q["id"])
+        for q in qs
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--limit", type=int, default=24)
+    ap.add_argument("--ratios", default="0,0.12,0.5")
+    ap.add_argument("--conditions", default="iso,other,mean2,fixed")
+    ap.add_argument("--adapters", default="", help="name=path,... (iso KV read through each)")
+    ap.add_argument("--set", default="dev", choices=("dev", "calibration"))
+    ap.add_argument("--records", default="runs/adapter/dev.records.jsonl")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype="float32")
+    items = dev_set(args.limit) if args.set == "dev" else calibration_items(args.limit)[: args.limit]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    conds = [c for c in args.conditions.split(",") if c]
+    adapters = {}
+    for spec in filter(None, args.adapters.split(",")):
+        name, path = spec.split("=", 1)
+        adapters[name] = KVAdapter.load(path, model)
+    conds += list(adapters)
+    rng = random.Random(0)
+    pool = [p for it in training_set(model, 40, 0, 0) for p in it.passages]
+    fixed_ctx = [t for p in pool[:3] for t in model.encode(p)]
+    rec_path = Path(args.records)
+    rec_path.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if rec_path.is_file():
+        for line in rec_path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            done[(r["id"], r["cond"], r["ratio"])] = r
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+    pc = PrefixCache(max_bytes=1 << 28)
+    from tqdm.auto import tqdm
+
+    with rec_path.open("a") as f:
+        for qi, it in enumerate(tqdm(items, desc="questions")):
+            todo = [(c, r) for c in conds for r in ratios if (it.id, c, r) not in done]
+            if not todo:
+                continue
+            prefix, chunks, suffix = item_ids(model, it)
+            full = prefill(model, prefix, chunks, suffix, "full")
+            full_text = generate(model, full, params).text
+            if not pc.lookup(model.fingerprint, [prefix]):
+                prefill(model, prefix, [], [], "prefix", prefix_cache=pc)
+            other = items[(qi + 1) % len(items)]
+            other_ctx = [t for p in other.passages[:3] for t in model.encode(p)]
+            kvs: dict[str, list] = {}
+            iso = [compute_chunk_kv(model, c) for c in chunks]
+            for c in {c for c, _ in todo}:
+                if c == "iso":
+                    kvs[c] = iso
+                elif c == "other":
+                    kvs[c] = [primed_kv(model, ids, [other_ctx]) for ids in chunks]
+                elif c == "mean2":
+                    draws = [[t for p in rng.sample(pool, 3) for t in model.encode(p)] for _ in range(2)]
+                    kvs[c] = [primed_kv(model, ids, draws) for ids in chunks]
+                elif c == "fixed":
+                    kvs[c] = [primed_kv(model, ids, [fixed_ctx]) for ids in chunks]
+                else:
+                    kvs[c] = [AdaptedPiece(k, adapters[c]) for k in iso]
+            for c, r in todo:
+                kw = dict(prefix_cache=pc, prefix_cache_insert=False)
+                if r == 0:
+                    res = prefill(model, prefix, kvs[c], suffix, "reuse", **kw)
+                else:
+                    res = prefill(
+                        model, prefix, kvs[c], suffix, "blend", schedule=BlendSchedule(ratios=(r,)), **kw
+                    )
+                text = generate(model, res, params).text
+                rec = {
+                    "id": it.id,
+                    "cond": c,
+                    "ratio": r,
+                    "output": text,
+                    "full_output": full_text,
+                    "same": float(normalize_answer(text) == normalize_answer(full_text)),
+                    "f1_vs_full": token_f1(text, full_text),
+                    "kl": float(first_token_kl(full.logits, res.logits)),
+                    "recall": max_over_golds(answer_recall, text, it.answers),
+                    "full_recall": max_over_golds(answer_recall, full_text, it.answers),
+                    "charged": float(res.stats.get("recompute_fraction", 0.0)),
+                }
+                done[(it.id, c, r)] = rec
+                f.write(json.dumps(rec) + "\n")
+            f.flush()
+    ids = [it.id for it in items]
+    rows = []
+    print(
+        f"{'condition':>10} {'ratio':>5} {'same':>18} {'d_same vs iso':>20} {'F1 vs full':>6} {'KL':>6} {'recall':>6} {'charged':>7}"
+    )
+    for c in conds:
+        for r in ratios:
+            recs = [done[(i, c, r)] for i in ids if (i, c, r) in done]
+            base = [done[(i, "iso", r)] for i in ids if (i, c, r) in done and (i, "iso", r) in done]
+            if not recs:
+                continue
+            same = [x["same"] for x in recs]
+            diff = (
+                [a["same"] - b["same"] for a, b in zip(recs, base, strict=False)]
+                if len(base) == len(recs)
+                else []
+            )
+            row = {
+                "cond": c,
+                "ratio": r,
+                "n": len(recs),
+                "same": round(statistics.fmean(same), 3),
+                "same_ci": bootstrap_ci(same),
+                "d_same_vs_iso": round(statistics.fmean(diff), 3) if diff else None,
+                "d_same_ci": bootstrap_ci(diff) if diff else None,
+                "f1_vs_full": round(statistics.fmean(x["f1_vs_full"] for x in recs), 3),
+                "kl": round(statistics.fmean(x["kl"] for x in recs), 4),
+                "recall": round(statistics.fmean(x["recall"] for x in recs), 3),
+                "full_recall": round(statistics.fmean(x["full_recall"] for x in recs), 3),
+                "charged": round(statistics.fmean(x["charged"] for x in recs), 3),
+            }
+            rows.append(row)
+            print(
+                f"{c:>10} {r:>5} {row['same']:>6} {str(row['same_ci']):>11} {row['d_same_vs_iso'] if diff else '':>7} "
+                f"{str(row['d_same_ci'] or ''):>12} {row['f1_vs_full']:>6} {row['kl']:>6} {row['recall']:>6} {row['charged']:>7}"
+            )
+    print(json.dumps({"bench": "adapter", "set": args.set, "questions": len(ids), "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

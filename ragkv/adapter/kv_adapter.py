@@ -1,0 +1,205 @@
+"""A small learned correction of reused chunk KV (W-kv): stored K/V in, corrected K/V out, per layer.
+
+The adapter maps each stored row's pre-RoPE ``[k; v]`` of a layer to ``(k + dK, v + dV)`` with
+``dK = bias_k + up_k(down(x))`` (and alike for V), ``x`` the row's RMS-normalised ``[k; v]``. It is
+trained by KL to full prefill (:mod:`ragkv.adapter.train`) and applied where stored chunk KV is *read*
+for reuse (:class:`AdaptedPiece`), never where KV is written or computed, so:
+
+* the user's model is unchanged, and so is full prefill;
+* a row the blend recomputes gets fresh K/V (the adapter never touches it): ratio 1.0 equals full;
+* stored KV is the plain chunk convention, with or without an adapter (one store serves both).
+
+Deviation from the digest's W-kv (docs/DEVIATIONS.md): its input is the stored K/V (384 values per
+row on the default model), not the k/v projection's input (576), so it needs no hidden states at
+ingest and no new chunk convention; rank 0 is the "learned constant offset" check (d).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+FORMAT = "ragkv-kv-adapter/1"
+
+
+class AdapterError(ValueError):
+    """An adapter file that cannot be trusted or does not fit the model it is used with."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """The shape of an adapter and the model it was trained for."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rank: int
+    model_fingerprint: str
+
+    @property
+    def width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class KVAdapter(nn.Module):
+    """Per-layer bias + low-rank correction of stored pre-RoPE K and V (starts as the identity)."""
+
+    def __init__(self, spec: AdapterSpec, seed: int = 0):
+        super().__init__()
+        self.spec = spec
+        L, w, r = spec.num_layers, spec.width, spec.rank
+        g = torch.Generator().manual_seed(seed)
+        self.bias_k = nn.Parameter(torch.zeros(L, w))
+        self.bias_v = nn.Parameter(torch.zeros(L, w))
+        # up_* start at zero: an untrained adapter changes nothing
+        self.down = nn.Parameter(torch.randn(L, 2 * w, max(r, 1), generator=g) / (2 * w) ** 0.5)
+        self.up_k = nn.Parameter(torch.zeros(L, max(r, 1), w))
+        self.up_v = nn.Parameter(torch.zeros(L, max(r, 1), w))
+        if r == 0:
+            for p in (self.down, self.up_k, self.up_v):
+                p.requires_grad_(False)
+
+    @classmethod
+    def for_model(cls, model, rank: int = 16, seed: int = 0) -> KVAdapter:
+        c = model.config
+        spec = AdapterSpec(c.num_layers, c.num_kv_heads, c.head_dim, rank, model.fingerprint)
+        return cls(spec, seed)
+
+    def correct(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Corrected ``(k, v) [n, Hkv, D]`` of stored rows of ``layer`` (in their dtype)."""
+        n = k.shape[0]
+        kf, vf = k.reshape(n, -1).float(), v.reshape(n, -1).float()
+        dk, dv = self.bias_k[layer], self.bias_v[layer]
+        if self.spec.rank:
+            x = torch.cat([kf, vf], dim=-1)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            z = x @ self.down[layer]
+            dk = dk + z @ self.up_k[layer]
+            dv = dv + z @ self.up_v[layer]
+        return (kf + dk).view_as(k).to(k.dtype), (vf + dv).view_as(v).to(v.dtype)
+
+    def wrap(self, piece) -> AdaptedPiece:
+        """``piece`` (a stored chunk) read through this adapter."""
+        return AdaptedPiece(piece, self)
+
+    # ---- files ----------------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        keys = ["bias_k", "bias_v"] + (["down", "up_k", "up_v"] if self.spec.rank else [])
+        return {k: getattr(self, k).detach().float().contiguous().cpu() for k in keys}
+
+    def save(self, path: str | Path, meta: dict | None = None) -> str:
+        """Write the adapter (safetensors with its spec in the metadata); returns the file's sha256."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        info = {"format": FORMAT, "spec": json.dumps(self.spec.__dict__), "meta": json.dumps(meta or {})}
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        save_file(self.state(), str(tmp), metadata=info)
+        tmp.replace(path)
+        return file_digest(path)
+
+    @classmethod
+    def load(cls, path: str | Path, model=None, digest: str | None = None) -> KVAdapter:
+        """Read an adapter; refuses a file whose digest differs from ``digest``, a foreign format, a
+        shape that does not fit, or (given ``model``) another model's adapter."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise AdapterError(f"no adapter file at {path}")
+        if digest is not None and file_digest(path) != digest:  # unreadable files raise here too
+            raise AdapterError(f"adapter {path.name}: digest mismatch (edited, truncated or another file)")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                info = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+            if info.get("format") != FORMAT:
+                raise AdapterError(f"adapter {path.name}: not a {FORMAT} file")
+            spec = AdapterSpec(**json.loads(info["spec"]))
+        except AdapterError:
+            raise
+        except Exception as e:  # a corrupt header or body
+            raise AdapterError(f"adapter {path.name}: unreadable ({e})") from e
+        if model is not None:
+            c = model.config
+            if spec.model_fingerprint != model.fingerprint:
+                raise AdapterError(
+                    f"adapter {path.name} was trained for model {spec.model_fingerprint[:12]}, "
+                    f"not {model.fingerprint[:12]}"
+                )
+            if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+                c.num_layers,
+                c.num_kv_heads,
+                c.head_dim,
+            ):
+                raise AdapterError(f"adapter {path.name}: shape does not fit the model")
+        ad = cls(spec)
+        own = ad.state()
+        if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):
+            raise AdapterError(f"adapter {path.name}: tensors do not match its spec")
+        with torch.no_grad():
+            for k, t in tensors.items():
+                if not torch.isfinite(t).all():
+                    raise AdapterError(f"adapter {path.name}: non-finite values in {k}")
+                getattr(ad, k).copy_(t)
+        ad.requires_grad_(False)
+        ad.digest = file_digest(path)
+        return ad
+
+    @property
+    def identity(self) -> str:
+        """Short id for keys and reports: the digest of its tensors (the file's when loaded)."""
+        d = getattr(self, "digest", None)
+        if d:
+            return d[:16]
+        h = hashlib.sha256()
+        for k, t in sorted(self.state().items()):
+            h.update(k.encode())
+            h.update(t.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 over the file's content: its metadata (sorted) and every tensor (name, dtype, shape,
+    bytes). Not over the raw bytes: safetensors writes metadata in no fixed order."""
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            h.update(json.dumps(f.metadata() or {}, sort_keys=True).encode())
+            for k in sorted(f.keys()):
+                t = f.get_tensor(k).contiguous()
+                h.update(f"{k}|{t.dtype}|{tuple(t.shape)}".encode())
+                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    except Exception as e:
+        raise AdapterError(f"adapter {Path(path).name}: unreadable ({e})") from e
+    return h.hexdigest()
+
+
+class AdaptedPiece:
+    """A stored chunk whose K/V are read through an adapter (everything else passes through)."""
+
+    def __init__(self, piece, adapter: KVAdapter):
+        self.piece, self.adapter = piece, adapter
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.piece.num_tokens)
+
+    @property
+    def token_ids(self):
+        return self.piece.token_ids
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.piece.layer_kv(layer)
+        return self.adapter.correct(layer, k, v)
+
+    def __getattr__(self, name):  # other attributes of the stored piece (hash, fingerprint, ...)
+        return getattr(self.piece, name)

@@ -1,0 +1,296 @@
+"""Train a KV adapter by KL to full prefill: ``ragkv adapter train``.
+
+* **Teacher**: the model's own float32 full prefill of the same token ids the student sees (each
+  passage tokenized on its own), its greedy answer (teacher-forced rows), and per loss row the top-k
+  logits and the log-sum-exp, stored once per (model, data) in ``<out>.teacher.pt``.
+* **Student**: the same prompt with the instruction head exact (as the prefix cache serves it),
+  every passage's stored chunk KV read through the adapter (reuse), the question and the teacher's
+  answer computed on the one layer loop (:func:`ragkv.model.forward.run_layers` with a
+  :class:`~ragkv.blend.core.BlendKV`), gradients reaching the adapter through the reader rows only.
+* **Loss**: forward KL(teacher || student) over the top-k plus one bucket for the rest of the
+  vocabulary, on the last prompt row (weight ``FIRST_WEIGHT``) and every answer row.
+
+Resumable (``<out>.ckpt.pt`` every ``save_every`` steps), deterministic for a seed, a progress bar
+with time left, one JSON line at the end (the CLI prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ragkv.adapter.data import Item, training_set
+from ragkv.adapter.kv_adapter import KVAdapter
+from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV
+from ragkv.blend.prefill import prefill
+from ragkv.generate import decode_step, load_prompt, make_cache
+from ragkv.kv.compute import compute_chunk_kv
+from ragkv.model.forward import run_layers
+from ragkv.prompt import prompt_parts
+
+TOPK = 64
+FIRST_WEIGHT = 3.0
+MAX_ANSWER = 16
+
+
+@dataclass
+class TrainConfig:
+    rank: int = 16
+    steps_per_epoch: int | None = None  # None: every item once per epoch
+    epochs: int = 3
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    batch: int = 4
+    seed: int = 0
+    n_facts: int = 160
+    n_real: int = 40
+    n_continue: int = 30
+    save_every: int = 20
+
+
+@dataclass
+class Example:
+    """A prompt's token ids and its teacher's targets (``rows`` = last prompt row + answer rows)."""
+
+    prefix: list[int]
+    chunks: list[list[int]]
+    suffix: list[int]
+    answer: list[int]  # teacher's greedy tokens (EOS included when it stopped)
+    top_ids: torch.Tensor  # [rows, TOPK]
+    top_logp: torch.Tensor  # [rows, TOPK] teacher log-probs
+    kind: str = ""
+
+
+def item_ids(model, item: Item) -> tuple[list[int], list[list[int]], list[int]]:
+    """``(prefix, chunks, suffix)`` token ids of an item, as ragkv prompts it."""
+    chunks = [model.encode(p) for p in item.passages]
+    if item.question is None:  # continuation: BOS, the passages, the start of one more
+        bos = model.config.bos_token_id
+        return ([bos] if bos is not None else []), chunks, model.encode(" " + item.suffix_text)
+    prefix, suffix = prompt_parts(model, item.question)
+    return prefix, chunks, suffix
+
+
+@torch.inference_mode()
+def teacher_example(model, item: Item, max_new: int = MAX_ANSWER) -> Example:
+    """Float32 full prefill and greedy answer of ``item``; the top-k log-probs of every loss row."""
+    prefix, chunks, suffix = item_ids(model, item)
+    res = prefill(model, prefix, chunks, suffix, "full")
+    n = res.kv.num_tokens
+    cache = make_cache(model, capacity=n + max_new + 1)
+    load_prompt(cache, res)
+    eos = set(model.config.eos_token_ids)
+    logits, rows, answer = res.logits, [], []
+    for i in range(max_new):
+        logp = torch.log_softmax(logits.float(), -1)
+        rows.append(logp)
+        tok = int(logp.argmax())
+        answer.append(tok)
+        if tok in eos or i == max_new - 1:
+            break
+        logits = decode_step(model, cache, tok, n + i)
+    lp = torch.stack(rows)
+    top = lp.topk(TOPK, dim=-1)
+    return Example(prefix, chunks, suffix, answer, top.indices, top.values.half(), item.kind)
+
+
+def _plain(ex: Example) -> Example:
+    """The example with ordinary tensors (inference-mode tensors cannot enter autograd)."""
+    ex.top_ids, ex.top_logp = ex.top_ids.clone(), ex.top_logp.clone()
+    return ex
+
+
+class _Stored:
+    """The student's stored rows: the exact head, then each chunk's KV through the adapter."""
+
+    def __init__(self, head: tuple[torch.Tensor, torch.Tensor], chunks: list, adapter: KVAdapter, dtype):
+        self.head, self.chunks, self.adapter, self.dtype = head, chunks, adapter, dtype
+        self.pieces = [_Len(head[0].shape[1])] + [_Len(c.k.shape[1]) for c in chunks]
+
+    def layer(self, layer: int):
+        ks, vs = [self.head[0][layer]], [self.head[1][layer]]
+        for c in self.chunks:
+            k, v = self.adapter.correct(layer, c.k[layer].to(self.dtype), c.v[layer].to(self.dtype))
+            ks.append(k)
+            vs.append(v)
+        return torch.cat(ks), torch.cat(vs)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Len:
+    num_tokens: int
+
+
+def student_logp(model, adapter: KVAdapter, ex: Example, head, chunk_kvs: list) -> torch.Tensor:
+    """Log-probs ``[rows, vocab]`` of the student (reuse through the adapter) on the loss rows."""
+    n_head, n_chunks = len(ex.prefix), sum(map(len, ex.chunks))
+    ids = ex.prefix + [t for c in ex.chunks for t in c] + ex.suffix + ex.answer[:-1]
+    n = len(ids)
+    rc = torch.full((n,), COMPUTED, dtype=torch.long)
+    rc[:n_head] = EXACT
+    rc[n_head : n_head + n_chunks] = REUSED
+    stored_rows = torch.arange(n_head + n_chunks)
+    src = _Stored(head, chunk_kvs, adapter, model.dtype)
+    kv = BlendKV(model, rc, None, stored=src, stored_rows=stored_rows)
+    rows = (rc == COMPUTED).nonzero().flatten()
+    h, _ = run_layers(model, model.embed(torch.tensor(ids)[rows]), rows, kv)
+    first = len(ex.suffix) - 1  # the last prompt row among the computed ones
+    return torch.log_softmax(model.logits(h[first:]).float(), -1)
+
+
+def kl_loss(student_logp: torch.Tensor, ex: Example) -> torch.Tensor:
+    """KL(teacher || student) per row over the teacher's top-k and the rest in one bucket; weighted mean."""
+    t = ex.top_logp.float().to(student_logp.device)
+    s = student_logp.gather(1, ex.top_ids.to(student_logp.device))
+    p = t.exp()
+    kl = (p * (t - s)).sum(-1)
+    p_rest = (1 - p.sum(-1)).clamp(min=1e-8)
+    s_rest = torch.log1p(-s.exp().sum(-1).clamp(max=1 - 1e-6))
+    kl = kl + p_rest * (p_rest.log() - s_rest)
+    w = torch.ones_like(kl)
+    w[0] = FIRST_WEIGHT
+    return (w * kl).sum() / w.sum()
+
+
+def build_examples(model, items: list[Item], path: Path, progress: bool = True) -> list[Example]:
+    """Teacher examples for ``items``, cached in ``path`` (resumed when the run is interrupted)."""
+    from tqdm.auto import tqdm
+
+    done: dict[str, Example] = {}
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        if saved.get("fingerprint") == model.fingerprint:
+            done = saved["examples"]
+    todo = [it for it in items if it.id not in done]
+    t_last = time.monotonic()
+    for it in tqdm(todo, desc="teacher", unit="prompt", disable=not progress):
+        done[it.id] = _plain(teacher_example(model, it))
+        if time.monotonic() - t_last > 60:
+            torch.save({"fingerprint": model.fingerprint, "examples": done}, path)
+            t_last = time.monotonic()
+    torch.save({"fingerprint": model.fingerprint, "examples": done}, path)
+    return [done[it.id] for it in items]
+
+
+class KVCacheOfChunks:
+    """Each distinct chunk's stored KV (bf16 in memory), computed once."""
+
+    def __init__(self, model):
+        self.model, self.kvs = model, {}
+
+    def get(self, ids: list[int]):
+        key = tuple(ids)
+        if key not in self.kvs:
+            c = compute_chunk_kv(self.model, ids)
+            c.k, c.v = c.k.to(torch.bfloat16).clone(), c.v.to(torch.bfloat16).clone()
+            self.kvs[key] = c
+        return self.kvs[key]
+
+
+def train(
+    model,
+    out: Path,
+    cfg: TrainConfig,
+    items: list[Item] | None = None,
+    progress: bool = True,
+    teacher_path: Path | None = None,
+) -> dict:
+    """Train (or resume) an adapter for ``model``; writes ``out`` (safetensors) and returns a summary."""
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    torch.manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    items = (
+        items if items is not None else training_set(model, cfg.n_facts, cfg.n_real, cfg.n_continue, cfg.seed)
+    )
+    examples = build_examples(model, items, Path(teacher_path or out.with_suffix(".teacher.pt")), progress)
+    t_teacher = time.perf_counter() - t0
+    chunks = KVCacheOfChunks(model)
+    heads: dict[tuple, tuple] = {}
+    adapter = KVAdapter.for_model(model, cfg.rank, cfg.seed).to(model.device)
+    params = [p for p in adapter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    per_epoch = cfg.steps_per_epoch or math.ceil(len(examples) / cfg.batch)
+    total = per_epoch * cfg.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.0, 1 - s / total))
+    ckpt = out.with_suffix(".ckpt.pt")
+    step, curve = 0, []
+    if ckpt.is_file():
+        st = torch.load(ckpt, weights_only=False)
+        if st["config"] == asdict(cfg) and st["fingerprint"] == model.fingerprint:
+            adapter.load_state_dict(st["adapter"])
+            opt.load_state_dict(st["opt"])
+            sched.load_state_dict(st["sched"])
+            step, curve = st["step"], st["curve"]
+    order_rng = random.Random(cfg.seed)
+    orders = [order_rng.sample(range(len(examples)), len(examples)) for _ in range(cfg.epochs)]
+    flat = [i for o in orders for i in o]
+    bar = tqdm(total=total, initial=step, desc="adapter", unit="step", disable=not progress)
+    t_train = time.perf_counter()
+    while step < total:
+        batch = flat[step * cfg.batch : (step + 1) * cfg.batch] or flat[: cfg.batch]
+        opt.zero_grad()
+        loss_sum = 0.0
+        for i in batch:
+            ex = examples[i]
+            key = tuple(ex.prefix)
+            if key not in heads:
+                with torch.inference_mode():
+                    _, k, v = model.forward(torch.tensor(ex.prefix), capture_kv=True)
+                heads[key] = (k.clone(), v.clone())
+            heads[key] = tuple(t.clone() for t in heads[key]) if heads[key][0].is_inference() else heads[key]
+            kvs = [chunks.get(c) for c in ex.chunks]
+            loss = kl_loss(student_logp(model, adapter, ex, heads[key], kvs), ex) / len(batch)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        curve.append(loss_sum)
+        bar.update(1)
+        bar.set_postfix(loss=f"{sum(curve[-20:]) / len(curve[-20:]):.3f}")
+        if step % cfg.save_every == 0 or step == total:
+            torch.save(
+                {
+                    "config": asdict(cfg),
+                    "fingerprint": model.fingerprint,
+                    "adapter": adapter.state_dict(),
+                    "opt": opt.state_dict(),
+                    "sched": sched.state_dict(),
+                    "step": step,
+                    "curve": curve,
+                },
+                ckpt,
+            )
+    bar.close()
+    digest = adapter.cpu().save(out, meta={"config": asdict(cfg), "examples": len(examples)})
+    return {
+        "adapter": str(out),
+        "sha256": digest,
+        "bytes": out.stat().st_size,
+        "rank": cfg.rank,
+        "examples": len(examples),
+        "kinds": {k: sum(e.kind == k for e in examples) for k in ("facts", "real", "continue")},
+        "steps": total,
+        "loss_first": sum(curve[:10]) / max(1, len(curve[:10])),
+        "loss_last": sum(curve[-10:]) / max(1, len(curve[-10:])),
+        "teacher_s": round(t_teacher, 1),
+        "train_s": round(time.perf_counter() - t_train, 1),
+        "curve": [round(x, 4) for x in curve],
+    }
+
+
+def main_json(summary: dict) -> str:
+    s = {k: v for k, v in summary.items() if k != "curve"}
+    return json.dumps(s)

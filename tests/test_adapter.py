@@ -1,0 +1,126 @@
+"""KV adapters (ragkv/adapter): the exactness invariants, the file's trust checks, and training."""
+
+import json
+
+import pytest
+import torch
+
+from ragkv.adapter.data import Item
+from ragkv.adapter.kv_adapter import AdapterError, KVAdapter
+from ragkv.adapter.train import TrainConfig, kl_loss, student_logp, teacher_example, train
+from ragkv.blend import prefill
+from ragkv.kv import compute_chunk_kv
+from ragkv.model import random_model
+from tests.helpers import stories_model
+
+
+def _prompt(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    v = model.config.vocab_size
+
+    def r(n):
+        return torch.randint(3, v, (n,), generator=g).tolist()
+
+    return [1] + r(5), [r(20) for _ in range(3)], r(6)
+
+
+def _randomized(model, rank=4, seed=1) -> KVAdapter:
+    ad = KVAdapter.for_model(model, rank, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (ad.bias_k, ad.bias_v, ad.up_k, ad.up_v):
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return ad
+
+
+def test_an_untrained_adapter_changes_nothing_and_ratio_one_ignores_any_adapter():
+    m = random_model("llama", seed=7, init_std=0.1)
+    pre, chunks, suf = _prompt(m)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    reuse = prefill(m, pre, kvs, suf, "reuse")
+    same = prefill(m, pre, kvs, suf, "reuse", adapter=KVAdapter.for_model(m, 4))
+    assert torch.equal(same.logits, reuse.logits)
+    ad = _randomized(m)
+    moved = prefill(m, pre, kvs, suf, "reuse", adapter=ad)
+    assert float((moved.logits - reuse.logits).abs().max()) > 1e-3  # the adapter does act on reuse
+    assert moved.stats["adapter"] == ad.identity and reuse.stats["adapter"] is None
+    full = prefill(m, pre, kvs, suf, "full")
+    b1 = prefill(m, pre, kvs, suf, "blend", ratio=1.0, adapter=ad)
+    assert float((b1.logits - full.logits).abs().max() / full.logits.abs().max()) < 1e-4
+    assert float((b1.kv.k - full.kv.k).abs().max() / full.kv.k.abs().max()) < 1e-4
+
+
+def test_adapter_file_round_trip_and_trust_checks(tmp_path):
+    m = random_model("llama", seed=7, init_std=0.1)
+    ad = _randomized(m)
+    path = tmp_path / "a.safetensors"
+    digest = ad.save(path, meta={"note": "test"})
+    back = KVAdapter.load(path, m, digest=digest)
+    k, v = (
+        torch.randn(5, m.config.num_kv_heads, m.config.head_dim),
+        torch.randn(5, m.config.num_kv_heads, m.config.head_dim),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(ad.correct(2, k, v), back.correct(2, k, v), strict=True))
+    assert back.identity == digest[:16]
+    # tampered: one byte of the body changed
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    bad = tmp_path / "tampered.safetensors"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(AdapterError, match="digest"):
+        KVAdapter.load(bad, m, digest=digest)
+    # truncated / corrupt
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(AdapterError, match="unreadable"):
+        KVAdapter.load(cut, m)
+    # another model's adapter
+    other = random_model("llama", seed=8, init_std=0.1)
+    with pytest.raises(AdapterError, match="trained for model"):
+        KVAdapter.load(path, other)
+    with pytest.raises(AdapterError, match="no adapter file"):
+        KVAdapter.load(tmp_path / "missing.safetensors", m)
+    # a file of another format
+    from safetensors.torch import save_file
+
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"x": torch.zeros(2)}, str(foreign), metadata={"format": "other"})
+    with pytest.raises(AdapterError, match="not a"):
+        KVAdapter.load(foreign, m)
+
+
+def _items():
+    text = [
+        "Tom had a red ball. He liked to play with it in the park.",
+        "Lily saw a big dog. The dog was happy and ran to her.",
+        "The sun was hot. Sam went to the pond to swim.",
+    ]
+    return [
+        Item("continue", text, None, suffix_text="One day, Tom", id="c0"),
+        Item("continue", text[::-1], None, suffix_text="Lily said", id="c1"),
+    ]
+
+
+@pytest.mark.slow
+def test_training_lowers_the_kl_to_full_prefill_resumes_and_is_deterministic(tmp_path):
+    m = stories_model()
+    items = _items()
+    exs = [teacher_example(m, it, max_new=6) for it in items]
+    assert all(0 < len(e.answer) <= 6 and e.top_ids.shape[0] == len(e.answer) for e in exs)
+
+    def kl_of(ad):
+        head = m.forward(torch.tensor(exs[0].prefix), capture_kv=True)[1:]
+        kvs = [compute_chunk_kv(m, c) for c in exs[0].chunks]
+        head = tuple(t.clone() for t in head)
+        kvs = [type(c)(c.token_ids, c.k.clone(), c.v.clone(), c.start_pos, c.fingerprint) for c in kvs]
+        with torch.no_grad():
+            return float(kl_loss(student_logp(m, ad, exs[0], head, kvs), exs[0]))
+
+    cfg = TrainConfig(rank=2, epochs=4, batch=2, lr=2e-2, save_every=2)
+    s1 = train(m, tmp_path / "a.safetensors", cfg, items=items, progress=False)
+    trained = KVAdapter.load(tmp_path / "a.safetensors", m, digest=s1["sha256"])
+    assert kl_of(trained) < kl_of(KVAdapter.for_model(m, 2))
+    # the same seed and data give the same file; a run resumed from its checkpoint finishes the same
+    s2 = train(m, tmp_path / "b.safetensors", cfg, items=items, progress=False)
+    assert s2["sha256"] == s1["sha256"]
+    assert json.loads(json.dumps({k: v for k, v in s1.items() if k != "curve"}))["steps"] == 4
