@@ -33,6 +33,7 @@ DESCRIBE = {
     "blend": "prefill modes, CacheBlend, spans, locator, the chunk-KV resolver",
     "generate": "decoding: sampling, stops, logprobs, constraints",
     "fidelity": "fidelity report and gate: the point blend runs at",
+    "adapter": "KV adapters: a learned correction of reused chunk KV, and its training",
     "llm": "ragkv.LLM: one model, any prefill mode",
     "engine": "continuous batching over paged KV",
     "rag": "ingest, index, retrieve, answer: one query path",
