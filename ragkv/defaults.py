@@ -3,6 +3,11 @@
 It imports nothing, so every layer may read it (tests/test_layout.py ranks it below all others).
 """
 
+#: the share of reused rows a blend recomputes when a request names a ratio nowhere and runs outside
+#: the fidelity gate (the default :class:`~ragkv.blend.core.BlendSchedule`'s ratio): the one home of
+#: the default, read by the LLM, RAG, engine, service and the vLLM parameters alike
+DEFAULT_RATIO = 0.12
+
 #: tokens generated at most when a request names no limit: ``SamplingParams``, ``RAG.answer``, the
 #: LangChain / LlamaIndex wrappers, the vLLM client, the service's query and chat routes, the CLI
 DEFAULT_MAX_NEW_TOKENS = 64

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -10,17 +10,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.blend.core import DEFAULT_RATIO, BlendSchedule, PrefillResult
+from ragkv.blend.core import BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, ensure_gate, gate_report
 from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.blend.resolver import ChunkResolver
-from ragkv.fidelity import OperatingPoint, explicit_point, operating_point, parse_fidelity
+from ragkv.fidelity import OperatingPoint, parse_fidelity
+from ragkv.fidelity.plan import BlendPlan, plan_blend
 from ragkv.generate import SamplingParams, TokenEvent, generate, stream
 from ragkv.kv.chunk import ChunkKV
-from ragkv.model.chat import chat_parts, has_chat_template
 from ragkv.model.llama import Model
 from ragkv.model.loader import load_model
 from ragkv.model.registry import DEFAULT_MODEL
+from ragkv.prompt import tokenize_parts
 
 log = logging.getLogger("ragkv")
 
@@ -61,20 +62,28 @@ class LLM:
         attention: str = "fp16",
         schedule: BlendSchedule | None = None,
         fidelity: str | float | None = None,
+        resolver: ChunkResolver | None = None,
     ):
         self.fidelity = parse_fidelity(fidelity)
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
         self.attention = attention
         self.schedule = schedule
         self.prefix_cache = PrefixCache(max_bytes=cache_bytes // 4)
-        #: where chunk KV comes from; a :class:`ragkv.RAG` replaces it with one that writes back only
-        #: the KV of chunks its index holds
-        self.resolver = ChunkResolver(
+        #: where chunk KV comes from (passed in, or one over ``store``); a :class:`ragkv.RAG` answers
+        #: with a view of this LLM over its own resolver (:meth:`with_resolver`)
+        self.resolver = resolver or ChunkResolver(
             self.model, store, cache_bytes=cache_bytes, pipelined=store is not None, background_writes=False
         )
         if self_check_on_load:  # else it runs before the first reuse or blend (ragkv.blend.gate)
             ensure_gate(self.model)
         log.info("model %s: %s", self.model.name, self.operating_point().describe())
+
+    def with_resolver(self, resolver: ChunkResolver) -> LLM:
+        """A view of this LLM (same model, settings and prefix cache) whose chunk KV comes from
+        ``resolver``, e.g. a RAG's, which writes back only what its index holds; this LLM is unchanged."""
+        view = copy.copy(self)
+        view.resolver = resolver
+        return view
 
     @property
     def gate(self) -> GateReport | None:
@@ -83,53 +92,31 @@ class LLM:
 
     def operating_point(self, fidelity: str | float | None = None) -> OperatingPoint:
         """Where ``mode="blend"`` without a ratio runs for ``fidelity`` (None: this LLM's setting)."""
-        if self.schedule is not None:  # the caller's own schedule: its ratios are theirs
-            return explicit_point("blend", self.schedule.target_ratio)
-        return operating_point(self.model, self.fidelity if fidelity is None else fidelity, self.schedule)
+        return self.plan("blend", None, fidelity).point
 
     def plan(
-        self, mode: str, ratio: float | None, fidelity: str | float | None = None
-    ) -> tuple[str, float | None, OperatingPoint]:
-        """The one place a request's (mode, ratio, fidelity) becomes what runs: ``blend`` without a
-        ratio takes the fidelity gate's point; anything explicit runs as asked, marked outside the gate."""
-        if fidelity is not None:
-            fidelity = parse_fidelity(fidelity)
-        if mode == "blend" and ratio is None:
-            op = self.operating_point(fidelity)
-            return op.mode, op.ratio, op
-        return mode, ratio, explicit_point(mode, ratio)
+        self,
+        mode: str | None = "blend",
+        ratio: float | None = None,
+        fidelity: str | float | None = None,
+        schedule: BlendSchedule | None = None,
+    ) -> BlendPlan:
+        """A request's (mode, ratio, fidelity, schedule) as the :class:`BlendPlan` that runs, with this
+        LLM's fidelity setting and schedule as defaults (:func:`ragkv.fidelity.plan.plan_blend`)."""
+        return plan_blend(
+            self.model,
+            mode,
+            ratio,
+            schedule=schedule,
+            fidelity=self.fidelity if fidelity is None else parse_fidelity(fidelity),
+            owner_schedule=self.schedule,
+        )
 
     # ---- tokens ---------------------------------------------------------------------------
-    def tokenize_prompt(
-        self,
-        prefix: str | Sequence[int],
-        chunks: Sequence[str | Sequence[int]],
-        question: str | Sequence[int],
-        chat: bool | None = None,
-        system: str | None = None,
-    ) -> tuple[list[int], list[int], list[int]]:
-        """Token ids of the three parts, each tokenized apart (chunks keep their own, reusable KV).
-
-        With a chat template (``chat=None``: when the model has one; strings only) the prompt is one
-        user turn ``prefix + chunks + question`` rendered by the template, ending with the assistant
-        turn's header, and ``system`` replaces the template's default system prompt. Without one,
-        the prefix starts with BOS if the tokenizer would add it. Token-id parts are used as given.
-        """
-        m = self.model
-        chs = [m.encode(c) if isinstance(c, str) else list(c) for c in chunks]
-        texts = isinstance(prefix, str) and isinstance(question, str)
-        if chat is None:
-            chat = texts and has_chat_template(m)
-        if chat:
-            if not texts:
-                raise ValueError("chat=True needs the prefix and question as strings")
-            head = f"{prefix}\n\n" if prefix else ""
-            tail = f"\n\n{question}" if chs else question
-            pre, q = chat_parts(m, head, tail, system=system)
-            return pre, chs, q
-        pre = m.encode(prefix, add_bos=True) if isinstance(prefix, str) else list(prefix)
-        q = m.encode(question) if isinstance(question, str) else list(question)
-        return pre, chs, q
+    def tokenize_prompt(self, prefix, chunks, question, chat: bool | None = None, system: str | None = None):
+        """Token ids ``(prefix, chunks, question)``: :func:`ragkv.prompt.tokenize_parts` (the one prompt
+        convention) with this LLM's model."""
+        return tokenize_parts(self.model, prefix, chunks, question, chat, system)
 
     # ---- chunk KV --------------------------------------------------------------------------
     @property
@@ -160,41 +147,21 @@ class LLM:
         (:meth:`ChunkResolver.locate`, when a corpus is known, e.g. a RAG's) and reuse their KV.
         ``ratio``: the share recomputed (None with ``blend``: the fidelity gate's operating point,
         :meth:`plan`); the point used is in ``stats["fidelity"]``."""
-        mode, ratio, op = self.plan(mode, ratio, fidelity)
+        plan = self.plan(mode, ratio, fidelity)
         pre, chs, q = self.tokenize_prompt(prefix, chunks, question, chat, system)
-        items = self.resolver.items(chs) if mode in ("reuse", "blend") else chs
+        items = self.resolver.items(chs) if plan.reuses else chs
         located = None
-        if mode in ("reuse", "blend") and not chs:  # a flat prompt: stored chunks found inside it
+        if plan.reuses and not chs:  # a flat prompt: stored chunks found inside it
             located = self.resolver.locate(pre + q)
             if located is not None:
                 pre, items, q = located
-        sched = self._schedule(ratio) if mode == "blend" else None
-        ratio = DEFAULT_RATIO if ratio is None else ratio
         res = self.resolver.prefill(
-            pre,
-            items,
-            q,
-            mode,
-            ratio,
-            schedule=sched,
-            prefix_cache=self.prefix_cache,
-            probe_suffix=probe_suffix,
+            pre, items, q, plan, prefix_cache=self.prefix_cache, probe_suffix=probe_suffix
         )
         if located is not None:
             res.stats["located_chunks"] = sum(not isinstance(it, list) for it in items)
-        res.stats["fidelity"] = op.as_stats()
+        res.stats["fidelity"] = plan.stats()
         return res
-
-    def _schedule(self, ratio: float | None) -> BlendSchedule | None:
-        """This LLM's schedule with a per-call ``ratio`` applied (refused if it has several ratios)."""
-        if self.schedule is None or ratio is None or (ratio,) == self.schedule.ratios:
-            return self.schedule
-        if len(self.schedule.ratios) != 1:
-            raise ValueError(
-                f"this LLM's blend schedule has ratios {self.schedule.ratios}; a per-call ratio cannot "
-                "replace them (pass ratio=None, or set LLM.schedule)"
-            )
-        return dataclasses.replace(self.schedule, ratios=(float(ratio),))
 
     def generate(
         self,

@@ -1,6 +1,10 @@
 """The prompt convention of every surface: ``[instruction prefix] + chunks + [question suffix]``.
 
-Below the LLM, RAG and the fidelity gate (which measures blends on the same prompts users send)."""
+One renderer (:func:`render_parts`) turns a head and a tail text into token ids around the chunks,
+with the model's chat template (one user turn, the chunks inside it) or as plain text (BOS first);
+a RAG's prompt (:func:`prompt_parts`) and a caller's own parts (:func:`tokenize_parts`, what
+``ragkv.LLM`` takes) both go through it. Below the LLM, RAG and the fidelity gate (which measures
+blends on the same prompts users send)."""
 
 from __future__ import annotations
 
@@ -79,8 +83,55 @@ def prompt_parts(
     if use_chat_template is None:
         use_chat_template = has_chat_template(model)
     if use_chat_template and has_chat_template(model):
-        return chat_parts(model, f"{instruction}\n\n", q, system=system, examples=examples, history=history)
+        return render_parts(
+            model, f"{instruction}\n\n", q, True, system=system, examples=examples, history=history
+        )
     head = (f"{system}\n\n" if system else "") + f"{instruction}\n\n"
     head += "".join(f"{user}\n{answer}\n\n" for user, answer in examples)
     head += "".join(f"{str(r).capitalize()}: {t}\n" for r, t in history) + ("\n" if history else "")
-    return model.encode(head, add_bos=True), model.encode(q)
+    return render_parts(model, head, q, False)
+
+
+def render_parts(model, head: str, tail: str, chat: bool, **turns) -> tuple[list[int], list[int]]:
+    """Token ids before and after the chunks: ``head`` and ``tail`` in one user turn of the chat
+    template (``turns``: ``system``, ``examples``, ``history`` as :func:`ragkv.model.chat.chat_parts`
+    takes them), or as plain text with BOS first (when the tokenizer adds one). The one renderer."""
+    if chat:
+        return chat_parts(model, head, tail, **turns)
+    return model.encode(head, add_bos=True), model.encode(tail)
+
+
+def tokenize_parts(
+    model,
+    prefix: str | Sequence[int],
+    chunks: Sequence[str | Sequence[int]],
+    question: str | Sequence[int],
+    chat: bool | None = None,
+    system: str | None = None,
+) -> tuple[list[int], list[list[int]], list[int]]:
+    """Token ids of a caller's ``prefix + chunks + question``, each part tokenized apart (chunks keep
+    their own, reusable KV).
+
+    With a chat template (``chat=None``: when the model has one; strings only) the prompt is one
+    user turn ``prefix + chunks + question`` (blank lines between them) rendered by the template,
+    ending with the assistant turn's header, and ``system`` replaces the template's default system
+    prompt. Without one, the prefix starts with BOS if the tokenizer would add it. Token-id parts
+    are used as given.
+    """
+    chs = [model.encode(c) if isinstance(c, str) else list(c) for c in chunks]
+    texts = isinstance(prefix, str) and isinstance(question, str)
+    if chat is None:
+        chat = texts and has_chat_template(model)
+    if chat:
+        if not texts:
+            raise ValueError("chat=True needs the prefix and question as strings")
+        head = f"{prefix}\n\n" if prefix else ""
+        tail = f"\n\n{question}" if chs else question
+        pre, q = render_parts(model, head, tail, True, system=system)
+        return pre, chs, q
+    if texts:
+        pre, q = render_parts(model, prefix, question, False)
+        return pre, chs, q
+    pre = model.encode(prefix, add_bos=True) if isinstance(prefix, str) else list(prefix)
+    q = model.encode(question) if isinstance(question, str) else list(question)
+    return pre, chs, q

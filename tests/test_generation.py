@@ -16,6 +16,7 @@ from ragkv.blend import (
 )
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.locate import Located
+from ragkv.blend.plan import BlendPlan
 from ragkv.blend.spans import SearchCancelled, cancel_scope
 from ragkv.engine import Engine, EngineConfig
 from ragkv.generate import SamplingParams
@@ -88,17 +89,22 @@ def test_flat_framework_prompt_reuses_stored_chunks_in_the_engine(rag, engine_ra
     assert local.stats["num_reused_rows"] > 0 and served.stats["num_reused_rows"] > 0
 
 
+def _plan(schedule: BlendSchedule) -> BlendPlan:
+    """A job's plan with an explicit blend schedule (what ``/v1/completions`` may send)."""
+    return BlendPlan("blend", schedule.target_ratio, schedule)
+
+
 def test_engine_refuses_what_it_cannot_honour(rag, engine_rag):
     """Options the engine has no equivalent for are refused, never silently dropped."""
     with pytest.raises(OptionNotServedError, match="auto"):
         list(engine_rag.answer_stream("What did Tom fly?", ratio="auto", max_new_tokens=2))
     job = rag.job(rag.model.encode("Tom", add_bos=True), [], "blend", params=SamplingParams(max_new_tokens=2))
-    job.schedule = BlendSchedule((1, 3), (0.3, 0.2), selector="kdev")
+    job.plan = _plan(BlendSchedule((1, 3), (0.3, 0.2), selector="kdev"))
     with pytest.raises(OptionNotServedError, match="check_layers"):
         list(engine_rag.generate(job))
-    job.schedule = BlendSchedule.single(0.3)  # a ratio alone is served
+    job.plan = _plan(BlendSchedule.single(0.3))  # a ratio alone is served
     assert list(engine_rag.generate(job))[-1].finish_reason == "length"
-    job.schedule = BlendSchedule.single(0.3, ape_temperature=0.8)
+    job.plan = _plan(BlendSchedule.single(0.3, ape_temperature=0.8))
     with pytest.raises(OptionNotServedError, match="APE"):
         list(engine_rag.generate(job))
 
@@ -110,9 +116,9 @@ def test_vllm_generator_refuses_ape_tempering(rag):
     ids = rag.model.encode("Tom flew a kite.", add_bos=True)
     job = rag.job(ids, [Located("k", tuple(ids[1:]), 1, 0, len(ids) - 1)], "blend", params=SamplingParams())
     gen = VllmGenerator(VllmClient("http://127.0.0.1:9", model="m"))
-    job.schedule = BlendSchedule.single(0.3, selector="kdev")
+    job.plan = _plan(BlendSchedule.single(0.3, selector="kdev"))
     assert gen.kv_transfer_params(job)["ragkv"]["chunks"]
-    job.schedule = BlendSchedule.single(0.3, selector="kdev", ape_scale=0.8)
+    job.plan = _plan(BlendSchedule.single(0.3, selector="kdev", ape_scale=0.8))
     with pytest.raises(OptionNotServedError, match="APE"):
         gen.kv_transfer_params(job)
 

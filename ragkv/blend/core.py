@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.attention.dense import ContextTemper, attention_probs, explicit_attention
+from ragkv.defaults import DEFAULT_RATIO
 from ragkv.model.forward import run_layers
 
 COMPUTED, EXACT, REUSED = 0, 1, 2
-#: the default share of reused rows recomputed (every entry point's default: LLM, RAG, service, engine, vLLM)
-DEFAULT_RATIO = 0.12
+# DEFAULT_RATIO (imported above, re-exported by ragkv.blend) has its one home in ragkv.defaults
 POSITION_BLOCKS = (
     4  # measured: 4 beats 1 and 8 for 16% scattered rows of 3K tokens (fewer, larger SDPA calls)
 )

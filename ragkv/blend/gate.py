@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragkv.blend.assemble import assemble as prefill
 from ragkv.blend.core import BlendSchedule
-from ragkv.blend.prefill import prefill
 from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.kv.compute import compute_chunk_kv
 

@@ -65,6 +65,38 @@ class Located:
         return self.start + self.hi - self.lo
 
 
+def append_chunks(ids: list[int], chunks: Iterable[tuple[str, Sequence[int]]]) -> list[Located]:
+    """Append each whole chunk ``(key, token ids)`` to ``ids`` and say where it went (a prompt built
+    from explicit chunks: retrieved records, a framework's chunk list)."""
+    out = []
+    for key, toks in chunks:
+        toks = tuple(int(t) for t in toks)
+        out.append(Located(key, toks, len(ids), 0, len(toks)))
+        ids += toks
+    return out
+
+
+def split_at_chunks(
+    prompt_ids: Sequence[int], found: Sequence[Located]
+) -> tuple[list[int], list[list[int] | Located], list[int]]:
+    """``prompt_ids`` as ``(prefix, pieces, suffix)`` around the non-overlapping chunks ``found`` (in
+    prompt order): each chunk as its :class:`Located`, the text between chunks as token-id lists.
+
+    The one prompt splitter: a job's token-id parts (:meth:`ragkv.rag.generation.PromptJob.parts`) and
+    the resolver's prefill items (:meth:`ragkv.blend.resolver.ChunkResolver.pieces`) both come from it."""
+    ids = [int(t) for t in prompt_ids]
+    if not found:
+        return ids, [], []
+    pieces: list[list[int] | Located] = []
+    pos = found[0].start
+    for f in found:
+        if f.start > pos:
+            pieces.append(ids[pos : f.start])
+        pieces.append(f)
+        pos = f.stop
+    return ids[: found[0].start], pieces, ids[pos:]
+
+
 def _hash(ids: Sequence[int]) -> int:
     acc = 0
     for t in ids:

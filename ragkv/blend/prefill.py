@@ -10,167 +10,22 @@
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Sequence
+from ragkv.blend.assemble import MODES, UnknownModeError, assemble
+from ragkv.blend.core import DEFAULT_RATIO, PrefillResult
+from ragkv.blend.gate import ensure_gate
 
-import torch
-
-from ragkv.blend.core import (
-    COMPUTED,
-    DEFAULT_RATIO,
-    EXACT,
-    REUSED,
-    BlendSchedule,
-    PrefillResult,
-    selective_prefill,
-)
-from ragkv.blend.prefix_cache import PrefixCache
-from ragkv.blend.source import LayerSource
-from ragkv.kv.chunk import ChunkKV
-
-log = logging.getLogger("ragkv.blend")
-
-MODES = ("full", "prefix", "reuse", "blend")
-
-
-class UnknownModeError(ValueError):
-    """A prefill mode other than full, prefix, reuse or blend."""
-
-
-def _tokens(item) -> list[int]:
-    if isinstance(item, ChunkKV):
-        return item.token_ids.tolist()
-    if hasattr(item, "token_ids") and hasattr(item, "layer_kv"):
-        ids = item.token_ids
-        return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    return [int(t) for t in item]
-
-
-def _has_kv(item) -> bool:
-    return (
-        item is not None and not isinstance(item, (list, tuple, torch.Tensor)) and hasattr(item, "layer_kv")
-    )
+__all__ = ["MODES", "UnknownModeError", "prefill"]
 
 
 def prefill(
-    model,
-    prefix_ids: Sequence[int],
-    chunks: Sequence,
-    suffix_ids: Sequence[int],
-    mode: str = "blend",
-    ratio: float = DEFAULT_RATIO,
-    *,
-    schedule: BlendSchedule | None = None,
-    prefix_cache: PrefixCache | None = None,
-    source_factory: Callable[[list], LayerSource] | None = None,
-    probe_suffix: bool = False,
-    prefix_cache_insert: bool = True,
-    preselected: Sequence[int] | None = None,
-    offset_oracle: Callable | None = None,
-    adapter=None,
+    model, prefix_ids, chunks, suffix_ids, mode="blend", ratio=DEFAULT_RATIO, **options
 ) -> PrefillResult:
     """Prefill the assembled prompt in ``mode``; see the module docstring.
 
-    ``chunks`` items are :class:`ChunkKV` (stored KV available), plain token-id lists (no stored
-    KV: computed), or any object with ``token_ids``, ``num_tokens`` and ``layer_kv(l)`` (a store
-    reference whose layers are loaded lazily). ``source_factory(pieces)`` builds the per-layer KV
-    source (default: sequential; ``ragkv.blend.pipeline.PipelinedSource`` overlaps loading).
-    ``preselected`` (prompt rows) and ``offset_oracle``: diagnostics of
-    :func:`ragkv.blend.core.selective_prefill` (blend mode only). ``adapter``: a KV adapter
-    (:class:`ragkv.adapter.kv_adapter.KVAdapter`, anything with ``wrap(piece)`` and ``identity``)
-    through which every REUSED chunk's stored KV is read; rows the blend recomputes never see it.
+    Before a model's first ``reuse`` or ``blend`` the blending gate runs (:func:`ragkv.blend.gate.ensure_gate`;
+    a model that fails it prefills in full, with a warning). ``chunks`` and ``options`` (``schedule``,
+    ``prefix_cache``, ``source_factory``, ``probe_suffix``...): :func:`ragkv.blend.assemble.assemble`.
     """
-    if mode not in MODES:
-        raise UnknownModeError(f"unknown prefill mode {mode!r}; use one of {MODES}")
-    t0 = time.perf_counter()
-    cfg = model.config
-    fallback = None
     if mode in ("reuse", "blend") and model.blend_ok is None:
-        from ragkv.blend.gate import ensure_gate  # the gate itself prefills: imported here
-
         ensure_gate(model)
-    if mode in ("reuse", "blend") and model.blend_ok is False:
-        fallback = "model failed the blending self-check; using full prefill"
-        log.warning("%s (%s)", fallback, model.name)
-        mode = "full"
-    for c in chunks:
-        if isinstance(c, ChunkKV):
-            c.check_compatible(model.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    prefix_ids = [int(t) for t in prefix_ids]
-    suffix_ids = [int(t) for t in suffix_ids]
-    chunk_ids = [_tokens(c) for c in chunks]
-    if any(len(c) == 0 for c in chunk_ids):
-        raise ValueError("empty chunk in the prompt")
-    segments = ([prefix_ids] if prefix_ids else []) + chunk_ids
-    all_ids = [t for seg in segments for t in seg] + suffix_ids
-    if not all_ids:
-        raise ValueError("empty prompt: no prefix, chunks or question")
-    model.check_length(len(all_ids))
-
-    # segment objects in prompt order: the prefix (no stored chunk KV) then the chunks
-    seg_items = ([None] if prefix_ids else []) + list(chunks)
-    head: list = []
-    if mode == "prefix" and prefix_cache is not None:
-        head = prefix_cache.lookup(model.fingerprint, segments)
-    elif mode in ("reuse", "blend") and prefix_cache is not None and prefix_ids:
-        head = prefix_cache.lookup(model.fingerprint, [prefix_ids])
-    n_head_cached = len(head)
-    classes: list[int] = []
-    pieces: list = list(head)
-    for i, (item, seg) in enumerate(zip(seg_items, segments, strict=True)):
-        if i < n_head_cached:
-            classes += [EXACT] * len(seg)
-        elif mode in ("reuse", "blend") and _has_kv(item):
-            classes += [REUSED] * len(seg)
-            pieces.append(adapter.wrap(item) if adapter is not None else item)
-        else:
-            classes += [COMPUTED] * len(seg)
-    classes += [COMPUTED] * len(suffix_ids)
-    assert len(classes) == len(all_ids)
-
-    if mode == "blend":
-        schedule = schedule or BlendSchedule.single(ratio)
-    else:
-        schedule = None
-    source = None
-    if pieces:
-        source = (source_factory or (lambda p: LayerSource(p, model.device, model.dtype)))(pieces)
-    ids = torch.tensor(all_ids, dtype=torch.long)
-    probe = None
-    if probe_suffix and suffix_ids:
-        probe = torch.arange(len(all_ids) - len(suffix_ids), len(all_ids))
-    # What to cache for next time: in `prefix` mode the whole computed head (prefix + chunks, exact);
-    # in `reuse`/`blend` the instruction prefix alone (its rows come first, so they are computed
-    # exactly whatever the chunks' KV is), so no mode recomputes an exact prefix twice.
-    insert_segments: list[list[int]] = []
-    if prefix_cache is not None and prefix_cache_insert:
-        if mode == "prefix":
-            insert_segments = segments
-        elif mode in ("reuse", "blend") and prefix_ids and n_head_cached == 0:
-            insert_segments = [prefix_ids]
-    n_insert = sum(len(s) for s in insert_segments)
-    res = selective_prefill(
-        model,
-        ids,
-        torch.tensor(classes),
-        source,
-        schedule,
-        probe_rows=probe,
-        keep_pre_rope=n_insert,
-        preselected=torch.as_tensor(list(preselected), dtype=torch.long) if preselected is not None else None,
-        offset_oracle=offset_oracle,
-    )
-    if insert_segments:
-        prefix_cache.insert(model.fingerprint, insert_segments, res.kv.k_pre, res.kv.v)
-        res.kv.k_pre = None
-    res.stats.update(
-        mode=mode,
-        ratio=schedule.target_ratio if schedule else (1.0 if mode == "full" else 0.0),
-        num_chunks=len(chunks),
-        num_head_segments_cached=n_head_cached,
-        fallback=fallback,
-        adapter=adapter.identity if adapter is not None and mode in ("reuse", "blend") else None,
-        t_total_s=time.perf_counter() - t0,
-    )
-    return res
+    return assemble(model, prefix_ids, chunks, suffix_ids, mode, ratio, **options)

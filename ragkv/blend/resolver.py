@@ -21,9 +21,10 @@ from dataclasses import replace
 
 import torch
 
-from ragkv.blend.core import DEFAULT_RATIO, PrefillResult
-from ragkv.blend.locate import ChunkLocator, Located
+from ragkv.blend.core import PrefillResult
+from ragkv.blend.locate import ChunkLocator, Located, split_at_chunks
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory, prefill_with_recovery
+from ragkv.blend.plan import BlendPlan
 from ragkv.kv.chunk import ChunkKV, chunk_key
 from ragkv.kv.compute import compute_chunk_kv
 from ragkv.store.base import WarnThrottle
@@ -287,15 +288,15 @@ class ChunkResolver:
         prefix: Sequence[int],
         items: list,
         suffix: Sequence[int],
-        mode: str = "blend",
-        ratio: float = DEFAULT_RATIO,
+        plan: BlendPlan,
         *,
         write_back: bool = True,
         on_recompute: Callable[[list[int]], None] | None = None,
         **prefill_kw,
     ) -> PrefillResult:
-        """:func:`ragkv.blend.prefill` over :meth:`items`; a stored chunk that fails to load mid-way is
-        recomputed (``on_recompute(tokens)`` first, e.g. a cancellation check) and the prefill retried."""
+        """:func:`ragkv.blend.prefill` of ``plan`` over :meth:`items`; a stored chunk that fails to load
+        mid-way is recomputed (``on_recompute(tokens)`` first, e.g. a cancellation check) and the
+        prefill retried."""
 
         def recompute(toks: list[int]) -> ChunkKV:
             if on_recompute is not None:
@@ -314,15 +315,17 @@ class ChunkResolver:
 
         if self.pipelined and "source_factory" not in prefill_kw:
             prefill_kw["source_factory"] = pipelined_factory(self.model)
+        args = plan.prefill_args()
         return prefill_with_recovery(
             self.model,
             prefix,
             items,
             suffix,
-            mode,
-            ratio,
+            args.pop("mode"),
+            args.pop("ratio"),
             recompute=recompute,
             on_load_error=bad,
+            **args,
             **prefill_kw,
         )
 
@@ -369,16 +372,8 @@ class ChunkResolver:
         """``prompt_ids`` as ``(prefix, items, suffix)``: the non-overlapping chunks ``found`` (in prompt
         order) as their resolved KV (a :class:`PieceSlice` where only rows ``[lo, hi)`` are used),
         the text between them as token lists. ``write_back``/``check``: see :meth:`items`."""
-        ids = [int(t) for t in prompt_ids]
-        parts: list = []
-        slots: list[int] = []
-        pos = found[0].start
-        for f in found:
-            if f.start > pos:
-                parts.append(ids[pos : f.start])
-            slots.append(len(parts))
-            parts.append(f)
-            pos = f.stop
+        prefix, parts, suffix = split_at_chunks(prompt_ids, found)
+        slots = [i for i, p in enumerate(parts) if isinstance(p, Located)]
         chunks = self.items(
             [(list(f.token_ids), f.key) for f in found], write_back=write_back, at=slots, check=check
         )
@@ -388,7 +383,7 @@ class ChunkResolver:
         out = Resolved()
         out.extend(parts)
         out.hits, out.computed = chunks.hits, chunks.computed
-        return ids[: found[0].start], out, ids[found[-1].stop :]
+        return prefix, out, suffix
 
     # ---- lifetime ----------------------------------------------------------------------------
     def flush(self) -> None:

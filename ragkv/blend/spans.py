@@ -4,8 +4,9 @@
   carry them are parsed at the edges (vLLM's ``kv_transfer_params`` in ``ragkv/integrations/vllm/params.py``,
   ``/v1/completions``' ``ragkv.chunks`` in ``ragkv/apps/openai_compat.py``); the engine takes a key-only one.
 * Chunk spans: where each chunk sits in the prompt's token ids (given, or found by content in one
-  linear pass: :func:`find_occurrences`, :func:`locate_chunks`), checked by :func:`check_spans` and
-  gathered for a request by :func:`request_spans`.
+  linear pass: :func:`find_occurrences`, :func:`locate_chunks`), checked by :func:`check_spans`, and
+  planned for a request by :func:`plan_spans` (the one planner and its policy, for the service and
+  the vLLM connector alike).
 
 The prefill of such a prompt is the RAG's generator's (:mod:`ragkv.rag.generation`, through the
 chunk resolver's ``pieces``), whatever generates.
@@ -21,6 +22,8 @@ import secrets
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
+
+from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, chunk_key
 
 
 class SpanError(ValueError):
@@ -196,35 +199,129 @@ def check_spans(spans: Sequence[ChunkSpan], prompt_len: int) -> list[ChunkSpan]:
     return ordered
 
 
-# ---- in-process prefill of a prompt whose spans are stored chunks ------------------------------------
+# ---- the span planner: which references of a request are reused, and where ------------------------
+@dataclass
+class SpanPlan:
+    """A request's chunk references planned against its prompt (:func:`plan_spans`).
+
+    ``hits``: stored chunks reused at their rows; ``misses``: chunks whose rows and key agree but whose
+    KV is not stored (computed, and stored if the request asks to save); both in prompt order and
+    non-overlapping. ``dropped``: ``(key, why)`` of references not used at all (their rows, if any, are
+    prompt text)."""
+
+    hits: list[ChunkSpan]
+    misses: list[ChunkSpan]
+    dropped: list[tuple[str, str]]
+
+    @property
+    def spans(self) -> list[ChunkSpan]:
+        """Hits and misses together, in prompt order."""
+        return sorted(self.hits + self.misses, key=lambda s: s.start)
+
+
+def plan_spans(
+    prompt_ids: Sequence[int],
+    refs: Sequence[ChunkRef],
+    store,
+    fingerprint: str,
+    *,
+    strict: bool = True,
+    on_drop: Callable[[str, str], None] | None = None,
+) -> SpanPlan:
+    """The one span planner: where a request's chunk references sit in its prompt, and which are stored.
+
+    The policy, the same for the service's ``/v1/completions`` and the vLLM connector:
+
+    1. At most :data:`MAX_CHUNK_REFS` references (bounded work: each distinct key's header is read
+       once, and all key-only references are located in one linear pass).
+    2. A reference with a span must lie inside the prompt; its rows are that chunk only if
+       ``chunk_key(rows, fingerprint) == key`` (else it is dropped: the rows are prompt text). It is a
+       hit when the store's header for the key is this model's (fingerprint and chunk convention)
+       with the same tokens, else a miss.
+    3. A key-only reference is searched by the tokens its stored header records (headers of another
+       model or convention are ignored), after the previous match (:func:`locate_chunks`); one not
+       stored or not found is dropped.
+    4. Spans may not overlap.
+
+    A reference that breaks 1, 2 (outside the prompt) or 4 is a fault: ``strict`` raises
+    :class:`SpanError` (the service refuses the request), otherwise the extra or offending reference
+    is dropped and the rest planned (a serving engine that cannot refuse). Every drop is reported to
+    ``on_drop(key, why)`` (e.g. a warning) and listed in ``dropped``.
+    """
+    dropped: list[tuple[str, str]] = []
+
+    def drop(key: str, why: str, fault: bool = False) -> None:
+        if fault and strict:
+            raise SpanError(why)
+        dropped.append((key, why))
+        if on_drop is not None:
+            on_drop(key, why)
+
+    refs = list(refs)
+    if len(refs) > MAX_CHUNK_REFS:
+        why = f"{len(refs)} chunk references; at most {MAX_CHUNK_REFS} per request"
+        drop("", why + " (the rest are ignored)", fault=True)
+        refs = refs[:MAX_CHUNK_REFS]
+    headers: dict[str, object] = {}
+
+    def header(key: str):
+        if key not in headers:
+            check_cancelled()
+            h = store.header(key)
+            ok = h is not None and h.fingerprint == fingerprint and h.convention == CHUNK_CONVENTION_VERSION
+            headers[key] = h if ok else None
+        return headers[key]
+
+    n = len(prompt_ids)
+    hits: list[ChunkSpan] = []
+    misses: list[ChunkSpan] = []
+    loose: list[tuple[int, str, list[int]]] = []
+    for i, ref in enumerate(refs):
+        if ref.start is None:
+            h = header(ref.key)
+            if h is None:
+                drop(ref.key, f"chunk {ref.key[:16]} is not stored for this model")
+            else:
+                loose.append((i, ref.key, list(h.token_ids)))
+            continue
+        span = ChunkSpan(i, ref.key, ref.start, ref.length or 0)
+        if span.start < 0 or span.length <= 0 or span.stop > n:
+            drop(
+                ref.key,
+                f"chunk {ref.key[:16]} span [{span.start}, {span.stop}) outside the prompt of {n}",
+                True,
+            )
+            continue
+        rows = [int(t) for t in prompt_ids[span.start : span.stop]]
+        if chunk_key(rows, fingerprint) != ref.key:
+            drop(ref.key, f"chunk key {ref.key[:16]} does not match its rows under this model")
+            continue
+        h = header(ref.key)
+        (hits if h is not None and list(h.token_ids) == rows else misses).append(span)
+    if loose:
+        starts = locate_chunks(prompt_ids, [t for _, _, t in loose])
+        for (i, key, toks), at in zip(loose, starts, strict=True):
+            if at is None:
+                drop(key, f"chunk {key[:16]} not found in the prompt tokens")
+            else:
+                hits.append(ChunkSpan(i, key, at, len(toks)))
+    kept: list[ChunkSpan] = []
+    for s in sorted(hits + misses, key=lambda s: s.start):
+        if kept and s.start < kept[-1].stop:
+            why = f"chunk spans [{kept[-1].start}, {kept[-1].stop}) and [{s.start}, {s.stop}) overlap"
+            drop(s.key, why, True)
+            continue
+        kept.append(s)
+    hit = {id(s) for s in hits}
+    return SpanPlan([s for s in kept if id(s) in hit], [s for s in kept if id(s) not in hit], dropped)
+
+
 def request_spans(
     prompt_ids: Sequence[int], chunks: Sequence[ChunkRef], store, fingerprint: str
 ) -> list[ChunkSpan]:
-    """Where a request's chunks sit in its prompt, in prompt order.
-
-    Chunks with ``start``/``length`` are taken as given (:class:`SpanError` if they leave the prompt
-    or overlap). Key-only chunks are searched by the token ids their store header records (headers of
-    another model are ignored); one that is not stored or not found is left out, i.e. computed.
-    Bounded work: more than :data:`MAX_CHUNK_REFS` references is a :class:`SpanError`; each distinct
-    key's header is read once and all key-only chunks are located in one linear pass.
-    """
-    if len(chunks) > MAX_CHUNK_REFS:
-        raise SpanError(f"{len(chunks)} chunk references; at most {MAX_CHUNK_REFS} per request")
-    given = [ChunkSpan(i, c.key, c.start, c.length) for i, c in enumerate(chunks) if c.start is not None]
-    loose = [(i, c.key) for i, c in enumerate(chunks) if c.start is None]
-    found: list[ChunkSpan] = []
-    if loose:
-        known: dict[str, list[int] | None] = {}
-        for _, key in loose:
-            if key not in known:
-                check_cancelled()
-                h = store.header(key)
-                known[key] = list(h.token_ids) if h is not None and h.fingerprint == fingerprint else None
-        toks = [known[key] for _, key in loose]
-        for (i, key), at, t in zip(loose, locate_chunks(prompt_ids, toks), toks, strict=True):
-            if at is not None:
-                found.append(ChunkSpan(i, key, at, len(t)))
-    return check_spans(given + found, len(prompt_ids))
+    """Where a request's chunks sit in its prompt, in prompt order: :func:`plan_spans` (strict), hits
+    and misses together."""
+    return plan_spans(prompt_ids, chunks, store, fingerprint).spans
 
 
 def expect_model(store, model) -> None:

@@ -26,6 +26,7 @@ from ragkv.blend import (
     UnknownModeError,
     prefill,
 )
+from ragkv.blend.plan import BlendPlan, BlendPlanError
 from ragkv.engine import joint
 from ragkv.engine.block_manager import OutOfBlocksError
 from ragkv.engine.metrics import EngineMetrics, FusionStats
@@ -33,7 +34,8 @@ from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step,
 from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
-from ragkv.fidelity import explicit_point, operating_point, parse_fidelity
+from ragkv.fidelity import parse_fidelity
+from ragkv.fidelity.plan import plan_blend
 from ragkv.fusion.bff import FusionConfig
 from ragkv.generate import Detokenizer, SamplingParams
 
@@ -140,37 +142,39 @@ class Engine:
         ratio: float | None = None,
         request_id: str | None = None,
         fidelity: str | float | None = None,
+        plan: BlendPlan | None = None,
         **sampling,
     ) -> Request:
         """Validate and tokenize a request (strings via the model's tokenizer; BOS starts a text prefix).
 
-        ``blend`` with no ratio (here or in the config) and no config schedule runs at the fidelity
-        gate's operating point for ``fidelity`` (None: the config's); the point is in the prefill stats."""
-        mode = mode or self.config.mode
-        if mode not in MODES:
-            raise UnknownModeError(f"unknown prefill mode {mode!r}; use one of {MODES}")
-        ratio = self.config.ratio if ratio is None else ratio
-        sched = self.config.schedule
-        if mode == "blend" and ratio is None and sched is None:
-            op = operating_point(self.model, self.config.fidelity if fidelity is None else fidelity)
-            mode, ratio = op.mode, op.ratio
-        else:
-            ratio = sched.target_ratio if ratio is None and sched is not None and mode == "blend" else ratio
-            op = explicit_point(mode, ratio)
-        ratio = 0.0 if ratio is None else ratio
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        ``plan``: what the prefill runs, resolved by the caller (:class:`~ragkv.blend.plan.BlendPlan`);
+        else ``mode``/``ratio``/``fidelity`` are resolved here with the config's as defaults
+        (:func:`ragkv.fidelity.plan.plan_blend`: ``blend`` with no ratio and no config schedule runs at
+        the fidelity gate's point; a ratio with the config's gradual schedule is refused, never
+        overridden). The point is in the prefill stats."""
+        if plan is None:
+            plan = plan_blend(
+                self.model,
+                mode,
+                ratio,
+                fidelity=self.config.fidelity if fidelity is None else fidelity,
+                default_mode=self.config.mode,
+                default_ratio=self.config.ratio,
+                owner_schedule=self.config.schedule,
+            )
+        elif plan.mode == "blend" and plan.schedule is None and self.config.schedule is not None:
+            plan = plan.on(self.config.schedule)  # the engine's blend options at the plan's ratio
+        if plan.auto:
+            raise BlendPlanError("ratio 'auto' (the RAG's loading controller) is not served by the engine")
         params = params or SamplingParams(**sampling)
         req = Request(
             self._ids(prefix, bos=isinstance(prefix, str)),
             [normalize_item(self.model.encode(c) if isinstance(c, str) else c) for c in chunks],
             self._ids(question, bos=False),
             params,
-            mode,
-            ratio,
+            plan,
             request_id,
         )
-        req.fidelity = op
         n = self._num_tokens(req, req.chunks)
         if n == 0:
             raise ValueError("empty prompt: no prefix, chunks or question")
@@ -332,9 +336,7 @@ class Engine:
                 r.prefix,
                 r.resolved,
                 r.question + r.output_ids,
-                r.mode,
-                r.ratio,
-                schedule=cfg.schedule if r.mode == "blend" else None,
+                **r.plan.prefill_args(),
                 prefix_cache=self.prefix_cache,
             )
             n = res.kv.num_tokens
@@ -353,8 +355,8 @@ class Engine:
                 r.metrics.prefill_end = time.perf_counter()
                 r.metrics.num_prompt_tokens, r.metrics.blocks_shared_at_load = n, shared
                 r.prefill_stats = {k: v for k, v in res.stats.items() if not isinstance(v, torch.Tensor)}
-                if r.fidelity is not None:
-                    r.prefill_stats["fidelity"] = r.fidelity.as_stats()
+                if r.plan.point is not None:
+                    r.prefill_stats["fidelity"] = r.plan.stats()
                 self._counts["prompt_tokens"] += n
             if cfg.cff is not None:
                 joint.cff(self.pool, r.seq, cfg.cff, self.cff_stats)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ragkv.attention.hack_batch import HackDecodeBatch, hack_decode
+from ragkv.engine.tables import batch_tables
 
 
 @dataclass
@@ -87,8 +88,6 @@ class HackAttendPlan:
         hp, bs, dev = pool.hack, pool.block_size, pool.device
         self.pool, self.hp = pool, hp
         if tables is None:
-            from ragkv.engine.paged_cache import batch_tables
-
             tables = batch_tables(seqs)
         self.tables, norms = tables  # [L, B, NB], [2, L, B, NB] or None
         self.k_norm, self.v_norm = (None, None) if norms is None else norms

@@ -14,13 +14,13 @@ import itertools
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 
 from ragkv.attention.dense import layer_windows
 from ragkv.attention.kvcache import KVCache, cache_geometry
 from ragkv.attention.paged import decode_mask, paged_attention
 from ragkv.engine import hack_seq
 from ragkv.engine.block_manager import BlockManager
+from ragkv.engine.tables import batch_tables
 from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
 from ragkv.kv.calibrate import key_plans_for
 from ragkv.model.forward import run_layers
@@ -280,16 +280,6 @@ class PagedSequence(KVCache):
             self.pool.manager.free(b)
         self.table, self.norms = self.table[:, :0], self.norms[:, :, :0]
         self.released = True
-
-
-def batch_tables(seqs: list[PagedSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A batch's block tables ``[L, B, NB]`` (padded with block 0: masked by length) and, when some
-    entry is fused, its norms ``[2, L, B, NB]`` (else None); stacked once per step."""
-    nb = max(s.num_blocks for s in seqs)
-    tables = torch.stack([F.pad(s.table, (0, nb - s.num_blocks)) for s in seqs], 1)
-    if not any(f for s in seqs for f in s.fused):
-        return tables, None
-    return tables, torch.stack([F.pad(s.norms, (0, nb - s.num_blocks), value=1.0) for s in seqs], 2)
 
 
 class PagedBatchKV:

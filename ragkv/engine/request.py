@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ragkv.blend.plan import BlendPlan
 from ragkv.engine.metrics import RequestMetrics
 from ragkv.generate import Detokenizer, SamplingParams, TokenEvent
 
@@ -55,15 +56,15 @@ class Request:
         chunks: list,
         question: list[int],
         params: SamplingParams,
-        mode: str,
-        ratio: float,
+        plan: BlendPlan,
         request_id: str | None = None,
         sink: Callable[[object], None] | None = None,
     ):
         self.request_id = request_id or f"req-{next(_ids)}"
         self.prefix, self.chunks, self.question = prefix, chunks, question
-        self.params, self.mode, self.ratio = params, mode, ratio
-        self.fidelity = None  # the fidelity gate's OperatingPoint the engine chose (Engine.make_request)
+        #: what the prefill runs (mode, ratio or schedule, the gate's point): ``Engine.make_request``
+        self.params, self.plan = params, plan
+        self.mode = plan.mode
         self.status = RequestStatus.WAITING
         self.metrics = RequestMetrics()
         self.resolved: list | None = None  # chunk items after fetching (ChunkKV or token ids)

@@ -18,16 +18,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from ragkv.blend.locate import Located
+from ragkv.blend.locate import Located, split_at_chunks
+from ragkv.blend.plan import BlendPlan
 from ragkv.blend.spans import check_cancelled
-from ragkv.fidelity import OperatingPoint
 from ragkv.generate import SamplingParams, TokenEvent, collect, stream
-
-if TYPE_CHECKING:
-    from ragkv.blend.core import BlendSchedule
-    from ragkv.rag.pipeline import RAG
 
 
 class OptionNotServedError(ValueError):
@@ -36,31 +32,53 @@ class OptionNotServedError(ValueError):
 
 @dataclass
 class PromptJob:
-    """A prompt to complete: its token ids, the stored chunks inside it, and how to prefill and sample."""
+    """A prompt to complete: its token ids, the stored chunks inside it, what its prefill runs
+    (:class:`~ragkv.blend.plan.BlendPlan`, resolved once by the RAG) and how to sample."""
 
     prompt_ids: list[int]
     chunks: Sequence[Located]  # in prompt order, non-overlapping; rows [lo, hi) of each stored chunk
-    mode: str
-    ratio: float | str  # a number, or "auto" (the RAG's loading controller; threads only)
+    plan: BlendPlan
     params: SamplingParams
-    schedule: BlendSchedule | None = None  # an explicit blend schedule (``/v1/completions``)
     write_back: bool = True  # computed chunk KV goes to the owner's write-back policy
     save: bool = False  # also store computed KV the policy would not (an explicit request)
-    #: the fidelity gate's operating point this job runs at (``stats["fidelity"]`` of its answer)
-    fidelity: OperatingPoint | None = None
+    #: the loading controller's decision behind the plan's ratio (``ratio="auto"``), for the stats
+    decision: object | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
+
+    @property
+    def ratio(self) -> float | str:
+        return self.plan.ratio
+
+    @property
+    def schedule(self):
+        """The blend options beyond a ratio the request set (None: the default schedule)."""
+        return self.plan.schedule
+
+    @property
+    def fidelity(self):
+        """The fidelity gate's operating point this job runs at (``stats["fidelity"]`` of its answer)."""
+        return self.plan.point
 
     def parts(self) -> tuple[list[int], list[list[int]], list[int]]:
         """``(prefix, pieces, suffix)`` as token ids: each chunk's rows, and the text between them."""
-        ids = self.prompt_ids
-        if not self.chunks:
-            return list(ids), [], []
-        pieces, pos = [], self.chunks[0].start
-        for c in self.chunks:
-            if c.start > pos:
-                pieces.append(list(ids[pos : c.start]))
-            pieces.append(list(c.token_ids[c.lo : c.hi]))
-            pos = c.stop
-        return list(ids[: self.chunks[0].start]), pieces, list(ids[pos:])
+        prefix, pieces, suffix = split_at_chunks(self.prompt_ids, self.chunks)
+        rows = [list(p.token_ids[p.lo : p.hi]) if isinstance(p, Located) else p for p in pieces]
+        return prefix, rows, suffix
+
+
+class GenerationContext(Protocol):
+    """What a generator uses of the RAG that hands it a job: the model and its LLM settings (prefix
+    cache, attention), and the one chunk resolver (with its store and counters)."""
+
+    llm: object
+    model: object
+    resolver: object
+
+    @property
+    def store(self): ...
 
 
 @dataclass
@@ -82,7 +100,7 @@ class Generator(Protocol):
 
     name: str
 
-    def stream(self, rag: RAG, job: PromptJob) -> Iterator[TokenEvent | Generated]: ...
+    def stream(self, rag: GenerationContext, job: PromptJob) -> Iterator[TokenEvent | Generated]: ...
 
     def close(self) -> None: ...
 
@@ -92,10 +110,12 @@ class ThreadGenerator:
 
     name = "threads"
 
-    def stream(self, rag: RAG, job: PromptJob) -> Iterator[TokenEvent | Generated]:
+    def stream(self, rag: GenerationContext, job: PromptJob) -> Iterator[TokenEvent | Generated]:
+        if job.plan.auto:
+            raise ValueError("ratio='auto' needs a LoadingController (RAG(controller=...))")
         resolver = rag.resolver
         t0 = time.perf_counter()
-        reuse = job.mode in ("reuse", "blend") and bool(job.chunks)
+        reuse = job.plan.reuses and bool(job.chunks)
         if reuse:
             prefix, items, suffix = resolver.pieces(
                 job.prompt_ids, job.chunks, write_back=job.write_back, check=check_cancelled
@@ -103,7 +123,6 @@ class ThreadGenerator:
             misses = len(job.chunks) - items.hits  # before prefill: a failed load counts as bad
         else:  # token lists: "prefix" mode caches the head segment by segment, "full" computes all
             prefix, items, suffix = job.parts()
-        ratio, decision = rag.choose_ratio(job, items)
         bad = 0
 
         def recomputed(_toks: list[int]) -> None:
@@ -111,18 +130,15 @@ class ThreadGenerator:
             check_cancelled()
             bad += 1
 
-        kw = {"schedule": job.schedule} if job.schedule is not None and job.mode == "blend" else {}
         t_lookup = time.perf_counter() - t0
         res = resolver.prefill(
             prefix,
             items,
             suffix,
-            job.mode,
-            ratio,
+            job.plan,
             write_back=job.write_back,
             on_recompute=recomputed,
             prefix_cache=rag.llm.prefix_cache,
-            **kw,
         )
         stats = dict(res.stats)
         if reuse:
@@ -130,10 +146,10 @@ class ThreadGenerator:
             stats.update(kv_hits=items.hits, kv_misses=misses, kv_saved=saved)
             stats["num_chunks"] = len(job.chunks)  # text between chunks is not a chunk
         stats["kv_recomputed_bad"] = bad
-        if job.fidelity is not None:
-            stats["fidelity"] = job.fidelity.as_stats()
-        if decision is not None:
-            stats["controller"] = decision.as_dict()
+        if job.plan.point is not None:
+            stats["fidelity"] = job.plan.stats()
+        if job.decision is not None:
+            stats["controller"] = job.decision.as_dict()
         for item in collect(stream(rag.model, res, job.params, attention=rag.llm.attention)):
             if isinstance(item, tuple):
                 text, out, reason = item
@@ -160,19 +176,19 @@ class EngineGenerator:
     def __init__(self, engine):
         self.engine = engine
 
-    def stream(self, rag: RAG, job: PromptJob) -> Iterator[TokenEvent | Generated]:
-        if job.ratio == "auto":
+    def stream(self, rag: GenerationContext, job: PromptJob) -> Iterator[TokenEvent | Generated]:
+        plan = job.plan
+        if plan.auto or job.decision is not None:
             raise OptionNotServedError("ratio 'auto' (the loading controller) is not served by the engine")
-        ratio = float(job.ratio)
-        if job.schedule is not None:
-            if job.schedule != type(job.schedule).single(job.schedule.target_ratio):
+        if plan.schedule is not None:
+            if plan.schedule != type(plan.schedule).single(plan.schedule.target_ratio):
                 raise OptionNotServedError(
                     "the engine blends with its own schedule: send only a ratio (no check_layers, "
                     "selector, offsets or APE options)"
                 )
-            ratio = job.schedule.target_ratio
+            plan = BlendPlan(plan.mode, plan.ratio, None, plan.point)  # a ratio alone
         prefix, pieces, suffix = job.parts()
-        reuse = job.mode in ("reuse", "blend") and bool(job.chunks)
+        reuse = plan.reuses and bool(job.chunks)
         if job.save:  # store the chunks' KV that the store lacks (asked explicitly by a writer)
             for c in job.chunks:
                 if not rag.store.contains(c.key):
@@ -181,7 +197,7 @@ class EngineGenerator:
         # what the engine's fetcher will find stored (it loads these and computes the rest)
         hits = sum(c.lo == 0 and c.hi == len(c.token_ids) and rag.store.contains(c.key) for c in job.chunks)
         self.engine.start()
-        handle = self.engine.submit(prefix, pieces, suffix, job.params, mode=job.mode, ratio=ratio)
+        handle = self.engine.submit(prefix, pieces, suffix, job.params, plan=plan)
         try:
             yield from handle.stream(poll=check_cancelled)
         finally:
@@ -190,8 +206,8 @@ class EngineGenerator:
         out = handle.request.output()
         m = out.metrics
         stats = {**out.prefill_stats, "finish_reason": out.finish_reason}
-        if job.fidelity is not None:
-            stats["fidelity"] = job.fidelity.as_stats()
+        if plan.point is not None:
+            stats["fidelity"] = plan.stats()
         if reuse:
             stats.update(num_chunks=len(job.chunks), kv_hits=hits, kv_misses=len(job.chunks) - hits)
         timings = {"engine_queue_s": m.queue_s or 0.0}

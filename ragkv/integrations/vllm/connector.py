@@ -52,11 +52,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ragkv.blend.pipeline import ChunkLoadError, PipelinedSource, StoredChunk
 from ragkv.blend.resolver import PieceSlice
-from ragkv.blend.spans import MAX_CHUNK_REFS, ChunkSpan, SpanError, check_spans, locate_chunks
+from ragkv.blend.spans import ChunkSpan, SpanError, plan_spans
 from ragkv.integrations.vllm.params import BlendParams, KVParamsError
 from ragkv.integrations.vllm.rows import RowPlan, blend_rows, blocks_of_rows, plan_rows, slot_mapping
 from ragkv.kv import compute_chunk_kv
-from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, chunk_key
+from ragkv.kv.chunk import chunk_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -283,79 +283,12 @@ class RagkvConnector(KVConnectorBase_V1):
         return (plan.num_external if plan is not None else 0), False
 
     def _find_chunks(self, params: BlendParams, prompt: list[int]) -> tuple[list[ChunkSpan], list[list[int]]]:
-        """Chunks of the request found in the prompt and in the store; token ids of the misses.
-
-        Bounded work: the first MAX_CHUNK_REFS references only, each key's header read once, key-only
-        chunks located in one linear pass (ragkv.blend.spans.locate_chunks)."""
-        fp = self.fingerprint
-        store = self.store
-        hits: list[ChunkSpan] = []
-        misses: list[list[int]] = []
-        unplaced: list[tuple[int, str, list[int]]] = []
-        headers: dict[str, object] = {}
-        refs = params.chunks
-        if len(refs) > MAX_CHUNK_REFS:
-            log.warning("ragkv: %d chunk references, only the first %d are used", len(refs), MAX_CHUNK_REFS)
-            refs = refs[:MAX_CHUNK_REFS]
-        for i, ref in enumerate(refs):
-            if ref.start is not None:
-                toks = prompt[ref.start : ref.start + ref.length]
-                if len(toks) != ref.length:
-                    log.warning(
-                        "ragkv: chunk %s span [%d, +%d) leaves the prompt of %d tokens; recomputed",
-                        ref.key[:16],
-                        ref.start,
-                        ref.length,
-                        len(prompt),
-                    )
-                    continue
-                if chunk_key(toks, fp) != ref.key:
-                    log.warning(
-                        "ragkv: chunk key %s does not match its tokens under the served model "
-                        "(another model, dtype or tokenizer?); recomputed",
-                        ref.key[:16],
-                    )
-                    continue
-                if self._stored(ref.key, toks):
-                    hits.append(ChunkSpan(i, ref.key, ref.start, ref.length))
-                else:
-                    misses.append(toks)
-                    self.stats["chunks_missed"] += 1
-            else:
-                if ref.key not in headers:
-                    headers[ref.key] = store.header(ref.key)
-                hdr = headers[ref.key]
-                if hdr is None or hdr.fingerprint != fp or hdr.convention != CHUNK_CONVENTION_VERSION:
-                    continue  # tokens unknown: recomputed by vLLM as ordinary prompt text, not saved
-                unplaced.append((i, ref.key, list(hdr.token_ids)))
-        if unplaced:
-            starts = locate_chunks(prompt, [t for _, _, t in unplaced])
-            for (i, key, toks), at in zip(unplaced, starts, strict=True):
-                if at is None:
-                    log.warning("ragkv: chunk %s not found in the prompt tokens; recomputed", key[:16])
-                else:
-                    hits.append(ChunkSpan(i, key, at, len(toks)))
-        kept: list[ChunkSpan] = []
-        for s in sorted(hits, key=lambda s: s.start):
-            if kept and s.start < kept[-1].stop:
-                log.warning(
-                    "ragkv: chunk %s overlaps chunk %s in the prompt; recomputed",
-                    s.key[:16],
-                    kept[-1].key[:16],
-                )
-                continue
-            kept.append(s)
-        check_spans(kept, len(prompt))
-        return kept, misses
-
-    def _stored(self, key: str, toks: list[int]) -> bool:
-        hdr = self.store.header(key)
-        return (
-            hdr is not None
-            and hdr.fingerprint == self.fingerprint
-            and hdr.convention == CHUNK_CONVENTION_VERSION
-            and list(hdr.token_ids) == toks
-        )
+        """Chunks of the request found in the prompt and in the store; token ids of the misses
+        (ragkv.blend.spans.plan_spans: the one planner; a bad reference is recomputed, not refused)."""
+        warn = lambda key, why: log.warning("ragkv: %s; recomputed", why)  # noqa: E731
+        plan = plan_spans(prompt, params.chunks, self.store, self.fingerprint, strict=False, on_drop=warn)
+        self.stats["chunks_missed"] += len(plan.misses)
+        return plan.hits, [prompt[s.start : s.stop] for s in plan.misses]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         p = self._pending.get(request.request_id)

@@ -53,7 +53,8 @@ STEP_RANGE = (0.05, 3.0)
 
 def calibration_material(model, n_questions: int = 2, chunk_tokens: int = 128):
     """``[(prefix, [chunk token ids] * 3, suffix)]`` from the demo corpus, in the model's prompt form."""
-    from ragkv.model.chat import chat_parts, has_chat_template
+    from ragkv.model.chat import has_chat_template
+    from ragkv.prompt import render_parts
 
     corpus = json.loads(DEMO_CORPUS.read_text())
     chunks_all = demo_chunks(model, 3 * n_questions, chunk_tokens)
@@ -62,7 +63,7 @@ def calibration_material(model, n_questions: int = 2, chunk_tokens: int = 128):
         q = corpus["questions"][i % len(corpus["questions"])]["question"]
         chunks = chunks_all[3 * i : 3 * i + 3]
         if has_chat_template(model):
-            prefix, suffix = chat_parts(model, corpus.get("instruction", ""), f"Question: {q}")
+            prefix, suffix = render_parts(model, corpus.get("instruction", ""), f"Question: {q}", True)
         else:
             prefix, suffix = [model.config.bos_token_id], model.encode(" question: " + q + " answer:")
         out.append((list(prefix), chunks, list(suffix)))
