@@ -135,6 +135,7 @@ KV_READERS = {
     "ragkv/blend/gate.py",  # the self-check's own probe chunks, not a prompt's
     "ragkv/kv/calibrate.py",  # calibration KV (RoPE key-block energies of demo chunks), not a prompt's
     "ragkv/fidelity/measure.py",  # the fidelity report's calibration prompts, measured apart from any store
+    "ragkv/adapter/train.py",  # the adapter's training prompts, computed apart from any store
     "ragkv/rag/quotas.py",  # one sample chunk's KV, to measure the codec's bytes per token for quotas
     "ragkv/blend/pipeline.py",  # StoredChunk: the lazy reader the resolver hands out
     "ragkv/integrations/vllm/connector.py",  # runs inside vLLM's worker, over vLLM's paged KV
