@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragkv.adapter.shipped import AUTO_ADAPTER, resolve_adapter
 from ragkv.blend.core import BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, ensure_gate, gate_report
 from ragkv.blend.prefix_cache import PrefixCache
@@ -49,6 +50,11 @@ class LLM:
     default: the cheapest point of the model's fidelity report that changes no more answers than a
     dtype change does), ``"exact"``, ``"fast"`` / ``"fast:X"`` or a same-answer rate in (0, 1]. An
     explicit ``ratio=`` (or a ``schedule=``) runs as asked and is reported as outside the gate.
+
+    ``adapter``: a KV adapter reused chunk KV is read through (``ragkv.adapter``): ``"auto"`` (the
+    default) takes the package's adapter for the model if one ships, used only where the gate's report
+    for the (model, adapter) pair meets the target more cheaply; a file or ``KVAdapter`` is used
+    wherever chunk KV is reused; None: never.
     """
 
     def __init__(
@@ -63,9 +69,11 @@ class LLM:
         schedule: BlendSchedule | None = None,
         fidelity: str | float | None = None,
         resolver: ChunkResolver | None = None,
+        adapter=AUTO_ADAPTER,
     ):
         self.fidelity = parse_fidelity(fidelity)
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
+        self.adapter, self.adapter_explicit = resolve_adapter(self.model, adapter)
         self.attention = attention
         self.schedule = schedule
         self.prefix_cache = PrefixCache(max_bytes=cache_bytes // 4)
@@ -110,6 +118,8 @@ class LLM:
             schedule=schedule,
             fidelity=self.fidelity if fidelity is None else parse_fidelity(fidelity),
             owner_schedule=self.schedule,
+            adapter=self.adapter,
+            adapter_outside_gate=self.adapter_explicit,
         )
 
     # ---- tokens ---------------------------------------------------------------------------

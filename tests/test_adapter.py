@@ -1,6 +1,7 @@
 """KV adapters (ragkv/adapter): the exactness invariants, the file's trust checks, and training."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -124,3 +125,100 @@ def test_training_lowers_the_kl_to_full_prefill_resumes_and_is_deterministic(tmp
     s2 = train(m, tmp_path / "b.safetensors", cfg, items=items, progress=False)
     assert s2["sha256"] == s1["sha256"]
     assert json.loads(json.dumps({k: v for k, v in s1.items() if k != "curve"}))["steps"] == 4
+
+
+# ---- the gate decides where an adapter is used --------------------------------------------------------
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    from ragkv.fidelity import GATE
+
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    GATE.forget()
+    yield tmp_path
+    GATE.forget()
+
+
+def _pair_reports(model, adapter):
+    """The model's own report (floor -> exact) and the (model, adapter) pair's (blend@0.5 meets it)."""
+    import dataclasses
+
+    from ragkv.fidelity.report import cache_path, save_report
+    from tests.test_fidelity import _point, _report
+
+    plain = _report(
+        model,
+        [
+            _point("exact", 1.0, 0.82, 1.1),
+            _point("reuse", 0.1, 0.1, 5.0, ratio=0.0),
+            _point("blend@0.5", 0.5, 0.55, 1.8),
+            _point("blend@0.9", 0.9, 0.85, 1.05),
+        ],
+    )
+    pair = _report(
+        model,
+        [
+            _point("exact", 1.0, 0.82, 1.1),
+            _point("reuse", 0.3, 0.1, 5.0, ratio=0.0),
+            _point("blend@0.5", 0.85, 0.55, 1.8),
+            _point("blend@0.9", 0.9, 0.85, 1.05),
+        ],
+    )
+    pair = dataclasses.replace(pair, adapter=adapter.identity).seal()
+    save_report(plain, cache_path(model.fingerprint))
+    save_report(pair, cache_path(model.fingerprint, adapter=adapter.identity))
+
+
+def test_the_gate_uses_an_adapter_only_where_its_own_report_wins(cache, tmp_path, caplog):
+    from ragkv import LLM
+
+    m = stories_model()
+    ad = _randomized(m)
+    path = tmp_path / "a.safetensors"
+    ad.save(path)
+    llm = LLM(m, adapter=None)
+    assert llm.adapter is None and llm.plan().adapter is None
+    auto = LLM(m)  # "auto": no adapter ships for the test model
+    assert auto.adapter is None
+    with_file = LLM(m, adapter=path)
+    # no report of the pair: off, said once
+    with caplog.at_level(logging.WARNING, logger="ragkv.fidelity.choose"):
+        assert with_file.plan().adapter is None
+        assert with_file.plan().adapter is None
+    assert sum("KV adapter" in r.message and "is off" in r.message for r in caplog.records) == 1
+    # explicit ratios use the adapter the caller gave, outside the gate
+    p = with_file.plan("blend", 0.3)
+    assert (
+        p.adapter is with_file.adapter and p.outside_gate and p.prefill_args()["adapter"] is with_file.adapter
+    )
+    assert with_file.plan("full").adapter is None  # nothing stored is read in full prefill
+    _pair_reports(m, with_file.adapter)
+    from ragkv.fidelity import GATE
+
+    GATE.forget()
+    floor = with_file.plan()  # the model alone: exact; with the adapter blend@0.5 meets the floor
+    assert (floor.mode, floor.ratio) == ("blend", 0.5) and floor.adapter is with_file.adapter
+    assert floor.stats()["adapter"] == with_file.adapter.identity and not floor.outside_gate
+    assert llm.plan().mode == "prefix"  # without the adapter the gate keeps exact prefill
+    fast = with_file.plan(fidelity="fast")  # same speed, more answers kept: the adapter's reuse
+    assert fast.mode == "reuse" and fast.adapter is with_file.adapter
+    # an answer through the LLM says which adapter its prefill read through
+    res = with_file.prefill("", ["Lily had a red ball.", "Tom ran to the park."], "What did Lily have?")
+    assert res.stats["adapter"] == with_file.adapter.identity
+
+
+def test_a_shipped_adapter_is_verified_by_its_digest(tmp_path, caplog):
+    from ragkv.adapter.shipped import shipped_adapter
+
+    m = random_model("llama", seed=7, init_std=0.1)
+    ad = _randomized(m)
+    digest = ad.save(tmp_path / "a.safetensors")
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({m.fingerprint: {"file": "a.safetensors", "sha256": digest, "rank": 4}}))
+    assert shipped_adapter(m, manifest).identity == digest[:16]
+    manifest.write_text(json.dumps({m.fingerprint: {"file": "a.safetensors", "sha256": "0" * 64, "rank": 4}}))
+    with caplog.at_level(logging.WARNING):
+        assert shipped_adapter(m, manifest) is None
+    assert any("not using the shipped KV adapter" in r.message for r in caplog.records)
+    assert (
+        shipped_adapter(random_model("llama", seed=9, init_std=0.1), manifest) is None
+    )  # none for that model

@@ -32,6 +32,9 @@ class BlendPlan:
     schedule: BlendSchedule | None = None
     #: the fidelity gate's ``ragkv.fidelity.OperatingPoint`` (or an explicit one): ``stats["fidelity"]``
     point: object | None = None
+    #: the KV adapter reused chunk KV is read through (``ragkv.adapter.KVAdapter``; None: none), set
+    #: only where the gate chose the (model, adapter) pair's point or the caller asked for it
+    adapter: object | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -48,6 +51,8 @@ class BlendPlan:
                 raise BlendPlanError(
                     f"ratio {self.ratio} contradicts the schedule's ratio {self.schedule.target_ratio}"
                 )
+        if self.adapter is not None and not self.reuses:
+            object.__setattr__(self, "adapter", None)  # nothing stored is read: the adapter has no rows
 
     @property
     def auto(self) -> bool:
@@ -87,7 +92,10 @@ class BlendPlan:
     def prefill_args(self) -> dict:
         """``mode``, ``ratio`` and ``schedule`` as :func:`ragkv.blend.prefill` takes them."""
         sched = self.blend_schedule()
-        return {"mode": self.mode, "ratio": sched.target_ratio if sched else 0.0, "schedule": sched}
+        args = {"mode": self.mode, "ratio": sched.target_ratio if sched else 0.0, "schedule": sched}
+        if self.adapter is not None:
+            args["adapter"] = self.adapter
+        return args
 
     def stats(self) -> dict | None:
         """The ``fidelity`` entry of a response's stats (None without a point)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ragkv.adapter.shipped import resolve_adapter
 from ragkv.blend import (
     MODES,
     BlendSchedule,
@@ -54,6 +55,9 @@ class EngineConfig:
     ratio: float | None = None
     schedule: BlendSchedule | None = None
     fidelity: str | float | None = None  # ragkv.fidelity's setting (None: "floor")
+    #: the KV adapter reused chunk KV is read through: "auto" (the shipped one, where the gate chooses
+    #: it), None, or a file (used wherever chunk KV is reused); see ragkv.LLM's ``adapter``
+    adapter: object | None = "auto"
     attention: str = "fp16"  # "fp16" (dense, model dtype) or "hack" (2-bit, HACK attention)
     #: HackConfig options over HACK's defaults (``hack_cache.DEFAULTS``, partition = block_size)
     hack: dict = field(default_factory=dict)
@@ -87,6 +91,7 @@ class Engine:
             model = load_model(model)
         self.model = model
         self.config = cfg = config or EngineConfig()
+        self.adapter, self.adapter_explicit = resolve_adapter(model, cfg.adapter)
         c = model.config
         hack_cfg = None
         if cfg.attention == "hack":
@@ -161,6 +166,8 @@ class Engine:
                 default_mode=self.config.mode,
                 default_ratio=self.config.ratio,
                 owner_schedule=self.config.schedule,
+                adapter=self.adapter,
+                adapter_outside_gate=self.adapter_explicit,
             )
         elif plan.mode == "blend" and plan.schedule is None and self.config.schedule is not None:
             plan = plan.on(self.config.schedule)  # the engine's blend options at the plan's ratio

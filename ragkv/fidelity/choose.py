@@ -85,6 +85,7 @@ class OperatingPoint:
     charged: float | None = None
     noise_floor_same: float | None = None
     changed_answers: str | None = None  # e.g. "12 of 96": answers this point changes on the set
+    adapter: str | None = None  # the KV adapter this point was measured with (None: none)
 
     @property
     def outside_gate(self) -> bool:
@@ -105,6 +106,7 @@ class OperatingPoint:
             "charged_compute": self.charged,
             "noise_floor_same": self.noise_floor_same,
             "changed_answers": self.changed_answers,
+            "adapter": self.adapter,
         }
 
     def describe(self) -> str:
@@ -112,8 +114,9 @@ class OperatingPoint:
         if self.source == "explicit":
             return f"{self.mode} at ratio {self.ratio} (set explicitly: outside the fidelity gate)"
         head = f"fidelity {self.target!r} -> {self.point} ({self.mode}" + (
-            f" at ratio {self.ratio:g})" if self.ratio is not None else ")"
+            f" at ratio {self.ratio:g}" if self.ratio is not None else ""
         )
+        head += f", KV adapter {self.adapter})" if self.adapter else ")"
         if self.source == "no-report":
             return f"{head}: no trusted fidelity report for this model (`ragkv calibrate` measures one)"
         if self.same is None or self.speedup is None:
@@ -129,6 +132,7 @@ class OperatingPoint:
 
 def _op(target: str, p: PointStats, report: FidelityReport, source: str = "report") -> OperatingPoint:
     changed = round((1.0 - p.same) * p.n)
+    adapter = report.adapter if p.mode in ("reuse", "blend") and report.adapter else None
     return OperatingPoint(
         target,
         p.mode,
@@ -141,6 +145,7 @@ def _op(target: str, p: PointStats, report: FidelityReport, source: str = "repor
         p.charged,
         report.floor.same,
         f"{changed} of {p.n}",
+        adapter,
     )
 
 
@@ -246,6 +251,41 @@ class FidelityGate:
                 why,
             )
         return op
+
+    def adapter_wins(
+        self, model_name: str, plain: OperatingPoint, paired: OperatingPoint, adapter: str
+    ) -> bool:
+        """Whether the (model, adapter) pair's point beats the model's own for the same target: it
+        meets the target from its own report, reuses chunk KV, and costs less charged compute (``fast``:
+        keeps more answers). When it does not, that is said once per (model, adapter, target)."""
+        wins = (
+            paired.source == "report"
+            and paired.mode in ("reuse", "blend")
+            and paired.charged is not None
+            and (
+                plain.source != "report"
+                or (
+                    paired.same is not None and plain.same is not None and paired.same > plain.same
+                    if plain.target.startswith("fast")
+                    else plain.mode == "prefix" or plain.charged is None or paired.charged < plain.charged
+                )
+            )
+        )
+        key = ("adapter-off", adapter, plain.target, paired.source)
+        with self._lock:
+            first = not wins and key not in self._logged and len(self._logged) < 4096
+            if first:
+                self._logged.add(key)
+        if first:
+            why = (
+                "it has no trusted report for this model (`ragkv calibrate --adapter FILE` measures one)"
+                if paired.source == "no-report"
+                else "its report has no point that meets the target more cheaply than the model alone"
+            )
+            log.warning(
+                "KV adapter %s is off for fidelity %r on model %s: %s", adapter, plain.target, model_name, why
+            )
+        return wins
 
 
 #: the process's gate (reports are per model fingerprint, so one serves every model)

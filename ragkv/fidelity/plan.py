@@ -17,16 +17,22 @@ prefill) takes the plan instead of a ``ratio`` beside a ``schedule``:
 4. ``"auto"``: the ratio is the RAG's loading controller's choice, made when the prompt is known
    (:meth:`BlendPlan.with_ratio`).
 5. Anything explicit runs as asked and is reported as outside the gate (``point.outside_gate``).
+6. A KV adapter (``adapter``): at the gate's point, the (model, adapter) pair's report is asked too,
+   and the adapter is used only where that report's point meets the target at less charged compute
+   than the model's own choice (``fast``: with more answers kept); else it is off, said once in the
+   log. Outside the gate it is used only when the caller asked for it (``adapter_outside_gate``).
 
 The default ratio (:data:`ragkv.defaults.DEFAULT_RATIO`) is the one of the default schedule.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.plan import AUTO, BlendPlan, BlendPlanError, rebase
 from ragkv.blend.prefill import MODES, UnknownModeError
-from ragkv.fidelity.choose import explicit_point, operating_point
+from ragkv.fidelity.choose import GATE, explicit_point, operating_point
 
 __all__ = ["AUTO", "BlendPlan", "BlendPlanError", "plan_blend"]
 
@@ -53,12 +59,24 @@ def plan_blend(
     default_mode: str = "blend",
     default_ratio: float | str | None = None,
     owner_schedule: BlendSchedule | None = None,
+    adapter=None,
+    adapter_outside_gate: bool = False,
 ) -> BlendPlan:
     """The one resolution of a request's (mode, ratio, schedule, fidelity) into a :class:`BlendPlan`.
 
     ``mode``/``ratio``/``schedule``/``fidelity``: the request's (None: not set); ``default_mode``,
     ``default_ratio``, ``owner_schedule``: its owner's defaults (``fidelity`` None: the gate's default
-    setting, ``"floor"``). The rule is the module docstring's."""
+    setting, ``"floor"``); ``adapter``: the owner's KV adapter (rule 6). The rule is the module docstring's."""
+    plan = _plan(model, mode, ratio, schedule, fidelity, default_mode, default_ratio, owner_schedule, adapter)
+    if adapter is not None and plan.adapter is None and plan.outside_gate and adapter_outside_gate:
+        plan = dataclasses.replace(plan, adapter=adapter)
+    return plan
+
+
+def _plan(
+    model, mode, ratio, schedule, fidelity, default_mode, default_ratio, owner_schedule, adapter
+) -> BlendPlan:
+    """:func:`plan_blend` without the adapter of explicit plans."""
     mode = mode or default_mode
     if mode not in MODES:
         raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
@@ -84,6 +102,11 @@ def plan_blend(
         r = owner_schedule.target_ratio
         return BlendPlan(mode, r, owner_schedule, explicit_point(mode, r))
     op = operating_point(model, fidelity)
+    use = None
+    if adapter is not None:
+        with_adapter = operating_point(model, fidelity, adapter=adapter.identity)
+        if GATE.adapter_wins(model.name, op, with_adapter, adapter.identity):
+            op, use = with_adapter, adapter
     if op.mode == "blend":
-        return BlendPlan("blend", float(op.ratio), None, op)
-    return BlendPlan(op.mode, 0.0, None, op)
+        return BlendPlan("blend", float(op.ratio), None, op, use)
+    return BlendPlan(op.mode, 0.0, None, op, use)

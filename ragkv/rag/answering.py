@@ -390,6 +390,8 @@ class Answerer:
             default_mode=self.mode,
             default_ratio=self.ratio if schedule is None else None,
             owner_schedule=self.llm.schedule,
+            adapter=getattr(self.llm, "adapter", None),
+            adapter_outside_gate=getattr(self.llm, "adapter_explicit", False),
         )
 
     def using(self, generator: Generator) -> Answerer:

@@ -1,0 +1,55 @@
+"""The KV adapters the package ships: one file per model fingerprint, listed with its digest.
+
+``ragkv/adapter/shipped/manifest.json`` maps a model fingerprint to ``{"file", "sha256", "rank"}``;
+:func:`shipped_adapter` loads the model's file and refuses one whose content digest differs from the
+manifest's (an edited or swapped file is never used). Whether a loaded adapter is *used* is the
+fidelity gate's decision, from the (model, adapter) pair's own report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from ragkv.adapter.kv_adapter import AdapterError, KVAdapter
+
+log = logging.getLogger(__name__)
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+#: an owner's default ``adapter=`` setting: the shipped adapter, where the fidelity gate chooses it
+AUTO_ADAPTER = "auto"
+MANIFEST = SHIPPED_DIR / "manifest.json"
+
+
+def manifest(path: Path = MANIFEST) -> dict[str, dict]:
+    """The shipped adapters by model fingerprint ({} when none ships)."""
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def shipped_adapter(model, path: Path = MANIFEST) -> KVAdapter | None:
+    """The package's adapter for ``model`` (verified by its digest), or None (none ships, or it fails
+    verification: logged, never used)."""
+    entry = manifest(path).get(model.fingerprint)
+    if entry is None:
+        return None
+    try:
+        return KVAdapter.load(path.parent / entry["file"], model, digest=entry["sha256"])
+    except (AdapterError, KeyError) as e:
+        log.warning("not using the shipped KV adapter for %s: %s", getattr(model, "name", "?"), e)
+        return None
+
+
+def resolve_adapter(model, spec) -> tuple[KVAdapter | None, bool]:
+    """``(adapter, explicit)`` for an owner's ``adapter=`` setting: ``"auto"`` (the default) is the
+    package's adapter for the model if one ships, used where the fidelity gate chooses it; None or
+    ``"off"``: none; a path or a :class:`KVAdapter`: that one, also used outside the gate (explicit)."""
+    if spec is None or (isinstance(spec, str) and spec.lower() in ("off", "none", "")):
+        return None, False
+    if isinstance(spec, str) and spec.lower() == "auto":
+        return shipped_adapter(model), False
+    if isinstance(spec, KVAdapter):
+        return spec, True
+    return KVAdapter.load(spec, model), True
