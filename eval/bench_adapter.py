@@ -49,9 +49,12 @@ MAX_NEW = 16
 
 
 def primed_kv(model, ids: list[int], contexts: list[list[int]]) -> ChunkKV:
-    """A chunk's KV written after each of ``contexts`` (averaged when several)."""
+    """A chunk's KV written after each of ``contexts`` (averaged when several; a context is cut from the
+    front to fit the model's context)."""
     ks, vs = [], []
+    room = model.config.max_position - len(ids) - 1
     for ctx in contexts:
+        ctx = ctx[-room:] if room > 0 else []
         t, k, v, _ = chunk_kv_tensors(model, ids, ctx)
         ks.append(k)
         vs.append(v)
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             if not todo:
                 continue
             prefix, chunks, suffix = item_ids(model, it)
+            if len(prefix) + sum(map(len, chunks)) + len(suffix) + MAX_NEW > model.config.max_position:
+                continue  # the prompt does not fit the model's context: left out, as the gate's set does
             full = prefill(model, prefix, chunks, suffix, "full")
             full_text = generate(model, full, params).text
             if not pc.lookup(model.fingerprint, [prefix]):

@@ -374,3 +374,43 @@ def test_the_default_models_fidelity_report_ships_and_sets_the_default(real_llm,
         assert ans.stats["fidelity"]["point"] == op.point and ans.stats["mode"] == op.mode
     finally:
         GATE.forget()
+
+
+@pytest.mark.slow
+def test_the_shipped_kv_adapter_verifies_and_the_gate_uses_it_only_where_its_report_wins(
+    real_llm, tmp_path, monkeypatch
+):
+    """The default model's shipped adapter loads by its digest; its own report verifies; at the
+    default target the gate keeps the model's point (adapter off), at ``fast`` the adapter's reuse
+    keeps more answers and is used; with the adapter off nothing changes."""
+    from ragkv.adapter.shipped import shipped_adapter
+    from ragkv.fidelity import GATE
+    from ragkv.fidelity.choose import schedule_key
+    from ragkv.fidelity.report import load_report
+
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))  # the shipped copies alone
+    GATE.forget()
+    try:
+        m = real_llm.model
+        ad = shipped_adapter(m)
+        assert ad is not None and real_llm.adapter is not None and real_llm.adapter.identity == ad.identity
+        pair = load_report(m.fingerprint, schedule_key(None), adapter=ad.identity)
+        alone = load_report(m.fingerprint, schedule_key(None))
+        assert pair is not None and pair.adapter == ad.identity and pair.monotone_ok
+        assert pair.point("reuse").same > alone.point("reuse").same
+        floor = real_llm.plan()
+        assert floor.adapter is None and floor.point.point == real_llm.plan().point.point
+        fast = real_llm.plan(fidelity="fast")
+        assert fast.mode == "reuse" and fast.adapter is real_llm.adapter
+        assert fast.point.adapter == ad.identity and fast.point.same == pair.point("reuse").same
+        chunks, q = ["Lily had a red ball."], "What color was the ball?"
+        ans = real_llm.generate("", chunks, q, max_new_tokens=4, fidelity="fast")
+        assert ans.stats["adapter"] == ad.identity and ans.stats["fidelity"]["adapter"] == ad.identity
+        off = ragkv.LLM(m, adapter=None, self_check_on_load=False)
+        plain = off.generate("", chunks, q, max_new_tokens=4, mode="reuse", ratio=0.0)
+        also = real_llm.generate(
+            "", chunks, q, max_new_tokens=4, mode="reuse", ratio=0.0
+        )  # explicit: no auto adapter
+        assert plain.stats["adapter"] is None and also.stats["adapter"] is None and plain.text == also.text
+    finally:
+        GATE.forget()

@@ -71,21 +71,28 @@ class KVAdapter(nn.Module):
         return cls(spec, seed)
 
     def correct(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Corrected ``(k, v) [n, Hkv, D]`` of stored rows of ``layer`` (in their dtype)."""
-        n = k.shape[0]
-        kf, vf = k.reshape(n, -1).float(), v.reshape(n, -1).float()
-        dk, dv = self.bias_k[layer], self.bias_v[layer]
+        """Corrected ``(k, v) [n, Hkv, D]`` of stored rows of ``layer`` (in their dtype): K and V side
+        by side, so a layer is one normalisation and two small matmuls."""
+        n, w = k.shape[0], self.spec.width
+        x = torch.cat([k.reshape(n, w), v.reshape(n, w)], dim=-1).float()
+        shifted = x + torch.cat([self.bias_k[layer], self.bias_v[layer]])
         if self.spec.rank:
-            x = torch.cat([kf, vf], dim=-1)
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-            z = x @ self.down[layer]
-            dk = dk + z @ self.up_k[layer]
-            dv = dv + z @ self.up_v[layer]
-        return (kf + dk).view_as(k).to(k.dtype), (vf + dv).view_as(v).to(v.dtype)
+            # RMS-normalised rows times ``down``, with the per-row scale applied to the rank-r product
+            # (the same value; scaling [n, r] instead of [n, 2w] is most of this function's cost saved)
+            scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            z = (x @ self.down[layer]) * scale
+            shifted = torch.addmm(shifted, z, torch.cat([self.up_k[layer], self.up_v[layer]], dim=-1))
+        ck, cv = shifted.to(k.dtype).view(n, 2, *k.shape[1:]).unbind(1)  # views: no copy
+        return ck, cv
 
     def wrap(self, piece) -> AdaptedPiece:
         """``piece`` (a stored chunk) read through this adapter."""
         return AdaptedPiece(piece, self)
+
+    def wrap_source(self, source, start: int) -> AdaptedSource:
+        """A blend's per-layer KV source whose rows from ``start`` on (the reused chunks, after any
+        exact head) are read through this adapter: one correction per layer, not one per chunk."""
+        return AdaptedSource(source, self, start)
 
     # ---- files ----------------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
@@ -203,3 +210,23 @@ class AdaptedPiece:
 
     def __getattr__(self, name):  # other attributes of the stored piece (hash, fingerprint, ...)
         return getattr(self.piece, name)
+
+
+class AdaptedSource:
+    """A per-layer KV source (``layer(l) -> (k, v)``) with rows ``[start:]`` corrected by an adapter."""
+
+    def __init__(self, source, adapter: KVAdapter, start: int):
+        self.source, self.adapter, self.start = source, adapter, int(start)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.source.layer(layer)
+        if k.shape[0] <= self.start:
+            return k, v
+        # every row corrected at once, the exact head's rows then put back: two small copies, not a
+        # concatenation of the whole layer
+        ck, cv = self.adapter.correct(layer, k, v)
+        ck[: self.start], cv[: self.start] = k[: self.start], v[: self.start]
+        return ck, cv
+
+    def __getattr__(self, name):  # pieces, wait_s, close, ... of the wrapped source
+        return getattr(self.source, name)

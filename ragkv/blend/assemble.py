@@ -66,8 +66,8 @@ def assemble(
     reference whose layers are loaded lazily). ``source_factory(pieces)`` builds the per-layer KV
     source (default: sequential; ``ragkv.blend.pipeline.PipelinedSource`` overlaps loading).
     ``adapter``: a KV adapter (:class:`ragkv.adapter.kv_adapter.KVAdapter`, anything with
-    ``wrap(piece)`` and ``identity``) through which every REUSED chunk's stored KV is read; rows
-    the blend recomputes never see it. ``preselected`` (prompt rows) and ``offset_oracle``: diagnostics of
+    ``wrap_source(source, start)`` and ``identity``) through which every REUSED chunk's stored KV is
+    read; the exact head's rows and the rows the blend recomputes never see it. ``preselected`` (prompt rows) and ``offset_oracle``: diagnostics of
     :func:`ragkv.blend.core.selective_prefill` (blend mode only).
     """
     if mode not in MODES:
@@ -108,7 +108,7 @@ def assemble(
             classes += [EXACT] * len(seg)
         elif mode in ("reuse", "blend") and _has_kv(item):
             classes += [REUSED] * len(seg)
-            pieces.append(adapter.wrap(item) if adapter is not None else item)
+            pieces.append(item)
         else:
             classes += [COMPUTED] * len(seg)
     classes += [COMPUTED] * len(suffix_ids)
@@ -121,6 +121,8 @@ def assemble(
     source = None
     if pieces:
         source = (source_factory or (lambda p: LayerSource(p, model.device, model.dtype)))(pieces)
+        if adapter is not None and len(pieces) > n_head_cached:  # the reused rows follow the exact head
+            source = adapter.wrap_source(source, sum(len(s) for s in segments[:n_head_cached]))
     ids = torch.tensor(all_ids, dtype=torch.long)
     probe = None
     if probe_suffix and suffix_ids:
