@@ -178,6 +178,7 @@ def _demo(args) -> int:
                 "fidelity_point": op.point if op is not None else f"blend@{args.ratio:g}",
                 "ratio": op.ratio if op is not None else args.ratio,
                 "noise_floor_same": op.noise_floor_same if op is not None else None,
+                "kv_adapter": op.adapter if op is not None else None,
                 "ingest_s": round(rep.seconds, 2),
                 "total_s": round(time.perf_counter() - t_start, 2),
             }

@@ -210,6 +210,7 @@ def test_demo_runs_on_the_tiny_model_and_ends_with_json(tmp_path):
     assert {"model", "f1_full", "f1_blend", "recall_full", "recall_blend", "ttft_full_median_s"} <= set(out)
     # the tiny model has no fidelity report: the demo says so and runs exact, never silently blended
     assert out["fidelity_target"] == "floor" and out["fidelity_point"] == "exact" and out["ratio"] is None
+    assert "kv_adapter" in out and out["kv_adapter"] is None  # floor: the adapter is off
     assert "no trusted fidelity report" in r.stdout and "operating point:" in r.stdout
 
 
