@@ -44,7 +44,7 @@ def free_port() -> int:
 def launch_server(
     env: dict[str, str], log_path: Path, timeout_s: float = 300
 ) -> tuple[subprocess.Popen, str]:
-    """``python -m ragkv.apps.server`` on a free loopback port, with ``env`` (``RAGKV_*`` settings) over this
+    """``python -m ragkv_server.server`` on a free loopback port, with ``env`` (``RAGKV_*`` settings) over this
     process's environment (a ``RAGKV_CONFIG`` file is not used) and its output in ``log_path``.
 
     Returns (process, base URL) once ``/healthz`` answers; RuntimeError (with the log's tail) if the
@@ -56,7 +56,7 @@ def launch_server(
     full_env.pop("RAGKV_CONFIG", None)
     with open(log_path, "w") as log:  # the child has its own copy of the descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ragkv.apps.server", "--port", str(port)],
+            [sys.executable, "-m", "ragkv_server.server", "--port", str(port)],
             cwd=REPO,
             env=full_env,
             stdout=log,
