@@ -21,10 +21,11 @@ from llama_index.core import VectorStoreIndex  # noqa: E402
 from llama_index.core.llms import ChatMessage  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.schema import TextNode  # noqa: E402
+from llama_index.llms.ragkv import RagkvLlamaLLM  # noqa: E402
+from llama_index.retrievers.ragkv import RagkvLlamaEmbedding, RagkvLlamaRetriever  # noqa: E402
 
 from ragkv import LLM  # noqa: E402
 from ragkv.generate import Detokenizer  # noqa: E402
-from ragkv.integrations.llama_index import RagkvLlamaEmbedding, RagkvLlamaLLM, RagkvLlamaRetriever  # noqa: E402
 from ragkv.rag import RAG  # noqa: E402
 from tests.helpers import check_stop_strings, musique_samples, stories_path  # noqa: E402
 
@@ -249,8 +250,7 @@ def test_node_parser_nodes_are_the_stored_chunks(rag, texts):
     metadata kept out of prompts and embeddings, the document's own metadata, LlamaIndex's source and
     prev/next relations); documents ragkv holds are not ingested again, a new one is, once."""
     from llama_index.core.schema import MetadataMode, NodeRelationship
-
-    from ragkv.integrations.llama_index import RagkvNodeParser
+    from llama_index.retrievers.ragkv import RagkvNodeParser
 
     parser = RagkvNodeParser(rag=rag)
     before = set(rag.index.document_ids())
@@ -337,7 +337,7 @@ def test_standard_query_engine_answers_as_the_explicit_chunks_do(real_rag, embed
     (recorded by LlamaIndex's instrumentation, not a mock). For sync, streaming and async queries:
     >= 90% of the context's tokens come from stored KV, and the answer equals the explicit form's
     (the same prompt text, each stored chunk in it given as that chunk, ``RAG.job(locate=False)``)."""
-    from ragkv.integrations.standard_paths import KINDS, compare, llama_calls, llamaindex_answer, recording
+    from eval.standard_paths import KINDS, compare, llama_calls, llamaindex_answer, recording
 
     index = VectorStoreIndex.from_documents(
         [LlamaDocument(text=t) for t in real_rag.texts], embed_model=RagkvLlamaEmbedding(embedder)
@@ -362,8 +362,9 @@ def test_node_parser_makes_long_documents_nodes_the_stored_chunks(real_rag, embe
     not stored chunks; with ``RagkvNodeParser`` the nodes are the stored chunks, the query engine's
     context comes from stored KV and its answer equals the explicit form's. Documents ragkv holds
     are not ingested again; the nodes resolve to their chunks for ``chunks=`` too."""
-    from ragkv.integrations.llama_index import RagkvNodeParser
-    from ragkv.integrations.standard_paths import compare, llama_calls, llamaindex_answer, recording
+    from llama_index.retrievers.ragkv import RagkvNodeParser
+
+    from eval.standard_paths import compare, llama_calls, llamaindex_answer, recording
 
     long_docs = [" ".join(real_rag.texts[:3]), " ".join(real_rag.texts[3:])]
     n_docs = len(real_rag.index.document_ids())

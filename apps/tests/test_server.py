@@ -1,4 +1,4 @@
-"""The HTTP service end to end: a real ``python -m ragkv.apps.server`` (uvicorn) on a loopback port, driven by
+"""The HTTP service end to end: a real ``python -m ragkv_server.server`` (uvicorn) on a loopback port, driven by
 httpx, the ``openai`` client and schemathesis."""
 
 import asyncio
@@ -8,57 +8,17 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from eval.harness import free_port, launch_server, stop_server
-from ragkv.apps.config import ConfigError, Settings, load_settings
-from ragkv.blend import DEFAULT_RATIO
+from eval.harness import free_port
+from ragkv_server.config import ConfigError, Settings, load_settings
 from tests.helpers import check_stop_strings, musique_samples, stories_path
+from tests.helpers_service import LIMITS, NEW, metric, running_server
+from tests.helpers_service import service_docs as _docs
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
-
-NEW = 8
-LIMITS = {  # small limits keep every request (and the schemathesis run) cheap on 2 cores
-    "RAGKV_MODEL": str(stories_path()),  # the tiny test model (the default is the real one)
-    "RAGKV_TORCH_THREADS": "1",
-    "RAGKV_MAX_NEW_TOKENS": str(NEW),
-    "RAGKV_MAX_NEW_TOKENS_LIMIT": "48",
-    "RAGKV_TOP_K": "3",
-    "RAGKV_CHUNK_TOKENS": "64",
-    "RAGKV_MAX_CONCURRENCY": "2",
-    "RAGKV_MAX_QUEUE": "34",
-    "RAGKV_MAX_BODY_BYTES": str(64 << 10),
-    "RAGKV_MAX_UPLOAD_BYTES": str(256 << 10),
-    "RAGKV_MAX_DOCUMENTS": "4",
-    "RAGKV_MAX_DOCUMENT_CHARS": "1500",
-    "RAGKV_MAX_QUESTION_CHARS": "400",
-    "RAGKV_MAX_CHUNK_IDS": "8",
-    "RAGKV_MAX_MESSAGES": "6",
-    "RAGKV_LOG_LEVEL": "warning",
-    # the service's tests check the reuse/blend paths: an explicit ratio (outside the fidelity gate;
-    # the tiny model has no fidelity report, so the gate's default would run exact prefill)
-    "RAGKV_RATIO": str(DEFAULT_RATIO),
-}
-
-
-@contextlib.contextmanager
-def running_server(data: Path, **env_extra: str):
-    """``python -m ragkv.apps.server`` on a free loopback port with a fresh data directory; yields its base URL."""
-    log_path = data / "server.log"
-    try:
-        proc, base = launch_server(
-            {**LIMITS, **env_extra, "RAGKV_DATA_DIR": str(data / "data")}, log_path, 180
-        )
-    except RuntimeError as e:
-        pytest.fail(str(e))
-    try:
-        yield base
-    finally:
-        stop_server(proc, 30)
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +36,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def samples():
     return musique_samples(2)
-
-
-def _docs(samples) -> list[dict]:
-    return [
-        {"id": f"s{i}-p{j}", "text": c["text"][:300], "metadata": {"title": c["title"]}}
-        for i, s in enumerate(samples)
-        for j, c in enumerate(s["ctxs"][:3])
-    ]
 
 
 def _ingest(client: httpx.Client, samples) -> list[dict]:
@@ -258,10 +210,10 @@ def test_query_stream_delivers_tokens_incrementally(tmp_path, embedder, one_thre
     import threading
 
     from ragkv import LLM
-    from ragkv.apps.server import create_app
-    from ragkv.apps.service import Service
     from ragkv.generate import Detokenizer
     from ragkv.rag import RAG
+    from ragkv_server.server import create_app
+    from ragkv_server.service import Service
 
     rag = RAG(
         LLM(str(stories_path())),
@@ -567,7 +519,7 @@ def test_engine_server_store_is_selectable(engine_client):
     keys = redis.Redis.from_url(url).hlen(f"{prefix}@index")  # the store's index of stored chunk KV
     assert keys > 0
     metrics = engine_client.get("/metrics").text
-    assert f'ragkv_store_ops{{op="puts"}} {keys}' in metrics
+    assert metric(metrics, "ragkv_store_ops", op="puts") == keys
 
 
 def test_engine_generation_reuses_kv_streams_and_matches_full(engine_client, samples):
@@ -707,9 +659,9 @@ def test_engine_generation_stop_strings_never_leak(engine_client, samples):
 def test_one_source_of_generation_defaults():
     from ragkv.cli import build_parser
     from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+    from ragkv.frameworks import RagkvOptions
     from ragkv.generate import SamplingParams
-    from ragkv.integrations.common import RagkvOptions
-    from ragkv.integrations.vllm.client import completion_body
+    from ragkv.remote.client import completion_body
 
     n = DEFAULT_MAX_NEW_TOKENS
     assert SamplingParams().max_new_tokens == n == RagkvOptions.model_fields["max_new_tokens"].default
@@ -722,12 +674,12 @@ def test_one_source_of_generation_defaults():
 def test_ask_and_serve_take_the_demos_prompt_settings(tmp_path):
     import json
 
-    from ragkv.apps.server import build_parser as server_parser
-    from ragkv.apps.server import settings_from_args
-    from ragkv.apps.service import build_rag
     from ragkv.cli import DEMO_CORPUS, _settings
     from ragkv.cli import build_parser as cli_parser
     from ragkv.rag import prompt_options, prompt_parts
+    from ragkv_server.server import build_parser as server_parser
+    from ragkv_server.server import settings_from_args
+    from ragkv_server.service import build_rag
 
     corpus = json.loads(DEMO_CORPUS.read_text())
     served = settings_from_args(server_parser().parse_args(["--prompt-file", str(DEMO_CORPUS)]))

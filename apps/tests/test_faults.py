@@ -22,12 +22,12 @@ import pytest
 
 from eval import faults
 from ragkv import LLM
-from ragkv.apps.config import Settings
-from ragkv.apps.service import ClientGoneError, Service, UnavailableError
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.rag import RAG, ChunkIndex, IngestCancelled
 from ragkv.store import LocalDirStore
 from ragkv.store import blob as blobfmt
+from ragkv_server.config import Settings
+from ragkv_server.service import ClientGoneError, Service, UnavailableError
 from tests.helpers import stories_model, stories_path
 
 W_KEY = "write-key-0123456789abcdef"
@@ -262,9 +262,9 @@ def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, ma
 
     from fastapi.testclient import TestClient
 
-    from ragkv.apps.server import create_app
-    from ragkv.integrations.vllm.client import build_prompt
+    from ragkv.remote.client import build_prompt
     from ragkv.store.redis_store import RedisStore
+    from ragkv_server.server import create_app
 
     redis = make_redis_server()
     store = RedisStore(redis.url, prefix="outage:", down_backoff_s=0.2, warn_every_s=60.0, socket_timeout=1.0)
@@ -325,7 +325,7 @@ def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, ma
 def app_factory(tmp_path_factory, embedder):
     from fastapi.testclient import TestClient
 
-    from ragkv.apps.server import create_app
+    from ragkv_server.server import create_app
 
     rag = _rag(tmp_path_factory.mktemp("app"), embedder)
     made = []
@@ -347,7 +347,7 @@ def test_healthz_answers_while_every_worker_is_held(tmp_path, embedder, one_thre
     """Health never queues behind queries or ingest: with every query worker and the ingest worker
     held by the test (and one more query queued), ``/healthz`` answers 200 and reports them. An
     ordering witness; the end-to-end test under 32 clients keeps only a loose bound on its latency."""
-    from ragkv.apps.server import create_app
+    from ragkv_server.server import create_app
 
     rag = _rag(tmp_path, embedder)
     s = Settings(max_concurrency=2, allowed_hosts=["testserver"])
@@ -435,7 +435,7 @@ def test_loose_types_are_refused_not_coerced(app_factory):
 
 
 def test_non_loopback_without_keys_warns(caplog):
-    from ragkv.apps.server import warn_exposure
+    from ragkv_server.server import warn_exposure
 
     with caplog.at_level("WARNING", logger="ragkv.server"):
         warn_exposure(Settings(host="0.0.0.0"))
@@ -486,7 +486,7 @@ def test_slow_bodies_get_408_and_half_open_connections_cannot_starve_healthz(tmp
     """A body that stops arriving gets 408 (and the connection closed) within ``body_timeout_s``;
     connections that never send their request head are capped (the oldest closed), so they never fill
     uvicorn's connection limit: /healthz on a fresh connection keeps answering 200."""
-    from tests.test_server import running_server
+    from tests.helpers_service import running_server
 
     env = {
         "RAGKV_BODY_TIMEOUT_S": "1.5",
@@ -536,7 +536,7 @@ def test_slow_bodies_get_408_and_half_open_connections_cannot_starve_healthz(tmp
 
 @pytest.mark.slow
 def test_32_clients_race_deletes_and_queries_against_a_serial_reference(tmp_path, one_thread):
-    from tests.test_server import running_server
+    from tests.helpers_service import running_server
 
     stable = [{"id": f"st-{i}", "text": d["text"]} for i, d in enumerate(faults.make_docs(4, seed=11))]
     churn = [{"id": f"ch-{i}", "text": d["text"]} for i, d in enumerate(faults.make_docs(8, seed=12))]
@@ -707,7 +707,7 @@ def test_disk_full_during_kv_writes_leaves_documents_indexed_and_answerable(
     documents whose KV did not fit are answered (their KV recomputed)."""
     from fastapi.testclient import TestClient
 
-    from ragkv.apps.server import create_app
+    from ragkv_server.server import create_app
 
     store = LocalDirStore(small_disk, max_bytes=None)  # no cap of ours: the disk is the limit
     rag = _rag(tmp_path / "data", embedder, store=store)

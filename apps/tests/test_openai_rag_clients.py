@@ -1,5 +1,5 @@
 """Issue 39 on the real default model: the RAG code users already have, pointed at a live ragkv
-service (``python -m ragkv.apps.server``, 18 MuSiQue passages ingested).
+service (``python -m ragkv_server.server``, 18 MuSiQue passages ingested).
 
 * LangChain's stuff chain ``ChatPromptTemplate([system, "Context:\\n{context}\\n\\nQuestion: {question}"])
   | ChatOpenAI(base_url=...)`` with 2, 4, 6 and 10 passages (up to ~6K tokens): every request is
@@ -36,9 +36,9 @@ NEW = 16
 def service(tmp_path_factory):
     """``(base URL, served model id, question, passages, read-only RAG on the service's data)``."""
     from ragkv import DEFAULT_MODEL
-    from ragkv.apps.config import load_settings
-    from ragkv.apps.service import build_rag
     from ragkv.model.registry import ModelFetchError, pull
+    from ragkv_server.config import load_settings
+    from ragkv_server.service import build_rag
 
     try:
         pull(DEFAULT_MODEL, quiet=True)
@@ -131,8 +131,7 @@ def test_llamaindex_openai_like_query_engine(service):
     pytest.importorskip("llama_index.llms.openai_like")
     from llama_index.core import Document, VectorStoreIndex
     from llama_index.llms.openai_like import OpenAILike
-
-    from ragkv.integrations.llama_index import RagkvLlamaEmbedding
+    from llama_index.retrievers.ragkv import RagkvLlamaEmbedding
 
     base, model, question, passages, rag = service
     rec = Recorder()

@@ -1,8 +1,8 @@
-"""The OpenAI-compatible routes as OpenAI clients expect them, against a live ``python -m ragkv.apps.server``:
+"""The OpenAI-compatible routes as OpenAI clients expect them, against a live ``python -m ragkv_server.server``:
 the official ``openai`` client and ``langchain-openai``'s ``ChatOpenAI``. Errors have OpenAI's shape
 and statuses (400 for invalid requests, 400 ``context_length_exceeded`` on overflow, so ``ChatOpenAI``
 raises ``ContextOverflowError``); options ragkv does not serve are refused, never ignored (structured
-output and logprobs: tests/test_structured_api.py);
+output and logprobs: apps/tests/test_structured_api.py);
 ``GET /v1/models/{id}``; ``usage.prompt_tokens_details.cached_tokens`` counts the reused rows."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from tests.helpers import check_stop_strings, musique_samples
-from tests.test_server import _docs, running_server
+from tests.helpers_service import running_server
+from tests.helpers_service import service_docs as _docs
 
 openai = pytest.importorskip("openai")
 

@@ -1,6 +1,6 @@
 """The vLLM client path over real HTTP, with ragkv's own service as the OpenAI / vLLM server.
 
-``python -m ragkv.apps.server`` (uvicorn, loopback) serves ``/v1/completions`` with ``kv_transfer_params``
+``python -m ragkv_server.server`` (uvicorn, loopback) serves ``/v1/completions`` with ``kv_transfer_params``
 exactly as a vLLM server with the ragkv plugin is asked; ``VllmClient`` / ``VllmGenerator``, the LangChain
 and LlamaIndex wrappers over it, and a second service with ``generation=vllm`` talk to it. Every served
 answer must equal the in-process ``RAG`` answer token for token (greedy), and the chunk KV must come
@@ -19,9 +19,10 @@ import pytest
 
 from eval.harness import free_port
 from ragkv import LLM, compute_chunk_kv
+from ragkv.frameworks import format_docs
 from ragkv.generate import TokenEvent
-from ragkv.integrations.common import format_docs
-from ragkv.integrations.vllm.client import (
+from ragkv.rag import RAG, Embedder, RagAnswer
+from ragkv.remote.client import (
     VllmClient,
     VllmGenerator,
     VllmHTTPError,
@@ -29,9 +30,8 @@ from ragkv.integrations.vllm.client import (
     VllmUnavailableError,
     build_prompt,
 )
-from ragkv.rag import RAG, Embedder, RagAnswer
 from tests.helpers import REPO, musique_samples, stories_model
-from tests.test_server import LIMITS
+from tests.helpers_service import LIMITS
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
 
@@ -39,7 +39,7 @@ NEW = 8
 
 
 class Server:
-    """``python -m ragkv.apps.server`` with ``env`` on a free loopback port; started now, waited for by ``ready``."""
+    """``python -m ragkv_server.server`` with ``env`` on a free loopback port; started now, waited for by ``ready``."""
 
     def __init__(self, folder: Path, **env: str):
         folder.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ class Server:
         full.pop("RAGKV_CONFIG", None)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ragkv.apps.server", "--port", str(self.port)],
+            [sys.executable, "-m", "ragkv_server.server", "--port", str(self.port)],
             cwd=REPO,
             env=full,
             stdout=self._log,
@@ -285,7 +285,7 @@ def test_openai_shapes_text_prompt_and_models(servers):
 # ---- the wrappers over the vLLM backend ------------------------------------------------------------
 def test_langchain_over_vllm_backend(rag, vrag, samples):
     pytest.importorskip("langchain_core")
-    from ragkv.integrations.langchain import ChatRagkv, RagkvLLM
+    from langchain_ragkv import ChatRagkv, RagkvLLM
 
     q = samples[0]["question"]
     ids = [f"ragkv:{r.chunk_id}" for r in rag.retrieve(q)]
@@ -315,7 +315,8 @@ def test_langchain_over_vllm_backend(rag, vrag, samples):
 
 def test_llama_index_over_vllm_backend(rag, vrag, samples):
     pytest.importorskip("llama_index.core")
-    from ragkv.integrations.llama_index import RagkvLlamaLLM, RagkvLlamaRetriever, RagkvQueryEngine
+    from llama_index.llms.ragkv import RagkvLlamaLLM
+    from llama_index.retrievers.ragkv import RagkvLlamaRetriever, RagkvQueryEngine
 
     q = samples[1]["question"]
     nodes = RagkvLlamaRetriever(vrag, k=3).retrieve(q)

@@ -1,6 +1,6 @@
 """Issue 24: stored KV is verified before use, work per request is bounded, scopes, CSRF and output.
 
-Every test uses real parts: a live ``python -m ragkv.apps.server`` on loopback with the tiny model, real
+Every test uses real parts: a live ``python -m ragkv_server.server`` on loopback with the tiny model, real
 chunk stores on disk, the real blob format, codecs and model. Each test names the audit finding it
 guards; each fails on the code before the fix (see the docstrings).
 """
@@ -30,7 +30,7 @@ from ragkv.store.base import decode_blob
 from ragkv.store.blob import BlobAuth
 from ragkv.store.codecs.base import get_codec
 from tests.helpers import REPO, musique_samples, stories_path
-from tests.test_server import LIMITS, running_server
+from tests.helpers_service import LIMITS, running_server
 
 HMAC_KEY = "blob-hmac-key-0123456789abcdef"
 W_KEY = "write-key-0123456789abcdef"
@@ -471,7 +471,7 @@ def test_ndjson_upload_scans_each_byte_once_whatever_its_line_length():
     quadratic code rescanned its growing buffer at every piece), and each line is whole."""
     from pydantic import BaseModel
 
-    from ragkv.apps.routes.documents import read_ndjson
+    from ragkv_server.routes.documents import read_ndjson
 
     scanned = [0]
 
@@ -553,7 +553,7 @@ def test_second_writer_on_a_data_dir_fails_clearly(open_server):
     env = {**os.environ, **LIMITS, "RAGKV_DATA_DIR": str(data), "PYTHONPATH": str(REPO)}
     env["RAGKV_MODEL"] = str(stories_path())
     p = subprocess.run(
-        [sys.executable, "-m", "ragkv.apps.server", "--port", "1"],
+        [sys.executable, "-m", "ragkv_server.server", "--port", "1"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -604,7 +604,7 @@ def test_output_is_strict_json_and_errors_hide_internals():
     exceptions raised inside libraries (a Redis address, numpy's message)."""
     import numpy as np
 
-    from ragkv.apps.server import StrictJSONResponse, _sse, classify
+    from ragkv_server.server import StrictJSONResponse, _sse, classify
 
     def strict(text: str):
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
@@ -623,7 +623,7 @@ def test_output_is_strict_json_and_errors_hide_internals():
 
 def test_secrets_are_secret_strings():
     """API keys, the blob HMAC key and the vLLM token never show in the settings' repr."""
-    from ragkv.apps.config import Settings
+    from ragkv_server.config import Settings
 
     s = Settings(store_hmac_key=HMAC_KEY, vllm_api_key="vllm-token-0123456789", api_keys=[W_KEY])
     text = repr(s) + str(s.model_dump())

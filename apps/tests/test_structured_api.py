@@ -1,5 +1,5 @@
 """Structured output (``response_format``) and log-probabilities on the OpenAI routes, against a live
-``python -m ragkv.apps.server`` with the official ``openai`` client and ``langchain-openai``'s
+``python -m ragkv_server.server`` with the official ``openai`` client and ``langchain-openai``'s
 ``ChatOpenAI.with_structured_output``: JSON matching the schema whenever the finish reason is "stop",
 "length" when the token limit cuts it, refused schemas as OpenAI's 400s naming ``response_format``,
 ``logprobs`` in OpenAI's chat shape and the legacy completions shape, streamed and not, on worker
@@ -17,8 +17,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from tests.helpers_service import running_server  # noqa: E402
 from tests.test_constrain import check_output, schema_set  # noqa: E402
-from tests.test_server import running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
 

@@ -32,8 +32,8 @@ def _same_signature(ours, base) -> None:
 def test_plugin_registers_backend_and_kv_cache_dtypes():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from ragkv.integrations.vllm import plugin
-    from ragkv.integrations.vllm.hack_backend import HackAttentionBackend
+    from ragkv_vllm import plugin
+    from ragkv_vllm.hack_backend import HackAttentionBackend
 
     assert plugin._register_backend() == plugin.HACK_BACKEND_PATH
     dtypes = plugin._register_kv_cache_dtypes()
@@ -66,8 +66,8 @@ def test_attention_backend_custom_resolves_through_vllms_selector():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    from ragkv.integrations.vllm import plugin
-    from ragkv.integrations.vllm.hack_backend import HackAttentionBackend
+    from ragkv_vllm import plugin
+    from ragkv_vllm.hack_backend import HackAttentionBackend
 
     plugin._register_backend()
     plugin._register_kv_cache_dtypes()
@@ -98,7 +98,7 @@ def test_vllm_serve_arguments_of_the_hack_example_parse():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from ragkv.integrations.vllm import plugin
+    from ragkv_vllm import plugin
 
     plugin._register_kv_cache_dtypes()
     kv_dtype = "hack_2bit" if _vllm_minor() >= (0, 33) else "auto"
@@ -116,7 +116,7 @@ def test_backend_classes_satisfy_the_abstract_interface_with_real_signatures():
     from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-    from ragkv.integrations.vllm.hack_backend import (
+    from ragkv_vllm.hack_backend import (
         HackAttentionBackend,
         HackAttentionImpl,
         HackMetadataBuilder,
@@ -148,7 +148,7 @@ def test_kv_cache_shape_matches_vllms_allocation(bs, hkv, d):
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from ragkv.integrations.vllm.hack_backend import HackAttentionBackend
+    from ragkv_vllm.hack_backend import HackAttentionBackend
 
     spec = HackAttentionBackend.customize_spec(
         FullAttentionSpec(block_size=bs, num_kv_heads=hkv, head_size=d, dtype=torch.bfloat16)
@@ -220,7 +220,7 @@ def test_impl_forward_equals_hack_reference_for_prefill_then_decode():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from ragkv.integrations.vllm.hack_backend import HackAttentionBackend
+    from ragkv_vllm.hack_backend import HackAttentionBackend
 
     hq, hkv, d, bs, nb, scale = 4, 2, 32, 16, 12, 32**-0.5
     lay = PagedLayout(bs, hkv, d)
@@ -317,7 +317,7 @@ def test_impl_refuses_features_it_does_not_implement():
     refused at construction / forward with the feature named, never computed wrongly."""
     from vllm.v1.attention.backend import AttentionType
 
-    from ragkv.integrations.vllm.hack_backend import HackAttentionBackend
+    from ragkv_vllm.hack_backend import HackAttentionBackend
 
     impl_cls = HackAttentionBackend.get_impl_cls()
     cases = [

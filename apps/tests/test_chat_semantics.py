@@ -1,4 +1,4 @@
-"""Issue 39: ``/v1/chat/completions`` with OpenAI semantics, against a live ``python -m ragkv.apps.server``
+"""Issue 39: ``/v1/chat/completions`` with OpenAI semantics, against a live ``python -m ragkv_server.server``
 (uvicorn) on test checkpoints with chat templates (the tiny model with a ChatML or an ``[INST]``
 template), driven by the official ``openai`` client and httpx.
 
@@ -20,7 +20,8 @@ import torch
 from eval.harness import launch_server, stop_server
 from ragkv.generate import SamplingParams
 from tests.helpers import CHATML_TEMPLATE, INST_TEMPLATE, musique_samples, template_ids, templated_checkpoint
-from tests.test_server import LIMITS, _docs
+from tests.helpers_service import LIMITS
+from tests.helpers_service import service_docs as _docs
 
 openai = pytest.importorskip("openai")
 
@@ -119,8 +120,8 @@ def test_stored_chunks_are_reused_without_changing_the_prompt(served, client, tm
     """The client's own context reuses the stored chunks (``cached_tokens``), the prompt ids stay those
     of the full prefill, and the answer is what the Python API gives on those ids in the RAG's
     default mode (the operating point ``RAG.job`` chooses: ``RAG.mode`` / ``RAG.ratio``)."""
-    from ragkv.apps.config import load_settings
-    from ragkv.apps.service import build_rag
+    from ragkv_server.config import load_settings
+    from ragkv_server.service import build_rag
 
     _, ckpt, model, docs = served
     messages = _context_messages(docs, musique_samples(1)[0]["question"])

@@ -2,8 +2,8 @@
 
 Part 1 needs only ragkv. Part 2 imports the real ``vllm`` (0.32.x; it imports with this project's
 CPU torch 2.13 when installed ``--no-deps`` plus its pure-Python deps, see
-ragkv/integrations/vllm/examples/contract_venv.sh) and is skipped, with the reason, where it is not
-installed. Nothing here runs vLLM's CUDA kernels or its engine loop: see ragkv/integrations/vllm/README.md.
+integrations/vllm/examples/contract_venv.sh) and is skipped, with the reason, where it is not
+installed. Nothing here runs vLLM's CUDA kernels or its engine loop: see integrations/vllm/README.md.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, selective_p
 from ragkv.blend.resolver import PieceSlice
 from ragkv.blend.source import LayerSource
 from ragkv.blend.spans import ChunkRef, ChunkSpan, SpanError, check_spans, find_occurrences, locate_chunks
-from ragkv.integrations.vllm.params import BlendParams, KVParamsError
-from ragkv.integrations.vllm.rows import blend_rows, blocks_of_rows, plan_rows, slot_mapping
 from ragkv.kv import chunk_key, compute_chunk_kv
+from ragkv.remote.wire import BlendParams, KVParamsError
+from ragkv_vllm.rows import blend_rows, blocks_of_rows, plan_rows, slot_mapping
 from tests.helpers import NO_VLLM, have_vllm, stories_model, stories_path
 
 TEXTS = [
@@ -265,7 +265,7 @@ def test_saved_chunk_kv_is_the_chunk_convention():
 
 def test_checkpoint_fingerprint_equals_runtime_fingerprint():
     """The connector's fingerprint of a checkpoint folder is the one ragkv stores chunk KV under."""
-    from ragkv.integrations.vllm.model_hook import checkpoint_fingerprint
+    from ragkv_vllm.model_hook import checkpoint_fingerprint
 
     model = stories_model()
     assert checkpoint_fingerprint(stories_path(), torch.float32) == model.fingerprint
@@ -273,7 +273,7 @@ def test_checkpoint_fingerprint_equals_runtime_fingerprint():
 
 
 def test_client_builds_spans_that_match_the_prompt():
-    from ragkv.integrations.vllm.client import build_prompt, completion_body, parse_completion
+    from ragkv.remote.client import build_prompt, completion_body, parse_completion
 
     model = stories_model()
     prefix, chunks, suffix = _prompt(model)
@@ -294,7 +294,7 @@ def test_client_builds_spans_that_match_the_prompt():
         }
     )
     assert out.text == " Tom" and out.prompt_tokens == 9
-    from ragkv.integrations.vllm.client import VllmServerError
+    from ragkv.remote.client import VllmServerError
 
     with pytest.raises(VllmServerError):
         parse_completion({"error": "boom"})
@@ -312,14 +312,14 @@ class TestVllmContract:
         from packaging.specifiers import SpecifierSet
         from packaging.version import Version
 
-        from ragkv.integrations.vllm import SUPPORTED_VLLM
+        from ragkv_vllm import SUPPORTED_VLLM
 
         assert Version(vllm.__version__) in SpecifierSet(SUPPORTED_VLLM), (vllm.__version__, SUPPORTED_VLLM)
 
     def test_connector_implements_every_abstract_method_with_real_signatures(self):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
-        from ragkv.integrations.vllm.connector import RagkvConnector, RagkvConnectorMetadata
+        from ragkv_vllm.connector import RagkvConnector, RagkvConnectorMetadata
 
         assert issubclass(RagkvConnector, KVConnectorBase_V1)
         assert issubclass(RagkvConnectorMetadata, KVConnectorMetadata)
@@ -354,13 +354,13 @@ class TestVllmContract:
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        from ragkv.integrations.vllm.connector import RagkvConnector
-        from ragkv.integrations.vllm.plugin import register
+        from ragkv_vllm.connector import RagkvConnector
+        from ragkv_vllm.plugin import register
 
         cfg = KVTransferConfig(
             kv_connector="RagkvConnector",
             kv_role="kv_both",
-            kv_connector_module_path="ragkv.integrations.vllm.connector",
+            kv_connector_module_path="ragkv_vllm.connector",
             kv_connector_extra_config={"store": "memory://"},
         )
         assert KVConnectorFactory.get_connector_class(cfg) is RagkvConnector
@@ -375,9 +375,7 @@ class TestVllmContract:
         dist = tmp_path / "ragkv_vllm_ep-0.0.dist-info"
         dist.mkdir()
         (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ragkv-vllm-ep\nVersion: 0.0\n")
-        (dist / "entry_points.txt").write_text(
-            "[vllm.general_plugins]\nragkv = ragkv.integrations.vllm.plugin:register\n"
-        )
+        (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nragkv = ragkv_vllm.plugin:register\n")
         monkeypatch.syspath_prepend(str(tmp_path))
         monkeypatch.setenv("VLLM_PLUGINS", "ragkv")
         import vllm.plugins as vp
@@ -391,7 +389,7 @@ class TestVllmContract:
         assert found["ragkv"]() == out  # re-entrant: vLLM loads general plugins in every process
 
     def test_load_model_hook_wraps_the_real_runners(self):
-        from ragkv.integrations.vllm.model_hook import install_load_model_hook
+        from ragkv_vllm.model_hook import install_load_model_hook
 
         patched = install_load_model_hook()
         import vllm.v1.worker.gpu_model_runner as r1
@@ -401,7 +399,7 @@ class TestVllmContract:
         assert not getattr(r1.GPUModelRunner.load_model.__wrapped__, "_ragkv_load_model_hook", False)
 
     def test_metadata_pickles_inside_a_scheduler_output(self):
-        from ragkv.integrations.vllm.connector import LoadSpec, RagkvConnectorMetadata, SaveSpec
+        from ragkv_vllm.connector import LoadSpec, RagkvConnectorMetadata, SaveSpec
 
         meta = RagkvConnectorMetadata(
             loads=[LoadSpec("r1", [1, 2, 3, 4], [5, 6], 0, [(0, "k" * 64, 1, 2)], "blend", 0.15, [1], "v")],
@@ -415,7 +413,7 @@ class TestVllmContract:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.v1.request import Request
 
-        from ragkv.integrations.vllm.client import build_prompt, completion_body
+        from ragkv.remote.client import build_prompt, completion_body
 
         prompt, params = build_prompt([1, 2], [("a" * 64, [3, 4, 5]), ("b" * 64, [6, 7])], [8, 9], ratio=0.25)
         req = CompletionRequest.model_validate(completion_body("m", prompt, params, max_new_tokens=4))
@@ -450,7 +448,7 @@ def vllm_env(tmp_path_factory):
     ktc = KVTransferConfig(
         kv_connector="RagkvConnector",
         kv_role="kv_both",
-        kv_connector_module_path="ragkv.integrations.vllm.connector",
+        kv_connector_module_path="ragkv_vllm.connector",
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={"store": f"file://{store_dir}"},
     )
@@ -480,7 +478,7 @@ def vllm_env(tmp_path_factory):
 
 def test_vllm_layer_model_matches_ragkv_runtime(vllm_env):
     """The adapter over vLLM's modules computes what ragkv's runtime computes on the same weights."""
-    from ragkv.integrations.vllm.model_hook import VllmLayerModel
+    from ragkv_vllm.model_hook import VllmLayerModel
 
     vc, vmodel, _ = vllm_env
     ours = stories_model()
@@ -543,7 +541,7 @@ def _hack_kv_cache_config(kcc):
     """``kcc`` with its spec customized by the HACK backend (uint8 HACK pages), as vLLM's runner does."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
-    from ragkv.integrations.vllm.hack_backend import HackAttentionBackend
+    from ragkv_vllm.hack_backend import HackAttentionBackend
 
     group = kcc.kv_cache_groups[0]
     spec = HackAttentionBackend.customize_spec(group.kv_cache_spec)
@@ -562,7 +560,7 @@ def _check_hack_blend(caches, names, slots, ref):
     agree exactly on almost every element and within one quantization step everywhere.
     """
     from ragkv.attention.hack_paged import PagedLayout, TailPool, read_rows, write_rows
-    from ragkv.integrations.vllm.hack_backend import HackAttentionBackend, hack_layer
+    from ragkv_vllm.hack_backend import HackAttentionBackend, hack_layer
 
     for layer, name in enumerate(names):
         cache = caches[name]
@@ -621,10 +619,10 @@ def test_connector_blends_into_paged_cache(vllm_env, policy, layout, kbs):
     from vllm.v1.core.sched.output import NewRequestData
     from vllm.v1.request import Request
 
-    from ragkv.integrations.vllm import model_hook
-    from ragkv.integrations.vllm.client import build_prompt
-    from ragkv.integrations.vllm.connector import RagkvConnector
+    from ragkv.remote.client import build_prompt
     from ragkv.store import store_from_url
+    from ragkv_vllm import model_hook
+    from ragkv_vllm.connector import RagkvConnector
 
     vc, vmodel, store_dir = vllm_env
     vc.kv_transfer_config.kv_load_failure_policy = policy
@@ -737,9 +735,9 @@ def test_real_scheduler_takes_the_connectors_rows(vllm_env, tmp_path):
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from ragkv.integrations.vllm.client import build_prompt
-    from ragkv.integrations.vllm.connector import RagkvConnector, RagkvConnectorMetadata
+    from ragkv.remote.client import build_prompt
     from ragkv.store import store_from_url
+    from ragkv_vllm.connector import RagkvConnector, RagkvConnectorMetadata
 
     vc, _, _ = vllm_env
     vc.kv_transfer_config.kv_connector_extra_config = {"store": f"file://{tmp_path}"}
@@ -792,8 +790,8 @@ def test_connector_without_model_hook_reports_every_claimed_block(vllm_env):
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from ragkv.integrations.vllm import model_hook
-    from ragkv.integrations.vllm.connector import LoadSpec, RagkvConnector, RagkvConnectorMetadata
+    from ragkv_vllm import model_hook
+    from ragkv_vllm.connector import LoadSpec, RagkvConnector, RagkvConnectorMetadata
 
     vc, _, _ = vllm_env
     model_hook.clear_registered_model()
@@ -813,7 +811,7 @@ def test_connector_rejects_bad_extra_config(vllm_env):
     from vllm.config import set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from ragkv.integrations.vllm.connector import ConnectorConfigError, RagkvConnector
+    from ragkv_vllm.connector import ConnectorConfigError, RagkvConnector
 
     vc, _, _ = vllm_env
     kcc, _ = _kv_cache_config(vc, 8)

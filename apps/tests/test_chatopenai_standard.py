@@ -1,5 +1,5 @@
 """LangChain's chat-model standard suite (``langchain-tests``) run on ``langchain-openai``'s
-``ChatOpenAI`` pointed at a live ragkv service (``python -m ragkv.apps.server``, the tiny trained model):
+``ChatOpenAI`` pointed at a live ragkv service (``python -m ragkv_server.server``, the tiny trained model):
 what a LangChain user of an OpenAI-compatible server gets. Structured output and JSON mode go
 through ``response_format`` (constrained decoding), a Pydantic v1 schema through a forced function call
 (``tool_choice`` naming it: constrained arguments); tool calling the model decides on (``"auto"``) and
@@ -20,7 +20,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa:
 pytestmark = pytest.mark.slow  # the real model on a live service: ~100 s on 2 cores
 
 from ragkv import DEFAULT_MODEL  # noqa: E402
-from tests.test_server import running_server  # noqa: E402
+from tests.helpers_service import running_server  # noqa: E402
 
 # one event loop for this module's async tests (tests/conftest.py: SHARED_LOOP_MODULES): ChatOpenAI
 # keeps its async HTTP client across calls, as an application's one loop would; a fresh loop per
@@ -77,7 +77,7 @@ class TestChatOpenAIAgainstRagkv(ChatModelIntegrationTests):
 
     @property
     def supports_json_mode(self) -> bool:
-        # json_object itself is served (tests/test_structured_api.py); this test asks the model in
+        # json_object itself is served (apps/tests/test_structured_api.py); this test asks the model in
         # prose for two named keys, and the 135M model, held to any JSON object, loops inside its
         # first string ('{"setup": "The cat was a cat, and it was a cat, ...') until max_tokens.
         # With the keys in a schema (the json_schema and function_calling tests) it passes.
@@ -96,7 +96,7 @@ class TestChatOpenAIAgainstRagkv(ChatModelIntegrationTests):
     # and held to the schema it writes past the suite's max_tokens inside the joke's strings
     # (LengthFinishReasonError after 200 tokens). Before issue 39 the route folded every message into
     # the RAG prompt ("answer within 5 words"), which vLLM would not do. The constrained decoding itself
-    # is checked in tests/test_structured_api.py (10 of 10 schemas on this model, with a brief prompt).
+    # is checked in apps/tests/test_structured_api.py (10 of 10 schemas on this model, with a brief prompt).
     _VERBOSE = pytest.mark.xfail(
         reason="the 135M model's joke outgrows max_tokens under the messages as sent (model verbosity)",
         raises=(lc_openai.chat_models.base.openai.LengthFinishReasonError, AssertionError),

@@ -46,7 +46,7 @@ def test_corrupt_data_is_still_a_counted_miss(tmp_path):
 
 
 def test_server_faults_are_5xx_and_logged_request_faults_are_4xx(caplog):
-    from ragkv.apps.server import report
+    from ragkv_server.server import report
 
     with caplog.at_level(logging.ERROR, logger="ragkv"):
         status, kind, _ = report(KVMismatchError("KV of model a, asked by model b"))
