@@ -38,7 +38,7 @@ RANK = {
     "blend": 4,
     "prompt": 1.5,  # the prompt convention (chat templates of the model only)
     "generate": 5,
-    "remote": 5.2,  # the kv_transfer_params wire format and the HTTP generator (a remote vLLM / ragkv-server)
+    "remote": 7.5,  # the kv_transfer_params wire format and the HTTP generator (a remote vLLM / ragkv-server)
     "fidelity": 5.5,  # the fidelity report and gate: on blend and generate, below every surface
     "llm": 6,
     "engine": 6,
