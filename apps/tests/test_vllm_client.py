@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eval.harness import free_port
+from eval.harness import checkout_pythonpath, free_port
 from ragkv import LLM, compute_chunk_kv
 from ragkv.frameworks import format_docs
 from ragkv.generate import TokenEvent
@@ -50,7 +50,7 @@ class Server:
             **os.environ,
             **LIMITS,
             "RAGKV_DATA_DIR": str(folder / "data"),
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": checkout_pythonpath(),
             **env,
         }
         full.pop("RAGKV_CONFIG", None)
