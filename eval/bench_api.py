@@ -1,6 +1,6 @@
 """API benchmark: N concurrent clients against the ragkv HTTP service on loopback for a fixed time.
 
-Starts ``python -m ragkv.apps.server`` on a free loopback port (or uses ``--url``), ingests a slice of the
+Starts ``python -m ragkv_server.server`` on a free loopback port (or uses ``--url``), ingests a slice of the
 shared MuSiQue passages through ``POST /v1/documents``, then runs ``--runs`` timed phases of
 ``--duration`` seconds. Every client loops over the questions with streaming ``POST /v1/query``,
 alternating ``blend`` and ``full`` so both modes see the same load side by side. Per mode it reports
@@ -52,7 +52,7 @@ def percentile(xs: list[float], q: float) -> float:
 def start_server(
     args, data_dir: Path, env_extra: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, str, Path]:
-    """``python -m ragkv.apps.server`` on a free loopback port (``env_extra``: more ``RAGKV_*`` settings);
+    """``python -m ragkv_server.server`` on a free loopback port (``env_extra``: more ``RAGKV_*`` settings);
     returns (process, base URL, log path)."""
     env = {
         "RAGKV_DATA_DIR": str(data_dir),

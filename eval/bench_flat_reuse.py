@@ -17,7 +17,7 @@ text, so its answer could equal the flat one's only by chance.
 
     python -m eval.bench_flat_reuse --questions 8 --passages 5 [--format langchain|llamaindex]
 
-``--via framework`` drives the frameworks' own standard paths instead (:mod:`ragkv.integrations.standard_paths`,
+``--via framework`` drives the frameworks' own standard paths instead (:mod:`eval.standard_paths`,
 run as a child process):
 LlamaIndex's ``VectorStoreIndex.from_documents(...).as_query_engine(llm=RagkvLlamaLLM(...))`` and
 LangChain's LCEL chain ``retriever | format_docs | prompt | ChatRagkv | StrOutputParser`` over a
@@ -210,12 +210,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def framework_main(args) -> int:
-    """``--via framework``: :mod:`ragkv.integrations.standard_paths` in a child process (eval measures the
+    """``--via framework``: :mod:`eval.standard_paths` in a child process (eval measures the
     library; the framework integrations are an edge it does not import), its output passed through."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "ragkv.integrations.standard_paths"]
+    cmd = [sys.executable, "-m", "eval.standard_paths"]
     for name in ("format", "questions", "passages", "max_new_tokens", "threads", "docs", "split", "kinds"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--chunk-tokens", str(args.chunk_tokens)]

@@ -1,6 +1,6 @@
 """Query latency during a large ingest: idle vs while a ``--mb`` MB upload is being ingested.
 
-Starts ``python -m ragkv.apps.server`` on a free loopback port (the tiny stories260k model, so a query's
+Starts ``python -m ragkv_server.server`` on a free loopback port (the tiny stories260k model, so a query's
 generation is cheap; 64-token chunks; torch threads 1), ingests a small base corpus, then does
 ``--runs`` rounds of two phases side by side:
 

@@ -79,7 +79,7 @@ def stuff_chain(llm):
 def start_service(
     data_dir: Path, model: str, threads: int, passages: list[str], ratio: float | None = None
 ) -> tuple:
-    """A live ``python -m ragkv.apps.server`` on ``model`` with ``passages`` ingested (ids ``p0``...);
+    """A live ``python -m ragkv_server.server`` on ``model`` with ``passages`` ingested (ids ``p0``...);
     ``ratio``: an explicit blend ratio for the service (None: the fidelity gate's operating point)."""
     env = {
         "RAGKV_MODEL": model,

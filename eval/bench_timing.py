@@ -8,17 +8,17 @@ the LlamaIndex part in a child, as eval never imports the integrations):
   and a 12K-token prompt with no stored chunk (budget: < 2% of full prefill at 6K tokens, ~19 s for
   SmolLM2-135M on two cores: 0.38 s); ``tests/test_locate.py`` counts its probes instead.
 * ``refs``: :func:`ragkv.blend.spans.request_spans` with ``MAX_CHUNK_REFS`` refs of one stored chunk
-  in an 8K prompt (the audit's 4,096 refs took 1.37 s); ``tests/test_security.py`` counts its passes.
+  in an 8K prompt (the audit's 4,096 refs took 1.37 s); ``apps/tests/test_security.py`` counts its passes.
 * ``split``: splitting a 1.2M-character document with the tiny model's tokenizer, and the longest a
   1 ms sleep in another thread took meanwhile; the same through the HF call only (its offset list
   holds the GIL in one piece); ``tests/test_rag.py`` witnesses the GIL release with forced switches
   off and counts the offsets read.
 * ``loop``: the largest gap between 10 ms ticks of an asyncio loop while ``RagkvLlamaLLM.acomplete``
-  generates 150 tokens (skipped without llama-index); ``tests/test_llamaindex.py`` has the loop run a
+  generates 150 tokens (skipped without llama-index); ``integrations/llama-index/retrievers/tests/test_llama_index_ragkv.py`` has the loop run a
   callback at every token instead.
 * ``service``: how long ``Service.close(0.5)`` takes with work that ignores its cancel, and how long a
   request queued behind a busy ingest waits for its 503 (``queue_timeout_s`` 0.5);
-  ``tests/test_faults.py`` checks their order of events.
+  ``apps/tests/test_faults.py`` checks their order of events.
 
 Each figure is the median of ``--runs`` (the stall and gap: also their maximum); garbage collection
 is paused while a stall or gap is measured. Ends with one JSON line.
@@ -157,7 +157,8 @@ import torch
 
 torch.set_num_threads(1)
 try:
-    from ragkv.integrations.llama_index import RagkvLlamaLLM, RagkvLlamaRetriever
+    from llama_index.llms.ragkv import RagkvLlamaLLM
+    from llama_index.retrievers.ragkv import RagkvLlamaRetriever
 except ImportError:
     print(json.dumps({"loop": "skipped: llama-index is not installed"}))
     raise SystemExit(0)
@@ -227,8 +228,8 @@ def bench_loop(runs: int, tmp: Path) -> dict:
 
 def bench_service(runs: int) -> dict:
     """Seconds ``Service.close(0.5)`` takes beside stuck work; seconds until a queued request's 503."""
-    from ragkv.apps.config import Settings
-    from ragkv.apps.service import Service, UnavailableError
+    from ragkv_server.config import Settings
+    from ragkv_server.service import Service, UnavailableError
 
     def close_once() -> float:
         svc = Service(Settings(queue_timeout_s=0.5, shutdown_timeout_s=0.5))

@@ -1,6 +1,6 @@
 """Worst-case requests against a live ragkv service: what one anonymous request can cost (issue 24).
 
-Starts ``python -m ragkv.apps.server`` on a free loopback port with the tiny model (``models/stories260k``;
+Starts ``python -m ragkv_server.server`` on a free loopback port with the tiny model (``models/stories260k``;
 ``--model`` another)
 and the service's default limits (or uses ``--url``), ingests a few passages, then sends each
 worst-case request one at a time while a probe polls ``/healthz``: the most chunk references
@@ -13,7 +13,7 @@ one JSON line whose ``worst_s`` is the costliest request.
 
 A started service gets ``--max-body-bytes`` / ``--max-line-bytes`` as its limits (the upload limit
 raised to fit two such lines), so ``--max-line-bytes 37748736`` times the 36 MiB line
-``tests/test_security.py`` sends (that test keeps a 10x bound; the figure is measured here).
+``apps/tests/test_security.py`` sends (that test keeps a 10x bound; the figure is measured here).
 
     python -m eval.bench_worst_request
     python -m eval.bench_worst_request --model smollm2-135m-instruct   # the default model

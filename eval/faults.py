@@ -18,7 +18,7 @@ compared with those of a clean ingest of the same documents in a fresh directory
     python -m eval.faults                 # 5 rounds, 40 documents
     python -m eval.faults --soak          # 20 rounds, 100 documents (docs/BENCHMARKS.md)
 
-Ends with one JSON line. ``tests/test_faults.py`` runs a few rounds in CI.
+Ends with one JSON line. ``apps/tests/test_faults.py`` runs a few rounds in CI.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """schemathesis with every check against the live service: 0 failures other than deliberate rejections.
 
-Starts ``python -m ragkv.apps.server`` on a free loopback port (stories260k, small limits so every request
+Starts ``python -m ragkv_server.server`` on a free loopback port (stories260k, small limits so every request
 is cheap), ingests a few documents, then runs ``schemathesis run URL/openapi.json --checks all``
 (examples, coverage, fuzzing and stateful phases; ``--max-examples`` per operation, a fixed seed).
 ``--keys`` configures a write key and a read key (every endpoint but ``/healthz`` then needs a key

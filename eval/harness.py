@@ -41,10 +41,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def checkout_pythonpath() -> str:
+    """``PYTHONPATH`` for a child that runs this checkout's ragkv and ragkv-server (``apps/``), installed
+    (editable) or not, then whatever the caller's ``PYTHONPATH`` held."""
+    path = [str(REPO), str(REPO / "apps"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return os.pathsep.join(dict.fromkeys(path))
+
+
 def launch_server(
     env: dict[str, str], log_path: Path, timeout_s: float = 300
 ) -> tuple[subprocess.Popen, str]:
-    """``python -m ragkv.apps.server`` on a free loopback port, with ``env`` (``RAGKV_*`` settings) over this
+    """``python -m ragkv_server.server`` on a free loopback port, with ``env`` (``RAGKV_*`` settings) over this
     process's environment (a ``RAGKV_CONFIG`` file is not used) and its output in ``log_path``.
 
     Returns (process, base URL) once ``/healthz`` answers; RuntimeError (with the log's tail) if the
@@ -52,11 +59,11 @@ def launch_server(
     import httpx
 
     port = free_port()
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    full_env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), **env}
     full_env.pop("RAGKV_CONFIG", None)
     with open(log_path, "w") as log:  # the child has its own copy of the descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ragkv.apps.server", "--port", str(port)],
+            [sys.executable, "-m", "ragkv_server.server", "--port", str(port)],
             cwd=REPO,
             env=full_env,
             stdout=log,

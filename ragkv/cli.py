@@ -1,6 +1,6 @@
 """``ragkv`` command line: ``demo`` (the README's main job), ``ingest``, ``ask``, ``serve`` and ``eval``.
 
-``ingest``, ``ask`` and ``serve`` share the service settings (``ragkv.apps.config``: defaults < ``--config``
+``ingest``, ``ask`` and ``serve`` share the service settings (``ragkv_server.config``: defaults < ``--config``
 file or ``$RAGKV_CONFIG`` < ``RAGKV_*`` env vars < flags), so they use the same model, data directory
 and store unless told otherwise.
 """
@@ -303,9 +303,7 @@ def _models(args) -> int:
 
 # ---- ingest / ask (service settings) --------------------------------------------------------------
 def _settings(args, **extra):
-    from ragkv.apps.config import load_settings
-
-    return load_settings(
+    return _server("config", args.cmd).load_settings(
         args.config,
         model=args.model,
         data_dir=args.data_dir,
@@ -343,8 +341,7 @@ def _read_docs(path: Path, fmt: str) -> list[dict]:
 
 
 def _gc(args) -> int:
-    from ragkv.apps.service import build_rag
-
+    build_rag = _server("service", args.cmd).build_rag
     rag = build_rag(_settings(args), writer=True, collect_garbage=False)
     rep = rag.collect_garbage(dry_run=args.dry_run)
     rag.close()
@@ -357,8 +354,7 @@ def _gc(args) -> int:
 
 
 def _ingest(args) -> int:
-    from ragkv.apps.service import build_rag
-
+    build_rag = _server("service", args.cmd).build_rag
     s = _settings(args, chunk_tokens=args.chunk_tokens)
     docs = []
     for p in args.paths:
@@ -435,8 +431,7 @@ def upload_documents(
 
 
 def _ask(args) -> int:
-    from ragkv.apps.service import build_rag
-
+    build_rag = _server("service", args.cmd).build_rag
     s = _settings(args)
     rag = build_rag(s)
     _set_threads(args.threads, rag.model.config.hidden_size)
@@ -491,25 +486,43 @@ def _ask(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
-    from ragkv.apps.server import main as serve_main
+#: how to get the service when ``ragkv_server`` is not installed (its own distribution, issue 40)
+SERVER_HINT = (
+    "ragkv {cmd} needs the service, which is its own distribution: pip install ragkv-server "
+    "(from a checkout: pip install -e apps, or bash scripts/setup.sh)"
+)
 
-    return serve_main(args.rest, prog="ragkv serve")
+
+def _server(module: str, cmd: str):
+    """``ragkv_server.<module>`` (the ``ragkv-server`` distribution), or a clear exit saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"ragkv_server.{module}")
+    except ModuleNotFoundError as e:
+        if e.name is not None and (e.name == "ragkv_server" or e.name.startswith("ragkv_server.")):
+            raise SystemExit(SERVER_HINT.format(cmd=cmd)) from None
+        raise
+
+
+def _serve(args) -> int:
+    return _server("server", "serve").main(args.rest, prog="ragkv serve")
 
 
 def _eval(args) -> int:
     """The evaluation harness is a checkout's ``eval/`` (it reads the repository's ``data/``), not part of the
-    installed package: it is found in the working directory or beside an editable install's ``ragkv/``."""
+    installed package: found in the working directory or beside an editable install's ``ragkv/``, and run
+    as ``python -m eval.run`` in a child process (nothing in ``ragkv`` imports ``eval``)."""
+    import subprocess
+
     for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
         if (root / "eval" / "run.py").is_file():
-            if str(root) not in sys.path:
-                sys.path.insert(0, str(root))
             break
     else:
         raise SystemExit("ragkv eval runs a source checkout's eval/ (python -m eval.run there); none found")
-    from eval.run import main as eval_main
-
-    return eval_main(args.rest)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    return subprocess.call([sys.executable, "-m", "eval.run", *args.rest], env=env)
 
 
 # ---- parser ---------------------------------------------------------------------------------------
@@ -719,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: commands whose arguments all belong to another module's parser: (function, module, what it runs)
 FORWARDED = {
-    "serve": (_serve, "ragkv.apps.server", "run the HTTP service"),
+    "serve": (_serve, "ragkv_server.server", "run the HTTP service"),
     "eval": (_eval, "eval.run", "run the evaluation"),
 }
 

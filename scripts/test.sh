@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the test suite at two CPU kernel levels.
+# Set up (idempotent) and run the test suite at two CPU kernel levels: the core's tests/ and the tests/ of
+# each distribution of this repository (apps/, integrations/*; pyproject.toml's testpaths).
 #
 # torch picks its CPU kernels at run time (AVX-512 or AVX2 on x86), and low-precision results can
 # depend on which: a bf16 sum in another order, a near-tied greedy token. The project's machines have
@@ -16,8 +17,10 @@ bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 workers=(-n "${RAGKV_TEST_WORKERS:-2}" --dist loadfile)
-ruff check ragkv eval tests
-ruff format --check ragkv eval tests
+# the core and every distribution (apps/, integrations/): one lint, one pytest run over all their tests
+# (pyproject.toml's testpaths: tests/ and each distribution's tests/)
+ruff check ragkv eval tests apps integrations
+ruff format --check ragkv eval tests apps integrations
 # honours an ATEN_CPU_CAPABILITY already set by the caller (=avx2 gives one AVX2 run)
 native="$(python -W ignore -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')"
 case "$native" in

@@ -44,7 +44,7 @@ def yarn_rope(original_max_position_embeddings: int = 32) -> dict:
 #: why the tests of the real vLLM package are skipped where it is missing
 NO_VLLM = (
     "vllm is not installed in this environment (CUDA-only on PyPI; for the contract tests install "
-    "vllm==0.32.* or 0.33.* --no-deps next to torch 2.13: ragkv/integrations/vllm/examples/contract_venv.sh)"
+    "vllm==0.32.* or 0.33.* --no-deps next to torch 2.13: integrations/vllm/examples/contract_venv.sh)"
 )
 
 
@@ -215,3 +215,24 @@ def template_ids(checkpoint: Path, messages: list[dict]) -> list[int]:
     tok = AutoTokenizer.from_pretrained(checkpoint)
     out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+#: the source folders of the repository's packages: the core and each distribution's (issue 40)
+PACKAGE_FOLDERS = (
+    "ragkv",
+    "apps/ragkv_server",
+    "integrations/langchain/langchain_ragkv",
+    "integrations/llama-index/llms/llama_index/llms/ragkv",
+    "integrations/llama-index/retrievers/llama_index/retrievers/ragkv",
+    "integrations/vllm/ragkv_vllm",
+)
+
+
+def source_files(folder: str | Path) -> list[Path]:
+    """The ``*.py`` files under ``folder`` (relative to the checkout), sorted; a layout test that walks a
+    folder fails here when the folder is missing or holds no Python, rather than checking nothing."""
+    root = folder if isinstance(folder, Path) else REPO / folder
+    assert root.is_dir(), f"{root} is missing: a layout test walks it"
+    files = sorted(root.rglob("*.py"))
+    assert files, f"{root} holds no Python files: a layout test walks it"
+    return files

@@ -2,7 +2,7 @@
 belong to a collection; a key limited to collections never sees another's documents, chunks or KV.
 
 Real parts only: SQLite + FAISS indexes on disk, the tiny model and the real embedder, and a live
-``python -m ragkv.apps.server`` on loopback for the service tests.
+``python -m ragkv_server.server`` on loopback for the service tests.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from ragkv.rag import RAG, ChunkIndex, Document
 from ragkv.rag.collections import DEFAULT_COLLECTION, InvalidCollectionError, collection_name
 from tests.helpers import bearer, musique_samples, stories_model
-from tests.test_server import running_server
+from tests.helpers_service import running_server
 
 DIM = 8
 

@@ -26,6 +26,7 @@ from ragkv.fidelity.report import (
 )
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION
 from tests.helpers import stories_model
+from tests.helpers_service import metric
 
 QUESTION = "What did Lily hold?"
 CHUNKS = ["Lily had a red ball. She liked to play with it.", "Tom ran in the park with his dog."]
@@ -316,9 +317,9 @@ def test_the_service_says_its_operating_point_and_refuses_bad_settings(cache, tm
     from fastapi.testclient import TestClient
     from pydantic import ValidationError
 
-    from ragkv.apps.config import Settings
-    from ragkv.apps.server import create_app
-    from ragkv.apps.service import Service, build_rag
+    from ragkv_server.config import Settings
+    from ragkv_server.server import create_app
+    from ragkv_server.service import Service, build_rag
     from tests.helpers import stories_path
 
     m = stories_model()
@@ -341,9 +342,8 @@ def test_the_service_says_its_operating_point_and_refuses_bad_settings(cache, tm
         assert r.status_code == 200, r.text
         health = c.get("/healthz").json()["fidelity"]
         assert (health["target"], health["point"], health["ratio"]) == ("floor", "blend@0.8", 0.8)
-        assert 'ragkv_fidelity{target="floor",point="blend@0.8",mode="blend",figure="same_as_full"} 0.82' in (
-            c.get("/metrics").text
-        )
+        labels = {"target": "floor", "point": "blend@0.8", "mode": "blend", "figure": "same_as_full"}
+        assert metric(c.get("/metrics").text, "ragkv_fidelity", **labels) == 0.82
         r = c.post("/v1/query", json={"question": QUESTION})
         assert r.status_code == 200, r.text
         got = r.json()["stats"]

@@ -9,8 +9,6 @@ import time
 import pytest
 
 from ragkv import LLM
-from ragkv.apps.config import Settings
-from ragkv.apps.service import QuerySpec, Service
 from ragkv.blend import (
     DEFAULT_RATIO,  # tests of blending mechanics: an explicit ratio (outside the fidelity gate)
 )
@@ -22,6 +20,8 @@ from ragkv.engine import Engine, EngineConfig
 from ragkv.generate import SamplingParams
 from ragkv.rag import RAG, EngineGenerator, OptionNotServedError, RagAnswer, ThreadGenerator
 from ragkv.rag.embedder import Embedder
+from ragkv_server.config import Settings
+from ragkv_server.service import QuerySpec, Service
 from tests.helpers import stories_model
 
 TEXTS = [
@@ -111,7 +111,7 @@ def test_engine_refuses_what_it_cannot_honour(rag, engine_rag):
 
 def test_vllm_generator_refuses_ape_tempering(rag):
     """The vLLM hook decodes on its own pages: an APE schedule is refused there, not silently dropped."""
-    from ragkv.integrations.vllm.client import VllmClient, VllmGenerator
+    from ragkv.remote.client import VllmClient, VllmGenerator
 
     ids = rag.model.encode("Tom flew a kite.", add_bos=True)
     job = rag.job(ids, [Located("k", tuple(ids[1:]), 1, 0, len(ids) - 1)], "blend", params=SamplingParams())

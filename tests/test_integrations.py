@@ -18,11 +18,12 @@ from langchain_core.prompts import PromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 from llama_index.core.llms import ChatMessage  # noqa: E402
+from llama_index.llms.ragkv import RagkvLlamaLLM  # noqa: E402
+from llama_index.retrievers.ragkv import RagkvLlamaRetriever, RagkvQueryEngine  # noqa: E402
 
+from langchain_ragkv import ChatRagkv, RagkvEmbeddings, RagkvLLM, RagkvRetriever, rag_chain  # noqa: E402
 from ragkv import LLM  # noqa: E402
-from ragkv.integrations.common import CHUNK_SEPARATOR, format_docs, split_prompt  # noqa: E402
-from ragkv.integrations.langchain import ChatRagkv, RagkvEmbeddings, RagkvLLM, RagkvRetriever, rag_chain  # noqa: E402
-from ragkv.integrations.llama_index import RagkvLlamaLLM, RagkvLlamaRetriever, RagkvQueryEngine  # noqa: E402
+from ragkv.frameworks import CHUNK_SEPARATOR, format_docs, split_prompt  # noqa: E402
 from ragkv.rag import RAG  # noqa: E402
 from tests.helpers import check_stop_strings, musique_samples, stories_model  # noqa: E402
 
@@ -194,8 +195,9 @@ def test_the_wrappers_work_inside_one_collection(tmp_path, one_thread, embedder,
     search only it, chunk ids and ragkv documents of another collection are unknown (KeyError, the same
     as a missing id), foreign documents are ingested into it, splitters give its chunks, and a call may
     name another collection. Answers over its chunks reuse their stored KV."""
-    from ragkv.integrations.langchain import RagkvTextSplitter
-    from ragkv.integrations.llama_index import RagkvNodeParser
+    from llama_index.retrievers.ragkv import RagkvNodeParser
+
+    from langchain_ragkv import RagkvTextSplitter
 
     r = RAG(
         LLM(stories_model()),
@@ -382,7 +384,7 @@ def test_langchain_timeout_and_max_retries(rag):
     import threading
     import time
 
-    from ragkv.integrations.vllm.client import VllmClient, VllmGenerator, VllmUnavailableError
+    from ragkv.remote.client import VllmClient, VllmGenerator, VllmUnavailableError
 
     with pytest.raises(TimeoutError):
         ChatRagkv(rag=rag, max_tokens=32, timeout=1e-6).invoke("Once upon a time")
@@ -469,7 +471,7 @@ def test_langchain_structured_output_over_chunks_and_its_formats(rag, samples):
     from pydantic import BaseModel, Field
 
     from ragkv.constrain import ConstraintError, JsonConstraint
-    from ragkv.integrations.common import format_constraint
+    from ragkv.frameworks import format_constraint
 
     class Answer(BaseModel):
         answer: str = Field(max_length=60)
@@ -522,8 +524,8 @@ def flat_rag(tmp_path_factory, embedder):
 
 def _lcel_paths(rag, retriever, model, question: str, kinds=None) -> list:
     """The standard LCEL chain over ``retriever`` with ``model``, each way it runs, recorded by a
-    LangChain callback handler and compared with the explicit form (ragkv.integrations.standard_paths)."""
-    from ragkv.integrations.standard_paths import KINDS, compare, langchain_calls, lcel_answer, lcel_chain
+    LangChain callback handler and compared with the explicit form (eval.standard_paths)."""
+    from eval.standard_paths import KINDS, compare, langchain_calls, lcel_answer, lcel_chain
 
     chain = lcel_chain(retriever, model)
     out = []
@@ -560,7 +562,7 @@ def test_standard_lcel_chain_answers_as_the_explicit_chunks_do(flat_rag, embedde
     # the completion model with a PromptTemplate: the same
     from langchain_core.output_parsers import StrOutputParser
 
-    from ragkv.integrations.standard_paths import LC_RAG_PROMPT, compare, format_docs, langchain_calls
+    from eval.standard_paths import LC_RAG_PROMPT, compare, format_docs, langchain_calls
 
     llm = RagkvLLM(rag=flat_rag, max_new_tokens=NEW)
     chain = (
@@ -582,7 +584,7 @@ def test_text_splitter_pieces_are_the_stored_chunks(flat_rag, embedder, one_thre
     resolve to their chunks for ``chunks=`` too."""
     from langchain_core.documents import Document
 
-    from ragkv.integrations.langchain import RagkvTextSplitter
+    from langchain_ragkv import RagkvTextSplitter
 
     splitter = RagkvTextSplitter(flat_rag)
     n_docs = len(flat_rag.index.document_ids())

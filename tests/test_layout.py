@@ -1,7 +1,12 @@
-"""The package layout holds: imports inside ``ragkv`` run one way, and the library never reaches the edges.
+"""The layout holds: the card's top level (the core ``ragkv`` and its distributions: ``apps/`` and
+``integrations/*``), imports inside ``ragkv`` run one way, and the library never reaches the edges.
 
 attention <- model <- kv <- store <- blend <- engine <- rag <- integrations <- apps (docs/ARCHITECTURE.md, "The layers");
-``defaults`` sits below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits on attention, ``generate`` and ``llm`` between blend and rag. Lazy imports inside functions count too.
+``defaults`` sits below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits
+on attention, ``generate`` and ``llm`` between blend and rag. ``remote`` (the kv_transfer_params wire format
+and the HTTP generator), ``frameworks`` (what the framework integrations share) and ``aio`` (the one
+thread-to-async bridge) are the core's because more than one edge uses them. ``integrations`` and ``apps``
+inside ``ragkv`` are deprecated aliases of the distributions. Lazy imports inside functions count too.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from tests.helpers import REPO
+from tests.helpers import PACKAGE_FOLDERS, REPO, source_files
 
 #: rank of each ragkv subpackage / top-level module: a module may import only lower ranks
 RANK = {
@@ -24,6 +30,7 @@ RANK = {
     "metrics": 0,
     "attention": 0,
     "constrain": 0,
+    "aio": 0,  # the thread-to-async bridge (AnyIO only)
     "fusion": 1,
     "model": 1,
     "kv": 2,
@@ -31,19 +38,40 @@ RANK = {
     "blend": 4,
     "prompt": 1.5,  # the prompt convention (chat templates of the model only)
     "generate": 5,
+    "remote": 7.5,  # the kv_transfer_params wire format and the HTTP generator (a remote vLLM / ragkv-server)
     "fidelity": 5.5,  # the fidelity report and gate: on blend and generate, below every surface
     "adapter": 5.7,  # KV adapters: the file, applying one (prefill takes it duck-typed), training one
     "llm": 6,
     "engine": 6,
     "rag": 7,
     "demo": 8,
+    "frameworks": 8.5,  # what the LangChain and LlamaIndex distributions share
     "__init__": 9,
-    "integrations": 10,  # LangChain, LlamaIndex, vLLM: on top of the library's public units
-    "apps": 11,  # the service (it may use the vLLM client of the integrations)
-    "cli": 12,  # launches the service (and a checkout's eval)
+    "_moved": 9.5,  # the old import paths' aliases
+    "integrations": 10,  # deprecated aliases of the integration distributions
+    "apps": 11,  # deprecated alias of ragkv-server
+    "cli": 12,  # runs the service (ragkv-server, when installed) and a checkout's eval (a child process)
 }
-#: top-level folders of a checkout that the installed package never imports (the CLI's ``eval`` aside)
-EDGES = ("eval", "tests")
+#: what the installed core never imports: a checkout's folders and the distributions built on it
+EDGES = (
+    "eval",
+    "tests",
+    "ragkv_server",
+    "langchain_ragkv",
+    "llama_index.llms.ragkv",
+    "llama_index.retrievers.ragkv",
+    "ragkv_vllm",
+)
+#: the card's top level: the core package, its distributions, the checkout's folders
+TOP_LEVEL = {"pyproject.toml", "README.md", "ragkv", "integrations", "apps", "tests", "eval"}
+#: each distribution of the repository: folder -> (name, its importable package folder)
+DISTRIBUTIONS = {
+    "apps": ("ragkv-server", "ragkv_server"),
+    "integrations/langchain": ("langchain-ragkv", "langchain_ragkv"),
+    "integrations/llama-index/llms": ("llama-index-llms-ragkv", "llama_index/llms/ragkv"),
+    "integrations/llama-index/retrievers": ("llama-index-retrievers-ragkv", "llama_index/retrievers/ragkv"),
+    "integrations/vllm": ("ragkv-vllm", "ragkv_vllm"),
+}
 
 
 def _imports(path: Path) -> set[str]:
@@ -57,6 +85,10 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+def _is_edge(module: str) -> bool:
+    return any(module == e or module.startswith(e + ".") for e in EDGES)
+
+
 def _unit(path: Path, root: Path) -> str:
     rel = path.relative_to(root).parts
     return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
@@ -65,7 +97,7 @@ def _unit(path: Path, root: Path) -> str:
 def test_imports_inside_ragkv_run_one_way():
     root = REPO / "ragkv"
     bad = []
-    for f in sorted(root.rglob("*.py")):
+    for f in source_files(root):
         src = _unit(f, root)
         assert src in RANK, f"new ragkv unit {src!r}: rank it here and in docs/ARCHITECTURE.md"
         for mod in _imports(f):
@@ -73,33 +105,87 @@ def test_imports_inside_ragkv_run_one_way():
             if parts[0] == "ragkv" and len(parts) > 1 and parts[1] != src:
                 if RANK[parts[1]] >= RANK[src]:
                     bad.append(f"{f.relative_to(REPO)} imports {mod}")
-            elif parts[0] in EDGES and src != "cli":  # the CLI launches the server and the evaluation
+            elif _is_edge(mod):
                 bad.append(f"{f.relative_to(REPO)} imports the edge {mod}")
     assert not bad, "\n".join(bad)
 
 
-def test_the_edges_use_the_library_not_each_others_internals():
-    """eval never imports the service's app or the integrations (it starts them as processes)."""
+def test_nothing_in_ragkv_imports_eval_or_edits_sys_path():
+    """``ragkv`` never imports a checkout's ``eval`` (``ragkv eval`` runs it as a child process) nor
+    reaches one through ``sys.path`` (the CLI used to insert the checkout's root to import eval.run)."""
     bad = []
-    for edge, banned in (("eval", ("ragkv.apps.server", "ragkv.integrations")),):
-        for f in sorted((REPO / edge).rglob("*.py")):
-            bad += [f"{f.relative_to(REPO)} imports {m}" for m in _imports(f) if m.startswith(banned)]
+    for f in source_files("ragkv"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "path":
+                if isinstance(node.value, ast.Name) and node.value.id == "sys":
+                    bad.append(f"{f.relative_to(REPO)}:{node.lineno} uses sys.path")
+        bad += [
+            f"{f.relative_to(REPO)} imports {m}" for m in _imports(f) if m == "eval" or m.startswith("eval.")
+        ]
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.slow
-def test_the_built_wheel_ships_only_the_ragkv_package(tmp_path):
-    """Installing ragkv adds one top-level package: the service and the integrations are ``ragkv.apps`` and
-    ``ragkv.integrations``, and the vLLM plugin's entry point names them so (issue 24: a wheel used to add
-    top-level ``apps``, ``integrations`` and ``eval``)."""
+def test_the_top_level_is_the_cards():
+    """The checkout's top level is the design card's: pyproject.toml, ragkv, integrations, apps, tests,
+    eval, README.md (plus the data and tooling folders), and each distribution has its own pyproject,
+    README, package and tests."""
+    top = {p.name for p in REPO.iterdir() if not p.name.startswith(".")}
+    assert TOP_LEVEL <= top, sorted(TOP_LEVEL - top)
+    for folder, (name, package) in DISTRIBUTIONS.items():
+        root = REPO / folder
+        meta = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+        assert meta["name"] == name, folder
+        assert any(d.startswith("ragkv") and not d.startswith("ragkv-") for d in meta["dependencies"]), name
+        assert (root / "README.md").is_file(), folder
+        assert source_files(root / package), folder
+        assert source_files(root / "tests"), folder
+    assert source_files("integrations/langchain/tests/unit_tests")
+    assert source_files("integrations/langchain/tests/integration_tests")
+    testpaths = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
+        "testpaths"
+    ]
+    assert set(testpaths) == {"tests", *(f"{d}/tests" for d in DISTRIBUTIONS)}, testpaths
+
+
+def test_the_edges_use_the_library_not_each_others_internals():
+    """eval never imports the service's app (it starts it as a process), nor the integrations but in the
+    harness that drives them (eval/standard_paths.py, run as a child by bench_flat_reuse); the
+    distributions reach each other only through their public packages."""
+    bad = []
+    integrations = ("langchain_ragkv", "llama_index.llms.ragkv", "llama_index.retrievers.ragkv", "ragkv_vllm")
+    for f in source_files("eval"):
+        banned = ("ragkv_server.server", "ragkv.integrations", "ragkv.apps")
+        if f.name != "standard_paths.py":
+            banned += integrations
+        bad += [f"{f.relative_to(REPO)} imports {m}" for m in _imports(f) if m.startswith(banned)]
+    for folder in PACKAGE_FOLDERS[1:]:  # a distribution never uses the deprecated aliases
+        for f in source_files(folder):
+            bad += [
+                f"{f.relative_to(REPO)} imports {m}"
+                for m in _imports(f)
+                if m.startswith(("ragkv.integrations", "ragkv.apps"))
+            ]
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_vllm_distribution_declares_the_vllm_plugin():
+    """``pip install ragkv`` hooks nothing in vLLM: the ``vllm.general_plugins`` entry point is ragkv-vllm's."""
+    declared = {}
+    for folder in (".", *DISTRIBUTIONS):
+        meta = tomllib.loads((REPO / folder / "pyproject.toml").read_text())["project"]
+        declared[meta["name"]] = meta.get("entry-points", {}).get("vllm.general_plugins")
+    assert declared.pop("ragkv-vllm") == {"ragkv": "ragkv_vllm.plugin:register"}
+    assert not any(declared.values()), declared
+
+
+def build_wheel(project: Path, tmp_path: Path, extra: tuple[str, ...] = ()) -> tuple[list[str], str]:
+    """Build ``project``'s wheel from a copy (no build folders left in the checkout): its file names and
+    its ``entry_points.txt`` ("" if none). ``extra``: folders beside the pyproject to copy too."""
     src = tmp_path / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in ("ragkv", "eval", "tests", "ragkv_data/demo"):  # ragkv_data: the default data folder
-        (src / name).mkdir(parents=True)
-        if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, src / name, ignore=ignore, dirs_exist_ok=True)
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "tests")
+    shutil.copytree(project, src, ignore=ignore)
+    for name in extra:
+        shutil.copytree(REPO / name, src / name, ignore=ignore, dirs_exist_ok=True)
     out = tmp_path / "wheel"
     cmd = [
         sys.executable,
@@ -114,18 +200,32 @@ def test_the_built_wheel_ships_only_the_ragkv_package(tmp_path):
         ".",
     ]
     subprocess.run(cmd, cwd=src, check=True, capture_output=True, timeout=300)
-    (wheel,) = out.glob("ragkv-*.whl")
+    (wheel,) = out.glob("*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
-        entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+        eps = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        return names, z.read(eps[0]).decode() if eps else ""
+
+
+@pytest.mark.slow
+def test_the_built_core_wheel_ships_only_ragkv_and_registers_no_vllm_plugin(tmp_path):
+    """Installing ragkv adds one top-level package and no vLLM plugin: the service and the integrations are
+    distributions of their own (issue 24: a wheel used to add top-level ``apps``, ``integrations`` and
+    ``eval``; issue 40: it used to register ``vllm.general_plugins``, so every vLLM process loaded it)."""
+    src = tmp_path / "core"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "ragkv", src / "ragkv", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    names, entry_points = build_wheel(src, tmp_path / "build")
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"ragkv"}, sorted(top)
-    for module in ("ragkv/apps/server.py", "ragkv/integrations/vllm/plugin.py", "ragkv/demo/corpus.json"):
-        assert module in names
+    assert "ragkv/demo/corpus.json" in names and "ragkv/aio.py" in names
+    assert not any(n.startswith(("ragkv/apps/server", "ragkv/integrations/vllm/")) for n in names)
     # the fidelity gate's data: the calibration set and every shipped report (the default model's)
     shipped = [p.relative_to(REPO).as_posix() for p in (REPO / "ragkv/fidelity/reports").glob("*.json")]
     assert shipped and {"ragkv/fidelity/calibration_set.json", *shipped} <= set(names)
-    assert "ragkv = ragkv.integrations.vllm.plugin:register" in entry_points
+    assert "[console_scripts]" in entry_points and "vllm.general_plugins" not in entry_points, entry_points
 
 
 def test_ragkv_eval_finds_the_checkouts_harness_from_another_directory(tmp_path):

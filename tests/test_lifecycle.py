@@ -10,11 +10,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from ragkv import LLM
-from ragkv.apps.config import Settings
-from ragkv.apps.server import create_app
-from ragkv.apps.service import Service
-from ragkv.integrations.vllm.client import build_prompt
 from ragkv.rag import RAG
+from ragkv.remote.client import build_prompt
+from ragkv_server.config import Settings
+from ragkv_server.server import create_app
+from ragkv_server.service import Service
 from tests.helpers import stories_model
 
 WORDS = "Tom Lily kite ball park river red blue big small ran sat jumped the a on in".split()

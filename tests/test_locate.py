@@ -220,7 +220,7 @@ def test_a_flat_prompt_text_is_segmented_into_its_explicit_form(rag):
     chunk found in the text is given whole, its own ids, and the text around it tokenized apart:
     exactly the explicit form of the same text, so the two are one job and answer alike. A chunk
     whose edge the text trimmed is given as the rows found; ``full`` tokenizes the text whole."""
-    from ragkv.integrations.standard_paths import explicit_text
+    from eval.standard_paths import explicit_text
 
     m = rag.model
     text = _flat(rag)
@@ -245,7 +245,7 @@ def test_a_flat_prompt_text_is_segmented_into_its_explicit_form(rag):
 
 def test_a_langchain_llm_given_a_flat_prompt_reuses_the_stored_chunks(rag):
     """The standard LCEL path: documents formatted by the chain, one flat string to the LLM."""
-    from ragkv.integrations.langchain import RagkvLLM
+    from langchain_ragkv import RagkvLLM
 
     llm = RagkvLLM(rag=rag, max_new_tokens=2)
     info = llm.generate([_flat(rag)]).generations[0][0].generation_info["ragkv"]

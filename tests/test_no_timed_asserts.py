@@ -6,7 +6,7 @@ by counting (operations, calls), by ordering (events the test controls) or by ye
 precise figures live in the benchmarks (``eval.bench_timing``, ``eval.bench_worst_request``,
 docs/BENCHMARKS.md "Timing properties moved out of the suite").
 
-The lint parses every ``tests/*.py`` with :mod:`ast` and reports an ``assert`` (or an ``assert*``
+The lint parses every test file (``tests/*.py`` and each distribution's ``tests/``) with :mod:`ast` and reports an ``assert`` (or an ``assert*``
 call, or an ``if`` that fails the test) whose expression involves a *difference* of clock readings
 (``time.perf_counter()``, ``time.monotonic()``, ``time.time()`` and their ``_ns`` forms): directly,
 through a variable or container that holds one, or through a helper function that returns one; and
@@ -23,6 +23,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+#: the distributions' test folders (apps/, integrations/*: issue 40), linted alike
+DIST_TESTS = (
+    "apps/tests",
+    "integrations/langchain/tests",
+    "integrations/llama-index/llms/tests",
+    "integrations/llama-index/retrievers/tests",
+    "integrations/vllm/tests",
+)
+
+
+def all_test_modules() -> list[Path]:
+    """Every test module of the core and of each distribution (a missing folder fails)."""
+    files = sorted(TESTS.glob("*.py"))
+    for folder in DIST_TESTS:
+        root = TESTS.parent / folder
+        assert root.is_dir(), f"{root} is missing: the lint walks it"
+        files += sorted(root.rglob("*.py"))
+    return files
+
+
 CLOCKS = frozenset({"perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns"})
 #: methods that put a value into a container (the container then holds it)
 FILLERS = frozenset({"append", "extend", "insert", "add", "appendleft", "update", "put", "put_nowait"})
@@ -280,9 +300,9 @@ def timed_asserts(source: str) -> list[tuple[str, int, str]]:
 
 # ---- the lint -------------------------------------------------------------------------------------
 def test_no_test_asserts_on_wall_time_outside_the_allow_list():
-    """Every ``tests/*.py``: no duration assert but the allowed ones, and every allowed one still exists."""
+    """Every test file: no duration assert but the allowed ones, and every allowed one still exists."""
     found: dict[str, list[str]] = {}
-    for path in sorted(TESTS.glob("*.py")):
+    for path in all_test_modules():
         for fn, line, src in timed_asserts(path.read_text()):
             found.setdefault(f"{path.name}::{fn}", []).append(f"line {line}: {src}")
     unexpected = {k: v for k, v in found.items() if k not in ALLOWED}

@@ -20,6 +20,7 @@ import pytest
 from ragkv.rag import RAG, ChunkIndex, Document, QuotaExceededError, Quotas
 from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, measure_kv_bytes_per_token
 from tests.helpers import bearer, musique_samples, stories_model, stories_path
+from tests.helpers_service import metric
 
 
 @pytest.fixture(scope="module")
@@ -313,9 +314,9 @@ def test_the_service_answers_507_on_a_full_index_disk_and_keeps_serving(tmp_path
     still listed and answered; the same request succeeds once space is freed."""
     from fastapi.testclient import TestClient
 
-    from ragkv.apps.config import Settings
-    from ragkv.apps.server import create_app
-    from ragkv.apps.service import Service
+    from ragkv_server.config import Settings
+    from ragkv_server.server import create_app
+    from ragkv_server.service import Service
 
     rag = _rag(tmp_path, embedder)
     s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
@@ -351,7 +352,7 @@ RB_KEY = "read-b-0123456789abcdef"  # read-only, collection b only
 
 
 def test_settings_name_the_quotas(monkeypatch):
-    from ragkv.apps.config import Settings, load_settings
+    from ragkv_server.config import Settings, load_settings
 
     assert Settings().quotas() == Quotas()
     monkeypatch.setenv("RAGKV_MAX_DOCUMENT_TOKENS", "none")
@@ -381,9 +382,9 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
     ``/metrics`` counts refusals by limit (bounded labels: no collection names)."""
     from fastapi.testclient import TestClient
 
-    from ragkv.apps.config import Settings
-    from ragkv.apps.server import create_app
-    from ragkv.apps.service import Service, build_rag
+    from ragkv_server.config import Settings
+    from ragkv_server.server import create_app
+    from ragkv_server.service import Service, build_rag
 
     s = Settings(
         model=str(stories_path()),
@@ -483,10 +484,10 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
         assert (empty["documents"], empty["tokens"], empty["kv_bytes"]) == (0, 0, 0)
 
         metrics = c.get("/metrics", headers=bearer(W_KEY)).text
-        assert 'ragkv_quota_refusals{limit="max_document_tokens"} 1' in metrics
-        assert 'ragkv_quota_refusals{limit="max_collection_tokens"} 1' in metrics
-        assert 'ragkv_quota_refusals{limit="max_collection_kv_bytes"} 0' in metrics
-        assert "ragkv_collections 2" in metrics and '"a"' not in metrics
+        assert metric(metrics, "ragkv_quota_refusals", limit="max_document_tokens") == 1
+        assert metric(metrics, "ragkv_quota_refusals", limit="max_collection_tokens") == 1
+        assert metric(metrics, "ragkv_quota_refusals", limit="max_collection_kv_bytes") == 0
+        assert metric(metrics, "ragkv_collections") == 2 and '"a"' not in metrics
     finally:
         c.close()
         rag.close()

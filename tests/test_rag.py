@@ -183,7 +183,7 @@ def test_default_store_is_the_applications_and_reads_their_data_folder(tmp_path,
     raw = _rag(tmp_path / "r", embedder, store={"url": "memory://", "codec": "raw"})
     assert raw.store.codec.name == "raw"
     raw.close()
-    # what the service builds over the same folder (ragkv/apps/service.py)
+    # what the service builds over the same folder (apps/ragkv_server/service.py)
     url = default_store_url(tmp_path / "data")
     served = _rag(tmp_path, embedder, store=default_store(url, model=stories_model()))
     served.ingest(_docs(musique[:1]), show_progress=False)

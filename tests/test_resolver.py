@@ -18,7 +18,8 @@ from ragkv.engine import Engine, EngineConfig
 from ragkv.generate import SamplingParams
 from ragkv.rag import RAG
 from ragkv.store import MemoryStore
-from tests.helpers import stories_model
+from tests.helpers import PACKAGE_FOLDERS, source_files, stories_model
+from tests.helpers_service import metric
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,8 +79,8 @@ def test_llm_of_a_rag_writes_back_by_the_rags_policy(rag):
 
 
 def test_service_engine_mode_uses_the_rags_resolver(rag):
-    from ragkv.apps.config import Settings
-    from ragkv.apps.service import Service
+    from ragkv_server.config import Settings
+    from ragkv_server.service import Service
 
     svc = Service(Settings(generation="engine", max_new_tokens=2, allowed_hosts=["testserver"]), rag)
     svc.start()
@@ -138,7 +139,7 @@ KV_READERS = {
     "ragkv/adapter/train.py",  # the adapter's training prompts, computed apart from any store
     "ragkv/rag/quotas.py",  # one sample chunk's KV, to measure the codec's bytes per token for quotas
     "ragkv/blend/pipeline.py",  # StoredChunk: the lazy reader the resolver hands out
-    "ragkv/integrations/vllm/connector.py",  # runs inside vLLM's worker, over vLLM's paged KV
+    "integrations/vllm/ragkv_vllm/connector.py",  # runs inside vLLM's worker, over vLLM's paged KV
 }
 
 
@@ -146,8 +147,8 @@ def test_only_the_resolver_reads_or_computes_chunk_kv():
     """One resolver: no other module of the library, the service or the integrations calls
     ``compute_chunk_kv``, builds a ``StoredChunk`` or reads whole chunk KV with ``store.get``."""
     bad = []
-    for top in ("ragkv", "apps", "integrations"):
-        for f in sorted((ROOT / top).rglob("*.py")):
+    for folder in PACKAGE_FOLDERS:  # the core and every distribution; a missing folder fails here
+        for f in source_files(folder):
             rel = f.relative_to(ROOT).as_posix()
             if rel in KV_READERS:
                 continue
@@ -251,9 +252,9 @@ def test_a_bare_model_is_gated_before_its_first_blend():
 def test_healthz_and_metrics_show_the_gate(rag):
     from fastapi.testclient import TestClient
 
-    from ragkv.apps.config import Settings
-    from ragkv.apps.server import create_app
-    from ragkv.apps.service import Service
+    from ragkv_server.config import Settings
+    from ragkv_server.server import create_app
+    from ragkv_server.service import Service
 
     s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
     svc = Service(s, rag)
@@ -263,4 +264,4 @@ def test_healthz_and_metrics_show_the_gate(rag):
         assert state in ("passed", "pending")
         c.post("/v1/query", json={"question": "kite?", "max_tokens": 1})
         assert c.get("/healthz").json()["blend_gate"] == "passed"
-        assert 'ragkv_blend_gate{state="passed"} 1' in c.get("/metrics").text
+        assert metric(c.get("/metrics").text, "ragkv_blend_gate", state="passed") == 1

@@ -254,16 +254,16 @@ def test_an_old_raw_store_keeps_serving_after_the_default_codec_changed(tmp_path
 
 
 def test_application_defaults_read_the_one_codec_constant(tmp_path, monkeypatch):
-    """``ragkv ingest`` / the service (ragkv.apps.service.build_rag) and the demo store new KV with
+    """``ragkv ingest`` / the service (ragkv_server.service.build_rag) and the demo store new KV with
     DEFAULT_CODEC; the settings default is that constant."""
     from tests.helpers import stories_path
 
     if not stories_path().exists():
         pytest.skip("shared model missing")
-    from ragkv.apps.config import Settings
-    from ragkv.apps.service import build_rag
     from ragkv.cli import build_parser, main
     from ragkv.store.codecs import DEFAULT_CODEC
+    from ragkv_server.config import Settings
+    from ragkv_server.service import build_rag
 
     monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path / "cache"))  # calibration lands here
     assert Settings().store_codec == DEFAULT_CODEC

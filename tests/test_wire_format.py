@@ -1,4 +1,4 @@
-"""``kv_transfer_params["ragkv"]`` has one owner (ragkv/integrations/vllm/params.py): parse/serialize round
+"""``kv_transfer_params["ragkv"]`` has one owner (ragkv/remote/wire.py): parse/serialize round
 trip, the bounds on every list and string, and both receivers (the vLLM connector, the service's
 ``/v1/completions``) parsing with it."""
 
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ragkv.apps import openai_compat as oc
 from ragkv.blend import BlendSchedule
 from ragkv.blend.spans import ChunkRef
-from ragkv.integrations.vllm.params import MAX_CHECK_LAYERS, MAX_CHUNKS, BlendParams, KVParamsError
+from ragkv.remote.wire import MAX_CHECK_LAYERS, MAX_CHUNKS, BlendParams, KVParamsError
 from ragkv.store.base import check_key
+from ragkv_server import openai_compat as oc
 from tests.helpers import REPO
 
 KEY = st.text("0123456789abcdefABCDEF_.:-", min_size=1, max_size=200).filter(lambda k: not k.startswith("."))
@@ -107,15 +107,15 @@ def test_schedules_by_receiver():
 def test_no_other_module_defines_the_format():
     """Only params.py reads the ``"ragkv"`` entry's fields: the receivers import BlendParams."""
     for rel in (
-        "ragkv/apps/openai_compat.py",
-        "ragkv/integrations/vllm/connector.py",
-        "ragkv/integrations/vllm/client.py",
+        "apps/ragkv_server/openai_compat.py",
+        "integrations/vllm/ragkv_vllm/connector.py",
+        "ragkv/remote/client.py",
     ):
         tree = ast.parse((REPO / rel).read_text())
         imported = {
             a.name
             for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and n.module == "ragkv.integrations.vllm.params"
+            if isinstance(n, ast.ImportFrom) and n.module == "ragkv.remote.wire"
             for a in n.names
         }
         assert "BlendParams" in imported, rel

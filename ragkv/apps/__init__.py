@@ -1,2 +1,13 @@
-"""The ragkv HTTP service: ``ragkv.apps.server`` (FastAPI app factory, ``python -m ragkv.apps.server``), ``ragkv.apps.config``
-(settings), ``ragkv.apps.schemas`` (request/response models), ``ragkv.apps.service`` (workers, admission, metrics)."""
+"""Deprecated: the service is the ``ragkv-server`` distribution (module ``ragkv_server``); ``ragkv.apps.*``
+imports it, with a warning, for one release."""
+
+import warnings
+
+from ragkv._moved import install
+
+install()
+warnings.warn(
+    "ragkv.apps is deprecated (issue 40): see ragkv._moved.MOVED for the new homes",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -11,12 +11,12 @@ in *which rows go on* (an optional row selector, CacheBlend's HKVD):
 * the static (CUDA-graph) decoder of the GPU benchmark (``eval/static_decode.py``): fixed buffers;
 * the engine's batched decode (:func:`ragkv.engine.paged_cache.batched_decode_step`): paged blocks;
 * every prefill mode, CacheBlend included (:func:`ragkv.blend.core.selective_prefill`), and the
-  vLLM hook's layer replay (``ragkv/integrations/vllm/rows.py``'s ``blend_rows``): a
+  vLLM hook's layer replay (``integrations/vllm/ragkv_vllm/rows.py``'s ``blend_rows``): a
   :class:`~ragkv.blend.core.BlendKV` (stored, engine-held and computed rows) whose ``select`` is
   HKVD, both through :func:`ragkv.blend.core.blend_layers`.
 
 The model side is a :class:`LayerModel`: ragkv's own :class:`~ragkv.model.llama.Model`, or the vLLM
-adapter in ``ragkv/integrations/vllm/model_hook.py`` (same primitives over vLLM's modules).
+adapter in ``integrations/vllm/ragkv_vllm/model_hook.py`` (same primitives over vLLM's modules).
 """
 
 from __future__ import annotations

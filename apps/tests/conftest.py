@@ -1,0 +1,36 @@
+"""Fixtures of ragkv-server's tests: the core suite's (Redis servers, one torch thread, the embedder),
+importable from a checkout, and one event loop per module for clients bound to their first loop."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if (
+    str(REPO) not in sys.path
+):  # the core suite's helpers (tests.helpers) and eval.harness live in the checkout
+    sys.path.insert(0, str(REPO))
+
+from tests.conftest import (  # noqa: E402, F401  (fixtures, re-exported)
+    SHARED_LOOP_MODULES,
+    embedder,
+    make_redis_server,
+    one_thread,
+    redis_server,
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Async tests of :data:`SHARED_LOOP_MODULES` run on one module-scoped loop (once, if the core
+    suite's conftest marked them already in the same run)."""
+    for item in items:
+        fn = getattr(item, "function", None)
+        if item.path.name not in SHARED_LOOP_MODULES or fn is None or not inspect.iscoroutinefunction(fn):
+            continue
+        mark = item.get_closest_marker("asyncio")
+        if mark is None or mark.kwargs.get("loop_scope") != "module":
+            item.add_marker(pytest.mark.asyncio(loop_scope="module"), append=False)

@@ -1,0 +1,80 @@
+"""Fields and per-call options shared by the ragkv LangChain models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from langchain_core.language_models import LangSmithParams
+
+from ragkv.frameworks import Completion, RagkvOptions, call_events
+from ragkv.generate import TokenEvent
+
+
+class RagkvParams(RagkvOptions):
+    """Defaults of a ragkv-backed LangChain model; every one can be overridden per call (``invoke(q, mode=...)``).
+
+    LangChain's standard parameters are honoured: ``max_tokens`` (alias of ``max_new_tokens``),
+    ``temperature``, ``stop``, ``timeout``, ``max_retries``; any unknown one is a validation error."""
+
+    @classmethod
+    def from_data_dir(
+        cls,
+        model: str,
+        data_dir: str,
+        rag_kwargs: dict | None = None,
+        vllm_url: str | None = None,
+        vllm_kwargs: dict | None = None,
+        **kwargs,
+    ):
+        """Build the RAG (model path or hub id, data directory, ``RAG(...)`` options) and the wrapper;
+        with ``vllm_url`` generation goes to that vLLM server (``VllmClient(vllm_url, **vllm_kwargs)``)."""
+        from ragkv.rag import RAG
+
+        rag_kwargs = dict(rag_kwargs or {})
+        if vllm_url is not None:
+            from ragkv.remote.client import VllmClient, VllmGenerator
+
+            rag_kwargs["generator"] = VllmGenerator(VllmClient(vllm_url, **(vllm_kwargs or {})))
+        rag = RAG(model, data_dir, **rag_kwargs)
+        return cls(rag=rag, **kwargs)
+
+    def _events(
+        self, question: str | None, prompt: str, stop: list[str] | None, kwargs: dict
+    ) -> Iterator[TokenEvent | Completion]:
+        """Token events then a Completion: over chunks (given or retrieved) or on the flat prompt;
+        under the model's ``timeout`` and ``max_retries``."""
+        kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # BaseChatModel's streaming switch
+        return self.guarded(
+            lambda: call_events(self.rag, self.call_defaults(), question, prompt, stop, kwargs)
+        )
+
+    def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
+        """LangSmith's standard tracing parameters: provider, model, type, temperature, max tokens, stop."""
+        temperature = kwargs.get("temperature", self.temperature)
+        max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens))
+        params = LangSmithParams(
+            ls_provider="ragkv",
+            ls_model_name=self.model_label(kwargs.get("model")),
+            ls_model_type=model_type,
+            ls_temperature=temperature,
+            ls_max_tokens=max_tokens,
+        )
+        stops = stop if stop is not None else self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
+
+    def _params(self) -> dict:
+        return {
+            "model": self.model_label(),
+            "generation": self.rag.generator.name,
+            "mode": self.mode or self.rag.mode,
+            "ratio": self.ratio if self.ratio is not None else self.rag.ratio,
+            "fidelity": self.fidelity or self.rag.fidelity or self.rag.llm.fidelity,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+        }

@@ -1,0 +1,125 @@
+"""``RagkvLLM``: a LangChain completion ``LLM`` whose prompts are answered by ragkv with reused chunk KV.
+
+``llm.invoke(question, chunks=docs)`` answers ``question`` over the documents as chunks (their stored
+KV reused or blended); ``chunk_ids=[...]`` names indexed chunks; ``retrieve=True`` retrieves from
+ragkv's index. A plain prompt is completed as is: the stored chunks inside it (a chain's formatted
+documents) are given as themselves, their KV reused; text between ``CHUNK_SEPARATOR`` markers becomes
+chunks. ``generate()`` / ``stream()`` expose the reuse statistics in ``generation_info["ragkv"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LangSmithParams
+from langchain_core.language_models.llms import LLM
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict
+
+from langchain_ragkv._base import RagkvParams
+from ragkv.aio import iterate_in_thread
+from ragkv.frameworks import Completion
+
+
+def _final_info(c: Completion) -> dict:
+    return {"finish_reason": c.finish_reason, "ragkv": c.info()}
+
+
+class RagkvLLM(RagkvParams, LLM):
+    """Completion model backed by ragkv (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragkv"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return self._ls("llm", stop, kwargs)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        for ev in self._events(None, prompt, stop, kwargs):
+            if isinstance(ev, Completion):
+                yield GenerationChunk(text="", generation_info=_final_info(ev))
+                return
+            chunk = GenerationChunk(text=ev.text)
+            if run_manager:
+                run_manager.on_llm_new_token(ev.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        async for ev in iterate_in_thread(lambda: self._events(None, prompt, stop, kwargs)):
+            if isinstance(ev, Completion):
+                yield GenerationChunk(text="", generation_info=_final_info(ev))
+                return
+            chunk = GenerationChunk(text=ev.text)
+            if run_manager:
+                await run_manager.on_llm_new_token(ev.text, chunk=chunk)
+            yield chunk
+
+    def _call(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
+        return "".join(c.text for c in self._stream(prompt, stop, run_manager, **kwargs))
+
+    async def _acall(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
+        return "".join([c.text async for c in self._astream(prompt, stop, run_manager, **kwargs)])
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        out = []
+        for prompt in prompts:
+            chunks = list(self._stream(prompt, stop, run_manager, **kwargs))
+            out.append([_merge(chunks)])
+        return LLMResult(generations=out)
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        out = []
+        for prompt in prompts:
+            chunks = [c async for c in self._astream(prompt, stop, run_manager, **kwargs)]
+            out.append([_merge(chunks)])
+        return LLMResult(generations=out)
+
+
+def _merge(chunks: list[GenerationChunk]) -> Generation:
+    info = next((c.generation_info for c in reversed(chunks) if c.generation_info), None)
+    return Generation(text="".join(c.text for c in chunks), generation_info=info)

@@ -1,1 +1,0 @@
-"""Runnable examples of the vLLM integration (GPU machine for serve_and_query.sh)."""
