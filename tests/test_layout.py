@@ -225,6 +225,9 @@ def test_the_built_core_wheel_ships_only_ragkv_and_registers_no_vllm_plugin(tmp_
     # the fidelity gate's data: the calibration set and every shipped report (the default model's)
     shipped = [p.relative_to(REPO).as_posix() for p in (REPO / "ragkv/fidelity/reports").glob("*.json")]
     assert shipped and {"ragkv/fidelity/calibration_set.json", *shipped} <= set(names)
+    # the shipped KV adapters and their manifest (failed before the package-data line)
+    adapters = [p.relative_to(REPO).as_posix() for p in (REPO / "ragkv/adapter/shipped").iterdir()]
+    assert "ragkv/adapter/shipped/manifest.json" in adapters and set(adapters) <= set(names)
     assert "[console_scripts]" in entry_points and "vllm.general_plugins" not in entry_points, entry_points
 
 
