@@ -1,8 +1,9 @@
 """Span planning: which rows of a prompt are which stored chunk.
 
 * Chunk references (:class:`ChunkRef`: a store key and, when known, a span). The wire formats that
-  carry them are parsed at the edges (vLLM's ``kv_transfer_params`` in ``ragkv/integrations/vllm/params.py``,
-  ``/v1/completions``' ``ragkv.chunks`` in ``ragkv/apps/openai_compat.py``); the engine takes a key-only one.
+  carry them are parsed by their owners (vLLM's ``kv_transfer_params`` in ``ragkv/remote/wire.py``, read
+  by ragkv-server's ``/v1/completions``, ``apps/ragkv_server/openai_compat.py``, and by ragkv-vllm's
+  connector); the engine takes a key-only one.
 * Chunk spans: where each chunk sits in the prompt's token ids (given, or found by content in one
   linear pass: :func:`find_occurrences`, :func:`locate_chunks`), checked by :func:`check_spans`, and
   planned for a request by :func:`plan_spans` (the one planner and its policy, for the service and
@@ -11,7 +12,8 @@
 The prefill of such a prompt is the RAG's generator's (:mod:`ragkv.rag.generation`, through the
 chunk resolver's ``pieces``), whatever generates.
 
-A paged engine's row plan and block addressing are the vLLM connector's (``ragkv/integrations/vllm/rows.py``).
+A paged engine's row plan and block addressing are the vLLM connector's
+(``integrations/vllm/ragkv_vllm/rows.py``).
 """
 
 from __future__ import annotations

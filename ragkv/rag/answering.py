@@ -161,7 +161,7 @@ class Answerer:
 
         Retrieves unless ``chunks`` are given; retrieved chunks are fitted to the context next to the
         head, the tail and ``max_new_tokens`` (lowest scores dropped). Shared by every generation
-        backend (in process here, a vLLM server in ``ragkv.integrations.vllm``) so they ask the same thing.
+        backend (in process here, a vLLM server through ``ragkv.remote.client``) so they ask the same thing.
         """
         t0 = time.perf_counter()
         prefix, suffix = self.prompt_parts(question, conversation)

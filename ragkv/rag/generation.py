@@ -9,8 +9,8 @@ reporting are the same whatever generates:
   layer by layer, pipelined, with the resolver's recompute-on-load-failure loop.
 - :class:`EngineGenerator`: :mod:`ragkv.engine`, continuous batching over paged KV, shared by every
   caller (its fetcher uses the same resolver, so pipelining, recovery and write-back are the RAG's).
-- ``ragkv.integrations.vllm.client.VllmGenerator``: a vLLM server with ragkv's plugin (an edge module: the
-  library does not import it).
+- ``ragkv.remote.client.VllmGenerator``: a vLLM server with the ragkv-vllm plugin, or a ragkv-server's
+  ``/v1/completions`` (the core's; this module does not import it).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class RAG:
             seed=seed,
             generator=generator,
         )
-        #: the data folder's writer lock, when this RAG holds one (``ragkv.apps.service.build_rag``)
+        #: the data folder's writer lock, when this RAG holds one (``ragkv_server.service.build_rag``)
         self.writer_lock = None
 
     def using(self, generator: Generator) -> RAG:
@@ -136,7 +136,7 @@ class RAG:
 
     def close(self) -> None:
         """Finish write-backs, snapshot the index, close the store, release the data folder's writer
-        lock if this RAG holds one (``ragkv.apps.service.build_rag(writer=True)``)."""
+        lock if this RAG holds one (``ragkv_server.service.build_rag(writer=True)``)."""
         self.answers.generator.close()
         self.corpus.close()
         lock = self.writer_lock
