@@ -22,6 +22,7 @@ from ragkv.fidelity.report import (
     cache_path,
     calibration_set_digest,
     load_report,
+    report_id,
     save_report,
 )
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION
@@ -245,7 +246,7 @@ def test_shipped_reports_verify():
     for f in files:
         rep = FidelityReport.from_json(f.read_text())
         assert rep.convention == CHUNK_CONVENTION_VERSION and rep.calibration_set == calibration_set_digest()
-        assert rep.n_questions >= 48 and f.stem == rep.fingerprint
+        assert rep.n_questions >= 48 and f.stem == report_id(rep.fingerprint, rep.adapter)
 
 
 def test_measure_resumes_and_reports_every_point(cache, tmp_path):

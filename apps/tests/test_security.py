@@ -405,8 +405,11 @@ def open_server(tmp_path_factory):
 def test_completions_do_not_write_unless_asked(open_server):
     """Finding "a read route writes": /v1/completions saved the KV of every chunk it computed
     (save defaulted to true). Now nothing is stored unless save is true."""
+    from ragkv.kv.chunk import chunk_key
+    from tests.helpers import stories_model
+
     c, data = open_server
-    key = "ab" * 32
+    key = chunk_key([5, 6, 7, 8], stories_model().fingerprint)  # a real chunk of the prompt, not stored
     before = set(_blobs(data))
     r = c.post(
         "/v1/completions",

@@ -243,7 +243,8 @@ def plan_spans(
     3. A key-only reference is searched by the tokens its stored header records (headers of another
        model or convention are ignored), after the previous match (:func:`locate_chunks`); one not
        stored or not found is dropped.
-    4. Spans may not overlap.
+    4. Spans may not overlap (checked over every given span, those whose key does not match their
+       rows included: a malformed request is refused whatever its keys).
 
     A reference that breaks 1, 2 (outside the prompt) or 4 is a fault: ``strict`` raises
     :class:`SpanError` (the service refuses the request), otherwise the extra or offending reference
@@ -277,6 +278,7 @@ def plan_spans(
     n = len(prompt_ids)
     hits: list[ChunkSpan] = []
     misses: list[ChunkSpan] = []
+    unmatched: list[ChunkSpan] = []  # given spans whose key is not their rows': prompt text
     loose: list[tuple[int, str, list[int]]] = []
     for i, ref in enumerate(refs):
         if ref.start is None:
@@ -296,7 +298,7 @@ def plan_spans(
             continue
         rows = [int(t) for t in prompt_ids[span.start : span.stop]]
         if chunk_key(rows, fingerprint) != ref.key:
-            drop(ref.key, f"chunk key {ref.key[:16]} does not match its rows under this model")
+            unmatched.append(span)  # dropped below, after the overlap check
             continue
         h = header(ref.key)
         (hits if h is not None and list(h.token_ids) == rows else misses).append(span)
@@ -308,12 +310,18 @@ def plan_spans(
             else:
                 hits.append(ChunkSpan(i, key, at, len(toks)))
     kept: list[ChunkSpan] = []
-    for s in sorted(hits + misses, key=lambda s: s.start):
-        if kept and s.start < kept[-1].stop:
-            why = f"chunk spans [{kept[-1].start}, {kept[-1].stop}) and [{s.start}, {s.stop}) overlap"
+    last: ChunkSpan | None = None  # the previous span, kept or not (overlap is judged on all given)
+    text = {id(s) for s in unmatched}
+    for s in sorted(hits + misses + unmatched, key=lambda s: s.start):
+        if last is not None and s.start < last.stop:
+            why = f"chunk spans [{last.start}, {last.stop}) and [{s.start}, {s.stop}) overlap"
             drop(s.key, why, True)
             continue
-        kept.append(s)
+        last = s
+        if id(s) in text:
+            drop(s.key, f"chunk key {s.key[:16]} does not match its rows under this model")
+        else:
+            kept.append(s)
     hit = {id(s) for s in hits}
     return SpanPlan([s for s in kept if id(s) in hit], [s for s in kept if id(s) not in hit], dropped)
 
