@@ -282,8 +282,15 @@ class FidelityGate:
                 if paired.source == "no-report"
                 else "its report has no point that meets the target more cheaply than the model alone"
             )
-            log.warning(
-                "KV adapter %s is off for fidelity %r on model %s: %s", adapter, plain.target, model_name, why
+            # a measured pair that loses is the expected state (info); no report for it is a setup gap (warning)
+            level = logging.WARNING if paired.source == "no-report" else logging.INFO
+            log.log(
+                level,
+                "KV adapter %s is off for fidelity %r on model %s: %s",
+                adapter,
+                plain.target,
+                model_name,
+                why,
             )
         return wins
 
