@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ragkv.adapter.data import Item, dev_set, training_set
-from ragkv.adapter.kv_adapter import AdaptedPiece, KVAdapter
+from ragkv.adapter.kv_adapter import KVAdapter
 from ragkv.adapter.train import item_ids
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.prefill import prefill
@@ -64,7 +64,7 @@ def primed_kv(model, ids: list[int], contexts: list[list[int]]) -> ChunkKV:
     return ChunkKV(token_ids=t, k=k, v=v, start_pos=1, fingerprint=model.fingerprint)
 
 
-def calibration_items(limit: int | None) -> list[Item]:
+def calibration_items() -> list[Item]:
     passages, qs = load_calibration_set()
     return [
         Item("facts", [passages[p] for p in q["passages"]], q["question"], q["answers"], id=q["id"])
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(args.model, dtype="float32")
-    items = dev_set(args.limit) if args.set == "dev" else calibration_items(args.limit)[: args.limit]
+    items = dev_set(args.limit) if args.set == "dev" else calibration_items()[: args.limit]
     ratios = [float(r) for r in args.ratios.split(",")]
     conds = [c for c in args.conditions.split(",") if c]
     adapters = {}
@@ -136,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                     kvs[c] = [primed_kv(model, ids, draws) for ids in chunks]
                 elif c == "fixed":
                     kvs[c] = [primed_kv(model, ids, [fixed_ctx]) for ids in chunks]
-                else:
-                    kvs[c] = [AdaptedPiece(k, adapters[c]) for k in iso]
+                else:  # iso KV, read through the adapter by prefill itself
+                    kvs[c] = iso
             for c, r in todo:
-                kw = dict(prefix_cache=pc, prefix_cache_insert=False)
+                kw = dict(prefix_cache=pc, prefix_cache_insert=False, adapter=adapters.get(c))
                 if r == 0:
                     res = prefill(model, prefix, kvs[c], suffix, "reuse", **kw)
                 else:

@@ -3,7 +3,7 @@
 The adapter maps each stored row's pre-RoPE ``[k; v]`` of a layer to ``(k + dK, v + dV)`` with
 ``dK = bias_k + up_k(down(x))`` (and alike for V), ``x`` the row's RMS-normalised ``[k; v]``. It is
 trained by KL to full prefill (:mod:`ragkv.adapter.train`) and applied where stored chunk KV is *read*
-for reuse (:class:`AdaptedPiece`), never where KV is written or computed, so:
+for reuse (:class:`AdaptedSource`, through ``prefill(adapter=...)``), never where KV is written or computed, so:
 
 * the user's model is unchanged, and so is full prefill;
 * a row the blend recomputes gets fresh K/V (the adapter never touches it): ratio 1.0 equals full;
@@ -84,10 +84,6 @@ class KVAdapter(nn.Module):
             shifted = torch.addmm(shifted, z, torch.cat([self.up_k[layer], self.up_v[layer]], dim=-1))
         ck, cv = shifted.to(k.dtype).view(n, 2, *k.shape[1:]).unbind(1)  # views: no copy
         return ck, cv
-
-    def wrap(self, piece) -> AdaptedPiece:
-        """``piece`` (a stored chunk) read through this adapter."""
-        return AdaptedPiece(piece, self)
 
     def wrap_source(self, source, start: int) -> AdaptedSource:
         """A blend's per-layer KV source whose rows from ``start`` on (the reused chunks, after any
@@ -188,28 +184,6 @@ def file_digest(path: str | Path) -> str:
     except Exception as e:
         raise AdapterError(f"adapter {Path(path).name}: unreadable ({e})") from e
     return h.hexdigest()
-
-
-class AdaptedPiece:
-    """A stored chunk whose K/V are read through an adapter (everything else passes through)."""
-
-    def __init__(self, piece, adapter: KVAdapter):
-        self.piece, self.adapter = piece, adapter
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.piece.num_tokens)
-
-    @property
-    def token_ids(self):
-        return self.piece.token_ids
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.piece.layer_kv(layer)
-        return self.adapter.correct(layer, k, v)
-
-    def __getattr__(self, name):  # other attributes of the stored piece (hash, fingerprint, ...)
-        return getattr(self.piece, name)
 
 
 class AdaptedSource:
