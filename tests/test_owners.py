@@ -220,10 +220,10 @@ def test_one_blend_plan():
     }, "only the answering side asks the loading controller (no generator calls back into the RAG)"
 
 
-#: where a thread hands items to an event loop by hand (``call_soon_threadsafe``): the core's one bridge
-#: (``ragkv/aio.py``, which the service and the framework integrations use) and the engine's per-token
-#: sink (its scheduler thread feeding each request's queue; folding it into ``aio`` is open work)
-BRIDGES = {"ragkv/aio.py", "ragkv/engine/async_engine.py"}
+#: where a thread hands items to an event loop by hand (``call_soon_threadsafe``): only the core's one
+#: bridge (``ragkv/aio.py``), which the service, the framework integrations and the engine's
+#: ``AsyncEngine`` (its scheduler thread's per-token sink) all use
+BRIDGES = {"ragkv/aio.py"}
 
 
 def test_thread_to_async_bridges_only_where_listed():

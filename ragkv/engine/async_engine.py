@@ -1,10 +1,12 @@
-"""asyncio front end: the engine steps in its background thread; tokens arrive through asyncio queues."""
+"""asyncio front end: the engine steps in its background thread; tokens reach the loop through the
+core's one thread-to-async bridge (:class:`ragkv.aio.ThreadItems`)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 
+from ragkv.aio import ThreadItems
 from ragkv.engine.engine import Engine, EngineConfig
 from ragkv.engine.request import Request, RequestOutput
 from ragkv.generate import TokenEvent
@@ -13,19 +15,19 @@ from ragkv.generate import TokenEvent
 class AsyncRequestHandle:
     """``async for token in handle`` streams; ``await handle.result()`` waits; ``await handle.cancel()``."""
 
-    def __init__(self, engine: Engine, request: Request, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: Engine, request: Request):
+        """Made on the event loop (the bridge binds to the running loop)."""
         self._engine = engine
         self.request = request
-        self._queue: asyncio.Queue = asyncio.Queue()
-        request.sink = lambda ev: loop.call_soon_threadsafe(self._queue.put_nowait, ev)
+        self._items: ThreadItems = ThreadItems()
+        request.sink = self._items.put
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
     async def stream(self) -> AsyncIterator[TokenEvent]:
-        while True:
-            ev = await self._queue.get()
+        async for ev in self._items:
             if self.request.ends_stream(ev):
                 return
             yield ev
@@ -56,7 +58,7 @@ class AsyncEngine:
         """Queue a request (see :meth:`Engine.submit`); raises ``EngineBusyError`` past the queue limit."""
         self.engine.start()
         req = self.engine.make_request(prefix, chunks, question, params, **kw)
-        handle = AsyncRequestHandle(self.engine, req, asyncio.get_running_loop())
+        handle = AsyncRequestHandle(self.engine, req)
         self.engine.enqueue(req)
         return handle
 
