@@ -66,7 +66,7 @@ def gpu_test_files() -> list[str]:
     """Test files holding at least one ``@pytest.mark.gpu`` test (others may import what the image lacks)."""
     return sorted(
         str(p.relative_to(REPO))
-        for p in (REPO / "tests").glob("test_*.py")
+        for p in (REPO / "tests").rglob("test_*.py")  # tests/unit/<package>, tests/e2e, tests/project
         if "pytest.mark.gpu" in p.read_text()
     )
 

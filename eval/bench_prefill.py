@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        from tests.test_model import _weights_of
+        from tests.unit.model.test_model import _weights_of
 
         if args.model:
             folder = resolve_model_dir(args.model)

@@ -6,12 +6,12 @@ the LlamaIndex part in a child, as eval never imports the integrations):
 
 * ``locate``: :class:`ragkv.blend.locate.ChunkLocator` over 10K stored chunks of 200 tokens, a 6K-
   and a 12K-token prompt with no stored chunk (budget: < 2% of full prefill at 6K tokens, ~19 s for
-  SmolLM2-135M on two cores: 0.38 s); ``tests/test_locate.py`` counts its probes instead.
+  SmolLM2-135M on two cores: 0.38 s); ``tests/unit/blend/test_locate.py`` counts its probes instead.
 * ``refs``: :func:`ragkv.blend.spans.request_spans` with ``MAX_CHUNK_REFS`` refs of one stored chunk
   in an 8K prompt (the audit's 4,096 refs took 1.37 s); ``apps/tests/test_security.py`` counts its passes.
 * ``split``: splitting a 1.2M-character document with the tiny model's tokenizer, and the longest a
   1 ms sleep in another thread took meanwhile; the same through the HF call only (its offset list
-  holds the GIL in one piece); ``tests/test_rag.py`` witnesses the GIL release with forced switches
+  holds the GIL in one piece); ``tests/unit/rag/test_rag.py`` witnesses the GIL release with forced switches
   off and counts the offsets read.
 * ``loop``: the largest gap between 10 ms ticks of an asyncio loop while ``RagkvLlamaLLM.acomplete``
   generates 150 tokens (skipped without llama-index); ``integrations/llama-index/retrievers/tests/test_llama_index_ragkv.py`` has the loop run a

@@ -1,6 +1,6 @@
 """Generation defaults, in one place for every surface (Python API, integrations, service, CLI).
 
-It imports nothing, so every layer may read it (tests/test_layout.py ranks it below all others).
+It imports nothing, so every layer may read it (tests/project/test_layout.py ranks it below all others).
 """
 
 #: the share of reused rows a blend recomputes when a request names a ratio nowhere and runs outside

@@ -18,7 +18,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from tests.helpers_service import running_server  # noqa: E402
-from tests.test_constrain import check_output, schema_set  # noqa: E402
+from tests.unit.constrain.test_constrain import check_output, schema_set  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
 

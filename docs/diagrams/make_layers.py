@@ -1,11 +1,11 @@
 """Draw ragkv's layer map (docs/diagrams/layers.png, the README's picture) from the enforced ranks.
 
-The ranks are read from ``RANK`` in tests/test_layout.py, the test that fails when a module imports a
-unit of its own or a higher rank, so the picture shows what the suite enforces. Units of the same rank
-share a row; the rows run bottom (imported by everything) to top. Above the ``ragkv`` package sit the
-distributions that depend on it (the integrations and the service: top-level ``integrations/`` and
-``apps/``), beside it what runs from a checkout only. The PNG records the ranks it was drawn from
-(``ragkv:ranks``), which tests/test_docs_links.py compares with ``RANK``.
+The ranks are read from ``RANK`` in tests/project/test_layout.py, the test that fails when a module
+imports a unit of its own or a higher rank, so the picture shows what the suite enforces. Units of the
+same rank share a row; the rows run bottom (imported by everything) to top. Above the ``ragkv`` package
+sit the distributions that depend on it (the integrations and the service: top-level ``integrations/``
+and ``apps/``), beside it what runs from a checkout only. The PNG records the ranks it was drawn from
+(``ragkv:ranks``), which tests/project/test_docs_links.py compares with ``RANK``.
 
     /work/main/.venv/bin/python docs/diagrams/make_layers.py [--out docs/diagrams/layers.png]
 """
@@ -41,7 +41,7 @@ DESCRIBE = {
     "__init__": "the public API (import ragkv)",
     "cli": "ragkv demo / ingest / ask / serve / calibrate / eval",
 }
-#: units of tests/test_layout.py's RANK that become their own distributions (drawn in the top band)
+#: units of tests/project/test_layout.py's RANK that become their own distributions (drawn in the top band)
 EDGE_UNITS = ("integrations", "apps")
 #: the distributions that depend on ragkv: (folder, distribution, what it is)
 DISTRIBUTIONS = (
@@ -61,8 +61,8 @@ CHECKOUT = (
 )
 
 
-def read_ranks(test_file: Path = REPO / "tests" / "test_layout.py") -> dict[str, float]:
-    """``RANK`` of tests/test_layout.py, read without importing it (a literal dict)."""
+def read_ranks(test_file: Path = REPO / "tests" / "project" / "test_layout.py") -> dict[str, float]:
+    """``RANK`` of tests/project/test_layout.py, read without importing it (a literal dict)."""
     for node in ast.walk(ast.parse(test_file.read_text(encoding="utf-8"))):
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -188,7 +188,7 @@ def draw(ranks: dict[str, float], out: Path = OUT) -> Path:
         )
     )
     ax.text(
-        xs + 0.7, (core_top - 3.0) / 2, "imports point\ndown only\n(tests/test_layout.py)",
+        xs + 0.7, (core_top - 3.0) / 2, "imports point\ndown only\n(tests/project/test_layout.py)",
         ha="left", va="center", fontsize=8.5, color="#444444",
     )  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)

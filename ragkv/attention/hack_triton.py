@@ -19,7 +19,7 @@ merged in PyTorch together with the fp16 sink / recent-window rows of :class:`Ha
 
 Status: written against Triton's documented API and checked on CPU with ``TRITON_INTERPRET=1`` (the
 interpreter); it has NOT run on a GPU in this project's sessions so far (no GPU was available). The
-tests in tests/test_hack.py run it on CUDA when a device exists. Importing this module never fails
+tests in tests/unit/attention/test_hack.py run it on CUDA when a device exists. Importing this module never fails
 without triton: every entry point raises :class:`HackError` instead.
 """
 

@@ -46,5 +46,5 @@ print("vllm", vllm.__version__, "torch", torch.__version__)
 PY
 cd "$REPO"
 PYTHONPATH="$REPO:$REPO/integrations/vllm" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rs \
-  integrations/vllm/tests/test_vllm_plugin.py integrations/vllm/tests/test_vllm_hack.py tests/test_hack_paged.py
+  integrations/vllm/tests/test_vllm_plugin.py integrations/vllm/tests/test_vllm_hack.py tests/unit/attention/test_hack_paged.py
 echo "done; remove the venv with: rm -rf $VENV"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_layout import build_wheel
+from tests.project.test_layout import build_wheel
 
 HERE = Path(__file__).resolve().parents[1]
 

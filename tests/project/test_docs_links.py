@@ -3,7 +3,7 @@
 A link's file must exist (relative to the Markdown file that holds it), an image must be a file, and an
 anchor (``file.md#heading`` or ``#heading``) must name a heading of its target, slugged as GitHub does.
 Links inside code (fenced blocks, inline spans) are text, not links. The layer diagram the README shows
-must be drawn from the layer ranks tests/test_layout.py enforces (``docs/diagrams/make_layers.py``).
+must be drawn from the layer ranks tests/project/test_layout.py enforces (``docs/diagrams/make_layers.py``).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def test_relative_links_and_images_resolve(path):
 
 def test_the_checker_sees_broken_links_and_skips_code(tmp_path, monkeypatch):
     """The checker itself: a missing file, image and anchor are reported; links in code are not."""
-    monkeypatch.setattr("tests.test_docs_links.REPO", tmp_path)
+    monkeypatch.setattr("tests.project.test_docs_links.REPO", tmp_path)
     (tmp_path / "there.md").write_text("# A heading: with `code`, punctuation!\n\n## Twice\n## Twice\n")
     (tmp_path / "pic.png").write_bytes(b"\x89PNG")
     doc = tmp_path / "doc.md"
@@ -133,11 +133,11 @@ def _png_text(path: Path) -> dict[str, str]:
 
 
 def test_the_layer_diagram_is_drawn_from_the_enforced_ranks():
-    """docs/diagrams/layers.png (the README's picture) shows the ranks tests/test_layout.py enforces:
+    """docs/diagrams/layers.png (the README's picture) shows the ranks tests/project/test_layout.py enforces:
     after a change to ``RANK``, run ``python docs/diagrams/make_layers.py`` and commit the PNG."""
     import importlib.util
 
-    from tests.test_layout import RANK
+    from tests.project.test_layout import RANK
 
     spec = importlib.util.spec_from_file_location("make_layers", REPO / "docs/diagrams/make_layers.py")
     make_layers = importlib.util.module_from_spec(spec)

@@ -64,6 +64,11 @@ EDGES = (
 )
 #: the card's top level: the core package, its distributions, the checkout's folders
 TOP_LEVEL = {"pyproject.toml", "README.md", "ragkv", "integrations", "apps", "tests", "eval"}
+#: ragkv subpackages with no ``tests/unit/<package>/`` of their own: the deprecated aliases of the distributions
+#: (their old import paths: tests/project/test_moved_imports.py)
+NO_UNIT_TESTS = {"integrations", "apps"}
+#: folders of ``tests/unit/`` that are no ragkv unit: the checkout's evaluation harness (eval/)
+UNIT_TESTS_BEYOND_RAGKV = {"eval"}
 #: each distribution of the repository: folder -> (name, its importable package folder)
 DISTRIBUTIONS = {
     "apps": ("ragkv-server", "ragkv_server"),
@@ -145,6 +150,40 @@ def test_the_top_level_is_the_cards():
         "testpaths"
     ]
     assert set(testpaths) == {"tests", *(f"{d}/tests" for d in DISTRIBUTIONS)}, testpaths
+
+
+def _scratch(rel: Path) -> bool:
+    """A folder tools leave beside tests (``__pycache__``, ``.pytest_cache``, ``.hypothesis``...)."""
+    return any(part == "__pycache__" or part.startswith(".") for part in rel.parts)
+
+
+def test_the_core_tests_mirror_the_packages():
+    """tests/ mirrors ragkv/ (issue 40): every subpackage of ragkv (a folder with ``__init__.py``; the
+    deprecated aliases aside) has test files in ``tests/unit/<package>/``, every folder of
+    ``tests/unit/`` names a unit of ragkv (a subpackage or top-level module of ``RANK``) or eval,
+    ``tests/e2e/`` and ``tests/project/`` hold tests, no test file sits at ``tests/``'s top level (the
+    root conftest.py and the shared helpers do), and every test folder is a package (so basenames may
+    repeat). A missing folder fails here, rather than checking nothing."""
+    tests = REPO / "tests"
+    source_files("ragkv")  # the walked folders exist
+    for folder in ("unit", "e2e", "project"):
+        source_files(tests / folder)
+    packages = sorted(p.parent.name for p in (REPO / "ragkv").glob("*/__init__.py"))
+    assert packages and NO_UNIT_TESTS <= set(packages), packages
+    missing = [
+        p for p in packages if p not in NO_UNIT_TESTS and not any((tests / "unit" / p).glob("test_*.py"))
+    ]
+    assert not missing, f"ragkv subpackages with no tests/unit/<package>/test_*.py: {missing}"
+    units = {d.name for d in (tests / "unit").iterdir() if d.is_dir() and not _scratch(Path(d.name))}
+    strays = sorted(units - (set(RANK) - NO_UNIT_TESTS) - UNIT_TESTS_BEYOND_RAGKV)
+    assert not strays, f"tests/unit/ folders that name no ragkv unit: {strays}"
+    top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert not top, (
+        f"test files at tests/'s top level (file them under unit/<package>, e2e or project): {top}"
+    )
+    folders = [tests, *(d for d in tests.rglob("*") if d.is_dir() and not _scratch(d.relative_to(tests)))]
+    bare = [d.relative_to(REPO).as_posix() for d in folders if not (d / "__init__.py").is_file()]
+    assert not bare, f"test folders without __init__.py: {bare}"
 
 
 def test_the_edges_use_the_library_not_each_others_internals():

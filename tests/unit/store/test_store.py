@@ -25,8 +25,8 @@ from ragkv.store import (
     store_from_url,
 )
 from ragkv.store.blob import HEAD_READ_SIZE, PREFIX_SIZE
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 FP = "f" * 64
 L, T, H, D = 4, 16, 2, 8
 BACKENDS = ["memory", "file", "redis", "tiered+file", "tiered+redis"]
@@ -566,7 +566,7 @@ def test_two_processes_share_one_redis_store(redis_server):
         f"""
         import sys, torch
         sys.path.insert(0, {str(REPO)!r})
-        from tests.test_store import make_chunk, FP
+        from tests.unit.store.test_store import make_chunk, FP
         from ragkv.store import store_from_url
         store = store_from_url({redis_server.url + "?prefix=" + prefix!r})
         parent = make_chunk(60)

@@ -143,7 +143,7 @@ def _pair_reports(model, adapter):
     import dataclasses
 
     from ragkv.fidelity.report import cache_path, save_report
-    from tests.test_fidelity import _point, _report
+    from tests.unit.fidelity.test_fidelity import _point, _report
 
     plain = _report(
         model,

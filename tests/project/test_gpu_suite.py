@@ -45,9 +45,12 @@ def test_gpu_suite_dry_run_checks_every_step_and_ends_with_one_json_line(tmp_pat
     assert (
         json.loads((out / "summary.json").read_text())["results"]["tests"]["collected"] == last["gpu_tests"]
     )
-    assert {"tests/test_gpu_paths.py", "tests/test_video_codec.py", "tests/test_hack.py"} <= set(
-        gpu_test_files()
-    )
+    assert {
+        "tests/unit/blend/test_pipeline_staging.py",
+        "tests/unit/eval/test_static_decode.py",
+        "tests/unit/store/test_video_codec.py",
+        "tests/unit/attention/test_hack.py",
+    } <= set(gpu_test_files())
 
 
 def test_gpu_suite_refuses_a_missing_output_folder():

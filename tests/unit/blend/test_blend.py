@@ -158,7 +158,7 @@ def test_blend_beats_reuse_on_trained_model():
     """On stories260k with stories it wrote: blend@15% is closer to full than reuse (KL, Δattn).
 
     V deviation: the 5-layer tiny model ranks tokens better by V (docs/DEVIATIONS.md); the default,
-    K, is what the 30-layer real model ranks best by (tests/test_real_model.py checks it there)."""
+    K, is what the 30-layer real model ranks best by (tests/e2e/test_real_model.py checks it there)."""
     m = stories_model()
     n_prompts = 12
     kl_reuse, kl_blend, worse_layers = [], [], 0

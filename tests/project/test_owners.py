@@ -165,9 +165,9 @@ def _calls_in(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_one_chunk_kv_resolver_everywhere_under_ragkv():
-    """The one-resolver lint of tests/test_resolver.py over every file under ``ragkv/`` (its edge
+    """The one-resolver lint of tests/unit/blend/test_resolver.py over every file under ``ragkv/`` (its edge
     folders included wherever they live)."""
-    from tests.test_resolver import KV_READERS
+    from tests.unit.blend.test_resolver import KV_READERS
 
     bad = [
         f"{f}:{n} {name}" for f, n, name in _calls({"compute_chunk_kv", "StoredChunk"}) if f not in KV_READERS

@@ -6,13 +6,13 @@ by counting (operations, calls), by ordering (events the test controls) or by ye
 precise figures live in the benchmarks (``eval.bench_timing``, ``eval.bench_worst_request``,
 docs/BENCHMARKS.md "Timing properties moved out of the suite").
 
-The lint parses every test file (``tests/*.py`` and each distribution's ``tests/``) with :mod:`ast` and reports an ``assert`` (or an ``assert*``
-call, or an ``if`` that fails the test) whose expression involves a *difference* of clock readings
-(``time.perf_counter()``, ``time.monotonic()``, ``time.time()`` and their ``_ns`` forms): directly,
-through a variable or container that holds one, or through a helper function that returns one; and
-a hypothesis ``settings(deadline=...)`` other than None (the suite's profile has none). A polling
-deadline (``deadline = time.monotonic() + 10``, ``while time.monotonic() < deadline``) is no
-difference: it waits for a condition and is not reported.
+The lint parses every test file (``tests/**/*.py`` and each distribution's ``tests/``) with :mod:`ast`
+and reports an ``assert`` (or an ``assert*`` call, or an ``if`` that fails the test) whose expression
+involves a *difference* of clock readings (``time.perf_counter()``, ``time.monotonic()``,
+``time.time()`` and their ``_ns`` forms): directly, through a variable or container that holds one, or
+through a helper function that returns one; and a hypothesis ``settings(deadline=...)`` other than
+None (the suite's profile has none). A polling deadline (``deadline = time.monotonic() + 10``,
+``while time.monotonic() < deadline``) is no difference: it waits for a condition and is not reported.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/ (this file: tests/project/)
 #: the distributions' test folders (apps/, integrations/*: issue 40), linted alike
 DIST_TESTS = (
     "apps/tests",
@@ -34,8 +34,9 @@ DIST_TESTS = (
 
 
 def all_test_modules() -> list[Path]:
-    """Every test module of the core and of each distribution (a missing folder fails)."""
-    files = sorted(TESTS.glob("*.py"))
+    """Every test module of the core (tests/ and its unit/, e2e/, project/ folders) and of each
+    distribution (a missing folder fails)."""
+    files = sorted(TESTS.rglob("*.py"))
     for folder in DIST_TESTS:
         root = TESTS.parent / folder
         assert root.is_dir(), f"{root} is missing: the lint walks it"
@@ -47,21 +48,22 @@ CLOCKS = frozenset({"perf_counter", "monotonic", "time", "perf_counter_ns", "mon
 #: methods that put a value into a container (the container then holds it)
 FILLERS = frozenset({"append", "extend", "insert", "add", "appendleft", "update", "put", "put_nowait"})
 
-#: the duration asserts that remain: ``file::function`` -> why only time witnesses it, and its bound
-#: (at least 10x the typical value, so it catches seconds where milliseconds are expected)
+#: the duration asserts that remain: ``file::function`` (the file's path in the checkout) -> why only time
+#: witnesses it, and its bound (at least 10x the typical value, so it catches seconds where milliseconds
+#: are expected)
 ALLOWED: dict[str, str] = {
-    "test_faults.py::test_slow_bodies_get_408_and_half_open_connections_cannot_starve_healthz": (
+    "apps/tests/test_faults.py::test_slow_bodies_get_408_and_half_open_connections_cannot_starve_healthz": (
         "a stalled body's 408 comes after body_timeout_s 1.5 s: lower bound 1.2 s (load only lengthens "
         "it), upper 15 s (10x); /healthz beside half-open connections: 0.107 s measured "
         "(eval.bench_worst_request, 300 of them), bound 2 s (19x; without the cap: 503s)"
     ),
-    "test_faults.py::test_32_clients_race_deletes_and_queries_against_a_serial_reference": (
+    "apps/tests/test_faults.py::test_32_clients_race_deletes_and_queries_against_a_serial_reference": (
         "a connection that never finishes its head is cut after header_timeout_s 1.5 s: bounds 1-15 s "
         "(10x); /healthz from this process while its 32 client threads query and ingest: 2.3 s seen at "
         "load average 7 (eval.bench_ingest_load: 48-148 ms from its own process), bound 25 s (10x); "
         "test_healthz_answers_while_every_worker_is_held checks health never queues, by ordering"
     ),
-    "test_security.py::test_long_ndjson_line_does_not_stall_the_server": (
+    "apps/tests/test_security.py::test_long_ndjson_line_does_not_stall_the_server": (
         "a 36 MiB NDJSON line: 0.41 s, /healthz meanwhile 0.10 s worst (eval.bench_worst_request "
         "--max-line-bytes 37748736), 0.61 s and 0.29 s at load average 10; bounds 6 s and 3 s (10x "
         "those; the quadratic assembly took 6 s quiet); test_ndjson_upload_scans_each_byte_once_"
@@ -303,8 +305,9 @@ def test_no_test_asserts_on_wall_time_outside_the_allow_list():
     """Every test file: no duration assert but the allowed ones, and every allowed one still exists."""
     found: dict[str, list[str]] = {}
     for path in all_test_modules():
+        where = path.relative_to(TESTS.parent).as_posix()  # the file's path in the checkout
         for fn, line, src in timed_asserts(path.read_text()):
-            found.setdefault(f"{path.name}::{fn}", []).append(f"line {line}: {src}")
+            found.setdefault(f"{where}::{fn}", []).append(f"line {line}: {src}")
     unexpected = {k: v for k, v in found.items() if k not in ALLOWED}
     assert not unexpected, (
         "tests assert on wall time (count, order or witness instead; or allow a >=10x bound in "

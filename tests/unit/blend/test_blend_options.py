@@ -12,7 +12,7 @@ from ragkv.blend.core import COMPUTED, EXACT, REUSED, _segments
 from ragkv.generate import continuation_nll, decode_step, load_prompt, make_cache
 from ragkv.kv import ChunkKV, compute_chunk_kv
 from ragkv.model import random_model
-from tests.test_blend import _close, _prompt  # the same random prompts and relative tolerance
+from tests.unit.blend.test_blend import _close, _prompt  # the same random prompts and relative tolerance
 
 OPTIONS = [
     {"offset": "k"},

@@ -23,7 +23,7 @@ from llama_index.retrievers.ragkv import RagkvLlamaRetriever, RagkvQueryEngine  
 
 from langchain_ragkv import ChatRagkv, RagkvEmbeddings, RagkvLLM, RagkvRetriever, rag_chain  # noqa: E402
 from ragkv import LLM  # noqa: E402
-from ragkv.frameworks import CHUNK_SEPARATOR, format_docs, split_prompt  # noqa: E402
+from ragkv.frameworks import CHUNK_SEPARATOR, format_docs  # noqa: E402
 from ragkv.rag import RAG  # noqa: E402
 from tests.helpers import check_stop_strings, musique_samples, stories_model  # noqa: E402
 
@@ -62,15 +62,6 @@ def _reused(info: dict, n_chunks: int) -> None:
     assert info["kv_hits"] == n_chunks == info["num_chunks"]
     assert info["num_reused_rows"] > 0
     assert info["recomputed_per_layer"][-1] < info["num_tokens"]
-
-
-# ---- shared pieces -------------------------------------------------------------------------------------
-def test_split_prompt_and_format_docs():
-    assert split_prompt("plain prompt") == ("", [], "plain prompt")
-    text = "Read:" + format_docs(["A a.", "B b."]) + "Q?"
-    assert split_prompt(text) == ("Read:", ["A a.", "B b."], "Q?")
-    assert format_docs([]) == ""
-    assert CHUNK_SEPARATOR in format_docs(["x"])
 
 
 # ---- LangChain ----------------------------------------------------------------------------------------

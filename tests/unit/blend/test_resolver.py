@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -18,10 +17,8 @@ from ragkv.engine import Engine, EngineConfig
 from ragkv.generate import SamplingParams
 from ragkv.rag import RAG
 from ragkv.store import MemoryStore
-from tests.helpers import PACKAGE_FOLDERS, source_files, stories_model
+from tests.helpers import PACKAGE_FOLDERS, REPO, source_files, stories_model
 from tests.helpers_service import metric
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -149,7 +146,7 @@ def test_only_the_resolver_reads_or_computes_chunk_kv():
     bad = []
     for folder in PACKAGE_FOLDERS:  # the core and every distribution; a missing folder fails here
         for f in source_files(folder):
-            rel = f.relative_to(ROOT).as_posix()
+            rel = f.relative_to(REPO).as_posix()
             if rel in KV_READERS:
                 continue
             for node in ast.walk(ast.parse(f.read_text())):

@@ -27,8 +27,7 @@ from ragkv.store.codecs.video.allocate import allocate_layer_steps  # noqa: E402
 from ragkv.store.codecs.video.layout import Tiling, candidate_tilings, default_tiling  # noqa: E402
 from ragkv.store.codecs.video.order import greedy_chain, pack_orders, unpack_orders  # noqa: E402
 from ragkv.store.codecs.video.quantize import QuantConfig, QuantizeError, quantize, scale_of  # noqa: E402
-
-from .helpers import stories_model, stories_path  # noqa: E402
+from tests.helpers import stories_model, stories_path  # noqa: E402
 
 HAVE_STORIES = stories_path().exists()
 
@@ -203,7 +202,7 @@ def test_nvenc_refusal_is_probed_once_and_auto_encodes_with_libx265_saying_why(c
 def test_gpu_extra_and_nvdec_require_the_pynvvideocodec_release_with_the_16_bit_stride_fix():
     import tomllib
 
-    from .helpers import REPO
+    from tests.helpers import REPO
 
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
     assert "PyNvVideoCodec>=2.2.4" in extra
