@@ -17,7 +17,8 @@ Part 2 - serving on a random-weight benchmark model sized for CPU (``--layers``/
 with ``--model`` on that checkpoint (the random-model options are then ignored; prompts in its chat
 template as in part 1): Poisson arrivals of RAG requests over a shared MuSiQue chunk pool
 (``--chunks-per-request`` chunks per request out of its question's 10, so chunks recur across requests), chunk KV ingested in a store beforehand, a KV budget of ``--kv-requests``
-dense requests. Modes: full prefill, prefix caching, blend, blend+BFF (Part 1's threshold),
+dense requests. Modes: full prefill, prefix caching, blend (at ``--ratio``, explicit: the fidelity gate's
+point on the default model is exact prefill), blend+BFF (Part 1's threshold),
 blend+BFF+HACK (same byte budget, 2-bit blocks). Saturation (all requests at t=0, ``--runs`` runs,
 modes interleaved) gives each mode's capacity; finite rates are multiples of full prefill's
 capacity. Goodput = the best tested rate whose median TTFT meets the SLO (``--slo-factor`` x full
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 from eval.prompts import DATA_DIR, TINY_MODEL, get_spec, passage_text, query_text
-from ragkv.blend import ChunkResolver, PrefixCache, prefill
+from ragkv.blend import DEFAULT_RATIO, ChunkResolver, PrefixCache, prefill
 from ragkv.blend.gate import ensure_gate
 from ragkv.engine import Engine, EngineBusyError, EngineConfig, SchedulerConfig, percentile
 from ragkv.engine.paged_cache import batched_decode_step
@@ -164,6 +165,7 @@ def bff_run(
     layers: list[int] | None = None,
     decode_steps: int = 0,
     hack: dict | None = None,
+    ratio: float = DEFAULT_RATIO,
 ) -> dict:
     """Prefill the batch, let the engine fuse it, then one decode step; logits + block counts
     (distinct physical blocks of ``layers``: by default the layers ``fusion`` fuses), then
@@ -176,6 +178,7 @@ def bff_run(
     )  # blocks per layer (20: the tiny model's ~250 tokens)
     cfg = EngineConfig(
         mode="blend",
+        ratio=ratio,
         attention=attention,
         hack=dict(hack or {}),
         num_blocks=n * model.config.num_layers * per_seq,
@@ -499,9 +502,13 @@ def part2(args, threshold: float, multi_match: str) -> dict:
     modes = {
         "full": EngineConfig(mode="full"),
         "prefix": EngineConfig(mode="prefix"),
-        "blend": EngineConfig(mode="blend"),
-        "blend+bff": EngineConfig(mode="blend", bff=bff),
-        "blend+bff+hack": EngineConfig(mode="blend", bff=bff, attention="hack", hack=hack_options(args)),
+        # blending at an explicit ratio: with none the fidelity gate chooses, and on the default model its
+        # point is exact prefill (the figures then compare full with full)
+        "blend": EngineConfig(mode="blend", ratio=args.ratio),
+        "blend+bff": EngineConfig(mode="blend", ratio=args.ratio, bff=bff),
+        "blend+bff+hack": EngineConfig(
+            mode="blend", ratio=args.ratio, bff=bff, attention="hack", hack=hack_options(args)
+        ),
     }
     modes = {k: v for k, v in modes.items() if k in args.modes}
     for cfg in modes.values():
@@ -600,6 +607,12 @@ def main(argv=None) -> dict:
         "--multi-match", type=lambda s: s.split(","), default=["paper"], help="modes swept in calibration"
     )
     ap.add_argument("--kl-budget", type=float, default=0.01)
+    ap.add_argument(
+        "--ratio",
+        type=float,
+        default=DEFAULT_RATIO,
+        help="blend modes' recompute ratio (explicit: the fidelity gate's point on the default model is exact)",
+    )
     ap.add_argument(
         "--decode-steps", type=int, default=4, help="part 1: timed batched decode steps, fp16 vs HACK"
     )

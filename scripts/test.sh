@@ -16,6 +16,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Byte code is cached: pytest rewrites the asserts of every module of its plugins' distributions
+# (langsmith, schemathesis, hypothesis...: ~630 modules, ~10 s per process on 2 cores) and caches the
+# result only where Python may write .pyc files; an environment with PYTHONDONTWRITEBYTECODE set (some
+# images set it) would pay that in every pytest worker and the project's sources in every server start.
+unset PYTHONDONTWRITEBYTECODE
 workers=(-n "${RAGKV_TEST_WORKERS:-2}" --dist loadfile)
 # the core and every distribution (apps/, integrations/): one lint, one pytest run over all their tests
 # (pyproject.toml's testpaths: tests/ and each distribution's tests/)

@@ -15,6 +15,11 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from eval.harness import free_port
+from tests.helpers import worker_threads
+
+# each pytest-xdist worker takes its share of the cores (tests.helpers.worker_threads); fixtures that want
+# one thread (``one_thread``) still set it
+torch.set_num_threads(worker_threads())
 
 #: hypothesis's wall-time checks (200 ms per example, "too slow" data generation) measure the
 #: neighbours on a shared 2-core machine, not the code: off for the whole suite (issue 36)

@@ -12,6 +12,17 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def worker_threads() -> int:
+    """Torch threads for one test process: the machine's cores shared among pytest-xdist's workers.
+
+    Two workers of two intra-op threads each on a 2-core machine oversubscribe it (OpenMP threads
+    spin waiting for a core); a service a test starts gets the same share.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
 #: Llama-3 RoPE scaling for small random test models (original context 32, so scaling bites)
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from tests.helpers import worker_threads  # noqa: E402
 from tests.helpers_service import running_server  # noqa: E402
 from tests.unit.constrain.test_constrain import check_output, schema_set  # noqa: E402
 
@@ -351,7 +352,7 @@ def test_chat_openai_structured_output_on_the_real_model_ten_of_ten(tmp_path):
     env = {
         **LONG,
         "RAGKV_MODEL": DEFAULT_MODEL,
-        "RAGKV_TORCH_THREADS": "2",
+        "RAGKV_TORCH_THREADS": str(worker_threads()),
         "RAGKV_MAX_NEW_TOKENS_LIMIT": "256",
     }
     with running_server(tmp_path, **env) as base:

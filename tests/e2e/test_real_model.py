@@ -71,6 +71,7 @@ def test_real_model_config_and_stop_tokens(real_llm):
     assert real_llm.gate.ok, real_llm.gate
 
 
+@pytest.mark.slow  # the real model's blending gate in bf16 (~7 s)
 def test_bf16_gate_passes_and_keeps_blending_on(real_dir):
     """In bfloat16 (what GPU users run) the gate's dtype-derived tolerance passes the real model, and
     blend@1 equals full bit for bit; a fixed 0.03 failed it on bf16 rounding and disabled blending."""
@@ -83,6 +84,7 @@ def test_bf16_gate_passes_and_keeps_blending_on(real_dir):
     assert report.checks["blend1_logits"] == 0.0 and report.checks["blend1_kv"] == 0.0
 
 
+@pytest.mark.slow  # the README's example on the real model (~6 s)
 def test_readme_example_answers_in_full_and_blend(real_llm):
     """The README's Python example, as written, answers correctly on the default model."""
     chunks = ["Lily had a red ball.", "Tom liked to run in the park."]
@@ -214,6 +216,7 @@ def test_demo_runs_on_the_tiny_model_and_ends_with_json(tmp_path):
     assert "no trusted fidelity report" in r.stdout and "operating point:" in r.stdout
 
 
+@pytest.mark.slow  # ~30 s: 8 real-model prompts in three modes
 def test_default_blend_beats_reuse_on_the_real_model(real_llm, one_thread):
     """Real prompts (CacheBlend's MuSiQue template, 6 passages cut to 96 tokens): the default schedule
     (K deviation, check layer 1) at 15% is well below reuse's first-token KL (0.38x on these two

@@ -154,6 +154,7 @@ def test_failed_gate_falls_back_to_full(caplog):
     _close(res.logits, prefill(m, pre, chunks, suf, "full").logits, 1e-6)
 
 
+@pytest.mark.slow  # ~15 s: 48 chunks the model writes, 12 prompts
 def test_blend_beats_reuse_on_trained_model():
     """On stories260k with stories it wrote: blend@15% is closer to full than reuse (KL, Δattn).
 

@@ -113,6 +113,7 @@ def test_objects_with_properties_get_no_other_keys():
     assert "additionalProperties" not in schema  # the caller's schema is not changed
 
 
+@pytest.mark.slow  # ~10 s: 40 generations
 def test_constrained_generation_is_valid_json_of_the_schema_whenever_it_stops(model, prompt):
     """Every schema, greedy and sampled: "stop" only with valid JSON of the schema, else "length" at the
     limit. The 260K-parameter story model often rambles (numbers of endless zeros); most still close."""
