@@ -20,7 +20,7 @@ from eval.prompts import DATA_DIR
 from ragkv.blend import BlendSchedule, PrefixCache, prefill
 from ragkv.kv import compute_chunk_kv
 from ragkv.model import load_model, random_hf_config, random_model
-from ragkv.model.loader import resolve_model_dir
+from ragkv.model.loader import hf_state_dict, resolve_model_dir
 
 
 def bench_model(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int, seed: int = 0):
@@ -89,14 +89,12 @@ def main(argv=None) -> dict:
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        from tests.unit.model.test_model import _weights_of
-
         if args.model:
             folder = resolve_model_dir(args.model)
             hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32)
         else:
             hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa").eval()
-            hf.load_state_dict(_weights_of(model), strict=False)
+            hf.load_state_dict(hf_state_dict(model), strict=False)
         hf.eval()
     ids_all = torch.tensor(prefix + [t for c in chunks for t in c] + question)
 

@@ -130,6 +130,18 @@ def test_nothing_in_ragkv_imports_eval_or_edits_sys_path():
     assert not bad, "\n".join(bad)
 
 
+def test_eval_never_imports_the_tests():
+    """The benchmarks and the evaluation take what they share with the tests from the library (e.g.
+    ``ragkv.model.loader.hf_state_dict``), never from a test module: tests import eval, not back."""
+    bad = [
+        f"{f.relative_to(REPO)} imports {m}"
+        for f in source_files("eval")
+        for m in _imports(f)
+        if m == "tests" or m.startswith("tests.")
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_top_level_is_the_cards():
     """The checkout's top level is the design card's: pyproject.toml, ragkv, integrations, apps, tests,
     eval, README.md (plus the data and tooling folders), and each distribution has its own pyproject,

@@ -5,46 +5,8 @@ import torch
 
 from ragkv.model import PromptTooLongError, UnsupportedModelError, load_model, random_hf_config, random_model
 from ragkv.model.config import ModelConfig
-from ragkv.model.loader import random_weight_shapes
+from ragkv.model.loader import hf_state_dict, random_weight_shapes
 from tests.helpers import LLAMA3_ROPE, hf_logits, stories_model, stories_path
-
-
-def _weights_of(model):
-    """Rebuild HF-named weights from a random model (to load the same numbers into transformers)."""
-    cfg = model.config
-    w = {}
-    w["model.embed_tokens.weight"] = model.embed_w
-    w["model.norm.weight"] = model.final_norm
-    if not cfg.tie_word_embeddings:
-        w["lm_head.weight"] = model.lm_head_w
-    nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    for i, lw in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        q, k, v = lw.qkv_w.split([nq, nk, nk])
-        (
-            w[p + "self_attn.q_proj.weight"],
-            w[p + "self_attn.k_proj.weight"],
-            w[p + "self_attn.v_proj.weight"],
-        ) = q, k, v
-        if lw.qkv_b is not None:
-            qb, kb, vb = lw.qkv_b.split([nq, nk, nk])
-            w[p + "self_attn.q_proj.bias"], w[p + "self_attn.k_proj.bias"], w[p + "self_attn.v_proj.bias"] = (
-                qb,
-                kb,
-                vb,
-            )
-        w[p + "self_attn.o_proj.weight"] = lw.o_w
-        if lw.o_b is not None:
-            w[p + "self_attn.o_proj.bias"] = lw.o_b
-        g, u = lw.gate_up_w.chunk(2)
-        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"] = (
-            g,
-            u,
-            lw.down_w,
-        )
-        w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"] = lw.in_norm, lw.post_norm
-    assert set(w) == set(random_weight_shapes(cfg))
-    return w
 
 
 def test_stories_matches_transformers():
@@ -70,7 +32,9 @@ def test_random_architectures_match_transformers(arch, overrides):
     model = random_model(arch, seed=3, init_std=0.1, **overrides)
     ids = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(1))
     ours, _, _ = model.forward(ids)
-    ref = hf_logits(random_hf_config(arch, **overrides), ids, weights=_weights_of(model))
+    weights = hf_state_dict(model)
+    assert set(weights) == set(random_weight_shapes(model.config))  # every parameter, under its HF name
+    ref = hf_logits(random_hf_config(arch, **overrides), ids, weights=weights)
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
 
 
