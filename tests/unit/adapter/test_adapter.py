@@ -34,6 +34,28 @@ def _randomized(model, rank=4, seed=1) -> KVAdapter:
     return ad
 
 
+@pytest.mark.parametrize("rank", [0, 4])
+def test_a_loaded_adapter_corrects_as_the_trained_one(tmp_path, rank):
+    """A frozen (loaded) adapter reads its per-layer tensors joined once; it
+    gives what the training path gives, and a retrained one is never read from a stale join."""
+    m = random_model("llama", seed=7, init_std=0.1)
+    ad = _randomized(m, rank=rank)
+    k = torch.randn(37, m.config.num_kv_heads, m.config.head_dim)
+    v = torch.randn(37, m.config.num_kv_heads, m.config.head_dim)
+    want = [ad.correct(layer, k, v) for layer in range(m.config.num_layers)]  # the training path
+    ad.save(tmp_path / "a.safetensors")
+    loaded = KVAdapter.load(tmp_path / "a.safetensors", m)
+    for layer, (wk, wv) in enumerate(want):
+        gk, gv = loaded.correct(layer, k, v)
+        torch.testing.assert_close(gk, wk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gv, wv, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(want[0][0], k)  # the adapter does change the rows
+    before = loaded.correct(0, k, v)[0].clone()
+    with torch.no_grad():
+        loaded.bias_k.add_(1.0)  # changed in place after a first use: the join is rebuilt
+    torch.testing.assert_close(loaded.correct(0, k, v)[0], before + 1.0)
+
+
 def test_an_untrained_adapter_changes_nothing_and_ratio_one_ignores_any_adapter():
     m = random_model("llama", seed=7, init_std=0.1)
     pre, chunks, suf = _prompt(m)
@@ -61,6 +83,7 @@ def test_adapter_file_round_trip_and_trust_checks(tmp_path):
         torch.randn(5, m.config.num_kv_heads, m.config.head_dim),
         torch.randn(5, m.config.num_kv_heads, m.config.head_dim),
     )
+    ad.requires_grad_(False)  # both frozen: the same path, so the file round trip is exact
     assert all(torch.equal(a, b) for a, b in zip(ad.correct(2, k, v), back.correct(2, k, v), strict=True))
     assert back.identity == digest[:16]
     # tampered: one byte of the body changed
