@@ -1,6 +1,7 @@
 """The time a KV adapter adds to TTFT (issue 38's goal: at most 5%), paired, on the fidelity gate's prompts.
 
     python -m eval.bench_adapter_time [--limit 8] [--runs 3] [--ratios 0,0.12] [--threads 1] [--adapter PATH]
+        [--passage-tokens N]
 
 Per calibration question (the gate's set, ``ragkv.fidelity``), chunk KV in memory and the prompt's
 exact head cached, as the gate measures TTFT: prefill (plus the first token's argmax) with the chunks'
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ratios", default="0,0.12", help="0 = reuse; else blend at that ratio")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--passage-tokens", type=int, default=0, help="cut each passage to this many tokens (0: whole)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
@@ -75,8 +79,16 @@ def main(argv: list[str] | None = None) -> dict:
     per_q: dict[float, list[float]] = {r: [] for r in ratios}
     base_ms: dict[float, list[float]] = {r: [] for r in ratios}
     longest = None
-    for it in calibration_items()[: args.limit]:
+    measured = 0
+    for it in calibration_items():
+        if measured == args.limit:
+            break
         prefix, chunks, suffix = item_ids(model, it)
+        if args.passage_tokens:
+            chunks = [c[: args.passage_tokens] for c in chunks]
+        if len(prefix) + sum(map(len, chunks)) + len(suffix) + 1 > model.config.max_position:
+            continue  # does not fit the model's context: left out, as the gate's set does
+        measured += 1
         kvs = [compute_chunk_kv(model, c) for c in chunks]
         if longest is None or sum(map(len, chunks)) > sum(len(c.token_ids) for c in longest):
             longest = kvs
@@ -89,8 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
                 adapted.append(_ttft(model, prefix, kvs, suffix, r, pc, adapter))
             per_q[r].append(statistics.median(adapted) / statistics.median(plain))
             base_ms[r].append(1000 * statistics.median(plain))
+    if not measured:
+        raise SystemExit(f"no calibration question fits {args.model}'s context: pass --passage-tokens")
     corr = correction_s(adapter, longest, max(3, args.runs))
-    out = {"bench": "adapter_time", "model": args.model, "adapter": adapter.identity, "questions": args.limit}
+    out = {"bench": "adapter_time", "model": args.model, "adapter": adapter.identity, "questions": measured}
     for r in ratios:
         name = "reuse" if r == 0 else f"blend@{r:g}"
         med = statistics.median(per_q[r])
