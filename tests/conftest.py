@@ -168,3 +168,15 @@ def embedder():
     from ragkv.rag import Embedder
 
     return Embedder()
+
+
+@pytest.fixture
+def fidelity_cache(tmp_path, monkeypatch):
+    """An empty ragkv cache for this test (fidelity reports, converted models), and a fidelity gate
+    that forgets what it read before."""
+    from ragkv.fidelity import GATE
+
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    GATE.forget()
+    yield tmp_path
+    GATE.forget()

@@ -54,6 +54,22 @@ def running_server(data: Path, **env_extra: str):
     assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
 
 
+def tiny_settings(data_dir: Path, **overrides):
+    """ragkv-server ``Settings`` of an in-process service (``TestClient``) on the tiny model: short
+    chunks, one thread, two new tokens; ``overrides`` on top."""
+    from ragkv_server.config import Settings
+
+    base = dict(
+        model=str(stories_path()),
+        data_dir=data_dir,
+        chunk_tokens=32,
+        torch_threads=1,
+        max_new_tokens=2,
+        allowed_hosts=["testserver"],
+    )
+    return Settings(**{**base, **overrides})
+
+
 def service_docs(samples) -> list[dict]:
     return [
         {"id": f"s{i}-p{j}", "text": c["text"][:300], "metadata": {"title": c["title"]}}

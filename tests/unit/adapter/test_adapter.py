@@ -151,16 +151,6 @@ def test_training_lowers_the_kl_to_full_prefill_resumes_and_is_deterministic(tmp
 
 
 # ---- the gate decides where an adapter is used --------------------------------------------------------
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    from ragkv.fidelity import GATE
-
-    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
-    GATE.forget()
-    yield tmp_path
-    GATE.forget()
-
-
 def _pair_reports(model, adapter):
     """The model's own report (floor -> exact) and the (model, adapter) pair's (blend@0.5 meets it)."""
     import dataclasses
@@ -168,30 +158,21 @@ def _pair_reports(model, adapter):
     from ragkv.fidelity.report import cache_path, save_report
     from tests.unit.fidelity.test_fidelity import _point, _report
 
-    plain = _report(
-        model,
-        [
+    def ladder(reuse_same: float, blend_same: float) -> list:
+        return [
             _point("exact", 1.0, 0.82, 1.1),
-            _point("reuse", 0.1, 0.1, 5.0, ratio=0.0),
-            _point("blend@0.5", 0.5, 0.55, 1.8),
+            _point("reuse", reuse_same, 0.1, 5.0, ratio=0.0),
+            _point("blend@0.5", blend_same, 0.55, 1.8),
             _point("blend@0.9", 0.9, 0.85, 1.05),
-        ],
-    )
-    pair = _report(
-        model,
-        [
-            _point("exact", 1.0, 0.82, 1.1),
-            _point("reuse", 0.3, 0.1, 5.0, ratio=0.0),
-            _point("blend@0.5", 0.85, 0.55, 1.8),
-            _point("blend@0.9", 0.9, 0.85, 1.05),
-        ],
-    )
-    pair = dataclasses.replace(pair, adapter=adapter.identity).seal()
+        ]
+
+    plain = _report(model, ladder(0.1, 0.5))
+    pair = dataclasses.replace(_report(model, ladder(0.3, 0.85)), adapter=adapter.identity).seal()
     save_report(plain, cache_path(model.fingerprint))
     save_report(pair, cache_path(model.fingerprint, adapter=adapter.identity))
 
 
-def test_the_gate_uses_an_adapter_only_where_its_own_report_wins(cache, tmp_path, caplog):
+def test_the_gate_uses_an_adapter_only_where_its_own_report_wins(fidelity_cache, tmp_path, caplog):
     from ragkv import LLM
 
     m = stories_model()

@@ -78,15 +78,6 @@ LADDER = [
 ]
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """An empty ragkv cache for this test, and a gate that forgets what it read before."""
-    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
-    GATE.forget()
-    yield tmp_path
-    GATE.forget()
-
-
 @pytest.mark.parametrize(
     "value,canon",
     [
@@ -142,7 +133,7 @@ def test_fast_and_numeric_targets():
     assert choose(rep, "exact").mode == "prefix"
 
 
-def test_no_report_falls_back_to_exact_and_says_so_once(cache, caplog):
+def test_no_report_falls_back_to_exact_and_says_so_once(fidelity_cache, caplog):
     m = stories_model()
     caplog.set_level(logging.WARNING, "ragkv.fidelity")
     llm = LLM(m)
@@ -154,7 +145,7 @@ def test_no_report_falls_back_to_exact_and_says_so_once(cache, caplog):
     assert len(said) == 1 and "ragkv calibrate" in said[0].getMessage()
 
 
-def test_the_gates_point_runs_and_an_explicit_ratio_is_outside_the_gate(cache):
+def test_the_gates_point_runs_and_an_explicit_ratio_is_outside_the_gate(fidelity_cache):
     m = stories_model()
     save_report(_report(m, LADDER), cache_path(m.fingerprint))
     llm = LLM(m)
@@ -170,7 +161,7 @@ def test_the_gates_point_runs_and_an_explicit_ratio_is_outside_the_gate(cache):
         llm.generate("", CHUNKS, QUESTION, fidelity="bogus")
 
 
-def test_the_exact_fallback_equals_full_prefill(cache):
+def test_the_exact_fallback_equals_full_prefill(fidelity_cache):
     """The gate's fallback is exact: the same greedy tokens and logits (fp32) as a full prefill."""
     m = stories_model()
     llm = LLM(m)
@@ -191,7 +182,7 @@ def test_the_exact_fallback_equals_full_prefill(cache):
         ("version", 0),
     ],
 )
-def test_a_report_of_another_model_convention_schedule_or_set_is_not_trusted(cache, change, caplog):
+def test_a_report_of_another_model_convention_schedule_or_set_is_not_trusted(fidelity_cache, change, caplog):
     m = stories_model()
     rep = _report(m, LADDER)
     setattr(rep, *change)
@@ -202,7 +193,7 @@ def test_a_report_of_another_model_convention_schedule_or_set_is_not_trusted(cac
     assert choose(None, "floor").source == "no-report"
 
 
-def test_a_hand_edited_or_corrupt_report_is_not_trusted(cache):
+def test_a_hand_edited_or_corrupt_report_is_not_trusted(fidelity_cache):
     m = stories_model()
     path = cache_path(m.fingerprint)
     save_report(_report(m, LADDER), path)
@@ -249,7 +240,7 @@ def test_shipped_reports_verify():
         assert rep.n_questions >= 48 and f.stem == report_id(rep.fingerprint, rep.adapter)
 
 
-def test_measure_resumes_and_reports_every_point(cache, tmp_path):
+def test_measure_resumes_and_reports_every_point(fidelity_cache, tmp_path):
     """A small calibration run on the tiny model: exact prefill is exact, reuse is cheapest, records resume."""
     from ragkv.model import load_model
     from tests.helpers import stories_path
@@ -303,7 +294,7 @@ def test_measure_resumes_and_reports_every_point(cache, tmp_path):
     assert rebuilt.points == rep.points
 
 
-def test_prefill_refuses_nothing_new_for_plain_modes(cache):
+def test_prefill_refuses_nothing_new_for_plain_modes(fidelity_cache):
     """full / reuse keep running as asked (explicit), with the fidelity entry saying so."""
     m = stories_model()
     llm = LLM(m)
@@ -312,7 +303,7 @@ def test_prefill_refuses_nothing_new_for_plain_modes(cache):
         assert res.stats["mode"] == mode and res.stats["fidelity"]["source"] == "explicit"
 
 
-def test_the_service_says_its_operating_point_and_refuses_bad_settings(cache, tmp_path):
+def test_the_service_says_its_operating_point_and_refuses_bad_settings(fidelity_cache, tmp_path):
     """/healthz, /metrics and every answer's stats name the point; a bad ``fidelity`` is a 400 (query)
     and a settings error; an explicit ratio is marked outside the gate."""
     from fastapi.testclient import TestClient
@@ -322,19 +313,13 @@ def test_the_service_says_its_operating_point_and_refuses_bad_settings(cache, tm
     from ragkv_server.server import create_app
     from ragkv_server.service import Service, build_rag
     from tests.helpers import stories_path
+    from tests.helpers_service import tiny_settings
 
     m = stories_model()
     save_report(_report(m, LADDER), cache_path(m.fingerprint))
     with pytest.raises(ValidationError, match="fidelity"):
         Settings(model=str(stories_path()), data_dir=tmp_path / "x", fidelity="sometimes")
-    s = Settings(
-        model=str(stories_path()),
-        data_dir=tmp_path / "data",
-        chunk_tokens=32,
-        torch_threads=1,
-        max_new_tokens=2,
-        allowed_hosts=["testserver"],
-    )
+    s = tiny_settings(tmp_path / "data")
     svc = Service(s, build_rag(s))
     svc.start()
     c = TestClient(create_app(s, svc), base_url="http://testserver")
@@ -363,7 +348,7 @@ def test_the_service_says_its_operating_point_and_refuses_bad_settings(cache, tm
         svc.close()
 
 
-def test_the_engine_runs_blend_at_the_gates_point(cache):
+def test_the_engine_runs_blend_at_the_gates_point(fidelity_cache):
     """``EngineConfig`` with no ratio: blend requests take the gate's point (no report here: exact),
     with the point in the prefill stats; a per-request ratio is explicit; bad settings are refused."""
     from ragkv.engine import Engine, EngineConfig
@@ -386,7 +371,7 @@ def test_the_engine_runs_blend_at_the_gates_point(cache):
         EngineConfig(fidelity="often")
 
 
-def test_a_kv_adapter_gets_its_own_report_reusing_what_it_cannot_change(cache, tmp_path):
+def test_a_kv_adapter_gets_its_own_report_reusing_what_it_cannot_change(fidelity_cache, tmp_path):
     """``measure(adapter=...)``: the pair's report; bf16 and exact come from the model's own records;
     each report is found under its own (model, adapter) key and never for the other."""
     from ragkv.adapter.kv_adapter import KVAdapter

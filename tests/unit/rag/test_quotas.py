@@ -19,8 +19,8 @@ import pytest
 
 from ragkv.rag import RAG, ChunkIndex, Document, QuotaExceededError, Quotas
 from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, measure_kv_bytes_per_token
-from tests.helpers import bearer, musique_samples, stories_model, stories_path
-from tests.helpers_service import metric
+from tests.helpers import bearer, musique_samples, stories_model
+from tests.helpers_service import metric, tiny_settings
 
 
 @pytest.fixture(scope="module")
@@ -382,17 +382,11 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
     ``/metrics`` counts refusals by limit (bounded labels: no collection names)."""
     from fastapi.testclient import TestClient
 
-    from ragkv_server.config import Settings
     from ragkv_server.server import create_app
     from ragkv_server.service import Service, build_rag
 
-    s = Settings(
-        model=str(stories_path()),
-        data_dir=tmp_path / "data",
-        chunk_tokens=32,
-        torch_threads=1,
-        max_new_tokens=2,
-        allowed_hosts=["testserver"],
+    s = tiny_settings(
+        tmp_path / "data",
         max_document_tokens=150,
         max_collection_tokens=300,
         api_keys=[W_KEY, {"key": A_KEY, "collections": ["a"]}],
