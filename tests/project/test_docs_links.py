@@ -1,4 +1,4 @@
-"""The docs a newcomer reads hold together: every relative link and image in README.md and docs/ resolves.
+"""The docs a newcomer reads hold together: every relative link and image in README.md, tests/README.md and docs/ resolves.
 
 A link's file must exist (relative to the Markdown file that holds it), an image must be a file, and an
 anchor (``file.md#heading`` or ``#heading``) must name a heading of its target, slugged as GitHub does.
@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import REPO
 
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "tests" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 #: ``[text](target)`` / ``![alt](target)``, the target up to whitespace or ``)`` (an optional title after)
 LINK = re.compile(r"(!?)\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HTML_SRC = re.compile(r"<img\s[^>]*src=\"([^\"]+)\"", re.I)
