@@ -77,10 +77,16 @@ def stuff_chain(llm):
 
 
 def start_service(
-    data_dir: Path, model: str, threads: int, passages: list[str], ratio: float | None = None
+    data_dir: Path,
+    model: str,
+    threads: int,
+    passages: list[str],
+    ratio: float | None = None,
+    fork: bool = False,
 ) -> tuple:
     """A live ``python -m ragkv_server.server`` on ``model`` with ``passages`` ingested (ids ``p0``...);
-    ``ratio``: an explicit blend ratio for the service (None: the fidelity gate's operating point)."""
+    ``ratio``: an explicit blend ratio for the service (None: the fidelity gate's operating point);
+    ``fork``: forked from a fork server (``eval.harness.spawn_server``: the tests)."""
     env = {
         "RAGKV_MODEL": model,
         "RAGKV_TORCH_THREADS": str(threads),
@@ -89,7 +95,7 @@ def start_service(
         "RAGKV_MAX_CONCURRENCY": "1",
         **({"RAGKV_RATIO": str(ratio)} if ratio is not None else {}),
     }
-    proc, base = launch_server(env, data_dir.parent / "server.log", 600)
+    proc, base = launch_server(env, data_dir.parent / "server.log", 600, fork=fork)
     docs = [{"id": f"p{i}", "text": t} for i, t in enumerate(passages)]
     r = httpx.post(base + "/v1/documents", json={"documents": docs}, timeout=1200)
     r.raise_for_status()

@@ -39,11 +39,12 @@ LIMITS = {  # small limits keep every request (and the schemathesis run) cheap o
 
 @contextlib.contextmanager
 def running_server(data: Path, **env_extra: str):
-    """``python -m ragkv_server.server`` on a free loopback port with a fresh data directory; yields its base URL."""
+    """``python -m ragkv_server.server`` on a free loopback port with a fresh data directory; yields its base URL.
+    The server is forked from a fork server that imported it once (``launch_server(fork=True)``)."""
     log_path = data / "server.log"
     try:
         proc, base = launch_server(
-            {**LIMITS, **env_extra, "RAGKV_DATA_DIR": str(data / "data")}, log_path, 180
+            {**LIMITS, **env_extra, "RAGKV_DATA_DIR": str(data / "data")}, log_path, 180, fork=True
         )
     except RuntimeError as e:
         pytest.fail(str(e))

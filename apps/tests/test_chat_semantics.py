@@ -38,7 +38,7 @@ def served(request, tmp_path_factory):
     ckpt = templated_checkpoint(d / "model", TEMPLATES[request.param])
     env = {**LIMITS, "RAGKV_MODEL": str(ckpt), "RAGKV_DATA_DIR": str(d / "data")}
     try:
-        proc, base = launch_server(env, d / "server.log", 180)
+        proc, base = launch_server(env, d / "server.log", 180, fork=True)
     except RuntimeError as e:
         pytest.fail(str(e))
     try:

@@ -8,16 +8,12 @@ from the shared store (or be recomputed when it is missing or corrupt).
 """
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from eval.harness import checkout_pythonpath, free_port
+from eval.harness import free_port, spawn_server, stop_server, wait_for_server
 from ragkv import LLM, compute_chunk_kv
 from ragkv.frameworks import format_docs
 from ragkv.generate import TokenEvent
@@ -30,7 +26,7 @@ from ragkv.remote.client import (
     VllmUnavailableError,
     build_prompt,
 )
-from tests.helpers import REPO, musique_samples, stories_model
+from tests.helpers import musique_samples, stories_model
 from tests.helpers_service import LIMITS
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
@@ -39,53 +35,24 @@ NEW = 8
 
 
 class Server:
-    """``python -m ragkv_server.server`` with ``env`` on a free loopback port; started now, waited for by ``ready``."""
+    """``python -m ragkv_server.server`` with ``env`` on a free loopback port (forked: ``spawn_server``);
+    started now, waited for by ``ready``."""
 
     def __init__(self, folder: Path, **env: str):
         folder.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = folder / "server.log"
-        full = {
-            **os.environ,
-            **LIMITS,
-            "RAGKV_DATA_DIR": str(folder / "data"),
-            "PYTHONPATH": checkout_pythonpath(),
-            **env,
-        }
-        full.pop("RAGKV_CONFIG", None)
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ragkv_server.server", "--port", str(self.port)],
-            cwd=REPO,
-            env=full,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        env = {**LIMITS, "RAGKV_DATA_DIR": str(folder / "data"), **env}
+        self.proc, self.url = spawn_server(env, self.log_path, fork=True)
 
     def ready(self) -> "Server":
-        deadline = time.time() + 180
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("server did not start in time")
-            time.sleep(0.2)
+        try:
+            wait_for_server(self.proc, self.url, self.log_path, 180)
+        except RuntimeError as e:
+            pytest.fail(str(e))
+        return self
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        stop_server(self.proc, 30)
         log = self.log_path.read_text()
         assert "Traceback" not in log, log[-3000:]
 
