@@ -1,15 +1,17 @@
 """The time a KV adapter adds to TTFT (issue 38's goal: at most 5%), paired, on the fidelity gate's prompts.
 
     python -m eval.bench_adapter_time [--limit 8] [--runs 3] [--ratios 0,0.12] [--threads 1] [--adapter PATH]
-        [--passage-tokens N]
+        [--passage-tokens N] [--source pipelined|sequential]
 
 Per calibration question (the gate's set, ``ragkv.fidelity``), chunk KV in memory and the prompt's
 exact head cached, as the gate measures TTFT: prefill (plus the first token's argmax) with the chunks'
 stored KV read as is and read through the adapter (default: the shipped one of the default model), at
 reuse (ratio 0) and each blend ratio. The two variants alternate inside every run; the figure per
 question is the ratio of their medians over ``--runs``, then the median over questions with a
-bootstrap interval. Also timed: the adapter's correction alone (every layer of the longest prompt's
-reused rows). Ends with one JSON line.
+bootstrap interval. ``--source``: how stored KV reaches the blend loop, ``pipelined`` (the chunk
+resolver's default: layer ``l+1`` is read, and corrected, on a loader thread while layer ``l`` computes)
+or ``sequential`` (read and corrected on the compute thread). Also timed: the adapter's correction
+alone (every layer of the longest prompt's reused rows). Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ragkv.adapter.kv_adapter import KVAdapter
 from ragkv.adapter.shipped import shipped_adapter
 from ragkv.adapter.train import item_ids
 from ragkv.blend.core import BlendSchedule
+from ragkv.blend.pipeline import pipelined_factory
 from ragkv.blend.prefill import prefill
 from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.fidelity.measure import bootstrap_ci
@@ -33,8 +36,8 @@ from ragkv.kv.compute import compute_chunk_kv
 from ragkv.model import DEFAULT_MODEL, load_model
 
 
-def _ttft(model, prefix, kvs, suffix, ratio: float, pc: PrefixCache, adapter) -> float:
-    kw = dict(prefix_cache=pc, prefix_cache_insert=False, adapter=adapter)
+def _ttft(model, prefix, kvs, suffix, ratio: float, pc: PrefixCache, adapter, factory=None) -> float:
+    kw = dict(prefix_cache=pc, prefix_cache_insert=False, adapter=adapter, source_factory=factory)
     t0 = time.perf_counter()
     if ratio == 0:
         res = prefill(model, prefix, kvs, suffix, "reuse", **kw)
@@ -68,9 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--passage-tokens", type=int, default=0, help="cut each passage to this many tokens (0: whole)"
     )
+    ap.add_argument("--source", choices=["pipelined", "sequential"], default="pipelined")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
+    factory = pipelined_factory(model) if args.source == "pipelined" else None
     adapter = KVAdapter.load(args.adapter, model) if args.adapter else shipped_adapter(model)
     if adapter is None:
         raise SystemExit(f"no adapter: {args.model} ships none; pass --adapter FILE")
@@ -94,17 +99,23 @@ def main(argv: list[str] | None = None) -> dict:
             longest = kvs
         prefill(model, prefix, [], [], "prefix", prefix_cache=pc)  # the exact head, cached
         for r in ratios:
-            _ttft(model, prefix, kvs, suffix, r, pc, adapter)  # warm-up
+            _ttft(model, prefix, kvs, suffix, r, pc, adapter, factory)  # warm-up
             plain, adapted = [], []
             for _ in range(args.runs):
-                plain.append(_ttft(model, prefix, kvs, suffix, r, pc, None))
-                adapted.append(_ttft(model, prefix, kvs, suffix, r, pc, adapter))
+                plain.append(_ttft(model, prefix, kvs, suffix, r, pc, None, factory))
+                adapted.append(_ttft(model, prefix, kvs, suffix, r, pc, adapter, factory))
             per_q[r].append(statistics.median(adapted) / statistics.median(plain))
             base_ms[r].append(1000 * statistics.median(plain))
     if not measured:
         raise SystemExit(f"no calibration question fits {args.model}'s context: pass --passage-tokens")
     corr = correction_s(adapter, longest, max(3, args.runs))
-    out = {"bench": "adapter_time", "model": args.model, "adapter": adapter.identity, "questions": measured}
+    out = {
+        "bench": "adapter_time",
+        "model": args.model,
+        "adapter": adapter.identity,
+        "questions": measured,
+        "source": args.source,
+    }
     for r in ratios:
         name = "reuse" if r == 0 else f"blend@{r:g}"
         med = statistics.median(per_q[r])

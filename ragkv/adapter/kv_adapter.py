@@ -3,7 +3,7 @@
 The adapter maps each stored row's pre-RoPE ``[k; v]`` of a layer to ``(k + dK, v + dV)`` with
 ``dK = bias_k + up_k(down(x))`` (and alike for V), ``x`` the row's RMS-normalised ``[k; v]``. It is
 trained by KL to full prefill (:mod:`ragkv.adapter.train`) and applied where stored chunk KV is *read*
-for reuse (:class:`AdaptedSource`, through ``prefill(adapter=...)``), never where KV is written or computed, so:
+for reuse (:class:`AdaptedRows`, through ``prefill(adapter=...)``), never where KV is written or computed, so:
 
 * the user's model is unchanged, and so is full prefill;
 * a row the blend recomputes gets fresh K/V (the adapter never touches it): ratio 1.0 equals full;
@@ -108,10 +108,16 @@ class KVAdapter(nn.Module):
             self._joined_cache = (key, joined)
         return self._joined_cache[1]
 
-    def wrap_source(self, source, start: int) -> AdaptedSource:
+    def wrap_source(self, source, start: int):
         """A blend's per-layer KV source whose rows from ``start`` on (the reused chunks, after any
-        exact head) are read through this adapter: one correction per layer, not one per chunk."""
-        return AdaptedSource(source, self, start)
+        exact head) are read through this adapter: one correction per layer, not one per chunk. A
+        source with a ``transform`` hook (``ragkv.blend.source.LayerSource``) corrects each layer where
+        it reads it: on a pipelined source's loader thread, overlapping the blender's compute."""
+        rows = AdaptedRows(self, start)
+        if getattr(source, "transform", False) is None:
+            source.transform = rows
+            return source
+        return AdaptedSource(source, rows)
 
     # ---- files ----------------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:
@@ -209,21 +215,34 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-class AdaptedSource:
-    """A per-layer KV source (``layer(l) -> (k, v)``) with rows ``[start:]`` corrected by an adapter."""
+class AdaptedRows:
+    """``(layer, k, v) -> (k, v)`` with rows ``[start:]`` corrected by an adapter (the exact head's rows
+    before ``start`` kept as read)."""
 
-    def __init__(self, source, adapter: KVAdapter, start: int):
-        self.source, self.adapter, self.start = source, adapter, int(start)
+    def __init__(self, adapter: KVAdapter, start: int):
+        self.adapter, self.start = adapter, int(start)
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.source.layer(layer)
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if k.shape[0] <= self.start:
             return k, v
-        # every row corrected at once, the exact head's rows then put back: two small copies, not a
-        # concatenation of the whole layer
-        ck, cv = self.adapter.correct(layer, k, v)
-        ck[: self.start], cv[: self.start] = k[: self.start], v[: self.start]
+        # inference mode is per thread: a pipelined source's loader thread is not in the blender's
+        with torch.inference_mode():
+            # every row corrected at once, the exact head's rows then put back: two small copies, not
+            # a concatenation of the whole layer
+            ck, cv = self.adapter.correct(layer, k, v)
+            ck[: self.start], cv[: self.start] = k[: self.start], v[: self.start]
         return ck, cv
+
+
+class AdaptedSource:
+    """A per-layer KV source (``layer(l) -> (k, v)``) without a ``transform`` hook, read through
+    :class:`AdaptedRows`."""
+
+    def __init__(self, source, rows: AdaptedRows):
+        self.source, self.rows = source, rows
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows(layer, *self.source.layer(layer))
 
     def __getattr__(self, name):  # pieces, wait_s, close, ... of the wrapped source
         return getattr(self.source, name)

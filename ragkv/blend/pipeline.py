@@ -188,7 +188,7 @@ class PipelinedSource(LayerSource):
             out = self._read(layer)
         elif any(x.device.type != "cpu" for x in (*ks, *vs)):  # pieces already on the device: no staging
             with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-                out = tuple(torch.cat(x).to(self.device, self.dtype) for x in (ks, vs))
+                out = self._transformed(layer, *(torch.cat(x).to(self.device, self.dtype) for x in (ks, vs)))
                 if self._stream is not None:
                     event = torch.cuda.Event()
                     event.record(self._stream)
@@ -197,12 +197,12 @@ class PipelinedSource(LayerSource):
             sk, hk = self.staging.stage(ks)
             sv, hv = self.staging.stage(vs)
             if self._stream is None:  # staged on the CPU (tests): synchronous copies
-                out = (self._to_device(hk), self._to_device(hv))
+                out = self._transformed(layer, self._to_device(hk), self._to_device(hv))
                 self.staging.release(sk, None)
                 self.staging.release(sv, None)
             else:
-                with torch.cuda.stream(self._stream):
-                    out = (self._to_device(hk), self._to_device(hv))
+                with torch.cuda.stream(self._stream):  # the transform's kernels run on the loader's stream
+                    out = self._transformed(layer, self._to_device(hk), self._to_device(hv))
                     event = torch.cuda.Event()
                     event.record(self._stream)
                 self.staging.release(sk, event)

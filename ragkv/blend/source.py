@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -17,11 +18,17 @@ class KVPiece(Protocol):
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+#: ``transform(layer, k, v) -> (k, v)``: what a source applies to every layer it reads (a KV adapter)
+RowsTransform = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class LayerSource:
     """Concatenates the pieces' K/V of a layer, in prompt order, on the model's device.
 
     This is the sequential source; ``ragkv.blend.pipeline.PipelinedSource`` prefetches layer
-    ``l+1`` while layer ``l`` is being recomputed and has the same interface.
+    ``l+1`` while layer ``l`` is being recomputed and has the same interface. ``transform`` (None:
+    none) is applied to each layer where it is read: on the loader thread of a pipelined source, so a
+    KV adapter's correction overlaps the blender's compute instead of adding to it.
     """
 
     def __init__(self, pieces: list[KVPiece], device: torch.device | str, dtype: torch.dtype):
@@ -29,12 +36,16 @@ class LayerSource:
         self.device = device
         self.dtype = dtype
         self.wait_s = 0.0  # time the blender spent blocked on loads
+        self.transform: RowsTransform | None = None
 
     def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         ks, vs = zip(*(p.layer_kv(layer) for p in self.pieces), strict=True)
         k = torch.cat(ks) if len(ks) > 1 else ks[0]
         v = torch.cat(vs) if len(vs) > 1 else vs[0]
-        return k.to(self.device, self.dtype), v.to(self.device, self.dtype)
+        return self._transformed(layer, k.to(self.device, self.dtype), v.to(self.device, self.dtype))
+
+    def _transformed(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (k, v) if self.transform is None else self.transform(layer, k, v)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()

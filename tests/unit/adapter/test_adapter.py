@@ -73,6 +73,51 @@ def test_an_untrained_adapter_changes_nothing_and_ratio_one_ignores_any_adapter(
     assert float((b1.kv.k - full.kv.k).abs().max() / full.kv.k.abs().max()) < 1e-4
 
 
+def test_a_pipelined_source_corrects_on_its_loader_thread_as_the_sequential_one_does():
+    """Where the prefill pipelines loading (the resolver's default), the adapter's correction runs on
+    the loader thread, overlapping the blender's compute; the logits are the sequential source's, and
+    a source without the transform hook is still read through the adapter."""
+    import threading
+
+    from ragkv.blend.pipeline import pipelined_factory
+    from ragkv.blend.source import LayerSource
+
+    m = random_model("llama", seed=7, init_std=0.1)
+    pre, chunks, suf = _prompt(m)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    ad = _randomized(m)
+    threads: list[str] = []
+    correct = ad.correct
+
+    def spy(layer, k, v):
+        threads.append(threading.current_thread().name)
+        return correct(layer, k, v)
+
+    ad.correct = spy
+    seq = prefill(m, pre, kvs, suf, "blend", ratio=0.3, adapter=ad)
+    assert set(threads) == {threading.current_thread().name}
+    threads.clear()
+    piped = prefill(m, pre, kvs, suf, "blend", ratio=0.3, adapter=ad, source_factory=pipelined_factory(m))
+    assert len(threads) == m.config.num_layers and all(t.startswith("ragkv-kv-load") for t in threads)
+    torch.testing.assert_close(piped.logits, seq.logits, rtol=1e-5, atol=1e-5)
+
+    class Bare:  # a source of another kind: pieces and layer() only
+        def __init__(self, pieces):
+            self.inner = LayerSource(pieces, m.device, m.dtype)
+            self.pieces = pieces
+
+        def layer(self, layer):
+            return self.inner.layer(layer)
+
+        def close(self):
+            pass
+
+    bare = prefill(m, pre, kvs, suf, "blend", ratio=0.3, adapter=ad, source_factory=Bare)
+    torch.testing.assert_close(bare.logits, seq.logits, rtol=1e-5, atol=1e-5)
+    plain = prefill(m, pre, kvs, suf, "blend", ratio=0.3, source_factory=Bare)
+    assert float((plain.logits - seq.logits).abs().max()) > 1e-3  # the adapter acted on the bare source
+
+
 def test_adapter_file_round_trip_and_trust_checks(tmp_path):
     m = random_model("llama", seed=7, init_std=0.1)
     ad = _randomized(m)

@@ -20,6 +20,7 @@ def test_bench_adapter_time_reports_paired_ratios_and_the_correction(tmp_path, o
         ["--model", str(stories_path()), "--adapter", str(path), "--limit", "1", "--runs", "1"]
         + ["--passage-tokens", "48"]
     )
+    assert out["source"] == "pipelined"  # the chunk resolver's default path
     for name in ("reuse", "blend@0.12"):
         lo, hi = out[name]["ci"]
         assert out[name]["ratio"] > 0 and lo - 1e-4 <= out[name]["ratio"] <= hi + 1e-4  # (rounded to 4)
