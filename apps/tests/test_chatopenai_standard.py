@@ -58,7 +58,7 @@ class TestChatOpenAIAgainstRagkv(ChatModelIntegrationTests):
             "api_key": "unused",
             "model": DEFAULT_MODEL,
             "max_retries": 0,
-            "max_tokens": 200,  # the structured-output answers of the tiny model fit
+            "max_tokens": 200,  # the real model's structured-output answers fit
             "stream_usage": True,
         }
 
