@@ -289,28 +289,18 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
         w["lm_head.weight"] = model.lm_head_w
     nq, nk = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i, lw in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        q, k, v = lw.qkv_w.split([nq, nk, nk])
-        (
-            w[p + "self_attn.q_proj.weight"],
-            w[p + "self_attn.k_proj.weight"],
-            w[p + "self_attn.v_proj.weight"],
-        ) = q, k, v
+        p = f"model.layers.{i}.self_attn."
+        for name, t in zip("qkv", lw.qkv_w.split([nq, nk, nk]), strict=True):
+            w[f"{p}{name}_proj.weight"] = t
         if lw.qkv_b is not None:
-            qb, kb, vb = lw.qkv_b.split([nq, nk, nk])
-            w[p + "self_attn.q_proj.bias"], w[p + "self_attn.k_proj.bias"], w[p + "self_attn.v_proj.bias"] = (
-                qb,
-                kb,
-                vb,
-            )
-        w[p + "self_attn.o_proj.weight"] = lw.o_w
+            for name, t in zip("qkv", lw.qkv_b.split([nq, nk, nk]), strict=True):
+                w[f"{p}{name}_proj.bias"] = t
+        w[p + "o_proj.weight"] = lw.o_w
         if lw.o_b is not None:
-            w[p + "self_attn.o_proj.bias"] = lw.o_b
-        g, u = lw.gate_up_w.chunk(2)
-        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"] = (
-            g,
-            u,
-            lw.down_w,
-        )
+            w[p + "o_proj.bias"] = lw.o_b
+        p = f"model.layers.{i}."
+        gate, up = lw.gate_up_w.chunk(2)
+        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = gate, up
+        w[p + "mlp.down_proj.weight"] = lw.down_w
         w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"] = lw.in_norm, lw.post_norm
     return w

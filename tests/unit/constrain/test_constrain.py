@@ -14,18 +14,14 @@ import torch
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from eval.bench_structured import schema_set  # noqa: E402  (the 10 schemas: one list, the benchmark's)
 from ragkv.blend import prefill  # noqa: E402
 from ragkv.constrain import ConstraintError, close_objects, json_constraint, ll_tokenizer  # noqa: E402
 from ragkv.engine import Engine, EngineConfig  # noqa: E402
 from ragkv.generate import SamplingParams, continuation_nll, generate, stream  # noqa: E402
-from tests.helpers import DATA_DIR, stories_model  # noqa: E402
+from tests.helpers import stories_model  # noqa: E402
 
 SEPARATORS = (", ", ": ")
-
-
-def schema_set() -> list[dict]:
-    """The 10 schemas of the structured-output tests and benchmark (name, prompt, schema, example)."""
-    return json.loads((DATA_DIR / "structured_schemas.json").read_text())
 
 
 def check_output(text: str, schema: dict) -> dict:
