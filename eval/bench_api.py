@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from eval.harness import launch_server, stop_server
+from eval.harness import ForkedProcess, launch_server, stop_server
 from eval.prompts import DATA_DIR, TINY_MODEL
 
 MODES = ("blend", "full")
@@ -50,10 +50,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def start_server(
-    args, data_dir: Path, env_extra: dict[str, str] | None = None
-) -> tuple[subprocess.Popen, str, Path]:
+    args, data_dir: Path, env_extra: dict[str, str] | None = None, fork: bool = False
+) -> tuple[subprocess.Popen | ForkedProcess, str, Path]:
     """``python -m ragkv_server.server`` on a free loopback port (``env_extra``: more ``RAGKV_*`` settings);
-    returns (process, base URL, log path)."""
+    returns (process, base URL, log path). ``fork``: forked from the harness's fork server (the tests)."""
     env = {
         "RAGKV_DATA_DIR": str(data_dir),
         "RAGKV_MODEL": args.model,
@@ -70,7 +70,7 @@ def start_server(
         env["RAGKV_CHUNK_TOKENS"] = str(args.chunk_tokens)
     env.update(env_extra or {})
     log_path = data_dir.parent / "server.log"
-    proc, base = launch_server(env, log_path)
+    proc, base = launch_server(env, log_path, fork=fork)
     return proc, base, log_path
 
 

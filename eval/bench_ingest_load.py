@@ -333,6 +333,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--complete", action="store_true", help="let each upload's ingest finish (commits it)")
     ap.add_argument("--model", default=str(TINY_MODEL))
     ap.add_argument("--keep", action="store_true", help="keep the data directory and server log")
+    ap.add_argument(
+        "--fork-server",
+        action="store_true",
+        help="fork the server from the harness's fork server (imports done once: the tests) instead of a fresh interpreter",
+    )
     args = ap.parse_args(argv)
     load_start = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="ragkv-bench-ingest-load-"))
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     proc = None
     rounds = []
     try:
-        proc, base, log_path = start_server(server_args, tmp / "data", extra)
+        proc, base, log_path = start_server(server_args, tmp / "data", extra, fork=args.fork_server)
         with httpx.Client(base_url=base, timeout=600) as c:
             base_docs = make_docs(args.base_docs, seed=5)
             for i in range(0, len(base_docs), 10):

@@ -89,24 +89,90 @@ def child(data: Path, model: str, n_docs: int, seed: int) -> None:
     print("DONE", flush=True)
 
 
-def _spawn(data: Path, model: str, n_docs: int, seed: int) -> subprocess.Popen:
+class _LogLines:
+    """A forked child's output as it arrives: the lines of its log file, until the child exits."""
+
+    def __init__(self, path: Path, proc) -> None:
+        self.file = path.open()
+        self.proc = proc
+
+    def __iter__(self):
+        pending = ""
+        while True:
+            part = self.file.readline()
+            if part:
+                pending += part
+                if pending.endswith("\n"):
+                    yield pending
+                    pending = ""
+                continue
+            if self.proc.poll() is not None:  # exited: what it wrote last, then the end
+                yield from (pending + self.file.read()).splitlines(keepends=True)
+                return
+            time.sleep(0.005)
+
+    def read(self) -> str:
+        return self.file.read()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _ForkedChild:
+    """The child forked from the test harness's fork server (:func:`eval.harness.fork_module`: the
+    imports done once) with the ``Popen`` calls :func:`kill_round` and :func:`run` use; its output
+    is read from its log file as it grows."""
+
+    def __init__(self, proc, log: Path) -> None:
+        self.proc = proc
+        self.stdout = _LogLines(log, proc)
+
+    def __getattr__(self, name: str):
+        return getattr(self.proc, name)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.proc.wait(timeout)
+        out = "".join(self.stdout)
+        self.stdout.close()
+        return out, None
+
+
+def _spawn(data: Path, model: str, n_docs: int, seed: int, fork: bool = False):
+    """The child: a fresh interpreter, or (``fork``) a fork of the harness's fork server, which is
+    killed the same way but skips ~8 s of imports (the test suite's choice)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "eval.faults", "child", "--data", str(data), "--model", model]
-    cmd += ["--docs", str(n_docs), "--seed", str(seed)]
+    argv = ["child", "--data", str(data), "--model", model, "--docs", str(n_docs), "--seed", str(seed)]
+    if fork:
+        from eval.harness import fork_module
+
+        log = data.parent / f"child-{time.monotonic_ns()}.log"  # beside the data directory, not in it
+        return _ForkedChild(fork_module("eval.faults", argv, env, log), log)
     return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [sys.executable, "-m", "eval.faults", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
 
 
 def kill_round(
-    data: Path, model: str, n_docs: int, seed: int, rng: random.Random, acked: set[str], spread: int
+    data: Path,
+    model: str,
+    n_docs: int,
+    seed: int,
+    rng: random.Random,
+    acked: set[str],
+    spread: int,
+    fork: bool = False,
 ) -> dict:
     """One child, SIGKILLed a random delay (0-120 ms: anywhere in that ingest, its commit, or just
     after it) after it starts the ingest of a random one of the next new documents."""
     remaining = n_docs - len(acked)
     target = rng.randint(0, max(0, min(remaining - 1, spread)))  # new documents ingested before the kill
     delay = rng.uniform(0.0, 0.12)
-    proc = _spawn(data, model, n_docs, seed)
+    proc = _spawn(data, model, n_docs, seed, fork)
     started = 0
     killed = False
     try:
@@ -192,9 +258,15 @@ def answers(rag, questions: list[str]) -> list[tuple[str, list[tuple[str, int]]]
 
 
 def run(
-    rounds: int, n_docs: int, seed: int = 0, model: str | None = None, workdir: Path | None = None
+    rounds: int,
+    n_docs: int,
+    seed: int = 0,
+    model: str | None = None,
+    workdir: Path | None = None,
+    fork: bool = False,
 ) -> dict:
-    """Kill rounds, the checks after each, a final full ingest, and the comparison with a clean one."""
+    """Kill rounds, the checks after each, a final full ingest, and the comparison with a clean one.
+    ``fork``: children forked from a fork server (:func:`_spawn`) instead of fresh interpreters."""
     import torch
 
     from ragkv.rag import Embedder
@@ -219,7 +291,8 @@ def run(
     }
     t0 = time.perf_counter()
     for i in range(rounds):
-        r = kill_round(data, model, n_docs, seed, rng, acked, spread=max(1, 2 * n_docs // rounds - 1))
+        spread = max(1, 2 * n_docs // rounds - 1)
+        r = kill_round(data, model, n_docs, seed, rng, acked, spread, fork)
         v = verify(data, lambda d: make_rag(d, model, emb), docs, acked)
         for k in totals:
             totals[k] += len(v[k]) if isinstance(v[k], list) else v[k]
@@ -231,7 +304,7 @@ def run(
             flush=True,
         )
     # finish the ingest (no kill), then compare with a clean ingest
-    proc = _spawn(data, model, n_docs, seed)
+    proc = _spawn(data, model, n_docs, seed, fork)
     out_text, _ = proc.communicate(timeout=1800)
     finished = "DONE" in out_text
     final = verify(data, lambda d: make_rag(d, model, emb), docs, set(docs))

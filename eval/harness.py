@@ -48,18 +48,20 @@ def checkout_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(path))
 
 
-#: what a forked server would otherwise import itself (~8 s of a ~10 s start on 2 cores): imported once
-#: by the fork server, and each server is a fork of it
+#: what a forked server (or another forked ``python -m`` of this checkout) would otherwise import
+#: itself (~8 s of a ~10 s start on 2 cores): imported once by the fork server; each process is a fork
 SERVER_PRELOAD = ["ragkv_server.server", "ragkv_server.service", "sentence_transformers", "faiss", "uvicorn"]
 
 
-class ForkedServer:
-    """A server process forked from a fork server that has imported :data:`SERVER_PRELOAD`, with the
-    ``subprocess.Popen`` calls :func:`launch_server`'s callers use (``pid``, ``poll``, ``wait``,
-    ``terminate``, ``kill``, ``returncode``): still a process of its own (its own GIL, killable)."""
+class ForkedProcess:
+    """A ``python -m MODULE`` process forked from a fork server that has imported
+    :data:`SERVER_PRELOAD` (:func:`fork_module`), with the ``subprocess.Popen`` calls callers use
+    (``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``): still a
+    process of its own (its own GIL, killable, its own exit status)."""
 
-    def __init__(self, process) -> None:
+    def __init__(self, process, module: str) -> None:
         self.process = process
+        self.module = module
         self.pid = process.pid
 
     @property
@@ -72,8 +74,11 @@ class ForkedServer:
     def wait(self, timeout: float | None = None) -> int:
         self.process.join(timeout)
         if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired("ragkv_server.server (forked)", timeout)
+            raise subprocess.TimeoutExpired(f"{self.module} (forked)", timeout)
         return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.process.terminate()
@@ -82,9 +87,9 @@ class ForkedServer:
         self.process.kill()
 
 
-def _serve_forked(argv: list[str], env: dict[str, str], log_path: str) -> None:
+def _run_module_forked(module: str, argv: list[str], env: dict[str, str], log_path: str) -> None:
     """The forked child: this launch's environment, working directory and output (``log_path``),
-    then what ``python -m ragkv_server.server ARGV`` runs (the module as ``__main__``)."""
+    then what ``python -m MODULE ARGV`` runs (the module as ``__main__``)."""
     import multiprocessing
     import runpy
 
@@ -100,8 +105,8 @@ def _serve_forked(argv: list[str], env: dict[str, str], log_path: str) -> None:
     # as in a fresh interpreter: a fork server's child would otherwise register the semaphores its
     # libraries make (tqdm's lock) with the launcher's resource tracker, which then warns of leaks
     multiprocessing.set_start_method("fork", force=True)
-    sys.argv = ["python -m ragkv_server.server", *argv]
-    runpy.run_module("ragkv_server.server", run_name="__main__", alter_sys=True)
+    sys.argv = [f"python -m {module}", *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 _FORK_CONTEXT = None
@@ -109,7 +114,7 @@ _FORK_CONTEXT = None
 
 def _fork_context():
     """The ``forkserver`` multiprocessing context, its server preloading :data:`SERVER_PRELOAD`
-    (started on first use; one per process that launches servers)."""
+    (started on first use; one per process that forks modules)."""
     global _FORK_CONTEXT
     if _FORK_CONTEXT is None:
         import multiprocessing
@@ -120,14 +125,24 @@ def _fork_context():
     return _FORK_CONTEXT
 
 
+def fork_module(module: str, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess:
+    """``python -m MODULE ARGV`` with ``env`` as its whole environment and its stdout and stderr in
+    ``log_path`` (emptied first), forked from the fork server instead of started as a fresh
+    interpreter: the test suite's servers and fault-injection children (imports done once)."""
+    log_path.write_text("")
+    process = _fork_context().Process(target=_run_module_forked, args=(module, argv, env, str(log_path)))
+    process.start()
+    return ForkedProcess(process, module)
+
+
 def spawn_server(
     env: dict[str, str], log_path: Path, fork: bool = False
-) -> tuple[subprocess.Popen | ForkedServer, str]:
+) -> tuple[subprocess.Popen | ForkedProcess, str]:
     """Start ``python -m ragkv_server.server`` on a free loopback port, with ``env`` (``RAGKV_*`` settings)
     over this process's environment (a ``RAGKV_CONFIG`` file is not used) and its output in
     ``log_path``; returns (process, base URL) at once (:func:`wait_for_server` waits for it).
 
-    ``fork``: fork the server from a fork server that has imported it already (:class:`ForkedServer`;
+    ``fork``: fork the server from a fork server that has imported it already (:class:`ForkedProcess`;
     the test suite starts ~20 servers: ~8 s of imports each on 2 cores) instead of a fresh interpreter
     (what the benchmarks use: nothing shared with this process)."""
     port = free_port()
@@ -135,10 +150,7 @@ def spawn_server(
     full_env.pop("RAGKV_CONFIG", None)
     argv = ["--port", str(port)]
     if fork:
-        log_path.write_text("")
-        process = _fork_context().Process(target=_serve_forked, args=(argv, full_env, str(log_path)))
-        process.start()
-        return ForkedServer(process), f"http://127.0.0.1:{port}"
+        return fork_module("ragkv_server.server", argv, full_env, log_path), f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:  # the child has its own copy of the descriptor
         proc = subprocess.Popen(
             [sys.executable, "-m", "ragkv_server.server", *argv],
@@ -151,7 +163,7 @@ def spawn_server(
 
 
 def wait_for_server(
-    proc: subprocess.Popen | ForkedServer, base: str, log_path: Path, timeout_s: float = 300
+    proc: subprocess.Popen | ForkedProcess, base: str, log_path: Path, timeout_s: float = 300
 ) -> None:
     """Return once the server's ``/healthz`` answers; RuntimeError (with the log's tail) if it exits
     first or is not up within ``timeout_s`` (it is killed then)."""
@@ -173,14 +185,14 @@ def wait_for_server(
 
 def launch_server(
     env: dict[str, str], log_path: Path, timeout_s: float = 300, fork: bool = False
-) -> tuple[subprocess.Popen | ForkedServer, str]:
+) -> tuple[subprocess.Popen | ForkedProcess, str]:
     """:func:`spawn_server`, then :func:`wait_for_server`: (process, base URL) of a server that answers."""
     proc, base = spawn_server(env, log_path, fork)
     wait_for_server(proc, base, log_path, timeout_s)
     return proc, base
 
 
-def stop_server(proc: subprocess.Popen | ForkedServer, timeout_s: float = 60) -> None:
+def stop_server(proc: subprocess.Popen | ForkedProcess, timeout_s: float = 60) -> None:
     """Terminate a server :func:`launch_server` started; kill it if it is not gone within ``timeout_s``."""
     proc.terminate()
     try:

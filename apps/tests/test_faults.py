@@ -44,9 +44,10 @@ def _rag(path: Path, embedder, **kw) -> RAG:
 # ---- kill -9 during ingest ---------------------------------------------------------------------------
 @pytest.mark.slow
 def test_kill9_during_ingest_loses_no_acknowledged_document(tmp_path, one_thread):
-    """2 SIGKILLs at random points of a 16-document ingest (each costs a process start, ~10 s on 2
-    cores); ``python -m eval.faults --soak`` runs 20 of a 100-document ingest by hand."""
-    res = faults.run(rounds=2, n_docs=16, seed=7, model=str(stories_path()), workdir=tmp_path)
+    """2 SIGKILLs at random points of a 16-document ingest, the children forked from a fork server that
+    has done their imports (a fresh interpreter costs ~8 s of them on 2 cores); ``python -m eval.faults
+    --soak`` runs 20 of a 100-document ingest by hand, in fresh interpreters."""
+    res = faults.run(rounds=2, n_docs=16, seed=7, model=str(stories_path()), workdir=tmp_path, fork=True)
     print(json.dumps({k: v for k, v in res.items() if k != "per_round"}))
     assert res["kills"] == 2
     assert res["acknowledged_lost"] == 0
@@ -675,7 +676,7 @@ def test_bench_ingest_load_runs_and_reports_sane_fields():
 
     res = bench_ingest_load.main(
         ["--mb", "0.2", "--doc-chars", "100000", "--runs", "1", "--queries", "6", "--load-s", "3"]
-        + ["--alone-s", "1", "--base-docs", "10"]
+        + ["--alone-s", "1", "--base-docs", "10", "--fork-server"]
     )
     assert res["errors"] == 0 and res["healthz_errors"] == 0
     assert res["upload_bytes"] >= 200_000 and res["upload_documents"] == 2

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from eval.harness import ForkedServer, launch_server, stop_server
+from eval.harness import ForkedProcess, launch_server, stop_server
 from tests.helpers_service import LIMITS
 
 pytestmark = pytest.mark.slow  # the fork server imports the service once (~10 s on 2 cores)
@@ -27,7 +27,7 @@ def test_a_forked_server_answers_and_stops_cleanly_on_sigterm(tmp_path):
     log = tmp_path / "server.log"
     env = {**LIMITS, "RAGKV_DATA_DIR": str(tmp_path / "data"), "RAGKV_LOG_LEVEL": "info"}
     proc, base = launch_server(env, log, 120, fork=True)
-    assert isinstance(proc, ForkedServer) and proc.poll() is None
+    assert isinstance(proc, ForkedProcess) and proc.poll() is None
     try:
         r = httpx.get(base + "/v1/models", timeout=30)
         assert r.status_code == 200 and r.json()["data"], r.text
