@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ragkv.blend.source import LayerSource
+from ragkv.blend.source import LayerSource, apply_transform
 from ragkv.kv.chunk import ChunkKV
 
 
@@ -182,13 +182,17 @@ class PipelinedSource(LayerSource):
         return out
 
     def _load(self, layer: int):
+        """Layer ``layer`` read, moved and transformed on the loader thread: ``(out, transform used)``."""
         t0 = time.perf_counter()
+        fn = self.transform  # read once: the caller checks it against the one set when it takes the layer
         ks, vs = zip(*(p.layer_kv(layer) for p in self.pieces), strict=True) if self.staged else ((), ())
         if not self.staged:
-            out = self._read(layer)
+            out = self._read(layer, fn)
         elif any(x.device.type != "cpu" for x in (*ks, *vs)):  # pieces already on the device: no staging
             with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-                out = self._transformed(layer, *(torch.cat(x).to(self.device, self.dtype) for x in (ks, vs)))
+                out = apply_transform(
+                    fn, layer, *(torch.cat(x).to(self.device, self.dtype) for x in (ks, vs))
+                )
                 if self._stream is not None:
                     event = torch.cuda.Event()
                     event.record(self._stream)
@@ -197,19 +201,19 @@ class PipelinedSource(LayerSource):
             sk, hk = self.staging.stage(ks)
             sv, hv = self.staging.stage(vs)
             if self._stream is None:  # staged on the CPU (tests): synchronous copies
-                out = self._transformed(layer, self._to_device(hk), self._to_device(hv))
+                out = apply_transform(fn, layer, self._to_device(hk), self._to_device(hv))
                 self.staging.release(sk, None)
                 self.staging.release(sv, None)
             else:
                 with torch.cuda.stream(self._stream):  # the transform's kernels run on the loader's stream
-                    out = self._transformed(layer, self._to_device(hk), self._to_device(hv))
+                    out = apply_transform(fn, layer, self._to_device(hk), self._to_device(hv))
                     event = torch.cuda.Event()
                     event.record(self._stream)
                 self.staging.release(sk, event)
                 self.staging.release(sv, event)
                 out = (*out, event)
         self.load_s += time.perf_counter() - t0
-        return out
+        return out, fn
 
     def _submit(self, layer: int) -> None:
         if layer in self._futures or (self.num_layers is not None and layer >= self.num_layers):
@@ -222,7 +226,11 @@ class PipelinedSource(LayerSource):
             self._submit(layer + ahead)
         t0 = time.perf_counter()
         try:
-            out = self._futures.pop(layer).result()
+            out, used = self._futures.pop(layer).result()
+            if used is not self.transform:
+                # read ahead before the transform was set (layer 0 is submitted when the source is
+                # built, and a KV adapter is set on it after): read it again, on the loader thread
+                out, used = self._pool.submit(self._load, layer).result()
         finally:
             self.wait_s += time.perf_counter() - t0
         if len(out) == 3:  # CUDA: the compute stream waits for the copy, then owns the tensors

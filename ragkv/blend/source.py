@@ -22,6 +22,13 @@ class KVPiece(Protocol):
 RowsTransform = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def apply_transform(
+    transform: RowsTransform | None, layer: int, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``transform``'s rows of a layer (the rows themselves without one)."""
+    return (k, v) if transform is None else transform(layer, k, v)
+
+
 class LayerSource:
     """Concatenates the pieces' K/V of a layer, in prompt order, on the model's device.
 
@@ -38,18 +45,15 @@ class LayerSource:
         self.wait_s = 0.0  # time the blender spent blocked on loads
         self.transform: RowsTransform | None = None
 
-    def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, layer: int, transform: RowsTransform | None) -> tuple[torch.Tensor, torch.Tensor]:
         ks, vs = zip(*(p.layer_kv(layer) for p in self.pieces), strict=True)
         k = torch.cat(ks) if len(ks) > 1 else ks[0]
         v = torch.cat(vs) if len(vs) > 1 else vs[0]
-        return self._transformed(layer, k.to(self.device, self.dtype), v.to(self.device, self.dtype))
-
-    def _transformed(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (k, v) if self.transform is None else self.transform(layer, k, v)
+        return apply_transform(transform, layer, k.to(self.device, self.dtype), v.to(self.device, self.dtype))
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
-        out = self._read(layer)
+        out = self._read(layer, self.transform)
         self.wait_s += time.perf_counter() - t0
         return out
 

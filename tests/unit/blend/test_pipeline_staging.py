@@ -60,6 +60,33 @@ def test_staged_pipelined_source_matches_the_sequential_one_and_never_aliases_it
             assert k.data_ptr() not in staged and v.data_ptr() not in staged
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_transform_set_after_the_first_read_ahead_still_applies_to_every_layer(staged):
+    """A pipelined source starts reading layer 0 when it is built; a transform (a KV adapter's
+    correction) set afterwards must still reach that layer. It did not when the loader thread had
+    finished layer 0 first: under load, the adapter test then saw 2 of 3 layers corrected."""
+    m = random_model(seed=4, num_hidden_layers=3)
+    pieces = _pieces(m)
+    seq = LayerSource(pieces, m.device, m.dtype)
+    src = PipelinedSource(pieces, m.device, m.dtype, depth=1, num_layers=3, staged=staged)
+    try:
+        src._futures[0].result()  # the race's losing order, made certain: layer 0 read before the transform
+        seen: list[int] = []
+
+        def double(layer, k, v):
+            seen.append(layer)
+            return 2 * k, 2 * v
+
+        src.transform = double
+        outs = [src.layer(layer) for layer in range(3)]
+    finally:
+        src.close()
+    assert sorted(seen) == [0, 1, 2]
+    for layer, (k, v) in enumerate(outs):
+        rk, rv = seq.layer(layer)
+        assert torch.equal(k, 2 * rk) and torch.equal(v, 2 * rv)
+
+
 def test_blend_through_the_staged_pipeline_equals_the_sequential_blend():
     m = random_model(seed=5, num_hidden_layers=4)
     pieces = _pieces(m, 2, 12)
