@@ -11,7 +11,8 @@ unless ``--set calibration``), on the prompt users send, with float32 full prefi
   real prompt's context that is not this one's: the digest's check (a));
 * ``mean2``: K/V averaged over two such draws (check (b));
 * ``fixed``: written after one fixed generic context (3 training passages; check (c));
-* each ``--adapters`` entry: iso KV read through that adapter file (check (d) is the rank-0 one).
+* each ``--adapters`` entry: iso KV read through that adapter file (check (d) is the rank-0 one);
+  ``name=PATH@fixed``: ``fixed`` KV read through it (an adapter trained on context-primed KV).
 
 Each condition runs at every ``--ratios`` point (0 = reuse; else the default blend schedule at that
 ratio). Reported: same greedy answer as full, output F1 vs full, first-token KL, gold recall,
@@ -43,7 +44,6 @@ from ragkv.kv.compute import compute_chunk_kv
 from ragkv.metrics import first_token_kl, normalize_answer, token_f1
 from ragkv.metrics.text import answer_recall, max_over_golds
 from ragkv.model import DEFAULT_MODEL, load_model
-from ragkv.model.forward import chunk_kv_tensors
 
 MAX_NEW = 16
 
@@ -51,17 +51,20 @@ MAX_NEW = 16
 def primed_kv(model, ids: list[int], contexts: list[list[int]]) -> ChunkKV:
     """A chunk's KV written after each of ``contexts`` (averaged when several; a context is cut from the
     front to fit the model's context)."""
-    ks, vs = [], []
-    room = model.config.max_position - len(ids) - 1
-    for ctx in contexts:
-        ctx = ctx[-room:] if room > 0 else []
-        t, k, v, _ = chunk_kv_tensors(model, ids, ctx)
-        ks.append(k)
-        vs.append(v)
-    k = torch.stack(ks).mean(0) if len(ks) > 1 else ks[0]
-    v = torch.stack(vs).mean(0) if len(vs) > 1 else vs[0]
-    # start_pos 1: the stored rows are re-positioned like any chunk's (RoPE is applied at read)
-    return ChunkKV(token_ids=t, k=k, v=v, start_pos=1, fingerprint=model.fingerprint)
+    kvs = [compute_chunk_kv(model, ids, context=ctx) for ctx in contexts]
+    if len(kvs) == 1:
+        return kvs[0]
+    k = torch.stack([c.k for c in kvs]).mean(0)
+    v = torch.stack([c.v for c in kvs]).mean(0)
+    return ChunkKV(
+        token_ids=kvs[0].token_ids, k=k, v=v, start_pos=kvs[0].start_pos, fingerprint=model.fingerprint
+    )
+
+
+def fixed_context_ids(model) -> list[int]:
+    """Check (c)'s one fixed generic context: the first 3 training passages, tokenized."""
+    pool = [p for it in training_set(model, 40, 0, 0) for p in it.passages]
+    return [t for p in pool[:3] for t in model.encode(p)]
 
 
 def calibration_items() -> list[Item]:
@@ -88,14 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     items = dev_set(args.limit) if args.set == "dev" else calibration_items()[: args.limit]
     ratios = [float(r) for r in args.ratios.split(",")]
     conds = [c for c in args.conditions.split(",") if c]
-    adapters = {}
+    adapters, adapter_base = {}, {}
     for spec in filter(None, args.adapters.split(",")):
         name, path = spec.split("=", 1)
-        adapters[name] = KVAdapter.load(path, model)
+        path, _, base = path.partition("@")  # PATH@fixed: the adapter reads check (c)'s KV, not iso
+        adapters[name], adapter_base[name] = KVAdapter.load(path, model), base or "iso"
     conds += list(adapters)
     rng = random.Random(0)
     pool = [p for it in training_set(model, 40, 0, 0) for p in it.passages]
-    fixed_ctx = [t for p in pool[:3] for t in model.encode(p)]
+    fixed_ctx = fixed_context_ids(model)
     rec_path = Path(args.records)
     rec_path.parent.mkdir(parents=True, exist_ok=True)
     done = {}
@@ -126,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             other_ctx = [t for p in other.passages[:3] for t in model.encode(p)]
             kvs: dict[str, list] = {}
             iso = [compute_chunk_kv(model, c) for c in chunks]
-            for c in {c for c, _ in todo}:
+            needed = {c for c, _ in todo}
+            needed |= {adapter_base[c] for c in needed if c in adapter_base}
+            for c in sorted(needed, key=lambda c: c in adapters):  # the adapters' bases first
                 if c == "iso":
                     kvs[c] = iso
                 elif c == "other":
@@ -136,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     kvs[c] = [primed_kv(model, ids, draws) for ids in chunks]
                 elif c == "fixed":
                     kvs[c] = [primed_kv(model, ids, [fixed_ctx]) for ids in chunks]
-                else:  # iso KV, read through the adapter by prefill itself
-                    kvs[c] = iso
+                else:  # its base's KV, read through the adapter by prefill itself
+                    kvs[c] = kvs[adapter_base[c]]
             for c, r in todo:
                 kw = dict(prefix_cache=pc, prefix_cache_insert=False, adapter=adapters.get(c))
                 if r == 0:

@@ -182,15 +182,16 @@ def build_examples(model, items: list[Item], path: Path, progress: bool = True) 
 
 
 class KVCacheOfChunks:
-    """Each distinct chunk's stored KV (bf16 in memory), computed once."""
+    """Each distinct chunk's stored KV (bf16 in memory), computed once; written after ``context``
+    (token ids between BOS and the chunk: a context-primed student) when given."""
 
-    def __init__(self, model):
-        self.model, self.kvs = model, {}
+    def __init__(self, model, context: list[int] | None = None):
+        self.model, self.kvs, self.context = model, {}, list(context or ())
 
     def get(self, ids: list[int]):
         key = tuple(ids)
         if key not in self.kvs:
-            c = compute_chunk_kv(self.model, ids)
+            c = compute_chunk_kv(self.model, ids, context=self.context)
             c.k, c.v = c.k.to(torch.bfloat16).clone(), c.v.to(torch.bfloat16).clone()
             self.kvs[key] = c
         return self.kvs[key]
@@ -203,8 +204,11 @@ def train(
     items: list[Item] | None = None,
     progress: bool = True,
     teacher_path: Path | None = None,
+    student_context: list[int] | None = None,
 ) -> dict:
-    """Train (or resume) an adapter for ``model``; writes ``out`` (safetensors) and returns a summary."""
+    """Train (or resume) an adapter for ``model``; writes ``out`` (safetensors) and returns a summary.
+    ``student_context``: the chunk KV it corrects is written after these token ids (a context-primed
+    chunk convention, issue 38's candidate) instead of after BOS alone."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -215,7 +219,7 @@ def train(
     )
     examples = build_examples(model, items, Path(teacher_path or out.with_suffix(".teacher.pt")), progress)
     t_teacher = time.perf_counter() - t0
-    chunks = KVCacheOfChunks(model)
+    chunks = KVCacheOfChunks(model, student_context)
     heads: dict[tuple, tuple] = {}
     adapter = KVAdapter.for_model(model, cfg.rank, cfg.seed).to(model.device)
     params = [p for p in adapter.parameters() if p.requires_grad]
@@ -227,7 +231,8 @@ def train(
     step, curve = 0, []
     if ckpt.is_file():
         st = torch.load(ckpt, weights_only=False)
-        if st["config"] == asdict(cfg) and st["fingerprint"] == model.fingerprint:
+        same_student = st.get("student_context", []) == list(student_context or ())
+        if st["config"] == asdict(cfg) and st["fingerprint"] == model.fingerprint and same_student:
             adapter.load_state_dict(st["adapter"])
             opt.load_state_dict(st["opt"])
             sched.load_state_dict(st["sched"])
@@ -265,6 +270,7 @@ def train(
                 {
                     "config": asdict(cfg),
                     "fingerprint": model.fingerprint,
+                    "student_context": list(student_context or ()),
                     "adapter": adapter.state_dict(),
                     "opt": opt.state_dict(),
                     "sched": sched.state_dict(),

@@ -195,6 +195,21 @@ def test_training_lowers_the_kl_to_full_prefill_resumes_and_is_deterministic(tmp
     assert json.loads(json.dumps({k: v for k, v in s1.items() if k != "curve"}))["steps"] == 4
 
 
+@pytest.mark.slow
+def test_a_primed_student_is_trained_on_kv_written_after_its_context_and_resumes_only_its_own_run(tmp_path):
+    """``student_context`` (issue 38's context-primed candidate): the student's chunk KV is written
+    after those tokens; a finished checkpoint of another student is not taken for this one's."""
+    m = stories_model()
+    items = _items()
+    cfg = TrainConfig(rank=2, epochs=1, batch=2, lr=2e-2, save_every=1)
+    ctx = m.encode("Once upon a time there was a little dog who liked to run in the park.")
+    plain = train(m, tmp_path / "a.safetensors", cfg, items=items, progress=False)
+    primed = train(m, tmp_path / "a.safetensors", cfg, items=items, progress=False, student_context=ctx)
+    assert primed["sha256"] != plain["sha256"]  # the same checkpoint path: not resumed as finished
+    again = train(m, tmp_path / "b.safetensors", cfg, items=items, progress=False, student_context=ctx)
+    assert again["sha256"] == primed["sha256"]
+
+
 # ---- the gate decides where an adapter is used --------------------------------------------------------
 def _pair_reports(model, adapter):
     """The model's own report (floor -> exact) and the (model, adapter) pair's (blend@0.5 meets it)."""
