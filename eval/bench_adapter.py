@@ -2,6 +2,7 @@
 
     python -m eval.bench_adapter [--limit 24] [--ratios 0,0.12,0.5] [--adapters const=PATH,wkv16=PATH]
         [--conditions iso,other,mean2,fixed] [--records runs/adapter/dev.records.jsonl] [--set dev|calibration]
+    python -m eval.bench_adapter --ingest-cost --threads 1   # what writing check (c)'s KV costs at ingest
 
 Per question of the dev split (invented facts, ``ragkv.adapter.data.dev_set``; never the gate's set
 unless ``--set calibration``), on the prompt users send, with float32 full prefill as the reference:
@@ -67,6 +68,41 @@ def fixed_context_ids(model) -> list[int]:
     return [t for p in pool[:3] for t in model.encode(p)]
 
 
+def ingest_cost(model, items: list[Item], context: list[int], runs: int = 3) -> dict:
+    """Ingest compute of context-primed chunk KV with the context's KV cached (each chunk's rows
+    attending to it) against today's convention (each chunk after BOS alone), both through the same
+    cached-prefix path, interleaved: per distinct chunk the ratio of median times, then the median."""
+    import time
+
+    bos = [model.config.bos_token_id] if model.config.bos_token_id is not None else []
+    heads = {"iso": bos, "fixed": bos + context}
+    pc = PrefixCache(max_bytes=1 << 28)
+    for head in heads.values():
+        prefill(model, head, [], [], "prefix", prefix_cache=pc)
+    chunks = list(dict.fromkeys(tuple(c) for it in items for c in item_ids(model, it)[1]))
+    ratios, ms = [], {"iso": [], "fixed": []}
+    for ids in chunks:
+        times: dict[str, list[float]] = {"iso": [], "fixed": []}
+        for _ in range(runs):
+            for name, head in heads.items():
+                t0 = time.perf_counter()
+                prefill(model, head, [], list(ids), "prefix", prefix_cache=pc, prefix_cache_insert=False)
+                times[name].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratios.append(med["fixed"] / med["iso"])
+        for k in ms:
+            ms[k].append(1000 * med[k])
+    return {
+        "chunks": len(chunks),
+        "chunk_tokens_median": statistics.median(len(c) for c in chunks),
+        "context_tokens": len(context),
+        "iso_ms_median": round(statistics.median(ms["iso"]), 1),
+        "fixed_ms_median": round(statistics.median(ms["fixed"]), 1),
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_ci": bootstrap_ci(ratios),
+    }
+
+
 def calibration_items() -> list[Item]:
     passages, qs = load_calibration_set()
     return [
@@ -85,10 +121,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", default="dev", choices=("dev", "calibration"))
     ap.add_argument("--records", default="runs/adapter/dev.records.jsonl")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--ingest-cost",
+        action="store_true",
+        help="instead: time writing check (c)'s primed chunk KV (context KV cached) against today's",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(args.model, dtype="float32")
     items = dev_set(args.limit) if args.set == "dev" else calibration_items()[: args.limit]
+    if args.ingest_cost:
+        res = ingest_cost(model, items, fixed_context_ids(model))
+        print(
+            f"{res['chunks']} chunks (median {res['chunk_tokens_median']} tokens) after a cached "
+            f"{res['context_tokens']}-token context: {res['ratio_median']}x today's ingest time "
+            f"{res['ratio_ci']} ({res['fixed_ms_median']} vs {res['iso_ms_median']} ms per chunk)"
+        )
+        print(json.dumps({"bench": "adapter_ingest_cost", **res}))
+        return 0
     ratios = [float(r) for r in args.ratios.split(",")]
     conds = [c for c in args.conditions.split(",") if c]
     adapters, adapter_base = {}, {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ragkv.kv.chunk import ChunkKV
@@ -10,7 +12,7 @@ from ragkv.model.forward import chunk_kv_tensors
 
 @torch.inference_mode()
 def compute_chunk_kv(
-    model, token_ids: list[int] | torch.Tensor, fingerprint: str | None = None, context: list[int] = ()
+    model, token_ids: list[int] | torch.Tensor, fingerprint: str | None = None, context: Sequence[int] = ()
 ) -> ChunkKV:
     """Prefill ``[BOS] + token_ids`` and return the chunk rows' pre-RoPE K and V.
 
