@@ -62,9 +62,14 @@ def primed_kv(model, ids: list[int], contexts: list[list[int]]) -> ChunkKV:
     )
 
 
-def fixed_context_ids(model) -> list[int]:
+def passage_pool(model) -> list[str]:
+    """Training passages (never the dev or calibration sets'): check (b)'s draws, check (c)'s context."""
+    return [p for it in training_set(model, 40, 0, 0) for p in it.passages]
+
+
+def fixed_context_ids(model, pool: list[str] | None = None) -> list[int]:
     """Check (c)'s one fixed generic context: the first 3 training passages, tokenized."""
-    pool = [p for it in training_set(model, 40, 0, 0) for p in it.passages]
+    pool = passage_pool(model) if pool is None else pool
     return [t for p in pool[:3] for t in model.encode(p)]
 
 
@@ -148,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         adapters[name], adapter_base[name] = KVAdapter.load(path, model), base or "iso"
     conds += list(adapters)
     rng = random.Random(0)
-    pool = [p for it in training_set(model, 40, 0, 0) for p in it.passages]
-    fixed_ctx = fixed_context_ids(model)
+    pool = passage_pool(model)
+    fixed_ctx = fixed_context_ids(model, pool)
     rec_path = Path(args.records)
     rec_path.parent.mkdir(parents=True, exist_ok=True)
     done = {}
