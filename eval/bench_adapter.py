@@ -13,7 +13,9 @@ unless ``--set calibration``), on the prompt users send, with float32 full prefi
 * ``mean2``: K/V averaged over two such draws (check (b));
 * ``fixed``: written after one fixed generic context (3 training passages; check (c));
 * each ``--adapters`` entry: iso KV read through that adapter file (check (d) is the rank-0 one);
-  ``name=PATH@fixed``: ``fixed`` KV read through it (an adapter trained on context-primed KV).
+  ``name=PATH@fixed``: ``fixed`` KV read through it (an adapter trained on context-primed KV). A
+  writer file (W-full, ``ragkv adapter train --kind writer``) writes the chunk KV instead: after BOS,
+  or after check (c)'s context with ``@fixed``.
 
 Each condition runs at every ``--ratios`` point (0 = reuse; else the default blend schedule at that
 ratio). Reported: same greedy answer as full, output F1 vs full, first-token KL, gold recall,
@@ -33,8 +35,10 @@ from pathlib import Path
 import torch
 
 from ragkv.adapter.data import Item, dev_set, training_set
-from ragkv.adapter.kv_adapter import KVAdapter
+from ragkv.adapter.kv_adapter import KVAdapter, adapter_format
 from ragkv.adapter.train import item_ids
+from ragkv.adapter.writer import FORMAT as WRITER_FORMAT
+from ragkv.adapter.writer import WriterLoRA
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.prefill import prefill
 from ragkv.blend.prefix_cache import PrefixCache
@@ -122,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=24)
     ap.add_argument("--ratios", default="0,0.12,0.5")
     ap.add_argument("--conditions", default="iso,other,mean2,fixed")
-    ap.add_argument("--adapters", default="", help="name=path,... (iso KV read through each)")
+    ap.add_argument(
+        "--adapters", default="", help="name=path[@fixed],... (KV adapters read, writers write, the chunk KV)"
+    )
     ap.add_argument("--set", default="dev", choices=("dev", "calibration"))
     ap.add_argument("--records", default="runs/adapter/dev.records.jsonl")
     ap.add_argument("--threads", type=int, default=2)
@@ -146,12 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ratios = [float(r) for r in args.ratios.split(",")]
     conds = [c for c in args.conditions.split(",") if c]
-    adapters, adapter_base = {}, {}
+    adapters, writers, adapter_base = {}, {}, {}
     for spec in filter(None, args.adapters.split(",")):
         name, path = spec.split("=", 1)
-        path, _, base = path.partition("@")  # PATH@fixed: the adapter reads check (c)'s KV, not iso
-        adapters[name], adapter_base[name] = KVAdapter.load(path, model), base or "iso"
-    conds += list(adapters)
+        path, _, base = path.partition("@")  # PATH@fixed: trained on check (c)'s KV, not iso
+        adapter_base[name] = base or "iso"
+        if adapter_format(path) == WRITER_FORMAT:  # a chunk-KV writer: the KV is written through it
+            writers[name] = WriterLoRA.load(path, model)
+        else:  # a KV adapter: its base's KV, read through it
+            adapters[name] = KVAdapter.load(path, model)
+    conds += list(adapter_base)
     rng = random.Random(0)
     pool = passage_pool(model)
     fixed_ctx = fixed_context_ids(model, pool)
@@ -186,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             kvs: dict[str, list] = {}
             iso = [compute_chunk_kv(model, c) for c in chunks]
             needed = {c for c, _ in todo}
-            needed |= {adapter_base[c] for c in needed if c in adapter_base}
+            needed |= {adapter_base[c] for c in needed if c in adapters}
             for c in sorted(needed, key=lambda c: c in adapters):  # the adapters' bases first
                 if c == "iso":
                     kvs[c] = iso
@@ -197,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                     kvs[c] = [primed_kv(model, ids, draws) for ids in chunks]
                 elif c == "fixed":
                     kvs[c] = [primed_kv(model, ids, [fixed_ctx]) for ids in chunks]
+                elif c in writers:  # written by the writer (after BOS, or after check (c)'s context)
+                    ctx = fixed_ctx if adapter_base[c] == "fixed" else ()
+                    wm = writers[c].model(model)
+                    kvs[c] = [compute_chunk_kv(wm, ids, model.fingerprint, context=ctx) for ids in chunks]
                 else:  # its base's KV, read through the adapter by prefill itself
                     kvs[c] = kvs[adapter_base[c]]
             for c, r in todo:

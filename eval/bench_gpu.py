@@ -34,6 +34,7 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -222,6 +223,11 @@ def bench_runtime(args, device: torch.device) -> dict:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     n_chunks, chunk_tokens = (2, 32) if args.dry_run else (args.chunks, args.chunk_tokens)
     m, hf_cfg = make_model(args.layers, shape, str(device), dtype)
+    need = 1 + n_chunks * chunk_tokens + 32
+    if need > m.config.max_position:  # fail before any work (an H100 run once spent 39 s to learn this)
+        raise SystemExit(
+            f"--chunks x --chunk-tokens: a {need}-token prompt exceeds the {m.config.max_position}-position model"
+        )
     chunks = [tokens(chunk_tokens, shape["vocab"], 10 + i) for i in range(n_chunks)]
     question = tokens(32, shape["vocab"], 99)
     kvs = [compute_chunk_kv(m, c) for c in chunks]
@@ -321,6 +327,11 @@ def bench_loading(args, device: torch.device) -> dict:
     return res
 
 
+def step(what: str) -> None:
+    """One progress line, flushed: a step cut off by its time budget says where it was."""
+    print(f"[bench_gpu] {what}", file=sys.stderr, flush=True)
+
+
 def bench_graph(args, device: torch.device) -> dict:
     """Decode tokens/s at batch 1: CUDA graph vs eager static step vs the growing-cache decode."""
     from eval.static_decode import StaticDecoder
@@ -339,22 +350,26 @@ def bench_graph(args, device: torch.device) -> dict:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     n_new = 16 if args.dry_run else args.new_tokens
     for name, (shape, layers) in models.items():
+        step(f"graph {name}: building the model")
         m, _ = make_model(layers, shape, str(device), dtype)
         prompt = [1, *tokens(127, shape["vocab"], 5)]
         res = prefill(m, prompt, [], [], "full")
         cap = len(prompt) + n_new + 1
         row = {"layers": layers, **shape, "new_tokens": n_new}
         params = SamplingParams(max_new_tokens=n_new, stop_token_ids=())
+        step(f"graph {name}: generate (growing cache)")
         ref = generate(m, res, params).token_ids
         row["generate_tok_s"] = n_new / timed(
             lambda m=m, res=res, p=params: generate(m, res, p), args.runs, device
         )
+        step(f"graph {name}: static decoder, eager")
         eager = StaticDecoder(m, cap)
         row["static_eager_tok_s"] = n_new / timed(
             lambda e=eager, res=res: e.greedy(res, n_new), args.runs, device
         )
         row["static_eager_tokens_equal_generate"] = eager.greedy(res, n_new) == ref
         if device.type == "cuda":
+            step(f"graph {name}: capturing the CUDA graph")
             g = StaticDecoder(m, cap)
             g.capture()
             row["graph_tok_s"] = n_new / timed(

@@ -36,18 +36,18 @@ TOTAL_BUDGET_S = 570
 BUDGETS = {
     "wheels": 60,
     "env": 30,
-    "tests": 150,
+    "tests": 120,
     "bench_hack": 100,
     "bench_codec": 70,
     "bench_runtime": 60,
     "bench_loading": 50,
-    "bench_graph": 50,
+    "bench_graph": 80,
 }
 #: GPU-run arguments per benchmark section (sized to their budgets)
 BENCH_ARGS = {
     "hack": ["--runs", "5", "--contexts", "8192,32768,131072", "--batches", "1,16,64"],
     "codec": ["--runs", "3", "--layers", "3", "--chunk-tokens", "2048", "--slots", "64"],
-    "runtime": ["--runs", "3", "--layers", "4", "--chunks", "4", "--chunk-tokens", "2048"],
+    "runtime": ["--runs", "3", "--layers", "4", "--chunks", "4", "--chunk-tokens", "1536"],
     "loading": ["--runs", "3", "--chunks", "6", "--chunk-tokens", "512"],
     "graph": ["--runs", "3", "--layers", "4", "--new-tokens", "128"],
 }

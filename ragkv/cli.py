@@ -546,8 +546,11 @@ def _adapter(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.model, dtype="float32", device=device)
+    rank = args.rank if args.rank is not None else (8 if args.kind == "writer" else 16)
     cfg = TrainConfig(
-        rank=args.rank,
+        kind=args.kind,
+        rank=rank,
+        alpha=args.alpha,
         epochs=args.epochs,
         lr=args.lr,
         batch=args.batch,
@@ -559,11 +562,10 @@ def _adapter(args: argparse.Namespace) -> int:
     out = (
         Path(args.out)
         if args.out
-        else cache_root() / "adapters" / f"{model.fingerprint[:16]}-r{args.rank}.safetensors"
+        else cache_root() / "adapters" / f"{model.fingerprint[:16]}-{args.kind}-r{rank}.safetensors"
     )
-    print(
-        f"training a rank-{args.rank} KV adapter for {args.model} ({model.fingerprint[:12]}) on {device} -> {out}"
-    )
+    what = "chunk-KV writer (LoRA)" if args.kind == "writer" else "KV adapter"
+    print(f"training a rank-{rank} {what} for {args.model} ({model.fingerprint[:12]}) on {device} -> {out}")
     print(main_json(train(model, out, cfg, progress=not args.quiet)))
     return 0
 
@@ -643,7 +645,20 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("action", choices=["train"])
     ad.add_argument("--model", default=DEFAULT_MODEL, help="model name, GGUF file, folder or hub id")
     ad.add_argument("--out", default=None, help="adapter file (default: $RAGKV_CACHE_DIR/adapters/...)")
-    ad.add_argument("--rank", type=int, default=16, help="0: a learned constant offset per layer")
+    ad.add_argument(
+        "--kind",
+        choices=["kv", "writer"],
+        default="kv",
+        help="kv: W-kv, a correction of stored KV where it is read (CPU-trainable); writer: W-full, a LoRA "
+        "on while chunk KV is written, trained through the whole chunk pass (a GPU's job)",
+    )
+    ad.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="default 16 (kv; 0: a learned constant offset per layer), 8 (writer)",
+    )
+    ad.add_argument("--alpha", type=float, default=16.0, help="writer only: LoRA scale alpha / rank")
     ad.add_argument("--epochs", type=int, default=2)
     ad.add_argument("--lr", type=float, default=2e-3)
     ad.add_argument("--batch", type=int, default=4)

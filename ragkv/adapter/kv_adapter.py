@@ -126,38 +126,18 @@ class KVAdapter(nn.Module):
 
     def save(self, path: str | Path, meta: dict | None = None) -> str:
         """Write the adapter (safetensors with its spec in the metadata); returns the file's sha256."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        info = {"format": FORMAT, "spec": json.dumps(self.spec.__dict__), "meta": json.dumps(meta or {})}
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        save_file(self.state(), str(tmp), metadata=info)
-        tmp.replace(path)
-        return file_digest(path)
+        return write_adapter_file(path, FORMAT, self.spec.__dict__, self.state(), meta)
 
     @classmethod
     def load(cls, path: str | Path, model=None, digest: str | None = None) -> KVAdapter:
         """Read an adapter; refuses a file whose digest differs from ``digest``, a foreign format, a
         shape that does not fit, or (given ``model``) another model's adapter."""
-        from safetensors import safe_open
-
         path = Path(path)
-        if not path.is_file():
-            raise AdapterError(f"no adapter file at {path}")
-        if digest is not None and file_digest(path) != digest:  # unreadable files raise here too
-            raise AdapterError(f"adapter {path.name}: digest mismatch (edited, truncated or another file)")
+        spec_dict, tensors = read_adapter_file(path, FORMAT, digest)
         try:
-            with safe_open(str(path), framework="pt") as f:
-                info = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
-            if info.get("format") != FORMAT:
-                raise AdapterError(f"adapter {path.name}: not a {FORMAT} file")
-            spec = AdapterSpec(**json.loads(info["spec"]))
-        except AdapterError:
-            raise
-        except Exception as e:  # a corrupt header or body
-            raise AdapterError(f"adapter {path.name}: unreadable ({e})") from e
+            spec = AdapterSpec(**spec_dict)
+        except TypeError as e:
+            raise AdapterError(f"adapter {path.name}: unreadable spec ({e})") from e
         if model is not None:
             c = model.config
             if spec.model_fingerprint != model.fingerprint:
@@ -172,16 +152,7 @@ class KVAdapter(nn.Module):
             ):
                 raise AdapterError(f"adapter {path.name}: shape does not fit the model")
         ad = cls(spec)
-        own = ad.state()
-        if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):
-            raise AdapterError(f"adapter {path.name}: tensors do not match its spec")
-        with torch.no_grad():
-            for k, t in tensors.items():
-                if not torch.isfinite(t).all():
-                    raise AdapterError(f"adapter {path.name}: non-finite values in {k}")
-                getattr(ad, k).copy_(t)
-        ad.requires_grad_(False)
-        ad.digest = file_digest(path)
+        fill_parameters(ad, ad.state(), tensors, path)
         return ad
 
     @property
@@ -195,6 +166,70 @@ class KVAdapter(nn.Module):
             h.update(k.encode())
             h.update(t.numpy().tobytes())
         return h.hexdigest()[:16]
+
+
+def write_adapter_file(path: str | Path, fmt: str, spec: dict, tensors: dict, meta: dict | None) -> str:
+    """An adapter as safetensors (``format``, ``spec`` and ``meta`` in its metadata), written through a
+    temp file and a rename; returns its :func:`file_digest`."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    info = {"format": fmt, "spec": json.dumps(spec), "meta": json.dumps(meta or {})}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(tensors, str(tmp), metadata=info)
+    tmp.replace(path)
+    return file_digest(path)
+
+
+def read_adapter_file(
+    path: Path, fmt: str, digest: str | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(spec, tensors)`` of an adapter file of format ``fmt``; refuses a missing, unreadable or foreign
+    file and (given ``digest``) one whose content digest differs."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise AdapterError(f"no adapter file at {path}")
+    if digest is not None and file_digest(path) != digest:  # unreadable files raise here too
+        raise AdapterError(f"adapter {path.name}: digest mismatch (edited, truncated or another file)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+        if info.get("format") != fmt:
+            raise AdapterError(f"adapter {path.name}: not a {fmt} file (format {info.get('format')!r})")
+        spec = json.loads(info["spec"])
+    except AdapterError:
+        raise
+    except Exception as e:  # a corrupt header or body
+        raise AdapterError(f"adapter {path.name}: unreadable ({e})") from e
+    return spec, tensors
+
+
+def adapter_format(path: str | Path) -> str | None:
+    """The ``format`` an adapter file declares (None: unreadable or none)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format")
+    except Exception:
+        return None
+
+
+def fill_parameters(module: nn.Module, own: dict, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Copy a file's ``tensors`` into ``module``'s parameters (``own``: its state by name), refusing a
+    set or shape that differs or a non-finite value; freezes the module and records the file's digest."""
+    if set(tensors) != set(own) or any(tensors[k].shape != own[k].shape for k in own):
+        raise AdapterError(f"adapter {path.name}: tensors do not match its spec")
+    with torch.no_grad():
+        for k, t in tensors.items():
+            if not torch.isfinite(t).all():
+                raise AdapterError(f"adapter {path.name}: non-finite values in {k}")
+            getattr(module, k).copy_(t)
+    module.requires_grad_(False)
+    module.digest = file_digest(path)
 
 
 def file_digest(path: str | Path) -> str:

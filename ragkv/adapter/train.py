@@ -4,9 +4,11 @@
   passage tokenized on its own), its greedy answer (teacher-forced rows), and per loss row the top-k
   logits and the log-sum-exp, stored once per (model, data) in ``<out>.teacher.pt``.
 * **Student**: the same prompt with the instruction head exact (as the prefix cache serves it),
-  every passage's stored chunk KV read through the adapter (reuse), the question and the teacher's
-  answer computed on the one layer loop (:func:`ragkv.model.forward.run_layers` with a
-  :class:`~ragkv.blend.core.BlendKV`), gradients reaching the adapter through the reader rows only.
+  every passage's chunk KV reused, the question and the teacher's answer computed on the one layer
+  loop (:func:`ragkv.model.forward.run_layers` with a :class:`~ragkv.blend.core.BlendKV`). Two kinds:
+  ``kv`` (W-kv, :mod:`ragkv.adapter.kv_adapter`): stored chunk KV read through the adapter, gradients
+  through the reader rows only; ``writer`` (W-full, :mod:`ragkv.adapter.writer`): chunk KV written by
+  the model with a LoRA on, gradients through the reader rows and the whole writer pass.
 * **Loss**: forward KL(teacher || student) over the top-k plus one bucket for the rest of the
   vocabulary, on the last prompt row (weight ``FIRST_WEIGHT``) and every answer row.
 
@@ -27,6 +29,7 @@ import torch
 
 from ragkv.adapter.data import Item, training_set
 from ragkv.adapter.kv_adapter import KVAdapter
+from ragkv.adapter.writer import WriterLoRA
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV
 from ragkv.blend.prefill import prefill
 from ragkv.generate import decode_step, load_prompt, make_cache
@@ -39,9 +42,14 @@ FIRST_WEIGHT = 3.0
 MAX_ANSWER = 16
 
 
+KINDS = ("kv", "writer")
+
+
 @dataclass
 class TrainConfig:
+    kind: str = "kv"  # "kv": W-kv (reads stored KV); "writer": W-full (writes chunk KV)
     rank: int = 16
+    alpha: float = 16.0  # writer only: LoRA scale alpha / rank
     steps_per_epoch: int | None = None  # None: every item once per epoch
     epochs: int = 3
     lr: float = 2e-3
@@ -107,16 +115,21 @@ def _plain(ex: Example) -> Example:
 
 
 class _Stored:
-    """The student's stored rows: the exact head, then each chunk's KV through the adapter."""
+    """The student's stored rows: the exact head, then each chunk's KV (``(k, v) [L, n, Hkv, D]`` pairs),
+    read through a KV adapter when one is given."""
 
-    def __init__(self, head: tuple[torch.Tensor, torch.Tensor], chunks: list, adapter: KVAdapter, dtype):
+    def __init__(
+        self, head: tuple[torch.Tensor, torch.Tensor], chunks: list, adapter: KVAdapter | None, dtype
+    ):
         self.head, self.chunks, self.adapter, self.dtype = head, chunks, adapter, dtype
-        self.pieces = [_Len(head[0].shape[1])] + [_Len(c.k.shape[1]) for c in chunks]
+        self.pieces = [_Len(head[0].shape[1])] + [_Len(k.shape[1]) for k, _ in chunks]
 
     def layer(self, layer: int):
         ks, vs = [self.head[0][layer]], [self.head[1][layer]]
-        for c in self.chunks:
-            k, v = self.adapter.correct(layer, c.k[layer].to(self.dtype), c.v[layer].to(self.dtype))
+        for ck, cv in self.chunks:
+            k, v = ck[layer].to(self.dtype), cv[layer].to(self.dtype)
+            if self.adapter is not None:
+                k, v = self.adapter.correct(layer, k, v)
             ks.append(k)
             vs.append(v)
         return torch.cat(ks), torch.cat(vs)
@@ -130,8 +143,9 @@ class _Len:
     num_tokens: int
 
 
-def student_logp(model, adapter: KVAdapter, ex: Example, head, chunk_kvs: list) -> torch.Tensor:
-    """Log-probs ``[rows, vocab]`` of the student (reuse through the adapter) on the loss rows."""
+def student_logp(model, adapter: KVAdapter | None, ex: Example, head, chunk_kvs: list) -> torch.Tensor:
+    """Log-probs ``[rows, vocab]`` of the student (reuse of ``chunk_kvs``, ``(k, v)`` pairs, read through
+    ``adapter`` when given) on the loss rows."""
     n_head, n_chunks = len(ex.prefix), sum(map(len, ex.chunks))
     ids = ex.prefix + [t for c in ex.chunks for t in c] + ex.suffix + ex.answer[:-1]
     n = len(ids)
@@ -141,8 +155,8 @@ def student_logp(model, adapter: KVAdapter, ex: Example, head, chunk_kvs: list) 
     stored_rows = torch.arange(n_head + n_chunks)
     src = _Stored(head, chunk_kvs, adapter, model.dtype)
     kv = BlendKV(model, rc, None, stored=src, stored_rows=stored_rows)
-    rows = (rc == COMPUTED).nonzero().flatten()
-    h, _ = run_layers(model, model.embed(torch.tensor(ids)[rows]), rows, kv)
+    rows = (rc == COMPUTED).nonzero().flatten().to(model.device)
+    h, _ = run_layers(model, model.embed(torch.tensor(ids, device=model.device)[rows]), rows, kv)
     first = len(ex.suffix) - 1  # the last prompt row among the computed ones
     return torch.log_softmax(model.logits(h[first:]).float(), -1)
 
@@ -205,10 +219,12 @@ def train(
     progress: bool = True,
     teacher_path: Path | None = None,
     student_context: list[int] | None = None,
+    init: Path | None = None,
 ) -> dict:
     """Train (or resume) an adapter for ``model``; writes ``out`` (safetensors) and returns a summary.
     ``student_context``: the chunk KV it corrects is written after these token ids (a context-primed
-    chunk convention, issue 38's candidate) instead of after BOS alone."""
+    chunk convention, issue 38's candidate) instead of after BOS alone. ``init``: an adapter file of the
+    same kind and shape to start from (training continued, e.g. on the CPU after a GPU run)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -221,7 +237,21 @@ def train(
     t_teacher = time.perf_counter() - t0
     chunks = KVCacheOfChunks(model, student_context)
     heads: dict[tuple, tuple] = {}
-    adapter = KVAdapter.for_model(model, cfg.rank, cfg.seed).to(model.device)
+    if cfg.kind not in KINDS:
+        raise ValueError(f"unknown adapter kind {cfg.kind!r} (one of {', '.join(KINDS)})")
+    if cfg.kind == "writer":
+        adapter = WriterLoRA.for_model(model, cfg.rank, cfg.alpha, cfg.seed).to(model.device)
+    else:
+        adapter = KVAdapter.for_model(model, cfg.rank, cfg.seed).to(model.device)
+    init_digest = None
+    if init is not None:
+        start = type(adapter).load(init, model)
+        if start.spec != adapter.spec:
+            raise ValueError(f"{init} is a {start.spec}, not a {adapter.spec}")
+        with torch.no_grad():
+            for k, t in start.state().items():
+                getattr(adapter, k).copy_(t)
+        init_digest = start.digest
     params = [p for p in adapter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     per_epoch = cfg.steps_per_epoch or math.ceil(len(examples) / cfg.batch)
@@ -231,7 +261,9 @@ def train(
     step, curve = 0, []
     if ckpt.is_file():
         st = torch.load(ckpt, weights_only=False)
-        same_student = st.get("student_context", []) == list(student_context or ())
+        same_student = (
+            st.get("student_context", []) == list(student_context or ()) and st.get("init") == init_digest
+        )
         if st["config"] == asdict(cfg) and st["fingerprint"] == model.fingerprint and same_student:
             adapter.load_state_dict(st["adapter"])
             opt.load_state_dict(st["opt"])
@@ -254,8 +286,13 @@ def train(
                     _, k, v = model.forward(torch.tensor(ex.prefix), capture_kv=True)
                 heads[key] = (k.clone(), v.clone())
             heads[key] = tuple(t.clone() for t in heads[key]) if heads[key][0].is_inference() else heads[key]
-            kvs = [chunks.get(c) for c in ex.chunks]
-            loss = kl_loss(student_logp(model, adapter, ex, heads[key], kvs), ex) / len(batch)
+            if cfg.kind == "writer":  # written now, through the LoRA, stored precision (bf16) kept
+                kvs = [_as_stored(*adapter.chunk_kv(model, c, chunks.context)) for c in ex.chunks]
+                reader = None
+            else:
+                kvs = [(kv.k, kv.v) for kv in map(chunks.get, ex.chunks)]
+                reader = adapter
+            loss = kl_loss(student_logp(model, reader, ex, heads[key], kvs), ex) / len(batch)
             loss.backward()
             loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -271,6 +308,7 @@ def train(
                     "config": asdict(cfg),
                     "fingerprint": model.fingerprint,
                     "student_context": list(student_context or ()),
+                    "init": init_digest,
                     "adapter": adapter.state_dict(),
                     "opt": opt.state_dict(),
                     "sched": sched.state_dict(),
@@ -280,9 +318,11 @@ def train(
                 ckpt,
             )
     bar.close()
-    digest = adapter.cpu().save(out, meta={"config": asdict(cfg), "examples": len(examples)})
+    meta = {"config": asdict(cfg), "examples": len(examples), "init": init_digest}
+    digest = adapter.cpu().save(out, meta=meta)
     return {
         "adapter": str(out),
+        "kind": cfg.kind,
         "sha256": digest,
         "bytes": out.stat().st_size,
         "rank": cfg.rank,
@@ -295,6 +335,11 @@ def train(
         "train_s": round(time.perf_counter() - t_train, 1),
         "curve": [round(x, 4) for x in curve],
     }
+
+
+def _as_stored(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk KV rounded to the precision it is stored in (bf16), the gradient passing through."""
+    return k.to(torch.bfloat16).to(k.dtype), v.to(torch.bfloat16).to(v.dtype)
 
 
 def main_json(summary: dict) -> str:

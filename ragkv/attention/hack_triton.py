@@ -18,8 +18,9 @@ Split-K over blocks (flash-decoding) gives enough programs at batch 1; partial (
 merged in PyTorch together with the fp16 sink / recent-window rows of :class:`HackKVCache`.
 
 Status: written against Triton's documented API and checked on CPU with ``TRITON_INTERPRET=1`` (the
-interpreter); it has NOT run on a GPU in this project's sessions so far (no GPU was available). The
-tests in tests/unit/attention/test_hack.py run it on CUDA when a device exists. Importing this module never fails
+interpreter, which does not type-check). Its one GPU run (an H100, 2026-11-27) failed to compile: one
+name held the K and the V products, of two shapes. Fixed; not yet rerun on a GPU. The tests in
+tests/unit/attention/test_hack.py run it on CUDA when a device exists. Importing this module never fails
 without triton: every entry point raises :class:`HackError` instead.
 """
 
@@ -219,7 +220,9 @@ if HAS_TRITON:
             sc = tl.zeros([BLOCK_G, PI], dtype=tl.float32)
             for p in tl.static_range(NKP):
                 qcp = tl.where(part_of[None, :] == p, qc8, 0).to(tl.int8)
-                dot = tl.dot(qcp, kc8_t, out_dtype=tl.int32).to(tl.float32)
+                # a name of its own: Triton types a name once per scope, and the V branch's product
+                # below has another shape ([BLOCK_G, D], not [BLOCK_G, PI]): one name failed to compile
+                qk = tl.dot(qcp, kc8_t, out_dtype=tl.int32).to(tl.float32)
                 ks = tl.load(KS + meta + p, mask=t_ok, other=0.0).to(tl.float32)
                 km = tl.load(KM + meta + p, mask=t_ok, other=0.0).to(tl.float32)
                 ksum = tl.load(KSUM + smeta + p, mask=t_ok, other=0).to(tl.float32)
@@ -229,7 +232,7 @@ if HAS_TRITON:
                 qs = _col(q_s2, pcols, p)
                 qm = _col(q_m2, pcols, p)
                 qr = _col(q_r2, pcols, p)
-                sc += qs[:, None] * ks[None, :] * dot
+                sc += qs[:, None] * ks[None, :] * qk
                 sc += qs[:, None] * km[None, :] * qr[:, None]
                 sc += qm[:, None] * ks[None, :] * ksum[None, :]
                 sc += PK * qm[:, None] * km[None, :]
@@ -258,7 +261,7 @@ if HAS_TRITON:
                     vc8 = (vc.to(tl.int32) - 128).to(tl.int8)
                 else:
                     vc8 = vc.to(tl.int8)
-                dot = tl.dot(pcode.to(tl.int8), vc8, out_dtype=tl.int32).to(tl.float32)  # [BLOCK_G, D]
+                pv = tl.dot(pcode.to(tl.int8), vc8, out_dtype=tl.int32).to(tl.float32)  # [BLOCK_G, D]
                 vmeta = phys * stride_vsb + h * stride_vsh + ch
                 vs = tl.load(VS + vmeta).to(tl.float32)
                 vm = tl.load(VM + vmeta).to(tl.float32)
@@ -266,7 +269,7 @@ if HAS_TRITON:
                 if BITS == 8:
                     vm = vm + 128.0 * vs
                     vsum = vsum - 128.0 * PI
-                acc += ps[:, None] * vs[None, :] * dot
+                acc += ps[:, None] * vs[None, :] * pv
                 acc += ps[:, None] * vm[None, :] * pr_sum[:, None]
                 acc += pm[:, None] * vs[None, :] * vsum[None, :]
                 acc += PI * pm[:, None] * vm[None, :]

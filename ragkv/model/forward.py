@@ -193,8 +193,15 @@ def chunk_token_ids(model: LayerModel, token_ids) -> tuple[torch.Tensor, torch.T
     return ids, full, start
 
 
-@torch.inference_mode()
 def chunk_kv_tensors(
+    model: LayerModel, token_ids, context_ids=()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:func:`chunk_kv_rows` in inference mode (what ingest stores)."""
+    with torch.inference_mode():
+        return chunk_kv_rows(model, token_ids, context_ids)
+
+
+def chunk_kv_rows(
     model: LayerModel, token_ids, context_ids=()
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A chunk's KV in the chunk convention: ``(ids, k_pre, v, start)`` with ``k_pre, v [L, n, Hkv, D]``.
@@ -202,7 +209,8 @@ def chunk_kv_tensors(
     Prefills ``[BOS] + ids`` through any layer model (ragkv's or the vLLM adapter) and keeps the
     chunk rows' pre-RoPE K and V; the last layer's attention and MLP are not run (nothing reads them).
     ``context_ids`` (neighbour-conditioned chunk KV, FusionRAG) are prefilled between BOS and the
-    chunk; ``start`` is then the chunk's first position after them.
+    chunk; ``start`` is then the chunk's first position after them. Differentiable where autograd is
+    on (a chunk-KV writer's training, :mod:`ragkv.adapter.writer`).
     """
     ids, full, start = chunk_token_ids(model, token_ids)
     ctx = torch.as_tensor(list(context_ids), dtype=torch.long)

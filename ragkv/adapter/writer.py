@@ -1,0 +1,176 @@
+"""A chunk-KV writer (W-full, SemPIC's form): a LoRA on the attention projections, on only while chunk
+KV is written.
+
+The writer is the user's model with a low-rank update of its fused q/k/v projection and of its o
+projection, used for the chunk's own prefill at ingest and never where a prompt's rows are computed
+(the question, recomputed rows, decoded tokens). So the decoder stays the user's model, full prefill is
+unchanged, and a blend at ratio 1.0 (every row recomputed from layer 0) still equals full prefill.
+Trained by KL to full prefill through the whole writer pass (:mod:`ragkv.adapter.train`, ``kind
+"writer"``): a step costs ~15x a W-kv step, so it is the GPU candidate of issue 38.
+
+Deviations from SemPIC (docs/DEVIATIONS.md): one A matrix shared by q, k and v (ragkv fuses the three
+projections into one matmul; 645K parameters on the default model, not 922K); chunk KV is written after
+BOS (the chunk convention), or after a fixed context when trained on context-primed KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ragkv.adapter.kv_adapter import AdapterError, fill_parameters, read_adapter_file, write_adapter_file
+from ragkv.model.forward import chunk_kv_rows
+from ragkv.model.llama import rms_norm
+
+FORMAT = "ragkv-writer-adapter/1"
+
+
+@dataclass(frozen=True)
+class WriterSpec:
+    """The shape of a writer LoRA and the model it was trained for."""
+
+    num_layers: int
+    hidden: int
+    q_width: int  # num_heads * head_dim
+    kv_width: int  # num_kv_heads * head_dim
+    rank: int
+    alpha: float
+    model_fingerprint: str
+
+
+class WriterLoRA(nn.Module):
+    """Per layer: ``qkv += s * B_qkv A_qkv x`` (x the normalised layer input) and ``o += s * B_o A_o a``
+    (a the attention output), ``s = alpha / rank``. The B matrices start at zero: an untrained writer
+    writes exactly today's chunk KV."""
+
+    def __init__(self, spec: WriterSpec, seed: int = 0):
+        super().__init__()
+        if spec.rank < 1:
+            raise ValueError("a writer LoRA needs rank >= 1")
+        self.spec = spec
+        L, d, r = spec.num_layers, spec.hidden, spec.rank
+        g = torch.Generator().manual_seed(seed)
+        self.a_qkv = nn.Parameter(torch.randn(L, r, d, generator=g) / d**0.5)
+        self.b_qkv = nn.Parameter(torch.zeros(L, spec.q_width + 2 * spec.kv_width, r))
+        self.a_o = nn.Parameter(torch.randn(L, r, spec.q_width, generator=g) / spec.q_width**0.5)
+        self.b_o = nn.Parameter(torch.zeros(L, d, r))
+
+    @property
+    def scale(self) -> float:
+        return self.spec.alpha / self.spec.rank
+
+    @classmethod
+    def for_model(cls, model, rank: int = 8, alpha: float = 16.0, seed: int = 0) -> WriterLoRA:
+        c = model.config
+        spec = WriterSpec(
+            c.num_layers,
+            int(model.embed_w.shape[1]),
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            rank,
+            float(alpha),
+            model.fingerprint,
+        )
+        return cls(spec, seed)
+
+    def model(self, base) -> WriterModel:
+        """``base`` with this writer on (a layer model for :func:`ragkv.model.forward.run_layers`)."""
+        return WriterModel(base, self)
+
+    def chunk_kv(self, base, token_ids, context_ids=()) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's pre-RoPE ``(k, v) [L, n, Hkv, D]`` as this writer writes it (differentiable)."""
+        _, k, v, _ = chunk_kv_rows(self.model(base), token_ids, context_ids)
+        return k, v
+
+    # ---- files ----------------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        return {
+            k: getattr(self, k).detach().float().contiguous().cpu() for k in ("a_qkv", "b_qkv", "a_o", "b_o")
+        }
+
+    def save(self, path: str | Path, meta: dict | None = None) -> str:
+        """Write the writer (safetensors, its spec in the metadata); returns the file's digest."""
+        return write_adapter_file(path, FORMAT, self.spec.__dict__, self.state(), meta)
+
+    @classmethod
+    def load(cls, path: str | Path, model=None, digest: str | None = None) -> WriterLoRA:
+        """Read a writer; refuses a file whose digest differs from ``digest``, a foreign format, a shape
+        that does not fit, or (given ``model``) another model's writer."""
+        path = Path(path)
+        spec_dict, tensors = read_adapter_file(path, FORMAT, digest)
+        try:
+            spec = WriterSpec(**spec_dict)
+        except TypeError as e:
+            raise AdapterError(f"adapter {path.name}: unreadable spec ({e})") from e
+        if model is not None:
+            if spec.model_fingerprint != model.fingerprint:
+                raise AdapterError(
+                    f"adapter {path.name} was trained for model {spec.model_fingerprint[:12]}, "
+                    f"not {model.fingerprint[:12]}"
+                )
+            c = model.config
+            shape = (
+                c.num_layers,
+                int(model.embed_w.shape[1]),
+                c.num_heads * c.head_dim,
+                c.num_kv_heads * c.head_dim,
+            )
+            if (spec.num_layers, spec.hidden, spec.q_width, spec.kv_width) != shape:
+                raise AdapterError(f"adapter {path.name}: shape does not fit the model")
+        if spec.rank < 1:
+            raise AdapterError(f"adapter {path.name}: rank {spec.rank}")
+        w = cls(spec)
+        fill_parameters(w, w.state(), tensors, path)
+        return w
+
+    @property
+    def identity(self) -> str:
+        """Short id for keys and reports: the digest of its tensors (the file's when loaded)."""
+        d = getattr(self, "digest", None)
+        if d:
+            return d[:16]
+        h = hashlib.sha256()
+        for k, t in sorted(self.state().items()):
+            h.update(k.encode())
+            h.update(t.numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+class WriterModel:
+    """A layer model: ragkv's :class:`~ragkv.model.llama.Model` with a writer's LoRA added to q/k/v and
+    o; everything else (embedding, RoPE, attention, MLP, config) is the base model's. Its fingerprint
+    names the writer, so KV it writes never passes for the base model's."""
+
+    def __init__(self, base, writer: WriterLoRA):
+        self.base, self.writer = base, writer
+        self.fingerprint = f"{base.fingerprint}+writer-{writer.identity}" if not _training(writer) else ""
+
+    def __getattr__(self, name):  # config, device, dtype, scale, embed, rope, attend, check_length ...
+        return getattr(self.base, name)
+
+    def qkv(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.base.qkv(layer, h)
+        w, lw = self.writer, self.base.layers[layer]
+        x = rms_norm(h, lw.in_norm, self.base.config.rms_norm_eps)
+        d = (x @ w.a_qkv[layer].to(x.dtype).T) @ (w.b_qkv[layer].to(x.dtype).T * w.scale)
+        nq, nk = w.spec.q_width, w.spec.kv_width
+        return (
+            q + d[:, :nq].view_as(q),
+            k + d[:, nq : nq + nk].view_as(k),
+            v + d[:, nq + nk :].reshape(v.shape),
+        )
+
+    def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        # h + o(a) + s B A a, then the MLP on that sum: the base's finish_layer on (h + delta)
+        w = self.writer
+        a = attn_out.reshape(h.shape[0], -1)
+        delta = (a @ w.a_o[layer].to(a.dtype).T) @ (w.b_o[layer].to(a.dtype).T * w.scale)
+        return self.base.finish_layer(layer, h + delta, attn_out)
+
+
+def _training(writer: WriterLoRA) -> bool:
+    return any(p.requires_grad for p in writer.parameters())

@@ -1,0 +1,148 @@
+"""The chunk-KV writer (W-full, ragkv/adapter/writer.py): exactness invariants, trust checks, training."""
+
+import pytest
+import torch
+
+from ragkv.adapter.kv_adapter import AdapterError, KVAdapter
+from ragkv.adapter.train import TrainConfig, kl_loss, student_logp, teacher_example, train
+from ragkv.adapter.writer import WriterLoRA
+from ragkv.blend import prefill
+from ragkv.kv import compute_chunk_kv
+from ragkv.model import random_model
+from tests.helpers import stories_model
+from tests.unit.adapter.test_adapter import _items, _prompt
+
+
+def _randomized(model, rank=4, seed=1) -> WriterLoRA:
+    w = WriterLoRA.for_model(model, rank, 16.0, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (w.b_qkv, w.b_o):
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return w.requires_grad_(False)
+
+
+def test_an_untrained_writer_writes_todays_chunk_kv():
+    m = random_model("llama", seed=7, init_std=0.1)
+    ids = _prompt(m)[1][0]
+    base = compute_chunk_kv(m, ids)
+    w = WriterLoRA.for_model(m, 4).requires_grad_(False)
+    same = compute_chunk_kv(w.model(m), ids)
+    assert torch.equal(same.k, base.k) and torch.equal(same.v, base.v)
+    moved = compute_chunk_kv(_randomized(m).model(m), ids)
+    assert float((moved.k - base.k).abs().max()) > 1e-3 and float((moved.v - base.v).abs().max()) > 1e-3
+
+
+def test_writer_kv_is_named_as_the_writers_and_ratio_one_still_equals_full():
+    """KV a writer wrote carries a fingerprint naming the writer: the base model refuses it. Read
+    as the writer's KV (the caller names the fingerprint it is read with), blend at ratio 1.0
+    recomputes every row with the unchanged model, so it equals full prefill."""
+    from ragkv.kv.chunk import KVMismatchError
+
+    m = random_model("llama", seed=7, init_std=0.1)
+    pre, chunks, suf = _prompt(m)
+    w = _randomized(m)
+    named = [compute_chunk_kv(w.model(m), c) for c in chunks]
+    assert all(kv.fingerprint == f"{m.fingerprint}+writer-{w.identity}" for kv in named)
+    with pytest.raises(KVMismatchError):
+        prefill(m, pre, named, suf, "reuse")
+    kvs = [compute_chunk_kv(w.model(m), c, fingerprint=m.fingerprint) for c in chunks]
+    full = prefill(m, pre, chunks, suf, "full")
+    b1 = prefill(m, pre, kvs, suf, "blend", ratio=1.0)
+    assert float((b1.logits - full.logits).abs().max() / full.logits.abs().max()) < 1e-4
+    reuse = prefill(m, pre, kvs, suf, "reuse")
+    plain = prefill(m, pre, [compute_chunk_kv(m, c) for c in chunks], suf, "reuse")
+    assert float((reuse.logits - plain.logits).abs().max()) > 1e-3  # the writer does act on reuse
+
+
+def test_the_gradient_reaches_the_writer_through_the_whole_chunk_pass():
+    m = random_model("llama", seed=7, init_std=0.1)
+    ids = _prompt(m)[1][0]
+    w = WriterLoRA.for_model(m, 4)
+    with torch.no_grad():
+        w.b_qkv.normal_(0, 0.05)
+        w.b_o.normal_(0, 0.05)
+    k, v = w.chunk_kv(m, ids)
+    (k[-1].square().sum() + v[-1].square().sum()).backward()
+    # the last layer's K/V depend on every earlier layer's q/k/v and o LoRA
+    assert all(float(p.grad[: m.config.num_layers - 1].abs().sum()) > 0 for p in w.parameters())
+
+
+def test_writer_file_round_trip_and_trust_checks(tmp_path):
+    m = random_model("llama", seed=7, init_std=0.1)
+    w = _randomized(m)
+    path = tmp_path / "w.safetensors"
+    digest = w.save(path, meta={"note": "test"})
+    back = WriterLoRA.load(path, m, digest=digest)
+    ids = _prompt(m)[1][0]
+    assert torch.equal(compute_chunk_kv(back.model(m), ids).k, compute_chunk_kv(w.model(m), ids).k)
+    assert back.identity == digest[:16]
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    (tmp_path / "t.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(AdapterError, match="digest"):
+        WriterLoRA.load(tmp_path / "t.safetensors", m, digest=digest)
+    with pytest.raises(AdapterError, match="trained for model"):
+        WriterLoRA.load(path, random_model("llama", seed=8, init_std=0.1))
+    # a KV adapter is not a writer, nor the other way round
+    KVAdapter.for_model(m, 2).save(tmp_path / "kv.safetensors")
+    with pytest.raises(AdapterError, match="not a ragkv-writer-adapter"):
+        WriterLoRA.load(tmp_path / "kv.safetensors", m)
+    with pytest.raises(AdapterError, match="not a ragkv-kv-adapter"):
+        KVAdapter.load(path, m)
+
+
+@pytest.mark.slow
+def test_writer_training_lowers_the_kl_to_full_prefill_and_is_deterministic(tmp_path):
+    m = stories_model()
+    items = _items()
+    ex = teacher_example(m, items[0], max_new=6)
+
+    def kl_of(w):
+        head = tuple(t.clone() for t in m.forward(torch.tensor(ex.prefix), capture_kv=True)[1:])
+        with torch.no_grad():
+            kvs = [w.chunk_kv(m, c) for c in ex.chunks]
+            return float(kl_loss(student_logp(m, None, ex, head, kvs), ex))
+
+    cfg = TrainConfig(kind="writer", rank=2, epochs=4, batch=2, lr=1e-2, save_every=2)
+    s1 = train(m, tmp_path / "a.safetensors", cfg, items=items, progress=False)
+    assert s1["kind"] == "writer"
+    trained = WriterLoRA.load(tmp_path / "a.safetensors", m, digest=s1["sha256"])
+    assert kl_of(trained) < kl_of(WriterLoRA.for_model(m, 2))
+    s2 = train(m, tmp_path / "b.safetensors", cfg, items=items, progress=False)
+    assert s2["sha256"] == s1["sha256"]
+
+
+@pytest.mark.slow
+def test_training_continues_from_an_init_file_of_the_same_kind_and_shape_only(tmp_path):
+    """``train(init=...)`` starts from a file (a GPU run continued on the CPU): with a zero learning
+    rate the result is that file's tensors; a file of another kind or shape is refused."""
+    m = stories_model()
+    items = _items()
+    first = TrainConfig(kind="writer", rank=2, epochs=1, batch=2, lr=1e-2, save_every=1)
+    train(m, tmp_path / "a.safetensors", first, items=items, progress=False)
+    start = WriterLoRA.load(tmp_path / "a.safetensors", m)
+    frozen = TrainConfig(kind="writer", rank=2, epochs=1, batch=2, lr=0.0, save_every=1)
+    s = train(
+        m, tmp_path / "b.safetensors", frozen, items=items, progress=False, init=tmp_path / "a.safetensors"
+    )
+    back = WriterLoRA.load(tmp_path / "b.safetensors", m, digest=s["sha256"])
+    assert all(torch.equal(t, start.state()[k]) for k, t in back.state().items())
+    assert any(
+        float(t.abs().sum()) > 0 for k, t in back.state().items() if k.startswith("b_")
+    )  # not zero-init
+    with pytest.raises(ValueError, match="not a"):
+        other = TrainConfig(kind="writer", rank=4, epochs=1, batch=2, lr=0.0, save_every=1)
+        train(
+            m, tmp_path / "c.safetensors", other, items=items, progress=False, init=tmp_path / "a.safetensors"
+        )
+    KVAdapter.for_model(m, 2).save(tmp_path / "kv.safetensors")
+    with pytest.raises(AdapterError, match="not a ragkv-writer-adapter"):
+        train(
+            m,
+            tmp_path / "d.safetensors",
+            first,
+            items=items,
+            progress=False,
+            init=tmp_path / "kv.safetensors",
+        )
