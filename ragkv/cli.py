@@ -235,12 +235,15 @@ def _calibrate(args) -> int:
     )
     adapter = None
     if args.adapter:
-        from ragkv.adapter.kv_adapter import KVAdapter
+        from ragkv.adapter.shipped import load_adapter
 
-        adapter = KVAdapter.load(args.adapter, model)
-        print(
-            f"reuse and blend read stored chunk KV through the KV adapter {adapter.identity} ({args.adapter})"
+        adapter = load_adapter(args.adapter, model)
+        how = (
+            "write chunk KV through the chunk-KV writer"
+            if hasattr(adapter, "chunk_kv")
+            else "read stored chunk KV through the KV adapter"
         )
+        print(f"reuse and blend {how} {adapter.identity} ({args.adapter})")
     report = measure(model, bf16, limit=args.limit, ladder=ladder, progress=not args.quiet, adapter=adapter)
     out = Path(args.out) if args.out else cache_path(model.fingerprint, adapter=report.adapter)
     save_report(report, out)
@@ -629,7 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--threads", default="auto", help="torch threads: a number, or auto")
     c.add_argument(
-        "--adapter", default=None, help="a KV adapter file: measure the (model, adapter) pair's own report"
+        "--adapter",
+        default=None,
+        help="a KV adapter or chunk-KV writer file: measure the (model, adapter) pair's own report",
     )
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_calibrate)

@@ -12,7 +12,9 @@ import json
 import logging
 from pathlib import Path
 
-from ragkv.adapter.kv_adapter import AdapterError, KVAdapter
+from ragkv.adapter.kv_adapter import AdapterError, KVAdapter, adapter_format
+from ragkv.adapter.writer import FORMAT as WRITER_FORMAT
+from ragkv.adapter.writer import WriterLoRA
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,13 @@ def shipped_adapter(model, path: Path = MANIFEST) -> KVAdapter | None:
         return None
 
 
+def load_adapter(path, model, digest: str | None = None) -> KVAdapter | WriterLoRA:
+    """An adapter file of either kind (its format says which): a KV adapter or a chunk-KV writer."""
+    if adapter_format(path) == WRITER_FORMAT:
+        return WriterLoRA.load(path, model, digest)
+    return KVAdapter.load(path, model, digest)
+
+
 def resolve_adapter(model, spec) -> tuple[KVAdapter | None, bool]:
     """``(adapter, explicit)`` for an owner's ``adapter=`` setting: ``"auto"`` (the default) is the
     package's adapter for the model if one ships, used where the fidelity gate chooses it; None or
@@ -52,4 +61,11 @@ def resolve_adapter(model, spec) -> tuple[KVAdapter | None, bool]:
         return shipped_adapter(model), False
     if isinstance(spec, KVAdapter):
         return spec, True
-    return KVAdapter.load(spec, model), True
+    adapter = load_adapter(spec, model) if not isinstance(spec, WriterLoRA) else spec
+    if isinstance(adapter, WriterLoRA):
+        raise AdapterError(
+            f"{spec}: a chunk-KV writer changes the KV ingest stores; serving with one needs a chunk "
+            "convention that names it (not built). Measure it with `ragkv calibrate --adapter` or "
+            "`python -m eval.bench_adapter --adapters NAME=PATH`."
+        )
+    return adapter, True

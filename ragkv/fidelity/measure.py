@@ -88,7 +88,10 @@ class Measurer:
         max_new_tokens: int = MAX_NEW_TOKENS,
         adapter=None,
     ):
-        self.model, self.bf16, self.adapter = model, bf16_model, adapter
+        self.model, self.bf16 = model, bf16_model
+        # a chunk-KV writer writes the chunks' KV; a KV adapter reads it (prefill(adapter=...))
+        self.writer = adapter if hasattr(adapter, "chunk_kv") else None
+        self.adapter = None if self.writer is not None else adapter
         self.schedule = schedule or BlendSchedule()
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         self.prefix_cache = PrefixCache(max_bytes=1 << 28)
@@ -118,7 +121,10 @@ class Measurer:
         n = len(prefix) + len(suffix) + sum(map(len, chunks)) + self.params.max_new_tokens
         if n > m.config.max_position:
             return []
-        kvs = [compute_chunk_kv(m, c) for c in chunks]
+        if self.writer is not None:  # read with the model's fingerprint: measured, never stored
+            kvs = [compute_chunk_kv(self.writer.model(m), c, m.fingerprint) for c in chunks]
+        else:
+            kvs = [compute_chunk_kv(m, c) for c in chunks]
         if not self.prefix_cache.lookup(m.fingerprint, [prefix]):
             prefill(m, prefix, [], [], "prefix", prefix_cache=self.prefix_cache)
         full, t_full = self._timed(prefix, chunks, suffix, "full", None)
@@ -265,7 +271,8 @@ def measure(
     Questions whose prompt does not fit the model's context are left out (the report counts those it
     holds). ``set_path``: another calibration set of the same format (the gate trusts only reports of
     the package's own set; another set's report is for reading). ``adapter``: a KV adapter that reuse and
-    blend read stored chunk KV through; its report is the (model, adapter) pair's, and the points the
+    blend read stored chunk KV through, or a chunk-KV writer (:class:`~ragkv.adapter.writer.WriterLoRA`)
+    that writes it; its report is the (model, adapter) pair's, and the points the
     adapter cannot change (bf16 full prefill, exact prefill) are taken from the model's own records
     when it has them."""
     from tqdm.auto import tqdm

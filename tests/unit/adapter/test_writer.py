@@ -146,3 +146,18 @@ def test_training_continues_from_an_init_file_of_the_same_kind_and_shape_only(tm
             progress=False,
             init=tmp_path / "kv.safetensors",
         )
+
+
+def test_a_writer_file_is_measured_never_served(tmp_path):
+    """``load_adapter`` reads either kind by its format; serving (``resolve_adapter``: LLM, Engine)
+    refuses a writer, whose KV no chunk convention names yet."""
+    from ragkv.adapter.shipped import load_adapter, resolve_adapter
+
+    m = random_model("llama", seed=7, init_std=0.1)
+    _randomized(m).save(tmp_path / "w.safetensors")
+    KVAdapter.for_model(m, 2).save(tmp_path / "kv.safetensors")
+    assert isinstance(load_adapter(tmp_path / "w.safetensors", m), WriterLoRA)
+    assert isinstance(load_adapter(tmp_path / "kv.safetensors", m), KVAdapter)
+    assert isinstance(resolve_adapter(m, str(tmp_path / "kv.safetensors"))[0], KVAdapter)
+    with pytest.raises(AdapterError, match="chunk-KV writer"):
+        resolve_adapter(m, str(tmp_path / "w.safetensors"))

@@ -371,15 +371,8 @@ def test_the_engine_runs_blend_at_the_gates_point(fidelity_cache):
         EngineConfig(fidelity="often")
 
 
-def test_a_kv_adapter_gets_its_own_report_reusing_what_it_cannot_change(fidelity_cache, tmp_path):
-    """``measure(adapter=...)``: the pair's report; bf16 and exact come from the model's own records;
-    each report is found under its own (model, adapter) key and never for the other."""
-    from ragkv.adapter.kv_adapter import KVAdapter
-    from ragkv.fidelity.report import cache_path, load_report, save_report
-    from ragkv.model import load_model
-    from tests.helpers import stories_path
-
-    m, bf16 = stories_model(), load_model(stories_path(), dtype="bfloat16")
+def _tiny_calibration_set(tmp_path):
+    """Two questions over three passages the tiny model can read, as a calibration-set file."""
     passages = {
         f"p{i}": f"Tom saw a {c} bird near the {p}."
         for i, (c, p) in enumerate([("red", "pond"), ("blue", "tree"), ("grey", "house")])
@@ -399,6 +392,19 @@ def test_a_kv_adapter_gets_its_own_report_reusing_what_it_cannot_change(fidelity
     set_path.write_text(
         json.dumps({"passages": [{"id": k, "text": v} for k, v in passages.items()], "questions": qs})
     )
+    return set_path
+
+
+def test_a_kv_adapter_gets_its_own_report_reusing_what_it_cannot_change(fidelity_cache, tmp_path):
+    """``measure(adapter=...)``: the pair's report; bf16 and exact come from the model's own records;
+    each report is found under its own (model, adapter) key and never for the other."""
+    from ragkv.adapter.kv_adapter import KVAdapter
+    from ragkv.fidelity.report import cache_path, load_report, save_report
+    from ragkv.model import load_model
+    from tests.helpers import stories_path
+
+    m, bf16 = stories_model(), load_model(stories_path(), dtype="bfloat16")
+    set_path = _tiny_calibration_set(tmp_path)
     kw = dict(limit=None, ladder=(0.5,), max_new_tokens=4, progress=False, set_path=set_path)
     base = measure(m, bf16, **kw)
     ad = KVAdapter.for_model(m, rank=2)  # untrained: reads the stored KV unchanged
@@ -426,3 +432,29 @@ def test_a_kv_adapter_gets_its_own_report_reusing_what_it_cannot_change(fidelity
         check_report(both, m.fingerprint, sched, rep.calibration_set)
     with pytest.raises(ReportError, match="KV adapter"):
         check_report(base, m.fingerprint, sched, base.calibration_set, ad.identity)
+
+
+def test_a_chunk_kv_writer_gets_its_own_report_with_the_kv_it_writes(fidelity_cache, tmp_path):
+    """``measure(adapter=writer)``: reuse and blend read the KV the writer writes (an untrained writer
+    writes today's KV, so its reuse point is the model's; a trained one moves it), under its own key."""
+    from ragkv.adapter.writer import WriterLoRA
+    from ragkv.fidelity.report import cache_path
+    from ragkv.model import load_model
+    from tests.helpers import stories_path
+
+    m, bf16 = stories_model(), load_model(stories_path(), dtype="bfloat16")
+    kw = dict(
+        limit=None, ladder=(0.5,), max_new_tokens=4, progress=False, set_path=_tiny_calibration_set(tmp_path)
+    )
+    base = measure(m, bf16, **kw)
+    idle = WriterLoRA.for_model(m, rank=2).requires_grad_(False)
+    rep = measure(m, bf16, adapter=idle, **kw)
+    assert rep.adapter == idle.identity and rep.point("reuse").kl == base.point("reuse").kl
+    moved = WriterLoRA.for_model(m, rank=2, seed=3)
+    with torch.no_grad():
+        moved.b_qkv.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    moved.requires_grad_(False)
+    rep2 = measure(m, bf16, adapter=moved, **kw)
+    assert rep2.point("reuse").kl != base.point("reuse").kl
+    own = cache_path(m.fingerprint, adapter=moved.identity).with_suffix(".records.jsonl")
+    assert {json.loads(line)["point"] for line in own.read_text().splitlines()} == {"reuse", "blend@0.5"}
