@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ragkv.adapter.kv_adapter import AdapterError, fill_parameters, read_adapter_file, write_adapter_file
-from ragkv.model.forward import chunk_kv_rows
+from ragkv.model.forward import chunk_kv_rows, packed_chunk_kv_rows
 from ragkv.model.llama import rms_norm
 
 FORMAT = "ragkv-writer-adapter/1"
@@ -85,6 +85,10 @@ class WriterLoRA(nn.Module):
         """The chunk's pre-RoPE ``(k, v) [L, n, Hkv, D]`` as this writer writes it (differentiable)."""
         _, k, v, _ = chunk_kv_rows(self.model(base), token_ids, context_ids)
         return k, v
+
+    def chunk_kvs(self, base, chunks: list, context_ids=()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`chunk_kv` of several chunks in one packed pass (training: one layer loop a prompt)."""
+        return packed_chunk_kv_rows(self.model(base), chunks, context_ids)
 
     # ---- files ----------------------------------------------------------------------------
     def state(self) -> dict[str, torch.Tensor]:

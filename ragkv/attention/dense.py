@@ -39,6 +39,7 @@ def attention(
     causal_contiguous: bool = False,
     sliding_window: int | None = None,
     position_blocks: int = 0,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q [n, Hq, D]`` over ``k, v [N, Hkv, D]`` -> ``[n, Hq, D]``; GQA by head groups.
 
@@ -50,8 +51,24 @@ def attention(
     ``position_blocks > 1`` is for prefill, where key ``j`` sits at position ``j``: the (sorted)
     query rows are split into that many groups and each group attends only to the keys up to its
     last position, so scattered HKVD rows skip most of the masked-out half of the causal square.
+
+    ``segments = (q_seg, k_seg)``: several sequences packed in one pass, each sharing segment 0 (a
+    common head): a query sees a key of its own segment or of segment 0 (and the causal rule by position).
     """
     n_q = q.shape[0]
+    if segments is not None:
+        q_seg, k_seg = segments
+        mask = position_mask(q_pos, k_pos, sliding_window)
+        mask &= (k_seg[None, :] == 0) | (k_seg[None, :] == q_seg[:, None])
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out[0].transpose(0, 1)
     if position_blocks > 1 and not causal_contiguous and sliding_window is None and n_q:
         first, n_k = int(q_pos[0]), k.shape[0]
         if int(q_pos[-1]) == n_k - 1 and n_k - first == n_q and 3 * first <= n_k:

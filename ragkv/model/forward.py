@@ -164,6 +164,32 @@ class CausalKV:
         return self.model.attend(layer, q, k, v, q_pos, pos, contiguous=True)
 
 
+class PackedKV:
+    """Several sequences in one pass: rows of segment ``i > 0`` attend to their own segment and to
+    segment 0 (a head they share), causally by position. Chunks written after one head in one pass."""
+
+    def __init__(self, model: LayerModel, segments: torch.Tensor):
+        self.model, self.segments = model, segments
+        self._kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def write(self, layer, positions, k, v) -> None:
+        self._kv = (positions, k, v)
+
+    def attend(self, layer, q, q_pos) -> torch.Tensor:
+        pos, k, v = self._kv
+        seg = self.segments
+        return attention(
+            q,
+            k,
+            v,
+            q_pos,
+            pos,
+            self.model.scale,
+            sliding_window=self.model.config.window(layer),
+            segments=(seg, seg),
+        )
+
+
 class CapturePreRope:
     """``on_pre_rope`` hook keeping rows ``[start:]`` of each layer's pre-RoPE K and V."""
 
@@ -199,6 +225,37 @@ def chunk_kv_tensors(
     """:func:`chunk_kv_rows` in inference mode (what ingest stores)."""
     with torch.inference_mode():
         return chunk_kv_rows(model, token_ids, context_ids)
+
+
+def packed_chunk_kv_rows(
+    model: LayerModel, chunks: list, context_ids=()
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`chunk_kv_rows` of several chunks in one pass: ``[BOS] + context`` once, then every chunk
+    at the positions after it, each seeing the head and itself only (:class:`PackedKV`). The same KV
+    as one pass per chunk (up to float rounding), with one layer loop instead of one per chunk: what
+    a launch-bound GPU step needs. Returns each chunk's pre-RoPE ``(k, v) [L, n_i, Hkv, D]``."""
+    if not chunks:
+        return []
+    parts = [chunk_token_ids(model, c) for c in chunks]
+    _, full0, start = parts[0]
+    head = torch.cat([full0[:start], torch.as_tensor(list(context_ids), dtype=torch.long)])
+    h_len = int(head.numel())
+    ids = torch.cat([head] + [p[0] for p in parts])
+    lens = [int(p[0].numel()) for p in parts]
+    if hasattr(model, "check_length"):
+        model.check_length(h_len + max(lens))
+    pos = torch.cat([torch.arange(h_len)] + [torch.arange(h_len, h_len + n) for n in lens])
+    seg = torch.cat(
+        [torch.zeros(h_len, dtype=torch.long)] + [torch.full((n,), i + 1) for i, n in enumerate(lens)]
+    )
+    dev = model.device
+    cap = CapturePreRope(h_len)
+    h = model.embed(ids.to(dev))
+    run_layers(
+        model, h, pos.to(dev), PackedKV(model, seg.to(dev)), on_pre_rope=cap, last_layer_attention=False
+    )
+    k, v = cap.stacked()
+    return list(zip(k.split(lens, dim=1), v.split(lens, dim=1), strict=True))
 
 
 def chunk_kv_rows(

@@ -161,3 +161,21 @@ def test_a_writer_file_is_measured_never_served(tmp_path):
     assert isinstance(resolve_adapter(m, str(tmp_path / "kv.safetensors"))[0], KVAdapter)
     with pytest.raises(AdapterError, match="chunk-KV writer"):
         resolve_adapter(m, str(tmp_path / "w.safetensors"))
+
+
+@pytest.mark.parametrize("context", [0, 7])
+def test_one_packed_pass_writes_what_one_pass_per_chunk_writes(context):
+    """``packed_chunk_kv_rows``: the head (BOS + context) once, every chunk after it in one pass, each
+    seeing the head and itself only: the KV of one pass per chunk, with or without a writer."""
+    from ragkv.model.forward import chunk_kv_rows, packed_chunk_kv_rows
+
+    m = random_model("llama", seed=7, init_std=0.1)
+    _, chunks, _ = _prompt(m, seed=3)
+    chunks = [chunks[0][:5], chunks[1], chunks[2][:13]]
+    ctx = _prompt(m, seed=4)[1][0][:context]
+    for model in (m, _randomized(m).model(m)):
+        packed = packed_chunk_kv_rows(model, chunks, ctx)
+        for c, (k, v) in zip(chunks, packed, strict=True):
+            _, k1, v1, _ = chunk_kv_rows(model, c, ctx)
+            torch.testing.assert_close(k, k1, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, v1, rtol=1e-5, atol=1e-5)
