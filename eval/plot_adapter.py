@@ -48,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         name, path = spec.split("=", 1)
         for line in Path(path).read_text().splitlines():
             if line.startswith("{") and '"curve"' in line:
-                curve = json.loads(line)["curve"]
+                rec = json.loads(line)
+                curve = rec["curve"]
                 k = 8
                 smooth = [statistics.fmean(curve[max(0, i - k) : i + 1]) for i in range(len(curve))]
-                axes[2].plot(
-                    range(1, len(curve) + 1), smooth, label=f"{name} (rank {json.loads(line)['rank']})"
-                )
-    axes[2].set(xlabel="step (4 prompts)", ylabel="KL to full prefill (train, smoothed)", title="training")
+                label = f"{name} (rank {rec['rank']})" if "rank" in rec else name
+                axes[2].plot(range(1, len(curve) + 1), smooth, label=label)
+    axes[2].set(xlabel="step", ylabel="KL to full prefill (train, smoothed)", title="training")
     axes[2].legend(fontsize=8)
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
