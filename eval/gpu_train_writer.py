@@ -2,12 +2,13 @@
 
 The default model's GGUF (94 MB) is more than one call carries (64 MiB with the working tree), so it
 travels in two parts, with what else the run needs (the converted checkpoint's config and tokenizer,
-the teacher file, the ``gguf`` wheel), as one gzipped tar split in halves:
+the teacher file, an optional writer to continue from), as one gzipped tar split in two; the wheels
+the GPU image lacks (gguf, zstandard) travel beside the first part:
 
-    python -m eval.gpu_train_writer prepare --stage .gpu        # here: .gpu/a/part0, .gpu/b/part1
-    # device call 1 (carry [".gpu/a"]):  python3 -m eval.gpu_train_writer stash .gpu/a
+    python -m eval.gpu_train_writer prepare --stage .gpu --teacher T [--init W]  # here: .gpu/a, .gpu/b
+    # device call 1 (carry [".gpu/a"]):  python3 -m eval.gpu_train_writer stash .gpu/a --smoke-device cuda
     # device call 2 (carry [".gpu/b"]), at once, on the same warm machine:
-    #   python3 -m eval.gpu_train_writer run .gpu/b --out $OUT --budget-s 300 --runs iso:1e-3,fixed:1e-3
+    #   python3 -m eval.gpu_train_writer run .gpu/b --out $OUT --budget-s 240 2>&1 | tee $OUT/train.log
 
 ``run`` joins the parts, rebuilds the checkpoint folder (weights dequantized from the GGUF, checked
 byte for byte against this machine's), loads the model in float32 on CUDA, and trains each

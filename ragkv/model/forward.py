@@ -6,6 +6,8 @@ in *which rows go on* (an optional row selector, CacheBlend's HKVD):
 
 * full prefill and chunk-KV computation (:meth:`ragkv.model.llama.Model.forward`): :class:`CausalKV`,
   the rows' own K/V, causal;
+* several chunks written after one shared head in one pass (:func:`packed_chunk_kv_rows`, a chunk-KV
+  writer's training): :class:`PackedKV`;
 * generate's decode (:func:`ragkv.generate.decode_step`): a dense or HACK
   :class:`~ragkv.attention.kvcache.KVCache`;
 * the static (CUDA-graph) decoder of the GPU benchmark (``eval/static_decode.py``): fixed buffers;
