@@ -140,11 +140,7 @@ class KVAdapter(nn.Module):
             raise AdapterError(f"adapter {path.name}: unreadable spec ({e})") from e
         if model is not None:
             c = model.config
-            if spec.model_fingerprint != model.fingerprint:
-                raise AdapterError(
-                    f"adapter {path.name} was trained for model {spec.model_fingerprint[:12]}, "
-                    f"not {model.fingerprint[:12]}"
-                )
+            check_trained_for(spec.model_fingerprint, model, path)
             if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
                 c.num_layers,
                 c.num_kv_heads,
@@ -158,14 +154,28 @@ class KVAdapter(nn.Module):
     @property
     def identity(self) -> str:
         """Short id for keys and reports: the digest of its tensors (the file's when loaded)."""
-        d = getattr(self, "digest", None)
-        if d:
-            return d[:16]
-        h = hashlib.sha256()
-        for k, t in sorted(self.state().items()):
-            h.update(k.encode())
-            h.update(t.numpy().tobytes())
-        return h.hexdigest()[:16]
+        return adapter_identity(self)
+
+
+def adapter_identity(module) -> str:
+    """Short id of an adapter (a module with ``state()``): its file's digest when loaded from one, else
+    the digest of its tensors."""
+    d = getattr(module, "digest", None)
+    if d:
+        return d[:16]
+    h = hashlib.sha256()
+    for k, t in sorted(module.state().items()):
+        h.update(k.encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_trained_for(model_fingerprint: str, model, path: Path) -> None:
+    """Refuse an adapter file trained for another model than ``model``."""
+    if model_fingerprint != model.fingerprint:
+        raise AdapterError(
+            f"adapter {path.name} was trained for model {model_fingerprint[:12]}, not {model.fingerprint[:12]}"
+        )
 
 
 def write_adapter_file(path: str | Path, fmt: str, spec: dict, tensors: dict, meta: dict | None) -> str:

@@ -15,14 +15,20 @@ BOS (the chunk convention), or after a fixed context when trained on context-pri
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ragkv.adapter.kv_adapter import AdapterError, fill_parameters, read_adapter_file, write_adapter_file
+from ragkv.adapter.kv_adapter import (
+    AdapterError,
+    adapter_identity,
+    check_trained_for,
+    fill_parameters,
+    read_adapter_file,
+    write_adapter_file,
+)
 from ragkv.model.forward import chunk_kv_rows, packed_chunk_kv_rows
 from ragkv.model.llama import rms_norm
 
@@ -111,11 +117,7 @@ class WriterLoRA(nn.Module):
         except TypeError as e:
             raise AdapterError(f"adapter {path.name}: unreadable spec ({e})") from e
         if model is not None:
-            if spec.model_fingerprint != model.fingerprint:
-                raise AdapterError(
-                    f"adapter {path.name} was trained for model {spec.model_fingerprint[:12]}, "
-                    f"not {model.fingerprint[:12]}"
-                )
+            check_trained_for(spec.model_fingerprint, model, path)
             c = model.config
             shape = (
                 c.num_layers,
@@ -134,14 +136,7 @@ class WriterLoRA(nn.Module):
     @property
     def identity(self) -> str:
         """Short id for keys and reports: the digest of its tensors (the file's when loaded)."""
-        d = getattr(self, "digest", None)
-        if d:
-            return d[:16]
-        h = hashlib.sha256()
-        for k, t in sorted(self.state().items()):
-            h.update(k.encode())
-            h.update(t.numpy().tobytes())
-        return h.hexdigest()[:16]
+        return adapter_identity(self)
 
 
 class WriterModel:
