@@ -236,11 +236,12 @@ def _calibrate(args) -> int:
     adapter = None
     if args.adapter:
         from ragkv.adapter.shipped import load_adapter
+        from ragkv.adapter.writer import WriterLoRA
 
         adapter = load_adapter(args.adapter, model)
         how = (
             "write chunk KV through the chunk-KV writer"
-            if hasattr(adapter, "chunk_kv")
+            if isinstance(adapter, WriterLoRA)
             else "read stored chunk KV through the KV adapter"
         )
         print(f"reuse and blend {how} {adapter.identity} ({args.adapter})")

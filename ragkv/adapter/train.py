@@ -287,7 +287,9 @@ def train(
                 heads[key] = (k.clone(), v.clone())
             heads[key] = tuple(t.clone() for t in heads[key]) if heads[key][0].is_inference() else heads[key]
             if cfg.kind == "writer":  # written now, through the LoRA, stored precision (bf16) kept
-                kvs = [_as_stored(k, v) for k, v in adapter.chunk_kvs(model, ex.chunks, chunks.context)]
+                kvs = [
+                    _as_stored(k, v) for k, v in adapter.chunk_kvs(model, ex.chunks, student_context or ())
+                ]
                 reader = None
             else:
                 kvs = [(kv.k, kv.v) for kv in map(chunks.get, ex.chunks)]

@@ -29,7 +29,7 @@ from ragkv.adapter.kv_adapter import (
     read_adapter_file,
     write_adapter_file,
 )
-from ragkv.model.forward import chunk_kv_rows, packed_chunk_kv_rows
+from ragkv.model.forward import packed_chunk_kv_rows
 from ragkv.model.llama import rms_norm
 
 FORMAT = "ragkv-writer-adapter/1"
@@ -87,13 +87,9 @@ class WriterLoRA(nn.Module):
         """``base`` with this writer on (a layer model for :func:`ragkv.model.forward.run_layers`)."""
         return WriterModel(base, self)
 
-    def chunk_kv(self, base, token_ids, context_ids=()) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's pre-RoPE ``(k, v) [L, n, Hkv, D]`` as this writer writes it (differentiable)."""
-        _, k, v, _ = chunk_kv_rows(self.model(base), token_ids, context_ids)
-        return k, v
-
     def chunk_kvs(self, base, chunks: list, context_ids=()) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`chunk_kv` of several chunks in one packed pass (training: one layer loop a prompt)."""
+        """Each chunk's pre-RoPE ``(k, v) [L, n, Hkv, D]`` as this writer writes it (differentiable), all
+        of them in one packed pass (training: one layer loop a prompt)."""
         return packed_chunk_kv_rows(self.model(base), chunks, context_ids)
 
     # ---- files ----------------------------------------------------------------------------

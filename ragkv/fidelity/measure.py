@@ -89,8 +89,9 @@ class Measurer:
         adapter=None,
     ):
         self.model, self.bf16 = model, bf16_model
-        # a chunk-KV writer writes the chunks' KV; a KV adapter reads it (prefill(adapter=...))
-        self.writer = adapter if hasattr(adapter, "chunk_kv") else None
+        # a chunk-KV writer writes the chunks' KV; a KV adapter reads it (prefill(adapter=...)). By what
+        # it does, not its class: ragkv.adapter imports this package, not the other way round
+        self.writer = adapter if hasattr(adapter, "chunk_kvs") else None
         self.adapter = None if self.writer is not None else adapter
         self.schedule = schedule or BlendSchedule()
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)

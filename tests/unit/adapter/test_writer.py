@@ -62,7 +62,7 @@ def test_the_gradient_reaches_the_writer_through_the_whole_chunk_pass():
     with torch.no_grad():
         w.b_qkv.normal_(0, 0.05)
         w.b_o.normal_(0, 0.05)
-    k, v = w.chunk_kv(m, ids)
+    ((k, v),) = w.chunk_kvs(m, [ids])
     (k[-1].square().sum() + v[-1].square().sum()).backward()
     # the last layer's K/V depend on every earlier layer's q/k/v and o LoRA
     assert all(float(p.grad[: m.config.num_layers - 1].abs().sum()) > 0 for p in w.parameters())
@@ -101,7 +101,7 @@ def test_writer_training_lowers_the_kl_to_full_prefill_and_is_deterministic(tmp_
     def kl_of(w):
         head = tuple(t.clone() for t in m.forward(torch.tensor(ex.prefix), capture_kv=True)[1:])
         with torch.no_grad():
-            kvs = [w.chunk_kv(m, c) for c in ex.chunks]
+            kvs = w.chunk_kvs(m, ex.chunks)
             return float(kl_loss(student_logp(m, None, ex, head, kvs), ex))
 
     cfg = TrainConfig(kind="writer", rank=2, epochs=4, batch=2, lr=1e-2, save_every=2)
