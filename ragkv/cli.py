@@ -562,6 +562,7 @@ def _adapter(args: argparse.Namespace) -> int:
         n_facts=args.facts,
         n_real=args.real,
         n_continue=args.continuations,
+        blend_ratios=_ratios(args.blend_ratios),
     )
     out = (
         Path(args.out)
@@ -570,8 +571,20 @@ def _adapter(args: argparse.Namespace) -> int:
     )
     what = "chunk-KV writer (LoRA)" if args.kind == "writer" else "KV adapter"
     print(f"training a rank-{rank} {what} for {args.model} ({model.fingerprint[:12]}) on {device} -> {out}")
-    print(main_json(train(model, out, cfg, progress=not args.quiet)))
+    init = Path(args.init) if args.init else None
+    print(main_json(train(model, out, cfg, progress=not args.quiet, init=init)))
     return 0
+
+
+def _ratios(text: str) -> tuple[float, ...]:
+    """``"0.12,0.3"`` -> ``(0.12, 0.3)``, each in [0, 1] (``--blend-ratios``)."""
+    try:
+        out = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"--blend-ratios: comma-separated numbers, not {text!r}") from None
+    if any(not 0.0 <= r <= 1.0 for r in out):
+        raise SystemExit(f"--blend-ratios: every ratio in [0, 1], not {text!r}")
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -672,6 +685,17 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--real", type=int, default=40, help="real questions from a checkout's data/")
     ad.add_argument("--continuations", type=int, default=30, help="generic continuation samples")
     ad.add_argument("--seed", type=int, default=0)
+    ad.add_argument(
+        "--init",
+        default=None,
+        help="continue from an adapter file of the same kind and shape (its digest is kept)",
+    )
+    ad.add_argument(
+        "--blend-ratios",
+        default="",
+        help="blend in the loop: the student runs the default blend at these ratios in turn (e.g. "
+        "0.12,0.3,0.5; 0 = reuse) instead of reusing only",
+    )
     ad.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ad.add_argument("--threads", default="auto", help="torch threads: a number, or auto")
     ad.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

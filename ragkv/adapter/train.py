@@ -8,7 +8,9 @@
   loop (:func:`ragkv.model.forward.run_layers` with a :class:`~ragkv.blend.core.BlendKV`). Two kinds:
   ``kv`` (W-kv, :mod:`ragkv.adapter.kv_adapter`): stored chunk KV read through the adapter, gradients
   through the reader rows only; ``writer`` (W-full, :mod:`ragkv.adapter.writer`): chunk KV written by
-  the model with a LoRA on, gradients through the reader rows and the whole writer pass.
+  the model with a LoRA on, gradients through the reader rows and the whole writer pass. With
+  ``blend_ratios`` the student runs the serving blend (the default schedule) at those ratios in turn
+  instead of plain reuse: blend in the loop.
 * **Loss**: forward KL(teacher || student) over the top-k plus one bucket for the rest of the
   vocabulary, on the last prompt row (weight ``FIRST_WEIGHT``) and every answer row.
 
@@ -30,7 +32,7 @@ import torch
 from ragkv.adapter.data import Item, training_set
 from ragkv.adapter.kv_adapter import KVAdapter
 from ragkv.adapter.writer import WriterLoRA
-from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV
+from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV, BlendSchedule, qpass_rows
 from ragkv.blend.prefill import prefill
 from ragkv.generate import decode_step, load_prompt, make_cache
 from ragkv.kv.compute import compute_chunk_kv
@@ -60,6 +62,16 @@ class TrainConfig:
     n_real: int = 40
     n_continue: int = 30
     save_every: int = 20
+    #: blend in the loop: the student runs the default schedule at one of these ratios (taken in
+    #: turn, per example and step; 0 = plain reuse) instead of always reusing. Empty: reuse only
+    blend_ratios: tuple[float, ...] = ()
+
+    def schedule(self, turn: int) -> BlendSchedule | None:
+        """The student's blend for the ``turn``-th example it sees (None: plain reuse)."""
+        if not self.blend_ratios:
+            return None
+        ratio = float(self.blend_ratios[turn % len(self.blend_ratios)])
+        return BlendSchedule(ratios=(ratio,)) if ratio > 0 else None
 
 
 @dataclass
@@ -143,9 +155,19 @@ class _Len:
     num_tokens: int
 
 
-def student_logp(model, adapter: KVAdapter | None, ex: Example, head, chunk_kvs: list) -> torch.Tensor:
+def student_logp(
+    model,
+    adapter: KVAdapter | None,
+    ex: Example,
+    head,
+    chunk_kvs: list,
+    schedule: BlendSchedule | None = None,
+) -> torch.Tensor:
     """Log-probs ``[rows, vocab]`` of the student (reuse of ``chunk_kvs``, ``(k, v)`` pairs, read through
-    ``adapter`` when given) on the loss rows."""
+    ``adapter`` when given) on the loss rows. With a ``schedule`` (blend in the loop) the serving blend
+    runs instead: the question pass picks the reused rows to recompute (no gradient: a discrete choice,
+    as served), then those rows, the question and the answer go through every layer with the chunk
+    offsets, the gradient reaching the adapter through all of them."""
     n_head, n_chunks = len(ex.prefix), sum(map(len, ex.chunks))
     ids = ex.prefix + [t for c in ex.chunks for t in c] + ex.suffix + ex.answer[:-1]
     n = len(ids)
@@ -154,11 +176,22 @@ def student_logp(model, adapter: KVAdapter | None, ex: Example, head, chunk_kvs:
     rc[n_head : n_head + n_chunks] = REUSED
     stored_rows = torch.arange(n_head + n_chunks)
     src = _Stored(head, chunk_kvs, adapter, model.dtype)
-    kv = BlendKV(model, rc, None, stored=src, stored_rows=stored_rows)
-    rows = (rc == COMPUTED).nonzero().flatten().to(model.device)
-    h, _ = run_layers(model, model.embed(torch.tensor(ids, device=model.device)[rows]), rows, kv)
-    first = len(ex.suffix) - 1  # the last prompt row among the computed ones
-    return torch.log_softmax(model.logits(h[first:]).float(), -1)
+    token_ids = torch.tensor(ids, device=model.device)
+    if schedule is not None and schedule.selector != "qpass":
+        raise ValueError("blend in the loop trains the qpass selector's blend (the default)")
+    preselected = None
+    if schedule is not None:  # chosen on the prompt alone, as served (the answer comes after the choice)
+        n_prompt = n - len(ex.answer) + 1
+        with torch.inference_mode():
+            chosen, _ = qpass_rows(model, token_ids[:n_prompt], rc[:n_prompt], src, schedule)
+        preselected = chosen.clone()  # an ordinary tensor: indices autograd may keep
+    kv = BlendKV(model, rc, schedule, stored=src, stored_rows=stored_rows, preselected=preselected)
+    rows = kv.first_rows(rc)
+    h, _ = run_layers(
+        model, model.embed(token_ids[rows]), rows, kv, select=kv.select, on_pre_rope=kv.on_pre_rope
+    )
+    # the loss rows are the last ones computed: the last prompt row, then the teacher-forced answer
+    return torch.log_softmax(model.logits(h[h.shape[0] - len(ex.answer) :]).float(), -1)
 
 
 def kl_loss(student_logp: torch.Tensor, ex: Example) -> torch.Tensor:
@@ -173,6 +206,26 @@ def kl_loss(student_logp: torch.Tensor, ex: Example) -> torch.Tensor:
     w = torch.ones_like(kl)
     w[0] = FIRST_WEIGHT
     return (w * kl).sum() / w.sum()
+
+
+def fitting_items(model, items: list[Item]) -> tuple[list[Item], int]:
+    """The items whose prompt and longest answer fit the model's context, and how many did not (a
+    model of a short context trains on what fits; none fitting is an error, not an empty run)."""
+    limit = model.config.max_position - MAX_ANSWER
+    fits = [it for it in items if sum(len(part) for part in _flat(item_ids(model, it))) <= limit]
+    if not items:
+        raise ValueError("no training items")
+    if not fits:
+        raise ValueError(
+            f"no training prompt fits the model's context of {model.config.max_position} positions "
+            f"(with {MAX_ANSWER} answer tokens)"
+        )
+    return fits, len(items) - len(fits)
+
+
+def _flat(ids: tuple[list[int], list[list[int]], list[int]]) -> list[list[int]]:
+    prefix, chunks, suffix = ids
+    return [prefix, *chunks, suffix]
 
 
 def build_examples(model, items: list[Item], path: Path, progress: bool = True) -> list[Example]:
@@ -233,6 +286,7 @@ def train(
     items = (
         items if items is not None else training_set(model, cfg.n_facts, cfg.n_real, cfg.n_continue, cfg.seed)
     )
+    items, too_long = fitting_items(model, items)
     examples = build_examples(model, items, Path(teacher_path or out.with_suffix(".teacher.pt")), progress)
     t_teacher = time.perf_counter() - t0
     chunks = KVCacheOfChunks(model, student_context)
@@ -278,7 +332,7 @@ def train(
         batch = flat[step * cfg.batch : (step + 1) * cfg.batch] or flat[: cfg.batch]
         opt.zero_grad()
         loss_sum = 0.0
-        for i in batch:
+        for j, i in enumerate(batch):
             ex = examples[i]
             key = tuple(ex.prefix)
             if key not in heads:
@@ -294,7 +348,8 @@ def train(
             else:
                 kvs = [(kv.k, kv.v) for kv in map(chunks.get, ex.chunks)]
                 reader = adapter
-            loss = kl_loss(student_logp(model, reader, ex, heads[key], kvs), ex) / len(batch)
+            schedule = cfg.schedule(step * cfg.batch + j)
+            loss = kl_loss(student_logp(model, reader, ex, heads[key], kvs, schedule), ex) / len(batch)
             loss.backward()
             loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -329,6 +384,7 @@ def train(
         "bytes": out.stat().st_size,
         "rank": cfg.rank,
         "examples": len(examples),
+        "skipped_too_long": too_long,
         "kinds": {k: sum(e.kind == k for e in examples) for k in ("facts", "real", "continue")},
         "steps": total,
         "loss_first": sum(curve[:10]) / max(1, len(curve[:10])),

@@ -634,6 +634,17 @@ def _pass_costs_more(row_class: torch.Tensor, schedule: BlendSchedule) -> bool:
     return n_question >= (1.0 - ratio) * reused.numel()
 
 
+def qpass_rows(
+    model, token_ids, row_class, source, schedule: BlendSchedule
+) -> tuple[torch.Tensor, list[int]]:
+    """The ``qpass`` selector's choice, for serving and for training alike: ``(reused rows to recompute
+    on every layer, rows the question pass computed per layer)``. Every reused row, and no pass, when
+    the pass would cost more than that (:func:`_pass_costs_more`: exact, and cheaper)."""
+    if _pass_costs_more(row_class, schedule):
+        return (row_class == REUSED).nonzero().flatten(), []
+    return question_pass_selection(model, token_ids, row_class, source, schedule)
+
+
 @torch.inference_mode()
 def selective_prefill(
     model,
@@ -673,20 +684,16 @@ def selective_prefill(
     pass_rows: list[int] = []
     held = None
     blending = schedule is not None and bool((row_class == REUSED).any())
-    if (
-        blending
-        and schedule.selector == "qpass"
-        and preselected is None
-        and _pass_costs_more(row_class, schedule)
-    ):
-        # the question pass would compute more rows than recomputing every reused row: exact, and cheaper
-        preselected = (row_class == REUSED).nonzero().flatten()
-    elif blending and schedule.selector == "qpass" and preselected is None:
-        held = source = HeldLayers(source)
+    if blending and schedule.selector == "qpass" and preselected is None:
+        if not _pass_costs_more(row_class, schedule):  # a pass, then the blend: the source read once
+            held = source = HeldLayers(source)
         try:
-            preselected, pass_rows = question_pass_selection(model, token_ids, row_class, source, schedule)
+            preselected, pass_rows = qpass_rows(model, token_ids, row_class, source, schedule)
         except BaseException:
-            held.release()  # a failed load: the underlying source (a loader thread) is closed all the same
+            if (
+                held is not None
+            ):  # a failed load: the underlying source (a loader thread) is closed all the same
+                held.release()
             raise
     out_k = torch.empty(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=dev)
     out_v = torch.empty_like(out_k)

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -286,3 +287,79 @@ def test_a_shipped_adapter_is_verified_by_its_digest(tmp_path, caplog):
     assert (
         shipped_adapter(random_model("llama", seed=9, init_std=0.1), manifest) is None
     )  # none for that model
+
+
+@pytest.mark.parametrize("ratio", [0.3, 1.0])
+def test_the_students_blend_in_the_loop_is_the_served_blend(ratio):
+    """``student_logp(schedule=...)`` (blend in the loop) gives the first-token log-probs that serving's
+    blend gives on the same stored KV and adapter (the qpass choice made on the prompt alone, before
+    the answer rows); at ratio 1.0 both are full prefill."""
+    from ragkv.adapter.train import Example
+    from ragkv.blend.core import BlendSchedule
+
+    m = random_model("llama", seed=7, init_std=0.1)
+    pre, chunks, suf = _prompt(m)
+    kvs = [compute_chunk_kv(m, c) for c in chunks]
+    ad = _randomized(m)
+    served = prefill(m, pre, kvs, suf, "blend", ratio=ratio, adapter=ad)
+    answer = [int(served.logits.argmax()), 5, 9]
+    ex = Example(pre, chunks, suf, answer, torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2))
+    head = tuple(t.clone() for t in m.forward(torch.tensor(pre), capture_kv=True)[1:])
+    pairs = [(c.k.clone(), c.v.clone()) for c in kvs]
+    lp = student_logp(m, ad, ex, head, pairs, BlendSchedule(ratios=(ratio,)))
+    assert lp.shape[0] == len(answer)  # the last prompt row, then each teacher-forced answer row
+    torch.testing.assert_close(lp[0], torch.log_softmax(served.logits.float(), -1), rtol=1e-4, atol=1e-4)
+    if ratio == 1.0:
+        full = prefill(m, pre, kvs, suf, "full")
+        torch.testing.assert_close(lp[0], torch.log_softmax(full.logits.float(), -1), rtol=1e-4, atol=1e-4)
+    reuse = student_logp(m, ad, ex, head, pairs)
+    assert float((reuse[0] - lp[0]).detach().abs().max()) > 1e-3  # the blend did recompute rows
+    # the gradient reaches the adapter through the recomputed rows too
+    loss = lp[0].logsumexp(-1) - lp[0].max()
+    lp[1:].sum().add(loss).backward()
+    assert all(p.grad is not None for p in (ad.bias_k, ad.up_k))
+
+
+def test_blend_ratios_are_taken_in_turn_and_zero_is_reuse():
+    cfg = TrainConfig(blend_ratios=(0.0, 0.3))
+    assert cfg.schedule(0) is None and cfg.schedule(1).target_ratio == 0.3 and cfg.schedule(2) is None
+    assert TrainConfig().schedule(5) is None
+
+
+@pytest.mark.slow
+def test_the_train_command_continues_from_init_with_blend_in_the_loop(tmp_path, capsys):
+    """``ragkv adapter train``: one JSON line; ``--init`` continues from that file (its digest kept in the
+    new file's metadata) with ``--blend-ratios``; malformed ratios are refused before any work."""
+    from safetensors import safe_open
+
+    from ragkv.cli import main
+    from tests.helpers import stories_path
+
+    small = ["--facts", "4", "--real", "0", "--continuations", "0"]
+    # the tiny model's 512 positions hold none of the training prompts: refused clearly, before any work
+    assert main(
+        ["adapter", "train", "--model", str(stories_path()), "--out", str(tmp_path / "x"), "-q", *small]
+    )
+    assert "no training prompt fits the model's context of 512" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    model_dir = tmp_path / "long"  # the same weights with a longer context, for the plumbing
+    shutil.copytree(stories_path(), model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["max_position_embeddings"] = 2048
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    base = ["adapter", "train", "--model", str(model_dir), "--rank", "2", "--epochs", "1", "--batch", "2"]
+    base += [*small, "--threads", "1", "-q"]
+    first = tmp_path / "a.safetensors"
+    assert main([*base, "--out", str(first)]) == 0
+    s1 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    second = tmp_path / "b.safetensors"
+    args = [*base, "--out", str(second), "--init", str(first), "--blend-ratios", "0,0.3"]
+    assert main(args) == 0
+    s2 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s2["sha256"] != s1["sha256"]
+    with safe_open(str(second), "pt") as f:
+        meta = json.loads(f.metadata()["meta"])
+    assert meta["init"] == s1["sha256"] and meta["config"]["blend_ratios"] == [0.0, 0.3]
+    for bad in ("0.3,x", "1.5"):
+        with pytest.raises(SystemExit, match="--blend-ratios"):
+            main([*base, "--out", str(tmp_path / "c.safetensors"), "--blend-ratios", bad])
