@@ -30,13 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         r = json.loads(line)
         by[r["cond"]][r["ratio"]].append(r)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-    for cond, ratios in by.items():
+    colors = plt.get_cmap("tab20").colors  # one colour per condition: more than the default cycle's ten
+    for i, (cond, ratios) in enumerate(by.items()):
+        style = {"color": colors[(2 * i) % 20 + (2 * i) // 20 % 2], "marker": "osD^v"[i % 5], "label": cond}
         xs = sorted(ratios)
         charged = [statistics.fmean(x["charged"] for x in ratios[r]) for r in xs]
         same = [statistics.fmean(x["same"] for x in ratios[r]) for r in xs]
         kl = [statistics.fmean(x["kl"] for x in ratios[r]) for r in xs]
-        axes[0].plot(charged, same, "o-", label=cond)
-        axes[1].plot(charged, kl, "o-", label=cond)
+        axes[0].plot(charged, same, "-", **style)
+        axes[1].plot(charged, kl, "-", **style)
     axes[0].axhline(0.81, color="grey", ls="--", lw=1, label="noise floor (bf16, held-out)")
     axes[0].set(xlabel="charged compute", ylabel="same greedy answer as full", title="dev split: fidelity")
     axes[1].set(
