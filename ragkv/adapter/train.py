@@ -211,10 +211,10 @@ def kl_loss(student_logp: torch.Tensor, ex: Example) -> torch.Tensor:
 def fitting_items(model, items: list[Item]) -> tuple[list[Item], int]:
     """The items whose prompt and longest answer fit the model's context, and how many did not (a
     model of a short context trains on what fits; none fitting is an error, not an empty run)."""
-    limit = model.config.max_position - MAX_ANSWER
-    fits = [it for it in items if sum(len(part) for part in _flat(item_ids(model, it))) <= limit]
     if not items:
         raise ValueError("no training items")
+    limit = model.config.max_position - MAX_ANSWER
+    fits = [it for it in items if sum(len(part) for part in _flat(item_ids(model, it))) <= limit]
     if not fits:
         raise ValueError(
             f"no training prompt fits the model's context of {model.config.max_position} positions "

@@ -690,9 +690,8 @@ def selective_prefill(
         try:
             preselected, pass_rows = qpass_rows(model, token_ids, row_class, source, schedule)
         except BaseException:
-            if (
-                held is not None
-            ):  # a failed load: the underlying source (a loader thread) is closed all the same
+            # a failed load: the underlying source (a loader thread) is closed all the same
+            if held is not None:
                 held.release()
             raise
     out_k = torch.empty(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=dev)
