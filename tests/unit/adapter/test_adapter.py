@@ -363,3 +363,16 @@ def test_the_train_command_continues_from_init_with_blend_in_the_loop(tmp_path, 
     for bad in ("0.3,x", "1.5"):
         with pytest.raises(SystemExit, match="--blend-ratios"):
             main([*base, "--out", str(tmp_path / "c.safetensors"), "--blend-ratios", bad])
+
+
+def test_blend_in_the_loop_refuses_a_selector_it_does_not_train():
+    from ragkv.adapter.train import Example
+    from ragkv.blend.core import BlendSchedule
+
+    m = random_model("llama", seed=7, init_std=0.1)
+    pre, chunks, suf = _prompt(m)
+    ex = Example(pre, chunks, suf, [5], torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2))
+    head = tuple(t.clone() for t in m.forward(torch.tensor(pre), capture_kv=True)[1:])
+    pairs = [(c.k.clone(), c.v.clone()) for c in (compute_chunk_kv(m, c) for c in chunks)]
+    with pytest.raises(ValueError, match="qpass"):
+        student_logp(m, None, ex, head, pairs, BlendSchedule.single(0.3, selector="kdev"))
