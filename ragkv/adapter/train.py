@@ -214,7 +214,7 @@ def fitting_items(model, items: list[Item]) -> tuple[list[Item], int]:
     if not items:
         raise ValueError("no training items")
     limit = model.config.max_position - MAX_ANSWER
-    fits = [it for it in items if sum(len(part) for part in _flat(item_ids(model, it))) <= limit]
+    fits = [it for it in items if _prompt_len(model, it) <= limit]
     if not fits:
         raise ValueError(
             f"no training prompt fits the model's context of {model.config.max_position} positions "
@@ -223,9 +223,9 @@ def fitting_items(model, items: list[Item]) -> tuple[list[Item], int]:
     return fits, len(items) - len(fits)
 
 
-def _flat(ids: tuple[list[int], list[list[int]], list[int]]) -> list[list[int]]:
-    prefix, chunks, suffix = ids
-    return [prefix, *chunks, suffix]
+def _prompt_len(model, item: Item) -> int:
+    prefix, chunks, suffix = item_ids(model, item)
+    return len(prefix) + sum(map(len, chunks)) + len(suffix)
 
 
 def build_examples(model, items: list[Item], path: Path, progress: bool = True) -> list[Example]:
@@ -338,8 +338,7 @@ def train(
             if key not in heads:
                 with torch.inference_mode():
                     _, k, v = model.forward(torch.tensor(ex.prefix), capture_kv=True)
-                heads[key] = (k.clone(), v.clone())
-            heads[key] = tuple(t.clone() for t in heads[key]) if heads[key][0].is_inference() else heads[key]
+                heads[key] = (k.clone(), v.clone())  # cloned outside inference mode: ordinary tensors
             if cfg.kind == "writer":  # written now, through the LoRA, stored precision (bf16) kept
                 kvs = [
                     _as_stored(k, v) for k, v in adapter.chunk_kvs(model, ex.chunks, student_context or ())
