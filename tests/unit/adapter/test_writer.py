@@ -179,3 +179,28 @@ def test_one_packed_pass_writes_what_one_pass_per_chunk_writes(context):
             _, k1, v1, _ = chunk_kv_rows(model, c, ctx)
             torch.testing.assert_close(k, k1, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v, v1, rtol=1e-5, atol=1e-5)
+
+
+def test_the_writers_student_with_the_blend_in_the_loop_is_the_served_blend():
+    """``kind="writer"`` with ``blend_ratios``: on KV the writer writes with gradients, the student's
+    first-token log-probs equal serving's blend on that KV read as the writer's, and the gradient
+    reaches the writer through the stored rows the blend keeps."""
+    from ragkv.adapter.train import Example
+    from ragkv.blend.core import BlendSchedule
+
+    m = random_model("llama", seed=7, init_std=0.1)
+    pre, chunks, suf = _prompt(m)
+    w = _randomized(m)
+    kvs = [compute_chunk_kv(w.model(m), c, fingerprint=m.fingerprint) for c in chunks]
+    served = prefill(m, pre, kvs, suf, "blend", ratio=0.3)
+    answer = [int(served.logits.argmax()), 5, 9]
+    ex = Example(pre, chunks, suf, answer, torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2))
+    head = tuple(t.clone() for t in m.forward(torch.tensor(pre), capture_kv=True)[1:])
+    w.requires_grad_(True)
+    pairs = w.chunk_kvs(m, chunks)
+    lp = student_logp(m, None, ex, head, pairs, BlendSchedule(ratios=(0.3,)))
+    torch.testing.assert_close(lp[0], torch.log_softmax(served.logits.float(), -1), rtol=1e-4, atol=1e-4)
+    reuse = student_logp(m, None, ex, head, [(k.detach(), v.detach()) for k, v in pairs])
+    assert float((reuse[0] - lp[0]).detach().abs().max()) > 1e-3  # the blend did recompute rows
+    lp[1:].sum().backward()
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in w.parameters())
