@@ -42,7 +42,6 @@ from ragkv.constrain import JsonConstraint, json_constraint
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.fidelity import parse_fidelity
 from ragkv.generate import SamplingParams, TokenEvent, request_params
-from ragkv.kv.chunk import chunk_key
 from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
 from ragkv.rag.collections import collection_name
 from ragkv.remote.client import VllmUnavailableError
@@ -385,9 +384,9 @@ class RagkvRunner:
         ids under this model), else the chunks of a document with exactly this text, else the one
         chunk whose text it is (found by the chunk locator); [] if none."""
         index = self.rag.index
-        model = self.rag.model
+        model, resolver = self.rag.model, self.rag.resolver
         for t in dict.fromkeys((text, text.strip())):
-            key = chunk_key(model.encode(t), model.fingerprint)
+            key = resolver.key(model.encode(t))  # under the fingerprint the RAG's KV is written with
             recs = index.chunks_with_key(key, self.coll)
             if recs:
                 return recs[:1]

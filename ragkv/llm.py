@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.adapter.shipped import AUTO_ADAPTER, resolve_adapter
+from ragkv.adapter.shipped import AUTO_ADAPTER, kv_model, resolve_adapter
 from ragkv.blend.core import BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, ensure_gate, gate_report
 from ragkv.blend.prefix_cache import PrefixCache
@@ -54,7 +54,9 @@ class LLM:
     ``adapter``: a KV adapter reused chunk KV is read through (``ragkv.adapter``): ``"auto"`` (the
     default) takes the package's adapter for the model if one ships, used only where the gate's report
     for the (model, adapter) pair meets the target more cheaply; a file or ``KVAdapter`` is used
-    wherever chunk KV is reused; None: never.
+    wherever chunk KV is reused; None: never. A chunk-KV writer's file (``ragkv adapter train --kind
+    writer``) writes every chunk's KV through the writer and reads only such KV (keyed by the writer's
+    fingerprint, docs/CHUNK_CONVENTION.md); where to run comes from the (model, writer) report.
     """
 
     def __init__(
@@ -73,15 +75,22 @@ class LLM:
     ):
         self.fidelity = parse_fidelity(fidelity)
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
-        self.adapter, self.adapter_explicit = resolve_adapter(self.model, adapter)
+        self.adapter, self.adapter_explicit = resolve_adapter(self.model, adapter, allow_writer=True)
+        #: the model that writes and names chunk KV: the model itself, or with a chunk-KV writer on
+        self.kv_model = kv_model(self.model, self.adapter)
         self.attention = attention
         self.schedule = schedule
         self.prefix_cache = PrefixCache(max_bytes=cache_bytes // 4)
         #: where chunk KV comes from (passed in, or one over ``store``); a :class:`ragkv.RAG` answers
         #: with a view of this LLM over its own resolver (:meth:`with_resolver`)
         self.resolver = resolver or ChunkResolver(
-            self.model, store, cache_bytes=cache_bytes, pipelined=store is not None, background_writes=False
+            self.kv_model,
+            store,
+            cache_bytes=cache_bytes,
+            pipelined=store is not None,
+            background_writes=False,
         )
+        self._check_resolver(self.resolver)
         if self_check_on_load:  # else it runs before the first reuse or blend (ragkv.blend.gate)
             ensure_gate(self.model)
         log.info("model %s: %s", self.model.name, self.operating_point().describe())
@@ -89,9 +98,17 @@ class LLM:
     def with_resolver(self, resolver: ChunkResolver) -> LLM:
         """A view of this LLM (same model, settings and prefix cache) whose chunk KV comes from
         ``resolver``, e.g. a RAG's, which writes back only what its index holds; this LLM is unchanged."""
+        self._check_resolver(resolver)
         view = copy.copy(self)
         view.resolver = resolver
         return view
+
+    def _check_resolver(self, resolver: ChunkResolver) -> None:
+        """Chunk KV must come from the model that names it here (a writer's KV only with that writer)."""
+        if resolver.model.fingerprint != self.kv_model.fingerprint:
+            raise ValueError(
+                "the resolver's chunk KV is another model's (or another chunk-KV writer's) than this LLM's"
+            )
 
     @property
     def gate(self) -> GateReport | None:

@@ -49,6 +49,9 @@ class AdapterSpec:
 class KVAdapter(nn.Module):
     """Per-layer bias + low-rank correction of stored pre-RoPE K and V (starts as the identity)."""
 
+    #: it corrects stored KV where it is read; the KV it reads is the base model's
+    writes_kv = False
+
     def __init__(self, spec: AdapterSpec, seed: int = 0):
         super().__init__()
         self.spec = spec

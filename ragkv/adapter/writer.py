@@ -83,9 +83,22 @@ class WriterLoRA(nn.Module):
         )
         return cls(spec, seed)
 
+    #: its effect is in the chunk KV it writes (a chunk store of its own): read as stored
+    writes_kv = True
+
     def model(self, base) -> WriterModel:
         """``base`` with this writer on (a layer model for :func:`ragkv.model.forward.run_layers`)."""
         return WriterModel(base, self)
+
+    def kv_fingerprint(self, base) -> str:
+        """The fingerprint of chunk KV this writer writes for ``base``: keys and checks never mix it
+        with the base model's KV."""
+        return f"{base.fingerprint}+writer-{self.identity}"
+
+    def wrap_source(self, source, start: int):
+        """Reused rows are read as stored (the blend's adapter hook): the writer acted when they were
+        written."""
+        return source
 
     def chunk_kvs(self, base, chunks: list, context_ids=()) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each chunk's pre-RoPE ``(k, v) [L, n, Hkv, D]`` as this writer writes it (differentiable), all
@@ -142,7 +155,12 @@ class WriterModel:
 
     def __init__(self, base, writer: WriterLoRA):
         self.base, self.writer = base, writer
-        self.fingerprint = f"{base.fingerprint}+writer-{writer.identity}" if not _training(writer) else ""
+        self.fingerprint = writer.kv_fingerprint(base) if not _training(writer) else ""
+
+    @property
+    def prompt_model(self):
+        """The model a prompt's rows run on (the question, recomputed rows, decoding): the base."""
+        return self.base
 
     def __getattr__(self, name):  # config, device, dtype, scale, embed, rope, attend, check_length ...
         return getattr(self.base, name)

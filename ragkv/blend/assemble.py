@@ -67,7 +67,8 @@ def assemble(
     source (default: sequential; ``ragkv.blend.pipeline.PipelinedSource`` overlaps loading).
     ``adapter``: a KV adapter (:class:`ragkv.adapter.kv_adapter.KVAdapter`, anything with
     ``wrap_source(source, start)`` and ``identity``) through which every REUSED chunk's stored KV is
-    read; the exact head's rows and the rows the blend recomputes never see it. ``preselected`` (prompt rows) and ``offset_oracle``: diagnostics of
+    read; the exact head's rows and the rows the blend recomputes never see it. A chunk-KV writer
+    (``writes_kv``) reads its KV as stored, and only KV it wrote passes the fingerprint check. ``preselected`` (prompt rows) and ``offset_oracle``: diagnostics of
     :func:`ragkv.blend.core.selective_prefill` (blend mode only).
     """
     if mode not in MODES:
@@ -79,9 +80,11 @@ def assemble(
         fallback = "model failed the blending self-check; using full prefill"
         log.warning("%s (%s)", fallback, model.name)
         mode = "full"
+    # stored KV is the model's own, or a chunk-KV writer's when the adapter is one (its fingerprint)
+    kv_fp = adapter.kv_fingerprint(model) if getattr(adapter, "writes_kv", False) else model.fingerprint
     for c in chunks:
         if isinstance(c, ChunkKV):
-            c.check_compatible(model.fingerprint, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+            c.check_compatible(kv_fp, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     prefix_ids = [int(t) for t in prefix_ids]
     suffix_ids = [int(t) for t in suffix_ids]
     chunk_ids = [_tokens(c) for c in chunks]

@@ -100,6 +100,9 @@ class ChunkResolver:
         background_writes: bool = True,
     ):
         self.model = model
+        #: ``model`` writes, keys and checks chunk KV; prompts run on the model itself, which for a
+        #: chunk-KV writer's model (:class:`ragkv.adapter.writer.WriterModel`) is its base
+        self.prompt_model = getattr(model, "prompt_model", model)
         self.store = store
         self.write_back = write_back or (store_always(store) if store is not None else None)
         self.cache_bytes = int(cache_bytes)
@@ -317,7 +320,7 @@ class ChunkResolver:
             prefill_kw["source_factory"] = pipelined_factory(self.model)
         args = plan.prefill_args()
         return prefill_with_recovery(
-            self.model,
+            self.prompt_model,
             prefix,
             items,
             suffix,

@@ -21,6 +21,8 @@ prefill) takes the plan instead of a ``ratio`` beside a ``schedule``:
    and the adapter is used only where that report's point meets the target at less charged compute
    than the model's own choice (``fast``: with more answers kept); else it is off, said once in the
    log. Outside the gate it is used only when the caller asked for it (``adapter_outside_gate``).
+   A chunk-KV writer is never off: the KV stored is the one it wrote, so the gate's point is the
+   (model, writer) pair's (exact prefill without a report) and every plan that reuses reads through it.
 
 The default ratio (:data:`ragkv.defaults.DEFAULT_RATIO`) is the one of the default schedule.
 """
@@ -68,8 +70,13 @@ def plan_blend(
     ``default_ratio``, ``owner_schedule``: its owner's defaults (``fidelity`` None: the gate's default
     setting, ``"floor"``); ``adapter``: the owner's KV adapter (rule 6). The rule is the module docstring's."""
     plan = _plan(model, mode, ratio, schedule, fidelity, default_mode, default_ratio, owner_schedule, adapter)
-    if adapter is not None and plan.adapter is None and plan.outside_gate and adapter_outside_gate:
-        plan = dataclasses.replace(plan, adapter=adapter)
+    writes_kv = getattr(adapter, "writes_kv", False)
+    if (
+        adapter is not None
+        and plan.adapter is None
+        and (writes_kv or (plan.outside_gate and adapter_outside_gate))
+    ):
+        plan = dataclasses.replace(plan, adapter=adapter)  # a writer's KV is the only stored KV there is
     return plan
 
 
@@ -105,7 +112,10 @@ def _plan(
     use = None
     if adapter is not None:
         with_adapter = operating_point(model, fidelity, adapter=adapter.identity)
-        if GATE.adapter_wins(model.name, op, with_adapter, adapter.identity):
+        # a chunk-KV writer's KV is all that is stored: the pair's report alone says where to run
+        if getattr(adapter, "writes_kv", False) or GATE.adapter_wins(
+            model.name, op, with_adapter, adapter.identity
+        ):
             op, use = with_adapter, adapter
     if op.mode == "blend":
         return BlendPlan("blend", float(op.ratio), None, op, use)

@@ -91,7 +91,7 @@ class RAG:
     ):
         llm = llm if isinstance(llm, LLM) else LLM(llm)
         self.corpus = Corpus(
-            llm.model,
+            llm.kv_model,  # chunk KV is written (and keyed) by the LLM's KV writer: its model, or a writer
             data_dir,
             store,
             embedder,

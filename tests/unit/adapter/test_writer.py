@@ -148,9 +148,9 @@ def test_training_continues_from_an_init_file_of_the_same_kind_and_shape_only(tm
         )
 
 
-def test_a_writer_file_is_measured_never_served(tmp_path):
-    """``load_adapter`` reads either kind by its format; serving (``resolve_adapter``: LLM, Engine)
-    refuses a writer, whose KV no chunk convention names yet."""
+def test_a_writer_file_is_served_by_the_llm_and_refused_by_the_engine(tmp_path):
+    """``load_adapter`` reads either kind by its format; ``resolve_adapter`` gives a writer only to an
+    owner that serves one (``allow_writer``: LLM, RAG) and refuses it elsewhere (Engine, the service)."""
     from ragkv.adapter.shipped import load_adapter, resolve_adapter
 
     m = random_model("llama", seed=7, init_std=0.1)
@@ -161,6 +161,7 @@ def test_a_writer_file_is_measured_never_served(tmp_path):
     assert isinstance(resolve_adapter(m, str(tmp_path / "kv.safetensors"))[0], KVAdapter)
     with pytest.raises(AdapterError, match="chunk-KV writer"):
         resolve_adapter(m, str(tmp_path / "w.safetensors"))
+    assert isinstance(resolve_adapter(m, str(tmp_path / "w.safetensors"), allow_writer=True)[0], WriterLoRA)
 
 
 @pytest.mark.parametrize("context", [0, 7])
@@ -204,3 +205,93 @@ def test_the_writers_student_with_the_blend_in_the_loop_is_the_served_blend():
     assert float((reuse[0] - lp[0]).detach().abs().max()) > 1e-3  # the blend did recompute rows
     lp[1:].sum().backward()
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in w.parameters())
+
+
+def _story_writer(tmp_path):
+    m = stories_model()
+    path = tmp_path / "writer.safetensors"
+    _randomized(m, rank=2).save(path)
+    return m, path
+
+
+PROMPT = (
+    "",
+    ["Lily had a red ball. She played in the park.", "Tom ran to the shop with his dog."],
+    "What did Lily have?",
+)
+
+
+def test_an_llm_with_a_writer_writes_reads_and_keys_only_the_writers_kv(tmp_path):
+    """``LLM(adapter=WRITER_FILE)``: chunk KV is written through the writer and keyed by its
+    fingerprint, so one store holds both kinds and neither reads the other's; the blend at ratio 1.0
+    still equals full prefill of the unchanged model; the writer is named in the stats; a resolver of
+    another KV writer is refused; the serving engine refuses a writer with a clear error."""
+    from ragkv import LLM
+    from ragkv.engine import Engine, EngineConfig
+    from ragkv.store import LocalDirStore
+
+    m, path = _story_writer(tmp_path)
+    store = LocalDirStore(tmp_path / "kv")
+    with_w = LLM(m, store=store, adapter=str(path))
+    base = LLM(m, store=store, adapter=None)
+    assert with_w.kv_model.fingerprint == f"{m.fingerprint}+writer-{with_w.adapter.identity}"
+    full = base.prefill(*PROMPT, mode="full")
+    b1 = with_w.prefill(*PROMPT, mode="blend", ratio=1.0)
+    assert float((b1.logits - full.logits).abs().max() / full.logits.abs().max()) < 1e-4
+    reuse_w = with_w.prefill(*PROMPT, mode="reuse")
+    assert reuse_w.stats["adapter"] == with_w.adapter.identity
+    keys_w = set(store.keys())
+    assert keys_w and all(store.header(k).fingerprint == with_w.kv_model.fingerprint for k in keys_w)
+    reuse_b = base.prefill(*PROMPT, mode="reuse")  # the same chunks: the base model's own KV, computed
+    assert float((reuse_b.logits - reuse_w.logits).abs().max()) > 1e-3
+    keys_b = set(store.keys()) - keys_w
+    assert len(keys_b) == len(keys_w) and all(store.header(k).fingerprint == m.fingerprint for k in keys_b)
+    # written once, read back from the store by a fresh LLM with the same writer: the same answer
+    again = LLM(m, store=LocalDirStore(tmp_path / "kv"), adapter=str(path)).prefill(*PROMPT, mode="reuse")
+    torch.testing.assert_close(again.logits, reuse_w.logits)
+    with pytest.raises(ValueError, match="another model's"):
+        base.with_resolver(with_w.resolver)
+    with pytest.raises(AdapterError, match="do not serve one yet"):
+        Engine(m, EngineConfig(adapter=str(path)))
+
+
+def test_the_gate_runs_a_writer_at_its_own_reports_point_and_reads_through_it(tmp_path):
+    """A writer is never off: without a (model, writer) report the gate's point is exact prefill (no
+    stored KV read); every plan that reuses stored KV reads it as the writer's."""
+    from ragkv import LLM
+
+    m, path = _story_writer(tmp_path)
+    llm = LLM(m, adapter=str(path))
+    floor = llm.plan()  # the tiny model and its writer have no report: exact prefill
+    assert floor.mode == "prefix" and floor.adapter is None
+    for mode, ratio in (("reuse", None), ("blend", 0.3)):
+        p = llm.plan(mode, ratio)
+        assert p.adapter is llm.adapter and p.prefill_args()["adapter"] is llm.adapter
+    from ragkv.kv.chunk import KVMismatchError
+
+    kvs = [compute_chunk_kv(llm.kv_model, c) for c in (m.encode(t) for t in PROMPT[1])]
+    ids = m.encode("Q?")
+    with pytest.raises(KVMismatchError):  # a writer's KV read as the base model's: refused
+        prefill(m, [], kvs, ids, "reuse")
+    prefill(m, [], kvs, ids, "reuse", adapter=llm.adapter)
+
+
+def test_a_rag_over_a_writer_llm_ingests_and_answers_through_the_writer(tmp_path, embedder):
+    """``RAG(LLM(adapter=WRITER_FILE))``: ingest stores every chunk's KV as the writer's (keyed by its
+    fingerprint) and an answer reuses exactly those chunks, its stats naming the writer."""
+    from ragkv import LLM
+    from ragkv.blend import DEFAULT_RATIO
+    from ragkv.rag import RAG, Document
+
+    m, path = _story_writer(tmp_path)
+    llm = LLM(m, adapter=str(path))
+    rag = RAG(llm, tmp_path / "data", embedder=embedder, chunk_tokens=32, ratio=DEFAULT_RATIO)
+    try:
+        rag.ingest([Document(PROMPT[1][0] + " " + PROMPT[1][1], "d")])
+        keys = rag.store.keys()
+        assert keys and {rag.store.header(k).fingerprint for k in keys} == {llm.kv_model.fingerprint}
+        ans = rag.answer("What did Lily have?")
+        assert ans.stats["adapter"] == llm.adapter.identity and ans.stats["num_reused_rows"] > 0
+        assert ans.stats["kv_hits"] > 0 and ans.stats["kv_misses"] == 0  # the writer's stored KV, read
+    finally:
+        rag.close()
