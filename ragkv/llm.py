@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.adapter.shipped import AUTO_ADAPTER, kv_model, resolve_adapter
+from ragkv.adapter.shipped import AUTO_ADAPTER, check_kv_source, kv_model, resolve_adapter
 from ragkv.blend.core import BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, ensure_gate, gate_report
 from ragkv.blend.prefix_cache import PrefixCache
@@ -75,7 +75,7 @@ class LLM:
     ):
         self.fidelity = parse_fidelity(fidelity)
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
-        self.adapter, self.adapter_explicit = resolve_adapter(self.model, adapter, allow_writer=True)
+        self.adapter, self.adapter_explicit = resolve_adapter(self.model, adapter)
         #: the model that writes and names chunk KV: the model itself, or with a chunk-KV writer on
         self.kv_model = kv_model(self.model, self.adapter)
         self.attention = attention
@@ -90,7 +90,7 @@ class LLM:
             pipelined=store is not None,
             background_writes=False,
         )
-        self._check_resolver(self.resolver)
+        check_kv_source(self.resolver, self.kv_model)
         if self_check_on_load:  # else it runs before the first reuse or blend (ragkv.blend.gate)
             ensure_gate(self.model)
         log.info("model %s: %s", self.model.name, self.operating_point().describe())
@@ -98,17 +98,10 @@ class LLM:
     def with_resolver(self, resolver: ChunkResolver) -> LLM:
         """A view of this LLM (same model, settings and prefix cache) whose chunk KV comes from
         ``resolver``, e.g. a RAG's, which writes back only what its index holds; this LLM is unchanged."""
-        self._check_resolver(resolver)
+        check_kv_source(resolver, self.kv_model)
         view = copy.copy(self)
         view.resolver = resolver
         return view
-
-    def _check_resolver(self, resolver: ChunkResolver) -> None:
-        """Chunk KV must come from the model that names it here (a writer's KV only with that writer)."""
-        if resolver.model.fingerprint != self.kv_model.fingerprint:
-            raise ValueError(
-                "the resolver's chunk KV is another model's (or another chunk-KV writer's) than this LLM's"
-            )
 
     @property
     def gate(self) -> GateReport | None:

@@ -126,6 +126,12 @@ class Settings(BaseSettings):
         "than a dtype change, per the model's fidelity report), exact, fast, fast:X (TTFT speed-up >= X) or a "
         "same-answer rate in (0, 1]",
     )
+    adapter: str = Field(
+        "auto",
+        description="KV adapter (ragkv.adapter): auto (default: the package's adapter for the model, where "
+        "the fidelity gate chooses it), off, or a file: a KV adapter, or a chunk-KV writer (ingest writes "
+        "chunk KV through it, keyed as its own; not with generation 'vllm')",
+    )
     # generation
     generation: Literal["threads", "engine", "vllm"] = Field(
         "threads",

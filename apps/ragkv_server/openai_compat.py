@@ -235,13 +235,13 @@ def completion_events(
     refs = list(blend.chunks) if blend is not None else []
     spans = []
     if refs:
-        expect_model(rag.store, rag.model)
+        expect_model(rag.store, rag.resolver.model)  # the model (or chunk-KV writer) stored KV is keyed by
         shown = refs
         if collection is not None:
             keep = rag.index.referenced_keys((r.key for r in refs), collection)
             shown = [r for r in refs if r.key in keep]
         try:
-            spans = request_spans(ids, shown, rag.store, rag.model.fingerprint)
+            spans = request_spans(ids, shown, rag.store, rag.resolver.model.fingerprint)
         except SpanError as e:
             raise BadRequestError(f"kv_transfer_params: {e}") from None
     found = [Located(s.key, tuple(ids[s.start : s.stop]), s.start, 0, s.length) for s in spans]

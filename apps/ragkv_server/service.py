@@ -97,6 +97,7 @@ STAT_KEYS = (
     "num_chunks",
     "fallback",
     "fidelity",
+    "adapter",  # the KV adapter or chunk-KV writer reused rows went through (its identity; None: none)
     "t_prefill_s",
     "t_load_wait_s",
     "controller",
@@ -212,7 +213,7 @@ class Service:
         """Load the model, embedder, index and store (slow: call it off the event loop)."""
         s = self.settings
         if self._given is not None:
-            expect_model(self._given.store, self._given.model)
+            expect_model(self._given.store, self._given.resolver.model)
         else:
             if s.torch_threads:
                 import torch
@@ -722,11 +723,14 @@ def build_generator(s: Settings, rag: RAG):
             mode=s.mode,
             ratio=s.ratio,
             fidelity=s.fidelity,
+            adapter=s.adapter,
             scheduler=SchedulerConfig(max_num_seqs=s.engine_max_seqs, max_queue=max(1, s.max_queue)),
         )
         return EngineGenerator(Engine(rag.model, cfg, resolver=rag.resolver))
     from ragkv.remote.client import VllmClient, VllmGenerator
 
+    if rag.resolver.model is not rag.model:  # a chunk-KV writer: the connector writes chunk KV itself
+        raise ValueError("a chunk-KV writer adapter cannot be served with generation 'vllm'")
     client = VllmClient(
         s.vllm_url,
         s.vllm_model,
@@ -753,13 +757,14 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
     data_dir = Path(s.data_dir)
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = lock_data_dir(data_dir) if writer else None
-    llm = LLM(s.model, dtype=s.dtype, device=s.device, fidelity=s.fidelity)
+    llm = LLM(s.model, dtype=s.dtype, device=s.device, fidelity=s.fidelity, adapter=s.adapter)
     prompt = prompt_options(s.prompt_file)  # the same prompt settings `ragkv demo` reads from its corpus
     prefix, suffix = prompt_parts(llm.model, "?", **prompt)
     key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None
     url = s.store or default_store_url(data_dir)
-    store = default_store(url, model=llm.model, codec=s.store_codec, hmac_key=key)
-    expect_model(store, llm.model)
+    # chunk KV is the KV writer's (the model's, or a chunk-KV writer's): its codec steps and geometry
+    store = default_store(url, model=llm.kv_model, codec=s.store_codec, hmac_key=key)
+    expect_model(store, llm.kv_model)
     rag = RAG(
         llm,
         s.data_dir,

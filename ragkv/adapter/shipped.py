@@ -51,29 +51,30 @@ def load_adapter(path, model, digest: str | None = None) -> KVAdapter | WriterLo
     return KVAdapter.load(path, model, digest)
 
 
-def resolve_adapter(model, spec, allow_writer: bool = False) -> tuple[KVAdapter | WriterLoRA | None, bool]:
+def resolve_adapter(model, spec) -> tuple[KVAdapter | WriterLoRA | None, bool]:
     """``(adapter, explicit)`` for an owner's ``adapter=`` setting: ``"auto"`` (the default) is the
     package's adapter for the model if one ships, used where the fidelity gate chooses it; None or
-    ``"off"``: none; a path or a :class:`KVAdapter`: that one, also used outside the gate (explicit).
-    A chunk-KV writer (a path or a :class:`WriterLoRA`) only where the owner serves one
-    (``allow_writer``: :class:`ragkv.LLM` and the RAG over it); elsewhere a clear error."""
+    ``"off"``: none; a path, a :class:`KVAdapter` or a :class:`WriterLoRA`: that one, also used outside
+    the gate (explicit). A writer's owner writes chunk KV with :func:`kv_model`."""
     if spec is None or (isinstance(spec, str) and spec.lower() in ("off", "none", "")):
         return None, False
     if isinstance(spec, str) and spec.lower() == "auto":
         return shipped_adapter(model), False
-    if isinstance(spec, KVAdapter):
+    if isinstance(spec, KVAdapter | WriterLoRA):
         return spec, True
-    adapter = load_adapter(spec, model) if not isinstance(spec, WriterLoRA) else spec
-    if isinstance(adapter, WriterLoRA) and not allow_writer:
-        raise AdapterError(
-            f"{spec}: a chunk-KV writer changes the KV ingest stores; the serving engine and the service "
-            "do not serve one yet (ragkv.LLM and ragkv.RAG do). Measure it with `ragkv calibrate "
-            "--adapter` or `python -m eval.bench_adapter --adapters NAME=PATH`."
-        )
-    return adapter, True
+    return load_adapter(spec, model), True
 
 
 def kv_model(model, adapter):
     """The model that writes (and names) chunk KV for an owner with ``adapter``: a writer's
     :class:`~ragkv.adapter.writer.WriterModel`, else ``model`` itself."""
     return adapter.model(model) if getattr(adapter, "writes_kv", False) else model
+
+
+def check_kv_source(resolver, kv: object) -> None:
+    """A resolver passed to an owner must hold the chunk KV its ``kv`` model writes (a writer's KV only
+    with that writer): else a clear error, never KV of another kind."""
+    if resolver.model.fingerprint != kv.fingerprint:
+        raise ValueError(
+            "the resolver's chunk KV is another model's (or another chunk-KV writer's) than this owner's"
+        )

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.adapter.shipped import resolve_adapter
+from ragkv.adapter.shipped import check_kv_source, kv_model, resolve_adapter
 from ragkv.blend import (
     MODES,
     BlendSchedule,
@@ -92,6 +92,8 @@ class Engine:
         self.model = model
         self.config = cfg = config or EngineConfig()
         self.adapter, self.adapter_explicit = resolve_adapter(model, cfg.adapter)
+        #: the model that writes and names chunk KV: the model itself, or with a chunk-KV writer on
+        self.kv_model = kv_model(model, self.adapter)
         c = model.config
         hack_cfg = None
         if cfg.attention == "hack":
@@ -109,7 +111,8 @@ class Engine:
         self.scheduler = Scheduler(cfg.scheduler, self.pool.manager, cfg.block_size, c.num_layers)
         #: chunk KV: the owner's resolver (a RAG's writes back only what its index holds), else one
         #: over ``store`` that stores what it computes
-        self.resolver = resolver or ChunkResolver(model, store)
+        self.resolver = resolver or ChunkResolver(self.kv_model, store)
+        check_kv_source(self.resolver, self.kv_model)
         self.fetcher = KVFetcher(self.resolver, cfg.compute_missing)
         self.prefix_cache = PrefixCache(max_bytes=256 << 20)
         self.bff_stats, self.cff_stats = FusionStats("bff"), FusionStats("cff")

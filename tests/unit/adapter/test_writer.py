@@ -148,9 +148,8 @@ def test_training_continues_from_an_init_file_of_the_same_kind_and_shape_only(tm
         )
 
 
-def test_a_writer_file_is_served_by_the_llm_and_refused_by_the_engine(tmp_path):
-    """``load_adapter`` reads either kind by its format; ``resolve_adapter`` gives a writer only to an
-    owner that serves one (``allow_writer``: LLM, RAG) and refuses it elsewhere (Engine, the service)."""
+def test_either_kind_of_adapter_file_resolves_by_its_format(tmp_path):
+    """``load_adapter`` and an owner's ``resolve_adapter`` read either kind by its format."""
     from ragkv.adapter.shipped import load_adapter, resolve_adapter
 
     m = random_model("llama", seed=7, init_std=0.1)
@@ -159,9 +158,8 @@ def test_a_writer_file_is_served_by_the_llm_and_refused_by_the_engine(tmp_path):
     assert isinstance(load_adapter(tmp_path / "w.safetensors", m), WriterLoRA)
     assert isinstance(load_adapter(tmp_path / "kv.safetensors", m), KVAdapter)
     assert isinstance(resolve_adapter(m, str(tmp_path / "kv.safetensors"))[0], KVAdapter)
-    with pytest.raises(AdapterError, match="chunk-KV writer"):
-        resolve_adapter(m, str(tmp_path / "w.safetensors"))
-    assert isinstance(resolve_adapter(m, str(tmp_path / "w.safetensors"), allow_writer=True)[0], WriterLoRA)
+    assert resolve_adapter(m, str(tmp_path / "w.safetensors"))[1]  # explicit: used wherever KV is reused
+    assert isinstance(resolve_adapter(m, str(tmp_path / "w.safetensors"))[0], WriterLoRA)
 
 
 @pytest.mark.parametrize("context", [0, 7])
@@ -225,7 +223,7 @@ def test_an_llm_with_a_writer_writes_reads_and_keys_only_the_writers_kv(tmp_path
     """``LLM(adapter=WRITER_FILE)``: chunk KV is written through the writer and keyed by its
     fingerprint, so one store holds both kinds and neither reads the other's; the blend at ratio 1.0
     still equals full prefill of the unchanged model; the writer is named in the stats; a resolver of
-    another KV writer is refused; the serving engine refuses a writer with a clear error."""
+    another KV writer is refused, by an LLM and by the engine."""
     from ragkv import LLM
     from ragkv.engine import Engine, EngineConfig
     from ragkv.store import LocalDirStore
@@ -251,8 +249,27 @@ def test_an_llm_with_a_writer_writes_reads_and_keys_only_the_writers_kv(tmp_path
     torch.testing.assert_close(again.logits, reuse_w.logits)
     with pytest.raises(ValueError, match="another model's"):
         base.with_resolver(with_w.resolver)
-    with pytest.raises(AdapterError, match="do not serve one yet"):
-        Engine(m, EngineConfig(adapter=str(path)))
+    with pytest.raises(ValueError, match="another model's"):
+        Engine(m, EngineConfig(adapter=str(path)), resolver=base.resolver)
+
+
+def test_the_engine_serves_a_writer_as_the_blend_reads_its_kv(tmp_path):
+    """``Engine`` with a writer (``EngineConfig(adapter=WRITER_FILE)``): the chunk KV it computes is the
+    writer's, and its greedy tokens are those of the blend over that KV on the unchanged model."""
+    from ragkv.engine import Engine, EngineConfig
+    from ragkv.generate import SamplingParams, generate
+
+    m, path = _story_writer(tmp_path)
+    w = WriterLoRA.load(path, m)
+    bos, chunks, q = [m.config.bos_token_id], [m.encode(t) for t in PROMPT[1]], m.encode(PROMPT[2])
+    params = SamplingParams(max_new_tokens=6)
+    with Engine(m, EngineConfig(num_blocks=200, adapter=str(path))) as eng:
+        (out,) = eng.generate([dict(prefix=bos, chunks=chunks, question=q, mode="reuse", params=params)])
+        assert {kv.fingerprint for kv in map(eng.resolver.kv, chunks)} == {w.kv_fingerprint(m)}
+    res = prefill(m, bos, [compute_chunk_kv(w.model(m), c) for c in chunks], q, "reuse", adapter=w)
+    assert out.token_ids == generate(m, res, params).token_ids
+    plain = prefill(m, bos, [compute_chunk_kv(m, c) for c in chunks], q, "reuse")
+    assert float((plain.logits - res.logits).abs().max()) > 1e-3  # the writer's KV is not the model's
 
 
 def test_the_gate_runs_a_writer_at_its_own_reports_point_and_reads_through_it(tmp_path):
@@ -295,3 +312,38 @@ def test_a_rag_over_a_writer_llm_ingests_and_answers_through_the_writer(tmp_path
         assert ans.stats["kv_hits"] > 0 and ans.stats["kv_misses"] == 0  # the writer's stored KV, read
     finally:
         rag.close()
+
+
+@pytest.mark.parametrize("generation", ["threads", "engine"])
+def test_the_service_serves_a_writer_named_in_its_settings(tmp_path, generation):
+    """The service's ``adapter`` setting takes a writer file: ingest stores the writer's KV, answers
+    read it (their stats name the writer); with ``generation='vllm'`` it is a clear error."""
+    from fastapi.testclient import TestClient
+
+    from ragkv.blend import DEFAULT_RATIO
+    from ragkv_server.server import create_app
+    from ragkv_server.service import Service, build_generator, build_rag
+    from tests.helpers_service import tiny_settings
+
+    m, path = _story_writer(tmp_path)
+    w = WriterLoRA.load(path, m)
+    s = tiny_settings(tmp_path / "data", adapter=str(path), ratio=DEFAULT_RATIO, generation=generation)
+    rag = build_rag(s)
+    svc = Service(s, rag)
+    svc.start()
+    c = TestClient(create_app(s, svc), base_url="http://testserver")
+    try:
+        r = c.post("/v1/documents", json={"documents": [{"id": "d", "text": " ".join(PROMPT[1])}]})
+        assert r.status_code == 200, r.text
+        assert {rag.store.header(k).fingerprint for k in rag.store.keys()} == {w.kv_fingerprint(m)}
+        r = c.post("/v1/query", json={"question": PROMPT[2]})
+        assert r.status_code == 200, r.text
+        stats = r.json()["stats"]
+        assert stats["adapter"] == w.identity and stats["num_reused_rows"] > 0, stats
+        with pytest.raises(ValueError, match="generation 'vllm'"):
+            build_generator(
+                tiny_settings(tmp_path / "v", generation="vllm", vllm_url="http://127.0.0.1:9"), rag
+            )
+    finally:
+        c.close()
+        svc.close()
