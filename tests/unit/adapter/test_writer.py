@@ -293,6 +293,7 @@ def test_the_gate_runs_a_writer_at_its_own_reports_point_and_reads_through_it(tm
     prefill(m, [], kvs, ids, "reuse", adapter=llm.adapter)
 
 
+@pytest.mark.slow  # the RAG end to end (the embedder's load): the whole suite's tier
 def test_a_rag_over_a_writer_llm_ingests_and_answers_through_the_writer(tmp_path, embedder):
     """``RAG(LLM(adapter=WRITER_FILE))``: ingest stores every chunk's KV as the writer's (keyed by its
     fingerprint) and an answer reuses exactly those chunks, its stats naming the writer."""
@@ -314,6 +315,7 @@ def test_a_rag_over_a_writer_llm_ingests_and_answers_through_the_writer(tmp_path
         rag.close()
 
 
+@pytest.mark.slow  # the service end to end (the embedder's load, twice): the whole suite's tier
 @pytest.mark.parametrize("generation", ["threads", "engine"])
 def test_the_service_serves_a_writer_named_in_its_settings(tmp_path, generation):
     """The service's ``adapter`` setting takes a writer file: ingest stores the writer's KV, answers
