@@ -67,14 +67,21 @@ def resolve_adapter(model, spec) -> tuple[KVAdapter | WriterLoRA | None, bool]:
 
 def kv_model(model, adapter):
     """The model that writes (and names) chunk KV for an owner with ``adapter``: a writer's
-    :class:`~ragkv.adapter.writer.WriterModel`, else ``model`` itself."""
-    return adapter.model(model) if getattr(adapter, "writes_kv", False) else model
+    :class:`~ragkv.adapter.writer.WriterModel`, else ``model`` itself. A writer still being trained
+    (trainable parameters: its KV could not be named) is refused."""
+    if not getattr(adapter, "writes_kv", False):
+        return model
+    if any(p.requires_grad for p in adapter.parameters()):
+        raise AdapterError(
+            "a chunk-KV writer being trained cannot write served KV: requires_grad_(False) first"
+        )
+    return adapter.model(model)
 
 
-def check_kv_source(resolver, kv: object) -> None:
-    """A resolver passed to an owner must hold the chunk KV its ``kv`` model writes (a writer's KV only
-    with that writer): else a clear error, never KV of another kind."""
-    if resolver.model.fingerprint != kv.fingerprint:
+def check_kv_source(resolver, writes_with) -> None:
+    """A resolver passed to an owner must hold the chunk KV the owner's ``writes_with`` model writes (a
+    writer's KV only with that writer): else a clear error, never KV of another kind."""
+    if resolver.model.fingerprint != writes_with.fingerprint:
         raise ValueError(
             "the resolver's chunk KV is another model's (or another chunk-KV writer's) than this owner's"
         )

@@ -251,6 +251,10 @@ def test_an_llm_with_a_writer_writes_reads_and_keys_only_the_writers_kv(tmp_path
         base.with_resolver(with_w.resolver)
     with pytest.raises(ValueError, match="another model's"):
         Engine(m, EngineConfig(adapter=str(path)), resolver=base.resolver)
+    for mode in ("full", "prefix"):  # modes that read no stored KV run with the writer's KV stored
+        assert with_w.prefill(*PROMPT, mode=mode).stats["adapter"] is None
+    with pytest.raises(AdapterError, match="being trained"):  # its KV could not be named
+        LLM(m, adapter=WriterLoRA.load(path, m).requires_grad_(True))
 
 
 def test_the_engine_serves_a_writer_as_the_blend_reads_its_kv(tmp_path):
