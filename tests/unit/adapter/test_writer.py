@@ -297,6 +297,23 @@ def test_the_gate_runs_a_writer_at_its_own_reports_point_and_reads_through_it(tm
     prefill(m, [], kvs, ids, "reuse", adapter=llm.adapter)
 
 
+def test_with_the_pairs_report_the_gate_runs_a_writer_at_its_point(fidelity_cache, tmp_path):
+    """``ragkv calibrate --adapter WRITER``'s report (the pair's) is the one the gate reads for a
+    writer: ``floor`` runs at the pair's faithful point, through the writer, and says so."""
+    from ragkv import LLM
+    from ragkv.fidelity import GATE
+    from tests.unit.adapter.test_adapter import _pair_reports
+
+    m, path = _story_writer(tmp_path)
+    llm = LLM(m, adapter=str(path))
+    _pair_reports(m, llm.adapter)  # the model alone: exact; the pair: blend@0.5 meets the floor
+    GATE.forget()
+    floor = llm.plan()
+    assert (floor.mode, floor.ratio) == ("blend", 0.5) and floor.adapter is llm.adapter
+    res = llm.prefill(*PROMPT)
+    assert res.stats["adapter"] == llm.adapter.identity and res.stats["fidelity"]["point"] == "blend@0.5"
+
+
 @pytest.mark.slow  # the RAG end to end (the embedder's load): the whole suite's tier
 def test_a_rag_over_a_writer_llm_ingests_and_answers_through_the_writer(tmp_path, embedder):
     """``RAG(LLM(adapter=WRITER_FILE))``: ingest stores every chunk's KV as the writer's (keyed by its
