@@ -71,7 +71,7 @@ def kv_model(model, adapter):
     (trainable parameters: its KV could not be named) is refused."""
     if not getattr(adapter, "writes_kv", False):
         return model
-    if any(p.requires_grad for p in adapter.parameters()):
+    if adapter.trainable:
         raise AdapterError(
             "a chunk-KV writer being trained cannot write served KV: requires_grad_(False) first"
         )

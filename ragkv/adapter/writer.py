@@ -90,6 +90,11 @@ class WriterLoRA(nn.Module):
         """``base`` with this writer on (a layer model for :func:`ragkv.model.forward.run_layers`)."""
         return WriterModel(base, self)
 
+    @property
+    def trainable(self) -> bool:
+        """Whether it is being trained (parameters that require grad): its KV then has no name yet."""
+        return any(p.requires_grad for p in self.parameters())
+
     def kv_fingerprint(self, base) -> str:
         """The fingerprint of chunk KV this writer writes for ``base``: keys and checks never mix it
         with the base model's KV."""
@@ -155,7 +160,7 @@ class WriterModel:
 
     def __init__(self, base, writer: WriterLoRA):
         self.base, self.writer = base, writer
-        self.fingerprint = writer.kv_fingerprint(base) if not _training(writer) else ""
+        self.fingerprint = writer.kv_fingerprint(base) if not writer.trainable else ""
 
     @property
     def prompt_model(self):
@@ -183,7 +188,3 @@ class WriterModel:
         a = attn_out.reshape(h.shape[0], -1)
         delta = (a @ w.a_o[layer].to(a.dtype).T) @ (w.b_o[layer].to(a.dtype).T * w.scale)
         return self.base.finish_layer(layer, h + delta, attn_out)
-
-
-def _training(writer: WriterLoRA) -> bool:
-    return any(p.requires_grad for p in writer.parameters())
