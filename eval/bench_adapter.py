@@ -15,7 +15,8 @@ unless ``--set calibration``), on the prompt users send, with float32 full prefi
 * each ``--adapters`` entry: iso KV read through that adapter file (check (d) is the rank-0 one);
   ``name=PATH@fixed``: ``fixed`` KV read through it (an adapter trained on context-primed KV). A
   writer file (W-full, ``ragkv adapter train --kind writer``) writes the chunk KV instead: after BOS,
-  or after check (c)'s context with ``@fixed``.
+  or after check (c)'s context with ``@fixed``. A link-rows file (L, ``--kind link``) puts its rows
+  after each chunk of the prompt (computed, charged).
 
 Each condition runs at every ``--ratios`` point (0 = reuse; else the default blend schedule at that
 ratio). Reported: same greedy answer as full, output F1 vs full, first-token KL, gold recall,
@@ -36,6 +37,8 @@ import torch
 
 from ragkv.adapter.data import Item, dev_set, training_set
 from ragkv.adapter.kv_adapter import KVAdapter, adapter_format
+from ragkv.adapter.links import FORMAT as LINK_FORMAT
+from ragkv.adapter.links import LinkedModel, LinkRows
 from ragkv.adapter.train import item_ids
 from ragkv.adapter.writer import FORMAT as WRITER_FORMAT
 from ragkv.adapter.writer import WriterLoRA
@@ -152,13 +155,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ratios = [float(r) for r in args.ratios.split(",")]
     conds = [c for c in args.conditions.split(",") if c]
-    adapters, writers, adapter_base = {}, {}, {}
+    adapters, writers, links, adapter_base = {}, {}, {}, {}
     for spec in filter(None, args.adapters.split(",")):
         name, path = spec.split("=", 1)
         path, _, base = path.partition("@")  # PATH@fixed: trained on check (c)'s KV, not iso
         adapter_base[name] = base or "iso"
-        if adapter_format(path) == WRITER_FORMAT:  # a chunk-KV writer: the KV is written through it
+        fmt = adapter_format(path)
+        if fmt == WRITER_FORMAT:  # a chunk-KV writer: the KV is written through it
             writers[name] = WriterLoRA.load(path, model)
+        elif fmt == LINK_FORMAT:  # link rows: its base's KV, the rows after each chunk
+            links[name] = LinkRows.load(path, model)
         else:  # a KV adapter: its base's KV, read through it
             adapters[name] = KVAdapter.load(path, model)
     conds += list(adapter_base)
@@ -196,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             kvs: dict[str, list] = {}
             iso = [compute_chunk_kv(model, c) for c in chunks]
             needed = {c for c, _ in todo}
-            needed |= {adapter_base[c] for c in needed if c in adapters}
-            for c in sorted(needed, key=lambda c: c in adapters):  # the adapters' bases first
+            needed |= {adapter_base[c] for c in needed if c in adapters or c in links}
+            for c in sorted(needed, key=lambda c: c in adapters or c in links):  # their bases first
                 if c == "iso":
                     kvs[c] = iso
                 elif c == "other":
@@ -215,13 +221,14 @@ def main(argv: list[str] | None = None) -> int:
                     kvs[c] = kvs[adapter_base[c]]
             for c, r in todo:
                 kw = dict(prefix_cache=pc, prefix_cache_insert=False, adapter=adapters.get(c))
+                lm, ckv = model, kvs[c]
+                if c in links:  # the prompt with the link rows after each chunk, on the same model
+                    lm, ckv = LinkedModel(model, links[c]), links[c].interleave(kvs[c])
                 if r == 0:
-                    res = prefill(model, prefix, kvs[c], suffix, "reuse", **kw)
+                    res = prefill(lm, prefix, ckv, suffix, "reuse", **kw)
                 else:
-                    res = prefill(
-                        model, prefix, kvs[c], suffix, "blend", schedule=BlendSchedule(ratios=(r,)), **kw
-                    )
-                text = generate(model, res, params).text
+                    res = prefill(lm, prefix, ckv, suffix, "blend", schedule=BlendSchedule(ratios=(r,)), **kw)
+                text = generate(lm, res, params).text
                 rec = {
                     "id": it.id,
                     "cond": c,

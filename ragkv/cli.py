@@ -553,6 +553,7 @@ def _adapter(args: argparse.Namespace) -> int:
     rank = args.rank if args.rank is not None else (8 if args.kind == "writer" else 16)
     cfg = TrainConfig(
         kind=args.kind,
+        num_links=args.links,
         rank=rank,
         alpha=args.alpha,
         epochs=args.epochs,
@@ -564,13 +565,16 @@ def _adapter(args: argparse.Namespace) -> int:
         n_continue=args.continuations,
         blend_ratios=_ratios(args.blend_ratios),
     )
+    size = f"n{args.links}" if args.kind == "link" else f"r{rank}"
     out = (
         Path(args.out)
         if args.out
-        else cache_root() / "adapters" / f"{model.fingerprint[:16]}-{args.kind}-r{rank}.safetensors"
+        else cache_root() / "adapters" / f"{model.fingerprint[:16]}-{args.kind}-{size}.safetensors"
     )
-    what = "chunk-KV writer (LoRA)" if args.kind == "writer" else "KV adapter"
-    print(f"training a rank-{rank} {what} for {args.model} ({model.fingerprint[:12]}) on {device} -> {out}")
+    what = {"writer": f"rank-{rank} chunk-KV writer (LoRA)", "link": f"set of {args.links} link rows"}.get(
+        args.kind, f"rank-{rank} KV adapter"
+    )
+    print(f"training a {what} for {args.model} ({model.fingerprint[:12]}) on {device} -> {out}")
     init = Path(args.init) if args.init else None
     print(main_json(train(model, out, cfg, progress=not args.quiet, init=init)))
     return 0
@@ -666,11 +670,13 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--out", default=None, help="adapter file (default: $RAGKV_CACHE_DIR/adapters/...)")
     ad.add_argument(
         "--kind",
-        choices=["kv", "writer"],
+        choices=["kv", "writer", "link"],
         default="kv",
         help="kv: W-kv, a correction of stored KV where it is read (CPU-trainable); writer: W-full, a LoRA "
-        "on while chunk KV is written, trained through the whole chunk pass (a GPU's job)",
+        "on while chunk KV is written, trained through the whole chunk pass (a GPU's job); link: L, "
+        "learned link rows after each reused chunk, computed at query time (a measured candidate)",
     )
+    ad.add_argument("--links", type=int, default=8, help="link only: rows after each chunk")
     ad.add_argument(
         "--rank",
         type=int,

@@ -136,23 +136,16 @@ class KVAdapter(nn.Module):
         """Read an adapter; refuses a file whose digest differs from ``digest``, a foreign format, a
         shape that does not fit, or (given ``model``) another model's adapter."""
         path = Path(path)
-        spec_dict, tensors = read_adapter_file(path, FORMAT, digest)
-        try:
-            spec = AdapterSpec(**spec_dict)
-        except TypeError as e:
-            raise AdapterError(f"adapter {path.name}: unreadable spec ({e})") from e
-        if model is not None:
+
+        def fits(spec: AdapterSpec, model) -> bool:
             c = model.config
-            check_trained_for(spec.model_fingerprint, model, path)
-            if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+            return (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
                 c.num_layers,
                 c.num_kv_heads,
                 c.head_dim,
-            ):
-                raise AdapterError(f"adapter {path.name}: shape does not fit the model")
-        ad = cls(spec)
-        fill_parameters(ad, ad.state(), tensors, path)
-        return ad
+            )
+
+        return load_adapter_module(cls, path, FORMAT, AdapterSpec, digest, model, fits)
 
     @property
     def identity(self) -> str:
@@ -218,6 +211,27 @@ def read_adapter_file(
     except Exception as e:  # a corrupt header or body
         raise AdapterError(f"adapter {path.name}: unreadable ({e})") from e
     return spec, tensors
+
+
+def load_adapter_module(cls, path: Path, fmt: str, spec_cls: type, digest: str | None, model, fits):
+    """A ``cls`` module read from an adapter file of format ``fmt`` whose spec is a ``spec_cls``; given
+    ``model``, refuses another model's file and one whose shape ``fits(spec, model)`` rejects. The
+    module is frozen and carries the file's digest (:func:`fill_parameters`)."""
+    spec_dict, tensors = read_adapter_file(path, fmt, digest)
+    try:
+        spec = spec_cls(**spec_dict)
+    except TypeError as e:
+        raise AdapterError(f"adapter {path.name}: unreadable spec ({e})") from e
+    if model is not None:
+        check_trained_for(spec.model_fingerprint, model, path)
+        if not fits(spec, model):
+            raise AdapterError(f"adapter {path.name}: shape does not fit the model")
+    try:
+        module = cls(spec)
+    except ValueError as e:  # a spec the class refuses (a writer of rank 0)
+        raise AdapterError(f"adapter {path.name}: {e}") from e
+    fill_parameters(module, module.state(), tensors, path)
+    return module
 
 
 def adapter_format(path: str | Path) -> str | None:

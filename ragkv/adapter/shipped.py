@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 from ragkv.adapter.kv_adapter import AdapterError, KVAdapter, adapter_format
+from ragkv.adapter.links import FORMAT as LINK_FORMAT
 from ragkv.adapter.writer import FORMAT as WRITER_FORMAT
 from ragkv.adapter.writer import WriterLoRA
 
@@ -45,9 +46,16 @@ def shipped_adapter(model, path: Path = MANIFEST) -> KVAdapter | None:
 
 
 def load_adapter(path, model, digest: str | None = None) -> KVAdapter | WriterLoRA:
-    """An adapter file of either kind (its format says which): a KV adapter or a chunk-KV writer."""
-    if adapter_format(path) == WRITER_FORMAT:
+    """An adapter file of either kind (its format says which): a KV adapter or a chunk-KV writer. Link
+    rows (``ragkv adapter train --kind link``) are a measured candidate, not served: refused here."""
+    fmt = adapter_format(path)
+    if fmt == WRITER_FORMAT:
         return WriterLoRA.load(path, model, digest)
+    if fmt == LINK_FORMAT:
+        raise AdapterError(
+            f"{Path(path).name} holds link rows: a candidate measured with eval.bench_adapter, not served "
+            "(docs/ADAPTER.md); serve a KV adapter or a chunk-KV writer"
+        )
     return KVAdapter.load(path, model, digest)
 
 

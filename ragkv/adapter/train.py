@@ -10,7 +10,8 @@
   through the reader rows only; ``writer`` (W-full, :mod:`ragkv.adapter.writer`): chunk KV written by
   the model with a LoRA on, gradients through the reader rows and the whole writer pass. With
   ``blend_ratios`` the student runs the serving blend (the default schedule) at those ratios in turn
-  instead of plain reuse: blend in the loop.
+  instead of plain reuse: blend in the loop. A third kind, ``link`` (L, :mod:`ragkv.adapter.links`):
+  learned link rows after each reused chunk, computed in context; only their embeddings learn.
 * **Loss**: forward KL(teacher || student) over the top-k plus one bucket for the rest of the
   vocabulary, on the last prompt row (weight ``FIRST_WEIGHT``) and every answer row.
 
@@ -31,6 +32,7 @@ import torch
 
 from ragkv.adapter.data import Item, training_set
 from ragkv.adapter.kv_adapter import KVAdapter
+from ragkv.adapter.links import LinkedModel, LinkRows
 from ragkv.adapter.writer import WriterLoRA
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV, BlendSchedule, qpass_rows
 from ragkv.blend.prefill import prefill
@@ -44,12 +46,13 @@ FIRST_WEIGHT = 3.0
 MAX_ANSWER = 16
 
 
-KINDS = ("kv", "writer")
+KINDS = ("kv", "writer", "link")
 
 
 @dataclass
 class TrainConfig:
-    kind: str = "kv"  # "kv": W-kv (reads stored KV); "writer": W-full (writes chunk KV)
+    kind: str = "kv"  # "kv": W-kv (reads stored KV); "writer": W-full (writes chunk KV); "link": L
+    num_links: int = 8  # link only: rows after each chunk
     rank: int = 16
     alpha: float = 16.0  # writer only: LoRA scale alpha / rank
     steps_per_epoch: int | None = None  # None: every item once per epoch
@@ -162,19 +165,28 @@ def student_logp(
     head,
     chunk_kvs: list,
     schedule: BlendSchedule | None = None,
+    links: LinkRows | None = None,
 ) -> torch.Tensor:
     """Log-probs ``[rows, vocab]`` of the student (reuse of ``chunk_kvs``, ``(k, v)`` pairs, read through
     ``adapter`` when given) on the loss rows. With a ``schedule`` (blend in the loop) the serving blend
     runs instead: the question pass picks the reused rows to recompute (no gradient: a discrete choice,
     as served), then those rows, the question and the answer go through every layer with the chunk
-    offsets, the gradient reaching the adapter through all of them."""
-    n_head, n_chunks = len(ex.prefix), sum(map(len, ex.chunks))
-    ids = ex.prefix + [t for c in ex.chunks for t in c] + ex.suffix + ex.answer[:-1]
+    offsets, the gradient reaching the adapter through all of them. With ``links`` their rows follow
+    every chunk, computed (the gradient reaching their embeddings)."""
+    ids, classes = list(ex.prefix), [EXACT] * len(ex.prefix)
+    for c in ex.chunks:
+        ids += c
+        classes += [REUSED] * len(c)
+        if links is not None:
+            ids += links.ids
+            classes += [COMPUTED] * len(links.ids)
+    ids += ex.suffix + ex.answer[:-1]
     n = len(ids)
     rc = torch.full((n,), COMPUTED, dtype=torch.long)
-    rc[:n_head] = EXACT
-    rc[n_head : n_head + n_chunks] = REUSED
-    stored_rows = torch.arange(n_head + n_chunks)
+    rc[: len(classes)] = torch.tensor(classes, dtype=torch.long)
+    stored_rows = (rc != COMPUTED).nonzero().flatten()
+    if links is not None:
+        model = LinkedModel(model, links)
     src = _Stored(head, chunk_kvs, adapter, model.dtype)
     token_ids = torch.tensor(ids, device=model.device)
     if schedule is not None and schedule.selector != "qpass":
@@ -295,6 +307,8 @@ def train(
         raise ValueError(f"unknown adapter kind {cfg.kind!r} (one of {', '.join(KINDS)})")
     if cfg.kind == "writer":
         adapter = WriterLoRA.for_model(model, cfg.rank, cfg.alpha, cfg.seed).to(model.device)
+    elif cfg.kind == "link":
+        adapter = LinkRows.for_model(model, cfg.num_links, cfg.seed).to(model.device)
     else:
         adapter = KVAdapter.for_model(model, cfg.rank, cfg.seed).to(model.device)
     init_digest = None
@@ -346,9 +360,11 @@ def train(
                 reader = None
             else:
                 kvs = [(kv.k, kv.v) for kv in map(chunks.get, ex.chunks)]
-                reader = adapter
+                reader = adapter if cfg.kind == "kv" else None
             schedule = cfg.schedule(step * cfg.batch + j)
-            loss = kl_loss(student_logp(model, reader, ex, heads[key], kvs, schedule), ex) / len(batch)
+            links = adapter if cfg.kind == "link" else None
+            logp = student_logp(model, reader, ex, heads[key], kvs, schedule, links)
+            loss = kl_loss(logp, ex) / len(batch)
             loss.backward()
             loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -22,11 +22,8 @@ import torch
 from torch import nn
 
 from ragkv.adapter.kv_adapter import (
-    AdapterError,
     adapter_identity,
-    check_trained_for,
-    fill_parameters,
-    read_adapter_file,
+    load_adapter_module,
     write_adapter_file,
 )
 from ragkv.model.forward import packed_chunk_kv_rows
@@ -125,13 +122,8 @@ class WriterLoRA(nn.Module):
         """Read a writer; refuses a file whose digest differs from ``digest``, a foreign format, a shape
         that does not fit, or (given ``model``) another model's writer."""
         path = Path(path)
-        spec_dict, tensors = read_adapter_file(path, FORMAT, digest)
-        try:
-            spec = WriterSpec(**spec_dict)
-        except TypeError as e:
-            raise AdapterError(f"adapter {path.name}: unreadable spec ({e})") from e
-        if model is not None:
-            check_trained_for(spec.model_fingerprint, model, path)
+
+        def fits(spec: WriterSpec, model) -> bool:
             c = model.config
             shape = (
                 c.num_layers,
@@ -139,13 +131,9 @@ class WriterLoRA(nn.Module):
                 c.num_heads * c.head_dim,
                 c.num_kv_heads * c.head_dim,
             )
-            if (spec.num_layers, spec.hidden, spec.q_width, spec.kv_width) != shape:
-                raise AdapterError(f"adapter {path.name}: shape does not fit the model")
-        if spec.rank < 1:
-            raise AdapterError(f"adapter {path.name}: rank {spec.rank}")
-        w = cls(spec)
-        fill_parameters(w, w.state(), tensors, path)
-        return w
+            return (spec.num_layers, spec.hidden, spec.q_width, spec.kv_width) == shape
+
+        return load_adapter_module(cls, path, FORMAT, WriterSpec, digest, model, fits)
 
     @property
     def identity(self) -> str:
