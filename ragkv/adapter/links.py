@@ -117,5 +117,15 @@ class LinkedModel:
         e = self.links.emb.to(h.device, h.dtype)[(ids - self._vocab).clamp(0, self.links.spec.num_links - 1)]
         return torch.where(link.unsqueeze(-1), e, h)
 
+    @property
+    def blend_ok(self) -> bool | None:
+        """The blending gate's state is the model's (the link rows change no layer): read and set there,
+        so the gate runs once per model, not once per wrapper."""
+        return self.base.blend_ok
+
+    @blend_ok.setter
+    def blend_ok(self, value: bool | None) -> None:
+        self.base.blend_ok = value
+
     def __getattr__(self, name):
         return getattr(self.base, name)

@@ -46,7 +46,9 @@ def test_the_students_link_rows_are_the_served_prompts(ratio):
     links = _links(m)
     lm = LinkedModel(m, links)
     mode, kw = ("reuse", {}) if ratio == 0 else ("blend", {"schedule": BlendSchedule(ratios=(ratio,))})
+    assert m.blend_ok is None
     served = prefill(lm, pre, links.interleave(kvs), suf, mode, **kw)
+    assert m.blend_ok and LinkedModel(m, links).blend_ok  # the gate ran once, for the model itself
     assert served.stats["num_reused_rows"] == sum(map(len, chunks))
     answer = [int(served.logits.argmax()), 5, 9]
     ex = Example(pre, chunks, suf, answer, torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2))
@@ -102,7 +104,7 @@ def test_training_link_rows_lowers_the_kl_to_full_prefill(tmp_path):
     cfg = TrainConfig(kind="link", num_links=2, epochs=6, batch=2, lr=5e-2, save_every=3)
     s = train(m, tmp_path / "l.safetensors", cfg, items=items, progress=False)
     trained = LinkRows.load(tmp_path / "l.safetensors", m, digest=s["sha256"])
-    assert s["kind"] == "link" and trained.spec.num_links == 2
+    assert s["kind"] == "link" and s["links"] == 2 and s["rank"] is None and trained.spec.num_links == 2
     assert kl_of(trained) < kl_of(LinkRows.for_model(m, 2))
 
 
