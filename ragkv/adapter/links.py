@@ -61,7 +61,7 @@ class LinkRows(nn.Module):
         self.emb = nn.Parameter(base.expand(spec.num_links, -1).clone() + noise)
 
     @classmethod
-    def for_model(cls, model, num_links: int = 4, seed: int = 0) -> LinkRows:
+    def for_model(cls, model, num_links: int = 8, seed: int = 0) -> LinkRows:
         c = model.config
         spec = LinkSpec(num_links, model.embed_w.shape[1], c.vocab_size, model.fingerprint)
         return cls(spec, model.embed_w.float().mean(0), seed)
