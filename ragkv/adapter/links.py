@@ -47,9 +47,6 @@ class LinkSpec:
 class LinkRows(nn.Module):
     """``num_links`` trained input embeddings, started at the mean token embedding (small noise apart)."""
 
-    #: read at query time only: the stored chunk KV is the model's own
-    writes_kv = False
-
     def __init__(self, spec: LinkSpec, init: torch.Tensor | None = None, seed: int = 0):
         super().__init__()
         if spec.num_links < 1:
