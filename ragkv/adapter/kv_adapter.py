@@ -52,6 +52,10 @@ class KVAdapter(nn.Module):
     #: it corrects stored KV where it is read; the KV it reads is the base model's
     writes_kv = False
 
+    def kv_fingerprint(self, base) -> str:
+        """The fingerprint of the chunk KV it reads: the base model's own (it writes none)."""
+        return base.fingerprint
+
     def __init__(self, spec: AdapterSpec, seed: int = 0):
         super().__init__()
         self.spec = spec

@@ -77,7 +77,7 @@ def kv_model(model, adapter):
     """The model that writes (and names) chunk KV for an owner with ``adapter``: a writer's
     :class:`~ragkv.adapter.writer.WriterModel`, else ``model`` itself. A writer still being trained
     (trainable parameters: its KV could not be named) is refused."""
-    if not getattr(adapter, "writes_kv", False):
+    if adapter is None or not adapter.writes_kv:
         return model
     if adapter.trainable:
         raise AdapterError(

@@ -14,7 +14,7 @@ import torch
 
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, PrefillResult, selective_prefill
 from ragkv.blend.prefix_cache import PrefixCache
-from ragkv.blend.source import LayerSource
+from ragkv.blend.source import ChunkKVAdapter, LayerSource
 from ragkv.defaults import DEFAULT_RATIO
 from ragkv.kv.chunk import ChunkKV
 
@@ -57,7 +57,7 @@ def assemble(
     prefix_cache_insert: bool = True,
     preselected: Sequence[int] | None = None,
     offset_oracle: Callable | None = None,
-    adapter=None,
+    adapter: ChunkKVAdapter | None = None,
 ) -> PrefillResult:
     """Prefill the assembled prompt in ``mode`` (no gate: see :func:`ragkv.blend.prefill.prefill`).
 
@@ -65,10 +65,10 @@ def assemble(
     KV: computed), or any object with ``token_ids``, ``num_tokens`` and ``layer_kv(l)`` (a store
     reference whose layers are loaded lazily). ``source_factory(pieces)`` builds the per-layer KV
     source (default: sequential; ``ragkv.blend.pipeline.PipelinedSource`` overlaps loading).
-    ``adapter``: a KV adapter (:class:`ragkv.adapter.kv_adapter.KVAdapter`, anything with
-    ``wrap_source(source, start)`` and ``identity``) through which every REUSED chunk's stored KV is
-    read; the exact head's rows and the rows the blend recomputes never see it. A chunk-KV writer
-    (``writes_kv``) reads its KV as stored, and only KV it wrote passes the fingerprint check. ``preselected`` (prompt rows) and ``offset_oracle``: diagnostics of
+    ``adapter``: a :class:`~ragkv.blend.source.ChunkKVAdapter` through which every REUSED chunk's
+    stored KV is read; the exact head's rows and the rows the blend recomputes never see it. Stored KV
+    must carry ``adapter.kv_fingerprint(model)``: a chunk-KV writer's KV is its own and read as stored.
+    ``preselected`` (prompt rows) and ``offset_oracle``: diagnostics of
     :func:`ragkv.blend.core.selective_prefill` (blend mode only).
     """
     if mode not in MODES:
@@ -81,7 +81,7 @@ def assemble(
         log.warning("%s (%s)", fallback, model.name)
         mode = "full"
     # stored KV is the model's own, or a chunk-KV writer's when the adapter is one (its fingerprint)
-    kv_fp = adapter.kv_fingerprint(model) if getattr(adapter, "writes_kv", False) else model.fingerprint
+    kv_fp = model.fingerprint if adapter is None else adapter.kv_fingerprint(model)
     for c in chunks:
         if isinstance(c, ChunkKV):
             c.check_compatible(kv_fp, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)

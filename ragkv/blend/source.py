@@ -18,6 +18,25 @@ class KVPiece(Protocol):
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class ChunkKVAdapter(Protocol):
+    """What the blend reads of an adapter (:class:`ragkv.adapter.kv_adapter.KVAdapter`, the chunk-KV
+    writer :class:`ragkv.adapter.writer.WriterLoRA`): declared here, below both, so that the blend and
+    the plan ask the adapter itself instead of guessing from its type."""
+
+    #: its name in reports, plans and stored keys
+    identity: str
+    #: True for a writer: the stored chunk KV is its own (a store of its own), read as stored
+    writes_kv: bool
+
+    def kv_fingerprint(self, base) -> str:
+        """The fingerprint stored chunk KV must carry to be read with this adapter over ``base``."""
+        ...
+
+    def wrap_source(self, source, start: int):
+        """``source`` with this adapter applied to the reused rows, which begin at prompt row ``start``."""
+        ...
+
+
 #: ``transform(layer, k, v) -> (k, v)``: what a source applies to every layer it reads (a KV adapter)
 RowsTransform = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -70,11 +70,10 @@ def plan_blend(
     ``default_ratio``, ``owner_schedule``: its owner's defaults (``fidelity`` None: the gate's default
     setting, ``"floor"``); ``adapter``: the owner's KV adapter (rule 6). The rule is the module docstring's."""
     plan = _plan(model, mode, ratio, schedule, fidelity, default_mode, default_ratio, owner_schedule, adapter)
-    writes_kv = getattr(adapter, "writes_kv", False)
     if (
         adapter is not None
         and plan.adapter is None
-        and (writes_kv or (plan.outside_gate and adapter_outside_gate))
+        and (adapter.writes_kv or (plan.outside_gate and adapter_outside_gate))
     ):
         plan = dataclasses.replace(plan, adapter=adapter)  # a writer's KV is the only stored KV there is
     return plan
@@ -113,9 +112,7 @@ def _plan(
     if adapter is not None:
         with_adapter = operating_point(model, fidelity, adapter=adapter.identity)
         # a chunk-KV writer's KV is all that is stored: the pair's report alone says where to run
-        if getattr(adapter, "writes_kv", False) or GATE.adapter_wins(
-            model.name, op, with_adapter, adapter.identity
-        ):
+        if adapter.writes_kv or GATE.adapter_wins(model.name, op, with_adapter, adapter.identity):
             op, use = with_adapter, adapter
     if op.mode == "blend":
         return BlendPlan("blend", float(op.ratio), None, op, use)

@@ -55,6 +55,30 @@ def test_writer_kv_is_named_as_the_writers_and_ratio_one_still_equals_full():
     assert float((reuse.logits - plain.logits).abs().max()) > 1e-3  # the writer does act on reuse
 
 
+def test_each_adapter_kind_names_the_stored_kv_it_reads():
+    """The blend asks the adapter which stored KV it reads (``kv_fingerprint``, ``writes_kv``: the
+    :class:`~ragkv.blend.source.ChunkKVAdapter` interface): a KV adapter reads the model's own KV and
+    refuses a writer's; a writer reads only the KV it wrote."""
+    from ragkv.kv.chunk import KVMismatchError
+
+    m = random_model("llama", seed=7, init_std=0.1)
+    pre, chunks, suf = _prompt(m)
+    ad, w = KVAdapter.for_model(m, 4), _randomized(m)
+    assert (ad.writes_kv, ad.kv_fingerprint(m)) == (False, m.fingerprint)
+    assert w.writes_kv and w.kv_fingerprint(m) != m.fingerprint
+    own = [compute_chunk_kv(m, c) for c in chunks]
+    written = [compute_chunk_kv(w.model(m), c) for c in chunks]
+    plain = prefill(m, pre, own, suf, "reuse")
+    assert torch.equal(prefill(m, pre, own, suf, "reuse", adapter=ad).logits, plain.logits)
+    via_writer = prefill(m, pre, written, suf, "reuse", adapter=w)
+    assert via_writer.stats["adapter"] == w.identity
+    assert float((via_writer.logits - plain.logits).abs().max()) > 1e-3  # its own KV, not the model's
+    with pytest.raises(KVMismatchError):
+        prefill(m, pre, written, suf, "reuse", adapter=ad)
+    with pytest.raises(KVMismatchError):
+        prefill(m, pre, own, suf, "reuse", adapter=w)
+
+
 def test_the_gradient_reaches_the_writer_through_the_whole_chunk_pass():
     m = random_model("llama", seed=7, init_std=0.1)
     ids = _prompt(m)[1][0]
