@@ -22,6 +22,7 @@ with time left, one JSON line at the end (the CLI prints it).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import time
@@ -47,6 +48,8 @@ MAX_ANSWER = 16
 
 
 KINDS = ("kv", "writer", "link")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -332,11 +335,16 @@ def train(
         same_student = (
             st.get("student_context", []) == list(student_context or ()) and st.get("init") == init_digest
         )
-        if st["config"] == asdict(cfg) and st["fingerprint"] == model.fingerprint and same_student:
+        if same_config(st["config"], cfg) and st["fingerprint"] == model.fingerprint and same_student:
             adapter.load_state_dict(st["adapter"])
             opt.load_state_dict(st["opt"])
             sched.load_state_dict(st["sched"])
             step, curve = st["step"], st["curve"]
+        else:
+            log.warning(
+                "%s is another run's checkpoint (config, model or student differ): starting at step 0", ckpt
+            )
+    resumed_from = step
     order_rng = random.Random(cfg.seed)
     orders = [order_rng.sample(range(len(examples)), len(examples)) for _ in range(cfg.epochs)]
     flat = [i for o in orders for i in o]
@@ -403,12 +411,19 @@ def train(
         "skipped_too_long": too_long,
         "kinds": {k: sum(e.kind == k for e in examples) for k in ("facts", "real", "continue")},
         "steps": total,
+        "resumed_from": resumed_from,
         "loss_first": sum(curve[:10]) / max(1, len(curve[:10])),
         "loss_last": sum(curve[-10:]) / max(1, len(curve[-10:])),
         "teacher_s": round(t_teacher, 1),
         "train_s": round(time.perf_counter() - t_train, 1),
         "curve": [round(x, 4) for x in curve],
     }
+
+
+def same_config(saved: dict, cfg: TrainConfig) -> bool:
+    """Whether a checkpoint's config is ``cfg``'s: a field the checkpoint lacks (added to
+    :class:`TrainConfig` after it was written) counts as its default, which is what that run used."""
+    return {**asdict(TrainConfig()), **saved} == asdict(cfg)
 
 
 def _as_stored(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -211,6 +211,31 @@ def test_a_primed_student_is_trained_on_kv_written_after_its_context_and_resumes
     assert again["sha256"] == primed["sha256"]
 
 
+@pytest.mark.slow
+def test_a_checkpoint_written_before_a_config_field_existed_resumes_and_another_runs_does_not(
+    tmp_path, caplog
+):
+    """A field added to ``TrainConfig`` later (``num_links``) is missing from older checkpoints: they
+    resume as their defaults' run; a checkpoint of another config starts over, with a warning."""
+    m = stories_model()
+    items = _items()
+    cfg = TrainConfig(rank=2, epochs=1, batch=2, lr=2e-2, save_every=1)
+    first = train(m, tmp_path / "a.safetensors", cfg, items=items, progress=False)
+    assert first["resumed_from"] == 0
+    ckpt = tmp_path / "a.ckpt.pt"
+    st = torch.load(ckpt, weights_only=False)
+    del st["config"]["num_links"]  # as written before the field existed
+    torch.save(st, ckpt)
+    again = train(m, tmp_path / "a.safetensors", cfg, items=items, progress=False)
+    assert again["resumed_from"] == again["steps"] and again["sha256"] == first["sha256"]
+    st["config"]["lr"] = 1e-3  # another run's checkpoint at this path
+    torch.save(st, ckpt)
+    with caplog.at_level(logging.WARNING, logger="ragkv.adapter.train"):
+        other = train(m, tmp_path / "a.safetensors", cfg, items=items, progress=False)
+    assert other["resumed_from"] == 0 and other["sha256"] == first["sha256"]
+    assert "another run's checkpoint" in caplog.text
+
+
 # ---- the gate decides where an adapter is used --------------------------------------------------------
 def _pair_reports(model, adapter):
     """The model's own report (floor -> exact) and the (model, adapter) pair's (blend@0.5 meets it)."""
