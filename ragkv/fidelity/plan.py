@@ -34,6 +34,7 @@ import dataclasses
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.plan import AUTO, BlendPlan, BlendPlanError, rebase
 from ragkv.blend.prefill import MODES, UnknownModeError
+from ragkv.blend.source import ChunkKVAdapter
 from ragkv.fidelity.choose import GATE, explicit_point, operating_point
 
 __all__ = ["AUTO", "BlendPlan", "BlendPlanError", "plan_blend"]
@@ -61,7 +62,7 @@ def plan_blend(
     default_mode: str = "blend",
     default_ratio: float | str | None = None,
     owner_schedule: BlendSchedule | None = None,
-    adapter=None,
+    adapter: ChunkKVAdapter | None = None,
     adapter_outside_gate: bool = False,
 ) -> BlendPlan:
     """The one resolution of a request's (mode, ratio, schedule, fidelity) into a :class:`BlendPlan`.
