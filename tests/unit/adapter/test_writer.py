@@ -114,6 +114,14 @@ def test_writer_file_round_trip_and_trust_checks(tmp_path):
         WriterLoRA.load(tmp_path / "kv.safetensors", m)
     with pytest.raises(AdapterError, match="not a ragkv-kv-adapter"):
         KVAdapter.load(path, m)
+    # a spec the writer cannot be built from is a clear AdapterError, never a bare TypeError/ValueError
+    from ragkv.adapter.kv_adapter import write_adapter_file
+    from ragkv.adapter.writer import FORMAT
+
+    for bad, why in (({**w.spec.__dict__, "rank": 0}, "rank >= 1"), ({"rank": 2}, "unreadable spec")):
+        write_adapter_file(tmp_path / "bad.safetensors", FORMAT, bad, w.state(), None)
+        with pytest.raises(AdapterError, match=why):
+            WriterLoRA.load(tmp_path / "bad.safetensors", m)
 
 
 @pytest.mark.slow
