@@ -62,7 +62,10 @@ def warm_prefix_cache(model, cache: PrefixCache, prefix: list[int], chunks: list
     A head that is entirely cached is not prefilled again: nothing would be computed (and the
     runtime expects at least one computed row).
     """
-    if len(cache.lookup(model.fingerprint, [prefix, *chunks])) < 1 + len(chunks):
+    want = len(prefix) + sum(map(len, chunks))
+    m = cache.match(model, [t for seg in [prefix, *chunks] for t in seg])
+    cache.release(m)
+    if m.tokens < want:
         prefill(model, prefix, chunks, [], "prefix", prefix_cache=cache)
 
 

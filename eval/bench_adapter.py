@@ -43,8 +43,8 @@ from ragkv.adapter.train import item_ids
 from ragkv.adapter.writer import FORMAT as WRITER_FORMAT
 from ragkv.adapter.writer import WriterLoRA
 from ragkv.blend.core import BlendSchedule
+from ragkv.blend.kvtree import PrefixCache
 from ragkv.blend.prefill import prefill
-from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.fidelity.measure import bootstrap_ci, load_calibration_set
 from ragkv.generate import SamplingParams, generate
 from ragkv.kv.chunk import ChunkKV

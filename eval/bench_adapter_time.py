@@ -28,9 +28,9 @@ from ragkv.adapter.kv_adapter import KVAdapter
 from ragkv.adapter.shipped import shipped_adapter
 from ragkv.adapter.train import item_ids
 from ragkv.blend.core import BlendSchedule
+from ragkv.blend.kvtree import PrefixCache
 from ragkv.blend.pipeline import pipelined_factory
 from ragkv.blend.prefill import prefill
-from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.fidelity.measure import bootstrap_ci
 from ragkv.kv.compute import compute_chunk_kv
 from ragkv.model import DEFAULT_MODEL, load_model

@@ -90,9 +90,9 @@ def _demo(args) -> int:
         rag.answer(questions[0]["question"], mode="blend", max_new_tokens=1)
         # ...but no question's chunks stay cached as an exact prefix (that would flatter exact
         # prefill on the first question): only the prompt head is kept, as after any first request
-        llm.prefix_cache.clear()
+        llm.kv_tree.clear()
         head, _ = rag.prompt_parts(questions[0]["question"])
-        prefill(m, head, [], [], "prefix", prefix_cache=llm.prefix_cache)
+        prefill(m, head, [], [], "prefix", prefix_cache=llm.kv_tree)
     for i, q in enumerate(questions):
         recs = rag.prompt(q["question"], max_new_tokens=args.max_new_tokens).chunks  # retrieve + fit
         runs: dict[str, list] = {"full": [], "blend": []}

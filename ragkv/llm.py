@@ -13,7 +13,7 @@ import torch
 from ragkv.adapter.shipped import AUTO_ADAPTER, check_kv_source, kv_model, resolve_adapter
 from ragkv.blend.core import BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, ensure_gate, gate_report
-from ragkv.blend.prefix_cache import PrefixCache
+from ragkv.blend.kvtree import KVTree
 from ragkv.blend.resolver import ChunkResolver
 from ragkv.fidelity import OperatingPoint, parse_fidelity
 from ragkv.fidelity.plan import BlendPlan, plan_blend
@@ -44,7 +44,9 @@ class LLM:
     """A model plus its chunk-KV cache: ``generate(prefix, chunks, question, mode=..., ratio=...)``.
 
     ``store``: a ``ragkv.store`` chunk store that computed chunk KV is written to (a cache its owner
-    manages); chunk KV is also kept in an in-process LRU of ``cache_bytes``.
+    manages), and the store tier of the exact KV tree (``kv_tree``: every exact prefill's KV, reused by
+    longest token prefix, :mod:`ragkv.blend.kvtree`; its RAM budget is half of ``cache_bytes``); chunk
+    KV is also kept in an in-process LRU of ``cache_bytes``.
 
     ``fidelity``: how ``mode="blend"`` without a ratio runs (``ragkv.fidelity``): ``"floor"`` (the
     default: the cheapest point of the model's fidelity report that changes no more answers than a
@@ -66,6 +68,7 @@ class LLM:
         device: str = "cpu",
         store=None,
         cache_bytes: int = 2 << 30,
+        kv_tree: KVTree | None = None,
         self_check_on_load: bool = True,
         attention: str = "fp16",
         schedule: BlendSchedule | None = None,
@@ -80,7 +83,8 @@ class LLM:
         self.kv_model = kv_model(self.model, self.adapter)
         self.attention = attention
         self.schedule = schedule
-        self.prefix_cache = PrefixCache(max_bytes=cache_bytes // 4)
+        #: the exact KV tree every exact prefill of this model reuses (RAM, then ``store``'s pages)
+        self.kv_tree = kv_tree if kv_tree is not None else KVTree(max_bytes=cache_bytes // 2, store=store)
         #: where chunk KV comes from (passed in, or one over ``store``); a :class:`ragkv.RAG` answers
         #: with a view of this LLM over its own resolver (:meth:`with_resolver`)
         self.resolver = resolver or ChunkResolver(
@@ -175,9 +179,7 @@ class LLM:
             located = self.resolver.locate(pre + q)
             if located is not None:
                 pre, items, q = located
-        res = self.resolver.prefill(
-            pre, items, q, plan, prefix_cache=self.prefix_cache, probe_suffix=probe_suffix
-        )
+        res = self.resolver.prefill(pre, items, q, plan, prefix_cache=self.kv_tree, probe_suffix=probe_suffix)
         if located is not None:
             res.stats["located_chunks"] = sum(not isinstance(it, list) for it in items)
         res.stats["fidelity"] = plan.stats()

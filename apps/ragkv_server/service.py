@@ -726,7 +726,7 @@ def build_generator(s: Settings, rag: RAG):
             adapter=s.adapter,
             scheduler=SchedulerConfig(max_num_seqs=s.engine_max_seqs, max_queue=max(1, s.max_queue)),
         )
-        return EngineGenerator(Engine(rag.model, cfg, resolver=rag.resolver))
+        return EngineGenerator(Engine(rag.model, cfg, resolver=rag.resolver, kv_tree=rag.llm.kv_tree))
     from ragkv.remote.client import VllmClient, VllmGenerator
 
     if rag.resolver.model is not rag.model:  # a chunk-KV writer: the connector writes chunk KV itself

@@ -99,15 +99,18 @@ def attention(
                     for idx, stop in zip(groups, stops, strict=True)
                 ]
             )
+    if causal_contiguous and sliding_window is None:
+        # a whole causal square (full prefill, chunk KV, a blend that recomputes every row): the
+        # split-invariant kernel, so that it equals an exact pass after any cached prefix bit for bit
+        from ragkv.attention.exact import exact_attention
+
+        return exact_attention(q, k, v, 0, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     kh = k.transpose(0, 1).unsqueeze(0)
     vh = v.transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != k.shape[1]
-    if causal_contiguous and sliding_window is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        mask = position_mask(q_pos, k_pos, sliding_window)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    mask = position_mask(q_pos, k_pos, sliding_window)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
 

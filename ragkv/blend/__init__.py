@@ -10,8 +10,8 @@ from ragkv.blend.core import (
     PromptKV,
     selective_prefill,
 )
+from ragkv.blend.kvtree import KVTree, PrefixCache
 from ragkv.blend.prefill import MODES, UnknownModeError, prefill
-from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.blend.resolver import ChunkNotFoundError, ChunkResolver
 from ragkv.blend.source import LayerSource
 
@@ -26,6 +26,7 @@ __all__ = [
     "BlendSchedule",
     "LayerSource",
     "PrefillResult",
+    "KVTree",
     "PrefixCache",
     "PromptKV",
     "UnknownModeError",

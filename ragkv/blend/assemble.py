@@ -13,10 +13,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, PrefillResult, selective_prefill
-from ragkv.blend.prefix_cache import PrefixCache
+from ragkv.blend.exact import exact_prefill
+from ragkv.blend.kvtree import KVTree
 from ragkv.blend.source import ChunkKVAdapter, LayerSource
 from ragkv.defaults import DEFAULT_RATIO
 from ragkv.kv.chunk import ChunkKV
+from ragkv.model.forward import exact_supported
 
 log = logging.getLogger("ragkv.blend")
 
@@ -51,7 +53,7 @@ def assemble(
     ratio: float = DEFAULT_RATIO,
     *,
     schedule: BlendSchedule | None = None,
-    prefix_cache: PrefixCache | None = None,
+    prefix_cache: KVTree | None = None,
     source_factory: Callable[[list], LayerSource] | None = None,
     probe_suffix: bool = False,
     prefix_cache_insert: bool = True,
@@ -96,13 +98,51 @@ def assemble(
         raise ValueError("empty prompt: no prefix, chunks or question")
     model.check_length(len(all_ids))
 
+    probe = None
+    if probe_suffix and suffix_ids:
+        probe = torch.arange(len(all_ids) - len(suffix_ids), len(all_ids))
+    exact_ok = exact_supported(model)
+    if mode in ("full", "prefix") and exact_ok:
+        # the exact modes: the KV tree's longest cached prefix (``prefix``; ``full`` reuses nothing),
+        # the rest computed split-invariantly, nodes ending at the prefix's and each chunk's end
+        ends, pos = [], 0
+        for seg in segments:
+            pos += len(seg)
+            ends.append(pos)
+        res = exact_prefill(
+            model,
+            all_ids,
+            prefix_cache if mode == "prefix" else None,
+            boundaries=ends,
+            probe_rows=probe,
+            insert=prefix_cache_insert,
+        )
+        res.stats.update(
+            mode=mode,
+            ratio=1.0 if mode == "full" else 0.0,
+            num_chunks=len(chunks),
+            num_head_segments_cached=sum(e <= res.stats["cached_tokens"] for e in ends),
+            fallback=fallback,
+            adapter=None,
+            t_total_s=time.perf_counter() - t0,
+        )
+        return res
+
     # segment objects in prompt order: the prefix (no stored chunk KV) then the chunks
     seg_items = ([None] if prefix_ids else []) + list(chunks)
     head: list = []
-    if mode == "prefix" and prefix_cache is not None:
-        head = prefix_cache.lookup(model.fingerprint, segments)
-    elif mode in ("reuse", "blend") and prefix_cache is not None and prefix_ids:
-        head = prefix_cache.lookup(model.fingerprint, [prefix_ids])
+    if mode in ("reuse", "blend") and prefix_cache is not None and prefix_ids and exact_ok:
+        # the instruction prefix's exact rows from the tree (computed and inserted first if missing)
+        match = prefix_cache.match(model, prefix_ids)
+        try:
+            if match.tokens < len(prefix_ids):
+                prefix_cache.release(match)
+                exact_prefill(model, prefix_ids, prefix_cache, insert=prefix_cache_insert)
+                match = prefix_cache.match(model, prefix_ids)
+            if match.tokens == len(prefix_ids):
+                head = [match.piece()]
+        finally:
+            prefix_cache.release(match)
     n_head_cached = len(head)
     classes: list[int] = []
     pieces: list = list(head)
@@ -127,19 +167,6 @@ def assemble(
         if adapter is not None and len(pieces) > n_head_cached:  # the reused rows follow the exact head
             source = adapter.wrap_source(source, sum(len(s) for s in segments[:n_head_cached]))
     ids = torch.tensor(all_ids, dtype=torch.long)
-    probe = None
-    if probe_suffix and suffix_ids:
-        probe = torch.arange(len(all_ids) - len(suffix_ids), len(all_ids))
-    # What to cache for next time: in `prefix` mode the whole computed head (prefix + chunks, exact);
-    # in `reuse`/`blend` the instruction prefix alone (its rows come first, so they are computed
-    # exactly whatever the chunks' KV is), so no mode recomputes an exact prefix twice.
-    insert_segments: list[list[int]] = []
-    if prefix_cache is not None and prefix_cache_insert:
-        if mode == "prefix":
-            insert_segments = segments
-        elif mode in ("reuse", "blend") and prefix_ids and n_head_cached == 0:
-            insert_segments = [prefix_ids]
-    n_insert = sum(len(s) for s in insert_segments)
     res = selective_prefill(
         model,
         ids,
@@ -147,13 +174,9 @@ def assemble(
         source,
         schedule,
         probe_rows=probe,
-        keep_pre_rope=n_insert,
         preselected=torch.as_tensor(list(preselected), dtype=torch.long) if preselected is not None else None,
         offset_oracle=offset_oracle,
     )
-    if insert_segments:
-        prefix_cache.insert(model.fingerprint, insert_segments, res.kv.k_pre, res.kv.v)
-        res.kv.k_pre = None
     res.stats.update(
         mode=mode,
         ratio=schedule.target_ratio if schedule else (1.0 if mode == "full" else 0.0),

@@ -23,7 +23,7 @@ from ragkv.blend import (
     MODES,
     BlendSchedule,
     ChunkResolver,
-    PrefixCache,
+    KVTree,
     UnknownModeError,
     prefill,
 )
@@ -83,7 +83,12 @@ class Engine:
     """Continuous-batching RAG engine over paged KV; see the module docstring."""
 
     def __init__(
-        self, model, config: EngineConfig | None = None, store=None, resolver: ChunkResolver | None = None
+        self,
+        model,
+        config: EngineConfig | None = None,
+        store=None,
+        resolver: ChunkResolver | None = None,
+        kv_tree: KVTree | None = None,
     ):
         if isinstance(model, str):
             from ragkv.model import load_model
@@ -114,7 +119,8 @@ class Engine:
         self.resolver = resolver or ChunkResolver(self.kv_model, store)
         check_kv_source(self.resolver, self.kv_model)
         self.fetcher = KVFetcher(self.resolver, cfg.compute_missing)
-        self.prefix_cache = PrefixCache(max_bytes=256 << 20)
+        #: the exact KV tree (an LLM's or a RAG's when given: one tree per model for every route)
+        self.kv_tree = kv_tree if kv_tree is not None else KVTree(max_bytes=256 << 20, store=store)
         self.bff_stats, self.cff_stats = FusionStats("bff"), FusionStats("cff")
         self._salt = f"{model.fingerprint}|{cfg.attention}"
         self._lock = threading.RLock()  # held by step(): the engine state is single-threaded
@@ -347,7 +353,7 @@ class Engine:
                 r.resolved,
                 r.question + r.output_ids,
                 **r.plan.prefill_args(),
-                prefix_cache=self.prefix_cache,
+                prefix_cache=self.kv_tree,
             )
             n = res.kv.num_tokens
             keys = self._keys(r, n if res.stats.get("num_reused_rows", 0) == 0 else len(r.prefix))

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from ragkv.blend.core import BlendSchedule
+from ragkv.blend.kvtree import KVTree
 from ragkv.blend.prefill import prefill
-from ragkv.blend.prefix_cache import PrefixCache
 from ragkv.fidelity.choose import RECALL_SLACK, schedule_key
 from ragkv.fidelity.report import (
     CALIBRATION_SET,
@@ -95,7 +95,7 @@ class Measurer:
         self.adapter = None if self.writer is not None else adapter
         self.schedule = schedule or BlendSchedule()
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-        self.prefix_cache = PrefixCache(max_bytes=1 << 28)
+        self.prefix_cache = KVTree(max_bytes=1 << 28)
 
     def _timed(self, prefix, items, suffix, mode: str, ratio: float | None):
         kw: dict = {}
@@ -126,7 +126,9 @@ class Measurer:
             kvs = [compute_chunk_kv(self.writer.model(m), c, m.fingerprint) for c in chunks]
         else:
             kvs = [compute_chunk_kv(m, c) for c in chunks]
-        if not self.prefix_cache.lookup(m.fingerprint, [prefix]):
+        warm = self.prefix_cache.match(m, prefix)
+        self.prefix_cache.release(warm)
+        if warm.tokens < len(prefix):
             prefill(m, prefix, [], [], "prefix", prefix_cache=self.prefix_cache)
         full, t_full = self._timed(prefix, chunks, suffix, "full", None)
         full_text = generate(m, full, self.params).text

@@ -284,3 +284,116 @@ def chunk_kv_rows(
     run_layers(model, h, pos, CausalKV(model), on_pre_rope=cap, last_layer_attention=False)
     k, v = cap.stacked()
     return ids, k.contiguous(), v.contiguous(), start
+
+
+#: every exact pass computes at least this many rows (dummy rows appended after the prompt): GEMMs with
+#: fewer rows sum in another order on this CPU (measured: 1-3, 5-7 and 9-11 rows differ from the same
+#: rows inside a taller product), which would make a short pass's KV differ from full prefill's
+EXACT_MIN_ROWS = 16
+
+
+class ExactKV:
+    """Prompt K/V in one buffer per layer, the first ``first`` rows given (an exact cached prefix), the
+    rest written by the pass; attention is split-invariant (:func:`ragkv.attention.exact.exact_attention`)."""
+
+    def __init__(
+        self,
+        model: LayerModel,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        first: int,
+        probe_rows: torch.Tensor | None = None,
+    ):
+        self.model, self.k, self.v, self.first = model, k, v, first
+        #: positions whose attention probabilities are kept per layer (diagnostics: ``probes``)
+        self.probe_rows = probe_rows
+        self.probes: list[torch.Tensor] = []
+
+    def write(self, layer, positions, k, v) -> None:
+        self.k[layer, self.first : self.first + k.shape[0]] = k
+        self.v[layer, self.first : self.first + v.shape[0]] = v
+
+    def attend(self, layer, q, q_pos) -> torch.Tensor:
+        from ragkv.attention.dense import attention_probs
+        from ragkv.attention.exact import exact_attention
+
+        if self.probe_rows is not None:
+            end = int(q_pos[-1]) + 1
+            self.probes.append(
+                attention_probs(
+                    q[self.probe_rows - self.first],
+                    self.k[layer, :end],
+                    self.probe_rows,
+                    torch.arange(end, device=q.device),
+                    self.model.scale,
+                    self.model.config.window(layer),
+                )
+            )
+        return exact_attention(q, self.k[layer], self.v[layer], self.first, self.model.scale)
+
+
+@dataclass
+class ExactPass:
+    """What an exact pass returns: the last row's logits and the whole prompt's K/V ``[L, n, Hkv, D]``
+    (post-RoPE), with the pre-RoPE K of the computed rows ``[L, n - first, Hkv, D]``."""
+
+    logits: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_pre: torch.Tensor
+    first: int
+    #: per layer, the probe rows' attention probabilities ``[P, Hq, n]`` (None: no probes asked)
+    probes: list[torch.Tensor] | None = None
+
+
+def exact_forward(
+    model: LayerModel,
+    token_ids,
+    cached_k: torch.Tensor | None = None,
+    cached_v: torch.Tensor | None = None,
+    probe_rows: torch.Tensor | None = None,
+) -> ExactPass:
+    """Prefill ``token_ids`` after an exact cached prefix (post-RoPE ``cached_k, cached_v [L, m, Hkv, D]``
+    of the first ``m`` ids, as an earlier exact pass computed them), bit-identical to a pass with
+    nothing cached: every row's result depends on its position and the tokens up to it only.
+
+    Passes shorter than :data:`EXACT_MIN_ROWS` are padded with dummy rows after the prompt (causally
+    invisible to it). Sliding-window layers are not split-invariant: callers check
+    :func:`exact_supported` first. ``probe_rows``: computed positions whose attention probabilities
+    are kept (diagnostics).
+    """
+    ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids, dtype=torch.long)
+    ids = ids.flatten().cpu()
+    n = int(ids.numel())
+    m = 0 if cached_k is None else int(cached_k.shape[1])
+    if not 0 <= m < n:
+        raise ValueError(f"an exact pass needs at least one row to compute ({m} cached of {n})")
+    cfg, dev = model.config, model.device
+    if hasattr(model, "check_length"):
+        model.check_length(n)
+    new = n - m
+    pad = max(0, EXACT_MIN_ROWS - new)
+    run_ids = torch.cat([ids[m:], ids[-1:].repeat(pad)]) if pad else ids[m:]
+    total = n + pad
+    shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
+    k = torch.empty(shape, dtype=model.dtype, device=dev)
+    v = torch.empty(shape, dtype=model.dtype, device=dev)
+    if m:
+        k[:, :m] = cached_k
+        v[:, :m] = cached_v
+    cap = CapturePreRope()
+    h = model.embed(run_ids.to(dev))
+    positions = torch.arange(m, total, device=dev)
+    if probe_rows is not None and bool((probe_rows < m).any() | (probe_rows >= n).any()):
+        raise ValueError("probe rows must be computed rows of the prompt")
+    kv = ExactKV(model, k, v, m, probe_rows.to(dev) if probe_rows is not None else None)
+    h, _ = run_layers(model, h, positions, kv, on_pre_rope=cap)
+    logits = model.logits(h[new - 1 : new])[0].float()
+    k_pre = torch.stack([x[:new] for x in cap.k])
+    probes = [p[..., :n] for p in kv.probes] if probe_rows is not None else None
+    return ExactPass(logits, k[:, :n], v[:, :n], k_pre, m, probes)
+
+
+def exact_supported(model: LayerModel) -> bool:
+    """Whether :func:`exact_forward` is split-invariant for this model (no sliding-window layer)."""
+    return all(model.config.window(i) is None for i in range(model.config.num_layers))

@@ -138,7 +138,7 @@ class ThreadGenerator:
             job.plan,
             write_back=job.write_back,
             on_recompute=recomputed,
-            prefix_cache=rag.llm.prefix_cache,
+            prefix_cache=rag.llm.kv_tree,
         )
         stats = dict(res.stats)
         if reuse:

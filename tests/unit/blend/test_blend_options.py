@@ -7,7 +7,7 @@ Probe-offset correction (AgentKVShift), question-attention selection (A3), the q
 import pytest
 import torch
 
-from ragkv.blend import BlendSchedule, PrefixCache, prefill
+from ragkv.blend import BlendSchedule, KVTree, prefill
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, _segments
 from ragkv.generate import continuation_nll, decode_step, load_prompt, make_cache
 from ragkv.kv import ChunkKV, compute_chunk_kv
@@ -195,7 +195,7 @@ def test_options_work_with_a_cached_exact_head():
     m = random_model(seed=9, init_std=0.1, num_hidden_layers=3)
     pre, chunks, suf = _prompt(m, seed=5)
     kvs = [compute_chunk_kv(m, c) for c in chunks]
-    pc = PrefixCache()
+    pc = KVTree()
     prefill(m, pre, [], [1, 2], "prefix", prefix_cache=pc)  # caches the instruction head
     full = prefill(m, pre, kvs, suf, "full")
     for opts in ({"selector": "qpass", "offset": "k"}, {"offset": "kv"}, {"selector": "qattn"}):

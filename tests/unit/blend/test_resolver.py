@@ -136,6 +136,7 @@ KV_READERS = {
     "ragkv/adapter/train.py",  # the adapter's training prompts, computed apart from any store
     "ragkv/rag/quotas.py",  # one sample chunk's KV, to measure the codec's bytes per token for quotas
     "ragkv/blend/pipeline.py",  # StoredChunk: the lazy reader the resolver hands out
+    "ragkv/blend/kvtree.py",  # the exact KV tree's own store pages (prompt prefixes), not chunk KV
     "integrations/vllm/ragkv_vllm/connector.py",  # runs inside vLLM's worker, over vLLM's paged KV
 }
 

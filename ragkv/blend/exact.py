@@ -1,0 +1,87 @@
+"""The exact prefill modes (``full``, ``prefix``) on the KV tree: the longest cached prefix of the prompt's
+token ids is reused and the rest computed split-invariantly, so the logits equal full prefill's bit for
+bit (:func:`ragkv.model.forward.exact_forward`; docs/EXACT_REUSE.md).
+
+``full`` is the same computation with nothing reused (and nothing inserted): the reference the other
+modes are measured against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ragkv.blend.core import PrefillResult, PromptKV
+from ragkv.blend.kvtree import KVTree, TreeMatch
+from ragkv.model.forward import exact_forward
+
+
+def rotate_rows(model, k_pre: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Post-RoPE K of pre-RoPE rows ``[L, n, Hkv, D]`` at positions ``start ..`` (the same rotation, bit for
+    bit, as the pass that computed them: cos/sin are elementwise functions of the position)."""
+    pos = torch.arange(start, start + k_pre.shape[1], device=k_pre.device)
+    return model.rope(k_pre, pos, model.rope_tables(pos))
+
+
+def exact_prefill(
+    model,
+    ids: Sequence[int],
+    tree: KVTree | None = None,
+    boundaries: Sequence[int] = (),
+    probe_rows: torch.Tensor | None = None,
+    insert: bool = True,
+    reuse: bool = True,
+) -> PrefillResult:
+    """Prefill ``ids`` exactly, reusing ``tree``'s longest cached prefix (``reuse``) and inserting the
+    computed rows (``insert``, nodes ending at ``boundaries``). ``stats``: ``cached_tokens`` (exact rows
+    reused), ``computed_tokens``, ``tree_depth`` (nodes matched), ``store_tokens`` (of them, read from the
+    store tier), and the row counts every mode reports."""
+    t0 = time.perf_counter()
+    ids = [int(t) for t in ids]
+    n = len(ids)
+    if n == 0:
+        raise ValueError("empty prompt: no prefix, chunks or question")
+    model.check_length(n)
+    limit = n - 1  # the last row is always computed: its hidden state gives the first logits
+    if probe_rows is not None and probe_rows.numel():
+        limit = min(limit, int(probe_rows.min()))
+    match: TreeMatch | None = tree.match(model, ids, limit) if (tree is not None and reuse) else None
+    try:
+        m = match.tokens if match is not None else 0
+        cached_k = cached_v = None
+        if m:
+            k_pre, cached_v = match.kv()
+            cached_k = rotate_rows(model, k_pre)
+        t_pass = time.perf_counter()
+        ep = exact_forward(model, ids, cached_k, cached_v, probe_rows=probe_rows)
+        seconds = time.perf_counter() - t_pass
+        if tree is not None:
+            tree.cost.observe(n - m, m, seconds)
+            if insert:
+                tree.insert(model, ids, m, ep.k_pre, ep.v[:, m:], boundaries)
+    finally:
+        if match is not None:
+            tree.release(match)
+    L = model.config.num_layers
+    stats = {
+        "num_tokens": n,
+        "num_computed_rows": n - m,
+        "num_exact_rows": m,
+        "num_reused_rows": 0,
+        "recompute_fraction": (n - m) / n,
+        "question_pass_rows": 0,
+        "recomputed_per_layer": [n - m] * L,
+        "cached_tokens": m,
+        "computed_tokens": n - m,
+        "tree_depth": match.depth if match is not None else 0,
+        "store_tokens": match.store_tokens if match is not None else 0,
+        "exact": True,
+        "t_select_s": 0.0,
+        "t_load_wait_s": 0.0,
+        "t_prefill_s": time.perf_counter() - t0,
+    }
+    dev = model.device
+    kv = PromptKV(ep.k, ep.v, torch.arange(n, device=dev), torch.tensor(ids, dtype=torch.long, device=dev))
+    return PrefillResult(ep.logits, kv, stats, ep.probes, None)

@@ -1,0 +1,613 @@
+"""The exact KV tree: every prompt's exact KV, shared by longest token prefix, in RAM and in the store.
+
+One tree per model serves every route (``LLM``, ``RAG``, the engine, the service's chat and completion
+routes, the integrations): a request's token ids are matched token by token against the tree, the
+matched rows' KV is reused and only the rest is computed (:func:`ragkv.model.forward.exact_forward`,
+split-invariant, so the logits are full prefill's bit for bit). Design: docs/EXACT_REUSE.md.
+
+* **RAM tier**: a radix tree over token ids (SGLang's RadixAttention): a node holds a run of tokens and
+  their rows' pre-RoPE K and V ``[L, n, Hkv, D]`` at fixed positions; nodes split where two prompts
+  diverge and where the caller marks a boundary (chunk and message ends), so eviction drops a question
+  before the passages it followed.
+* **Eviction**: a byte budget; only unpinned leaves go; ``policy="pgdsf"`` (RAGCache: priority = clock +
+  hits x recompute seconds saved / bytes, the clock raised to each evicted node's priority; recompute
+  seconds from this machine's own passes, :class:`RecomputeCost`) or ``"lru"``.
+* **Store tier** (``store``, any :class:`ragkv.store.ChunkStore`: local disk, Redis): the KV of every
+  full page of :data:`PAGE_TOKENS` tokens at absolute positions, written once in the background under a
+  chained content key (the page's ``fingerprint`` names the tree's root and the previous page's key, so
+  its chunk key is a hash of the whole prefix), lossless (``raw`` codec), with the store's digest. A miss
+  in RAM probes the store page by page; a hit is verified (digest, chain, tokens, shape) and joins the
+  RAM tree. So a restarted process, or another process on the same store, finds the pages. A page
+  that fails any check is recomputed, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("ragkv.blend.kvtree")
+
+#: tokens of a store page (the unit written to and read from the store tier)
+PAGE_TOKENS = 32
+#: bump when the exact computation changes (tile sizes, padding): older pages then never match
+EXACT_VERSION = 1
+POLICIES = ("pgdsf", "lru")
+
+
+def tree_root(model) -> str:
+    """The identity every key of a model's tree chains from: what the exact KV is a function of (the
+    weights' fingerprint, dtype, the exact computation's version, the thread count and CPU kernel level,
+    which can change float results) and the tokenizer/template it was made for."""
+    tok = getattr(model, "tokenizer", None)
+    template = getattr(tok, "chat_template", None) or ""
+    parts = [
+        f"ragkv-tree-v{EXACT_VERSION}",
+        str(getattr(model, "fingerprint", "")),
+        str(getattr(model, "dtype", "")),
+        str(torch.get_num_threads()),
+        str(torch.backends.cpu.get_cpu_capability()),
+        hashlib.sha256(template.encode()).hexdigest()[:16],
+        str(len(tok)) if tok is not None else "-",
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def page_keys(root: str, ids: Sequence[int], page: int = PAGE_TOKENS) -> list[tuple[str, str]]:
+    """``(fingerprint, key)`` of each full page of ``ids``: page ``i``'s fingerprint chains the root and
+    page ``i-1``'s key, and its key is :func:`ragkv.kv.chunk.chunk_key` of its tokens under that."""
+    from ragkv.kv.chunk import chunk_key
+
+    out = []
+    prev = "root"
+    for i in range(len(ids) // page):
+        fp = f"tree:{root}:{prev}"
+        key = chunk_key([int(t) for t in ids[i * page : (i + 1) * page]], fp)
+        out.append((fp, key))
+        prev = key
+    return out
+
+
+@dataclass
+class PrefixSegment:
+    """Cached rows of a prompt head as one KV piece of a blend's source (pre-RoPE K, V ``[L, n, Hkv, D]``)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.k.shape[1])
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class RecomputeCost:
+    """Seconds to recompute ``n`` rows after ``ctx`` cached ones on this machine: ``a*n + b*n*(ctx+n/2)``
+    (the linear layers, then attention), fitted by least squares to the exact passes actually run."""
+
+    def __init__(self, a: float = 2e-3, b: float = 2e-8):
+        self.a, self.b = a, b
+        self._s = [0.0] * 5  # sums of x1*x1, x1*x2, x2*x2, x1*y, x2*y (decayed)
+        self._lock = threading.Lock()
+
+    def observe(self, rows: int, ctx: int, seconds: float) -> None:
+        """One pass of ``rows`` computed rows after ``ctx`` cached ones took ``seconds``."""
+        x1, x2 = float(rows), float(rows) * (ctx + rows / 2)
+        with self._lock:
+            s = [v * 0.98 for v in self._s]
+            s[0] += x1 * x1
+            s[1] += x1 * x2
+            s[2] += x2 * x2
+            s[3] += x1 * seconds
+            s[4] += x2 * seconds
+            self._s = s
+            det = s[0] * s[2] - s[1] * s[1]
+            if det > 1e-9 * max(s[0] * s[2], 1e-30):
+                a = (s[3] * s[2] - s[1] * s[4]) / det
+                b = (s[0] * s[4] - s[1] * s[3]) / det
+                if a > 0 and b >= 0:
+                    self.a, self.b = a, b
+                    return
+            if s[0] > 0:  # one-parameter fit while the pair is ill-conditioned
+                self.a = max(s[3] / s[0] - self.b * s[1] / s[0], 1e-6)
+
+    def seconds(self, rows: int, ctx: int) -> float:
+        return self.a * rows + self.b * rows * (ctx + rows / 2)
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """A run of tokens at positions ``start ..`` and their rows' pre-RoPE K and V ``[L, n, Hkv, D]``."""
+
+    tokens: list[int]
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    start: int
+    parent: TreeNode | None = None
+    children: dict[int, TreeNode] = field(default_factory=dict)
+    hits: int = 1
+    last: float = 0.0
+    priority: float = 0.0
+    pins: int = 0
+    #: the rows came from the store tier (for statistics)
+    from_store: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def nbytes(self) -> int:
+        if self.k is None:
+            return 0
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class TreeMatch:
+    """The longest cached prefix of a request: ``tokens`` rows, from the nodes of ``path`` (each with the
+    number of its tokens used), pinned against eviction until :meth:`KVTree.release`."""
+
+    tokens: int
+    path: list[tuple[TreeNode, int]]
+    depth: int
+    store_tokens: int = 0
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Pre-RoPE K and V ``[L, tokens, Hkv, D]`` of the matched rows (None when nothing matched)."""
+        if not self.tokens:
+            return None
+        ks = [n.k[:, :used] for n, used in self.path]
+        vs = [n.v[:, :used] for n, used in self.path]
+        return (torch.cat(ks, 1), torch.cat(vs, 1)) if len(ks) > 1 else (ks[0], vs[0])
+
+    def piece(self) -> PrefixSegment | None:
+        """The matched rows as one KV piece of a blend's source."""
+        kv = self.kv()
+        return PrefixSegment(*kv) if kv is not None else None
+
+
+class KVTree:
+    """The exact KV tree of one model (see the module doc). Thread-safe."""
+
+    def __init__(
+        self,
+        max_bytes: int = 1 << 30,
+        store=None,
+        policy: str = "pgdsf",
+        page_tokens: int = PAGE_TOKENS,
+        write_queue: int = 256,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {policy!r}; use one of {POLICIES}")
+        if page_tokens < 1:
+            raise ValueError("page_tokens must be >= 1")
+        self.max_bytes = int(max_bytes)
+        self.store = store
+        self.policy = policy
+        self.page_tokens = page_tokens
+        self.cost = RecomputeCost()
+        self._roots: dict[str, TreeNode] = {}
+        self._lock = threading.RLock()
+        self._bytes = 0
+        self._clock = 0.0
+        self._tick = 0
+        self._persisted: dict[str, None] = {}  # page keys known to be in the store (bounded, insertion order)
+        self._queue: queue.Queue | None = None
+        self._writer: threading.Thread | None = None
+        self._write_queue = write_queue
+        self.counters = dict.fromkeys(
+            "requests hit_requests tokens_requested tokens_matched store_tokens store_pages_read "
+            "store_pages_written store_pages_rejected store_errors evictions evicted_bytes".split(),
+            0,
+        )
+
+    # ---- lookup -----------------------------------------------------------------------------------
+    def match(self, model, ids: Sequence[int], limit: int | None = None) -> TreeMatch:
+        """The longest cached prefix of ``ids`` (at most ``limit`` tokens), pinned; RAM first, then the
+        store's pages beyond it (joined to the RAM tree). Release it with :meth:`release`."""
+        ids = [int(t) for t in ids]
+        limit = len(ids) if limit is None else min(limit, len(ids))
+        root = tree_root(model)
+        m = self._match_ram(root, ids, limit, touch=False)
+        self.release(m)
+        store_tokens = 0
+        if self.store is not None and m.tokens + self.page_tokens <= limit:
+            store_tokens = self._load_pages(model, root, ids, m.tokens, limit)
+        m = self._match_ram(root, ids, limit)
+        m.store_tokens = min(store_tokens, m.tokens)
+        with self._lock:
+            c = self.counters
+            c["requests"] += 1
+            c["hit_requests"] += bool(m.tokens)
+            c["tokens_requested"] += len(ids)
+            c["tokens_matched"] += m.tokens
+            c["store_tokens"] += m.store_tokens
+        return m
+
+    def _match_ram(self, root: str, ids: list[int], limit: int, touch: bool = True) -> TreeMatch:
+        with self._lock:
+            node = self._roots.get(root)
+            path: list[tuple[TreeNode, int]] = []
+            pos = 0
+            self._tick += 1
+            while node is not None and pos < limit:
+                child = node.children.get(ids[pos])
+                if child is None:
+                    break
+                n = 0
+                stop = min(len(child.tokens), limit - pos)
+                while n < stop and child.tokens[n] == ids[pos + n]:
+                    n += 1
+                if n == 0:
+                    break
+                path.append((child, n))
+                pos += n
+                if n < len(child.tokens):
+                    break
+                node = child
+            for nd, _ in path:
+                nd.pins += 1
+                if touch:
+                    nd.hits += 1
+                    nd.last = self._tick
+                    self._refresh(nd)
+            return TreeMatch(pos, path, len(path))
+
+    def release(self, match: TreeMatch) -> None:
+        """Unpin a match's nodes."""
+        with self._lock:
+            for nd, _ in match.path:
+                nd.pins = max(0, nd.pins - 1)
+            match.path = []
+
+    # ---- insert -----------------------------------------------------------------------------------
+    def insert(
+        self,
+        model,
+        ids: Sequence[int],
+        first: int,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        boundaries: Sequence[int] = (),
+        persist: bool = True,
+    ) -> None:
+        """Add the rows ``[first, len(ids))`` of an exact pass over ``ids`` (pre-RoPE ``k_new``, ``v_new``
+        ``[L, len(ids) - first, Hkv, D]``) after the prefix ``ids[:first]``, which must still be in the
+        tree (the caller's match keeps it pinned). ``boundaries``: absolute positions where a node must
+        end (chunk and message ends). Then evicts down to the budget and queues the new full pages for
+        the store."""
+        ids = [int(t) for t in ids]
+        n = len(ids)
+        if first >= n:
+            return
+        root = tree_root(model)
+        with self._lock:
+            rootnode = self._roots.get(root)
+            if rootnode is None:
+                rootnode = self._roots[root] = TreeNode([], None, None, 0)
+            node, pos = self._descend(rootnode, ids, first)
+            if pos < first:
+                log.debug("kv tree: prefix of %d tokens gone before insert (%d left)", first, pos)
+                return
+            if pos >= n:  # another request inserted the same rows meanwhile
+                return
+            cuts = sorted({b for b in boundaries if pos < b < n} | {n})
+            start = pos
+            for cut in cuts:
+                toks = ids[start:cut]
+                k = k_new[:, start - first : cut - first].clone()
+                v = v_new[:, start - first : cut - first].clone()
+                child = TreeNode(toks, k, v, start, parent=node, last=self._tick)
+                node.children[toks[0]] = child
+                self._bytes += child.nbytes()
+                self._refresh(child)
+                node, start = child, cut
+            self._evict()
+        if persist and self.store is not None:
+            self._queue_pages(model, root, ids)
+
+    def _descend(self, rootnode: TreeNode, ids: list[int], first: int) -> tuple[TreeNode, int]:
+        """The node after which ``ids[pos:]`` is new, splitting a node the prefix ends inside; ``pos``
+        stops at ``first`` at most (rows beyond it come from the caller's pass)."""
+        node, pos = rootnode, 0
+        while pos < first:
+            child = node.children.get(ids[pos])
+            if child is None:
+                return node, pos
+            n = 0
+            stop = min(len(child.tokens), first - pos)
+            while n < stop and child.tokens[n] == ids[pos + n]:
+                n += 1
+            if n < len(child.tokens):
+                if n == 0:
+                    return node, pos
+                self._split(child, n)
+            node, pos = child, pos + n
+        # the rows right after ``first`` may exist already (another request inserted them): follow
+        # them while they match, so the new span hangs below the deepest equal node
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = 0
+            while n < len(child.tokens) and pos + n < len(ids) and child.tokens[n] == ids[pos + n]:
+                n += 1
+            if n < len(child.tokens):
+                if n == 0:
+                    break
+                self._split(child, n)
+            node, pos = child, pos + n
+        return node, pos
+
+    def _split(self, node: TreeNode, n: int) -> None:
+        """Cut ``node`` after its first ``n`` tokens (the rest becomes its only child)."""
+        tail = TreeNode(
+            node.tokens[n:],
+            node.k[:, n:].clone(),
+            node.v[:, n:].clone(),
+            node.start + n,
+            parent=node,
+            children=node.children,
+            hits=node.hits,
+            last=node.last,
+            pins=0,
+            from_store=node.from_store,
+        )
+        for c in tail.children.values():
+            c.parent = tail
+        node.tokens = node.tokens[:n]
+        node.k = node.k[:, :n].clone()
+        node.v = node.v[:, :n].clone()
+        node.children = {tail.tokens[0]: tail}
+        self._refresh(node)
+        self._refresh(tail)
+
+    # ---- eviction ---------------------------------------------------------------------------------
+    def _node_cost(self, node: TreeNode) -> float:
+        return self.cost.seconds(len(node.tokens), node.start)
+
+    def _refresh(self, node: TreeNode) -> None:
+        if self.policy == "lru":
+            node.priority = node.last
+        else:
+            node.priority = self._clock + node.hits * self._node_cost(node) / max(node.nbytes(), 1)
+
+    def _leaves(self):
+        stack = list(self._roots.values())
+        while stack:
+            nd = stack.pop()
+            if nd.children:
+                stack.extend(nd.children.values())
+            elif nd.parent is not None:
+                yield nd
+
+    def _evict(self) -> None:
+        while self._bytes > self.max_bytes:
+            victim = min(
+                (nd for nd in self._leaves() if nd.pins == 0), key=lambda nd: nd.priority, default=None
+            )
+            if victim is None:
+                return  # every leaf is in use: over budget until they are released
+            self._remove(victim)
+
+    def _remove(self, node: TreeNode) -> None:
+        parent = node.parent
+        if parent is not None and parent.children.get(node.tokens[0]) is node:
+            del parent.children[node.tokens[0]]
+        self._bytes -= node.nbytes()
+        self.counters["evictions"] += 1
+        self.counters["evicted_bytes"] += node.nbytes()
+        if self.policy == "pgdsf":
+            self._clock = max(self._clock, node.priority)
+        node.k = node.v = None
+
+    def clear(self) -> None:
+        """Drop every RAM node (the store's pages stay)."""
+        with self._lock:
+            self._roots.clear()
+            self._bytes = 0
+
+    # ---- store tier -------------------------------------------------------------------------------
+    def _load_pages(self, model, root: str, ids: list[int], have: int, limit: int) -> int:
+        """Join the store's pages that extend the RAM match (``have`` tokens) into the tree; how many
+        tokens beyond ``have`` they cover."""
+        from ragkv.store.base import BlobError
+
+        P = self.page_tokens
+        keys = page_keys(root, ids[: (limit // P) * P], P)
+        first_page = have // P
+        got_k, got_v = [], []
+        cfg = model.config
+        want = (cfg.num_layers, P, cfg.num_kv_heads, cfg.head_dim)
+        for i in range(first_page, len(keys)):
+            fp, key = keys[i]
+            try:
+                ch = self.store.get(key, fp, device=model.device, dtype=model.dtype)
+            except (BlobError, ValueError, OSError) as e:
+                ch = None
+                self._count("store_errors")
+                log.warning("kv tree: store page %s unusable (%s); recomputing", key[:16], e)
+            if ch is None:
+                break
+            ok = (
+                ch.token_ids.tolist() == ids[i * P : (i + 1) * P]
+                and int(ch.start_pos) == i * P
+                and tuple(ch.k.shape) == want
+                and tuple(ch.v.shape) == want
+                and bool(torch.isfinite(ch.k).all())
+                and bool(torch.isfinite(ch.v).all())
+            )
+            if not ok:
+                self._count("store_pages_rejected")
+                log.warning("kv tree: store page %s does not hold this prefix; recomputing", key[:16])
+                with self._lock:
+                    self._persisted.pop(key, None)
+                break
+            got_k.append(ch.k)
+            got_v.append(ch.v)
+            self._count("store_pages_read")
+            self._mark_persisted(key)
+        if not got_k:
+            return 0
+        start = first_page * P
+        end = start + len(got_k) * P
+        k = torch.cat(got_k, 1)
+        v = torch.cat(got_v, 1)
+        # the pages overlap the RAM match by ``have - start`` rows: insert from where RAM stops
+        m = self._match_ram(root, ids, have, touch=False)
+        try:
+            if m.tokens >= start:
+                off = m.tokens - start
+                self.insert(model, ids[:end], m.tokens, k[:, off:], v[:, off:], persist=False)
+                self._mark_from_store(root, ids, m.tokens, end)
+        finally:
+            self.release(m)
+        return end - max(have, start)
+
+    def _mark_from_store(self, root: str, ids: list[int], lo: int, hi: int) -> None:
+        with self._lock:
+            node = self._roots.get(root)
+            pos = 0
+            while node is not None and pos < hi:
+                child = node.children.get(ids[pos]) if pos < len(ids) else None
+                if child is None:
+                    break
+                if child.start >= lo:
+                    child.from_store = True
+                pos = child.end
+                node = child
+
+    def _mark_persisted(self, key: str) -> None:
+        with self._lock:
+            self._persisted[key] = None
+            while len(self._persisted) > 65536:
+                self._persisted.pop(next(iter(self._persisted)))
+
+    def _queue_pages(self, model, root: str, ids: list[int]) -> None:
+        """Queue the full pages of ``ids`` not yet known to be in the store (their rows read from RAM now)."""
+        P = self.page_tokens
+        keys = page_keys(root, ids, P)
+        todo = [i for i, (_, key) in enumerate(keys) if key not in self._persisted]
+        if not todo:
+            return
+        m = self._match_ram(root, ids, len(keys) * P, touch=False)
+        try:
+            kv = m.kv()
+            if kv is None:
+                return
+            k, v = kv
+            for i in todo:
+                if (i + 1) * P > m.tokens:
+                    break
+                fp, key = keys[i]
+                self._mark_persisted(key)  # queued once; a failed write forgets it again
+                item = (
+                    fp,
+                    key,
+                    ids[i * P : (i + 1) * P],
+                    i * P,
+                    k[:, i * P : (i + 1) * P].clone(),
+                    v[:, i * P : (i + 1) * P].clone(),
+                )
+                self._enqueue(item)
+        finally:
+            self.release(m)
+
+    def _enqueue(self, item) -> None:
+        if self._writer is None or not self._writer.is_alive():
+            self._queue = queue.Queue(self._write_queue)
+            self._writer = threading.Thread(target=self._write_loop, name="ragkv-kvtree-writer", daemon=True)
+            self._writer.start()
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            with self._lock:
+                self._persisted.pop(item[1], None)
+
+    def _write_loop(self) -> None:
+        from ragkv.kv.chunk import ChunkKV
+        from ragkv.store import blob as blobfmt
+        from ragkv.store.codecs import get_codec
+
+        raw = get_codec("raw")
+        q = self._queue
+        while True:
+            try:
+                item = q.get(timeout=30.0)
+            except queue.Empty:
+                return
+            fp, key, toks, start, k, v = item
+            try:
+                ch = ChunkKV(
+                    torch.tensor(toks, dtype=torch.long), k, v, start, fp, meta={"kind": "tree-page"}
+                )
+                blob = blobfmt.encode_chunk(ch, raw, self.store.auth)
+                ok = self.store.put_blob(key, blob)
+            except Exception as e:  # a store that fails must never break answering
+                ok = False
+                log.warning("kv tree: writing page %s failed: %s", key[:16], e)
+            if ok:
+                self._count("store_pages_written")
+            else:
+                self._count("store_errors")
+                with self._lock:
+                    self._persisted.pop(key, None)
+            q.task_done()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued page is written (True) or ``timeout`` passes (False)."""
+        q = self._queue
+        if q is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while q.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not q.unfinished_tasks
+
+    # ---- statistics -------------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            count, stack = 0, list(self._roots.values())
+            while stack:
+                nd = stack.pop()
+                stack.extend(nd.children.values())
+                count += nd.parent is not None
+            return count
+
+    def stats(self) -> dict:
+        """Counters, RAM bytes and nodes, token hit rate, the fitted recompute cost."""
+        with self._lock:
+            c = dict(self.counters)
+        c.update(
+            ram_bytes=self._bytes,
+            ram_nodes=len(self),
+            max_bytes=self.max_bytes,
+            policy=self.policy,
+            token_hit_rate=c["tokens_matched"] / c["tokens_requested"] if c["tokens_requested"] else 0.0,
+            recompute_s_per_row=self.cost.a,
+        )
+        return c
+
+
+#: the name of :class:`KVTree` before the tree (ragkv 0.1's per-process prefix cache), kept for callers
+PrefixCache = KVTree
