@@ -63,12 +63,12 @@ def tree_root(model) -> str:
 def page_keys(root: str, ids: Sequence[int], page: int = PAGE_TOKENS) -> list[tuple[str, str]]:
     """``(fingerprint, key)`` of each full page of ``ids``: page ``i``'s fingerprint chains the root and
     page ``i-1``'s key, and its key is :func:`ragkv.kv.chunk.chunk_key` of its tokens under that."""
-    from ragkv.kv.chunk import chunk_key
+    from ragkv.kv.chunk import TREE_PAGE_PREFIX, chunk_key
 
     out = []
     prev = "root"
     for i in range(len(ids) // page):
-        fp = f"tree:{root}:{prev}"
+        fp = f"{TREE_PAGE_PREFIX}{root}:{prev}"
         key = chunk_key([int(t) for t in ids[i * page : (i + 1) * page]], fp)
         out.append((fp, key))
         prev = key

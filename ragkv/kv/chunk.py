@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 CHUNK_CONVENTION_VERSION = 1
+#: the fingerprint of a page of the exact KV tree starts with this (then the tree's root and the previous
+#: page's key: :func:`ragkv.blend.kvtree.page_keys`), so its chunk key hashes the whole prefix
+TREE_PAGE_PREFIX = "tree:"
 
 
 class KVMismatchError(ValueError):

@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import torch
 
-from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, ChunkKV
+from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, TREE_PAGE_PREFIX, ChunkKV
 from ragkv.store import blob as blobfmt
 from ragkv.store.blob import BlobAuth, BlobError, BlobHeader, KVGeometry, OutBufferError, Segment
 from ragkv.store.codecs.base import CodecError, KVCodec, get_codec
@@ -468,7 +468,9 @@ class BlobStore(ChunkStore):
     def _check_blob(self, hdr: BlobHeader) -> None:
         """The checks a header must pass before any of its bytes are decoded or tensors allocated: an
         allowed codec, segments big enough for the declared shape, and the model's geometry."""
-        if hdr.codec not in self.allowed_codecs:
+        # the exact KV tree's pages are always lossless raw (their fingerprint names the tree's root)
+        tree_page = hdr.codec == "raw" and hdr.fingerprint.startswith(TREE_PAGE_PREFIX)
+        if hdr.codec not in self.allowed_codecs and not tree_page:
             raise BlobError(
                 f"blob codec {hdr.codec!r} is not one this store decodes {sorted(self.allowed_codecs)}"
             )

@@ -1,0 +1,225 @@
+"""The exact KV tree: reuse is bit-identical to full prefill, at any split, across tiers, and untrusted
+pages are recomputed (ragkv/blend/kvtree.py, ragkv/blend/exact.py, ragkv/attention/exact.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ragkv.attention.exact import exact_attention
+from ragkv.blend import KVTree, prefill
+from ragkv.blend.exact import exact_prefill
+from ragkv.blend.kvtree import PAGE_TOKENS, page_keys, tree_root
+from ragkv.model import random_model
+from ragkv.model.forward import exact_forward
+from ragkv.store import store_from_url
+
+
+def _model(seed=3):
+    return random_model("llama", seed=seed, init_std=0.1)
+
+
+def _ids(model, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
+
+
+def test_exact_attention_rows_do_not_depend_on_the_pass():
+    """A row's attention is the same bits whether it is computed in the whole square, in a tail pass
+    after cached keys, or alone: across tile boundaries, with few and many rows."""
+    g = torch.Generator().manual_seed(0)
+    n = 700
+    q, k, v = (torch.randn(n, h, 16, generator=g) for h in (6, 2, 2))
+    full = exact_attention(q, k, v, 0, 0.25, tile=64)
+    for first in (1, 63, 64, 65, 300, 640, 699):
+        part = exact_attention(q[first:], k, v, first, 0.25, tile=64)
+        assert torch.equal(part, full[first:]), first
+    # and it is attention: against the plain causal kernel, within float rounding
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=0.25,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    assert torch.allclose(full, ref, atol=1e-5)
+
+
+def test_exact_pass_after_any_cached_prefix_equals_full_prefill_bit_for_bit():
+    m = _model()
+    ids = _ids(m, 300)
+    full = exact_forward(m, ids)
+    for split in (1, 5, 15, 16, 17, 64, 129, 250, 284, 290, 299):
+        head = exact_forward(m, ids[:split])
+        assert torch.equal(head.k, full.k[:, :split]) and torch.equal(head.v, full.v[:, :split]), split
+        rest = exact_forward(m, ids, head.k, head.v)
+        assert torch.equal(rest.logits, full.logits), split
+        assert torch.equal(rest.k, full.k) and torch.equal(rest.v, full.v), split
+
+
+def test_prefix_mode_reuses_the_longest_prefix_and_equals_full(one_thread):
+    """A chat-like sequence of prompts, each extending the last: every turn reuses the whole previous
+    prompt from the tree (token level, no segment structure needed) and gives full's logits bit for bit."""
+    m = _model()
+    tree = KVTree()
+    convo = _ids(m, 80, seed=1)
+    prev_len = 0
+    for turn in range(4):
+        full = prefill(m, convo, [], [], "full")
+        got = prefill(m, convo, [], [], "prefix", prefix_cache=tree)
+        assert torch.equal(got.logits, full.logits), turn
+        assert torch.equal(got.kv.k, full.kv.k) and torch.equal(got.kv.v, full.kv.v), turn
+        if turn:
+            assert got.stats["cached_tokens"] == prev_len, (turn, got.stats["cached_tokens"])
+        prev_len = len(convo)
+        convo = convo + _ids(m, 30 + 7 * turn, seed=10 + turn)
+    # a prompt that shares only part of a node: matched inside the node, then the node splits
+    branch = convo[:100] + _ids(m, 40, seed=99)
+    got = prefill(m, branch, [], [], "prefix", prefix_cache=tree)
+    assert got.stats["cached_tokens"] == 100
+    assert torch.equal(got.logits, prefill(m, branch, [], [], "full").logits)
+    again = prefill(m, branch, [], [], "prefix", prefix_cache=tree)
+    assert again.stats["cached_tokens"] == len(branch) - 1  # all but the last row
+    assert torch.equal(again.logits, got.logits)
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_row_exactly():
+    m = _model()
+    tree = KVTree()
+    ids = _ids(m, 50)
+    first = prefill(m, ids[:30], [ids[30:45]], ids[45:], "prefix", prefix_cache=tree)
+    second = prefill(m, ids[:30], [ids[30:45]], ids[45:], "prefix", prefix_cache=tree)
+    assert second.stats["cached_tokens"] == 49 and second.stats["computed_tokens"] == 1
+    assert torch.equal(first.logits, second.logits)
+
+
+def test_full_mode_reuses_and_inserts_nothing():
+    m = _model()
+    tree = KVTree()
+    ids = _ids(m, 60)
+    prefill(m, ids, [], [], "prefix", prefix_cache=tree)
+    n_nodes, nbytes = len(tree), tree.nbytes
+    res = prefill(m, ids, [], [], "full", prefix_cache=tree)
+    assert res.stats["cached_tokens"] == 0 and (len(tree), tree.nbytes) == (n_nodes, nbytes)
+
+
+def test_nodes_end_at_chunk_boundaries_and_eviction_keeps_the_budget_and_pins():
+    m = _model()
+    ids = _ids(m, 120)
+    probe = KVTree()
+    prefill(m, ids[:20], [ids[20:60], ids[60:100]], ids[100:], "prefix", prefix_cache=probe)
+    assert len(probe) == 4  # prefix, two chunks, question
+    per_token = probe.nbytes // 120
+    tree = KVTree(max_bytes=per_token * 150)
+    prefill(m, ids[:20], [ids[20:60], ids[60:100]], ids[100:], "prefix", prefix_cache=tree)
+    other = ids[:20] + _ids(m, 100, seed=5)
+    pinned = tree.match(m, ids)  # a request in flight holds the first prompt's path
+    prefill(m, other[:20], [other[20:]], [], "prefix", prefix_cache=tree)
+    assert tree.nbytes <= per_token * 150 or all(nd.pins for nd, _ in pinned.path)
+    tree.release(pinned)
+    prefill(m, other[:20], [other[20:]], [], "prefix", prefix_cache=tree)
+    assert tree.nbytes <= per_token * 150
+    assert tree.stats()["evictions"] >= 1
+
+
+def test_pgdsf_keeps_the_node_that_saves_more_recompute_than_lru():
+    """Two prompts of equal bytes, one hit often: with a budget for one, PGDSF keeps the hot one even
+    when the cold one was used last; LRU keeps the last used."""
+    m = _model()
+    hot, cold = _ids(m, 40, seed=1), _ids(m, 40, seed=2)
+    kept = {}
+    for policy in ("pgdsf", "lru"):
+        probe = KVTree()
+        prefill(m, hot, [], [], "prefix", prefix_cache=probe)
+        tree = KVTree(max_bytes=int(probe.nbytes * 1.5), policy=policy)
+        for _ in range(4):
+            prefill(m, hot, [], [], "prefix", prefix_cache=tree)
+        prefill(m, cold, [], [], "prefix", prefix_cache=tree)  # over budget: one goes
+        kept[policy] = prefill(m, hot, [], [], "prefix", prefix_cache=tree).stats["cached_tokens"]
+    assert kept["pgdsf"] == 39 and kept["lru"] == 0
+
+
+def test_pages_survive_the_process_and_are_shared_through_the_store(tmp_path):
+    m = _model()
+    ids = _ids(m, 3 * PAGE_TOKENS + 10)
+    url = str(tmp_path / "kv")
+    a = KVTree(store=store_from_url(url))
+    full = prefill(m, ids, [], [], "full")
+    prefill(m, ids, [], [], "prefix", prefix_cache=a)
+    assert a.flush() and a.stats()["store_pages_written"] == 3
+    b = KVTree(store=store_from_url(url))  # a restart, or another process on the same store
+    got = prefill(m, ids, [], [], "prefix", prefix_cache=b)
+    assert got.stats["cached_tokens"] == 3 * PAGE_TOKENS and got.stats["store_tokens"] == 3 * PAGE_TOKENS
+    assert torch.equal(got.logits, full.logits) and torch.equal(got.kv.k, full.kv.k)
+    # another model's tree never matches these pages (its root differs)
+    other = random_model("llama", seed=4, init_std=0.1)
+    assert tree_root(other) != tree_root(m)
+    res = prefill(other, ids, [], [], "prefix", prefix_cache=KVTree(store=store_from_url(url)))
+    assert res.stats["cached_tokens"] == 0
+
+
+def test_corrupt_or_foreign_pages_are_recomputed_never_used(tmp_path):
+    m = _model()
+    ids = _ids(m, 2 * PAGE_TOKENS + 5)
+    url = str(tmp_path / "kv")
+    store = store_from_url(url)
+    a = KVTree(store=store)
+    full = prefill(m, ids, [], [], "full")
+    prefill(m, ids, [], [], "prefix", prefix_cache=a)
+    assert a.flush()
+    (_, key0), (_, key1) = page_keys(tree_root(m), ids)
+    # flip a byte in the second page's data: its digest fails
+    path = store.path_of(key1)
+    raw = bytearray(path.read_bytes())
+    raw[-7] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    b = KVTree(store=store_from_url(url))
+    got = prefill(m, ids, [], [], "prefix", prefix_cache=b)
+    assert got.stats["cached_tokens"] == PAGE_TOKENS  # the first page only
+    assert torch.equal(got.logits, full.logits)
+    assert b.flush()  # b rewrote the recomputed page
+    # a page that verifies but holds other tokens (a copy under the wrong key) is refused too
+    path.write_bytes(store.path_of(key0).read_bytes())
+    c = KVTree(store=store_from_url(url))
+    got = prefill(m, ids, [], [], "prefix", prefix_cache=c)
+    assert got.stats["cached_tokens"] == PAGE_TOKENS and torch.equal(got.logits, full.logits)
+
+
+class _DownStore:
+    """A store whose backend is gone: every call fails as a network store's would."""
+
+    auth = None
+
+    def get(self, *a, **k):
+        raise OSError("connection refused")
+
+    def put_blob(self, *a, **k):
+        raise OSError("connection refused")
+
+
+def test_a_store_that_is_down_costs_reuse_never_the_answer():
+    m = _model()
+    ids = _ids(m, 2 * PAGE_TOKENS + 5)
+    tree = KVTree(store=_DownStore())
+    full = prefill(m, ids, [], [], "full")
+    got = prefill(m, ids, [], [], "prefix", prefix_cache=tree)
+    assert torch.equal(got.logits, full.logits)
+    tree.flush()
+    again = prefill(m, ids, [], [], "prefix", prefix_cache=tree)  # RAM still serves
+    assert again.stats["cached_tokens"] == len(ids) - 1 and torch.equal(again.logits, full.logits)
+    assert tree.stats()["store_errors"] >= 1
+
+
+def test_exact_prefill_reports_what_was_reused():
+    m = _model()
+    tree = KVTree()
+    ids = _ids(m, 90)
+    cold = exact_prefill(m, ids, tree)
+    assert (cold.stats["cached_tokens"], cold.stats["computed_tokens"], cold.stats["tree_depth"]) == (
+        0,
+        90,
+        0,
+    )
+    warm = exact_prefill(m, ids + _ids(m, 20, seed=8), tree)
+    assert warm.stats["cached_tokens"] == 90 and warm.stats["computed_tokens"] == 20
+    assert warm.stats["tree_depth"] == 1 and tree.stats()["token_hit_rate"] > 0
