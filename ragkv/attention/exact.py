@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-#: keys per tile (a row's reduction order is fixed by its tile); 256 keeps the diagonal square's
+#: keys per tile (a row's reduction order is fixed by its tile); 128 keeps the diagonal square's
 #: wasted work small for short tail passes and the number of kernel calls low for long prompts
-TILE = 256
+TILE = 128
 #: query rows of a kernel call are padded to a multiple of this (GEMMs with few rows change their order)
 ROW_MULTIPLE = 32
 

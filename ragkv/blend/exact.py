@@ -33,11 +33,13 @@ def exact_prefill(
     probe_rows: torch.Tensor | None = None,
     insert: bool = True,
     reuse: bool = True,
+    wait: bool = False,
 ) -> PrefillResult:
     """Prefill ``ids`` exactly, reusing ``tree``'s longest cached prefix (``reuse``) and inserting the
     computed rows (``insert``, nodes ending at ``boundaries``). ``stats``: ``cached_tokens`` (exact rows
     reused), ``computed_tokens``, ``tree_depth`` (nodes matched), ``store_tokens`` (of them, read from the
-    store tier), and the row counts every mode reports."""
+    store tier), and the row counts every mode reports. ``wait``: block until the new pages are queued
+    for the store (ingest) instead of dropping them when the writer is behind (requests)."""
     t0 = time.perf_counter()
     ids = [int(t) for t in ids]
     n = len(ids)
@@ -60,7 +62,7 @@ def exact_prefill(
         if tree is not None:
             tree.cost.observe(n - m, m, seconds)
             if insert:
-                tree.insert(model, ids, m, ep.k_pre, ep.v[:, m:], boundaries)
+                tree.insert(model, ids, m, ep.k_pre, ep.v[:, m:], boundaries, wait=wait)
     finally:
         if match is not None:
             tree.release(match)

@@ -282,12 +282,13 @@ class KVTree:
         v_new: torch.Tensor,
         boundaries: Sequence[int] = (),
         persist: bool = True,
+        wait: bool = False,
     ) -> None:
         """Add the rows ``[first, len(ids))`` of an exact pass over ``ids`` (pre-RoPE ``k_new``, ``v_new``
         ``[L, len(ids) - first, Hkv, D]``) after the prefix ``ids[:first]``, which must still be in the
         tree (the caller's match keeps it pinned). ``boundaries``: absolute positions where a node must
         end (chunk and message ends). Then evicts down to the budget and queues the new full pages for
-        the store."""
+        the store (``wait``: blocking while the writer's queue is full, else such pages are skipped)."""
         ids = [int(t) for t in ids]
         n = len(ids)
         if first >= n:
@@ -316,7 +317,7 @@ class KVTree:
                 node, start = child, cut
             self._evict()
         if persist and self.store is not None:
-            self._queue_pages(model, root, ids)
+            self._queue_pages(model, root, ids, wait)
 
     def _descend(self, rootnode: TreeNode, ids: list[int], first: int) -> tuple[TreeNode, int]:
         """The node after which ``ids[pos:]`` is new, splitting a node the prefix ends inside; ``pos``
@@ -495,7 +496,7 @@ class KVTree:
             while len(self._persisted) > 65536:
                 self._persisted.pop(next(iter(self._persisted)))
 
-    def _queue_pages(self, model, root: str, ids: list[int]) -> None:
+    def _queue_pages(self, model, root: str, ids: list[int], wait: bool = False) -> None:
         """Queue the full pages of ``ids`` not yet known to be in the store (their rows read from RAM now)."""
         P = self.page_tokens
         keys = page_keys(root, ids, P)
@@ -521,28 +522,31 @@ class KVTree:
                     k[:, i * P : (i + 1) * P].clone(),
                     v[:, i * P : (i + 1) * P].clone(),
                 )
-                self._enqueue(item)
+                self._enqueue(item, wait)
         finally:
             self.release(m)
 
-    def _enqueue(self, item) -> None:
-        if self._writer is None or not self._writer.is_alive():
-            self._queue = queue.Queue(self._write_queue)
-            self._writer = threading.Thread(target=self._write_loop, name="ragkv-kvtree-writer", daemon=True)
-            self._writer.start()
+    def _enqueue(self, item, wait: bool = False) -> None:
+        with self._lock:
+            if self._writer is None or not self._writer.is_alive():
+                self._queue = queue.Queue(self._write_queue)
+                self._writer = threading.Thread(
+                    target=self._write_loop, args=(self._queue,), name="ragkv-kvtree-writer", daemon=True
+                )
+                self._writer.start()
+            q = self._queue
         try:
-            self._queue.put_nowait(item)
+            q.put(item, timeout=60.0) if wait else q.put_nowait(item)
         except queue.Full:
             with self._lock:
                 self._persisted.pop(item[1], None)
 
-    def _write_loop(self) -> None:
+    def _write_loop(self, q: queue.Queue) -> None:
         from ragkv.kv.chunk import ChunkKV
         from ragkv.store import blob as blobfmt
         from ragkv.store.codecs import get_codec
 
         raw = get_codec("raw")
-        q = self._queue
         while True:
             try:
                 item = q.get(timeout=30.0)

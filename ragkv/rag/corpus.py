@@ -113,6 +113,9 @@ class Corpus:
                 raise ValueError(f"store config needs a 'url' key, got {sorted(spec)}")
             store = default_store(str(spec.pop("url")), model=self.model, **spec)
         self.store = store
+        #: called with each newly ingested chunk's token ids after its KV is stored (a RAG's
+        #: precompute of the exact KV tree's first level: the chunk's KV after the prompt head)
+        self.chunk_hooks: list[Callable[[list[int]], None]] = []
         self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder)
         if self.model.tokenizer is None:
             raise ValueError("RAG needs a model with a tokenizer")
@@ -238,6 +241,8 @@ class Corpus:
                 for c, key in zip(batch, keys, strict=True):
                     step()
                     self._ensure_kv(list(c.token_ids), key, rep, coll, mine)
+                    for hook in self.chunk_hooks:
+                        hook(list(c.token_ids))
                     # tuples of atomic values only: the garbage collector stops tracking them, so a
                     # large pending ingest does not lengthen every full collection (GIL pauses)
                     rows.append((c.seq, c.text, c.token_ids, key))

@@ -13,9 +13,13 @@ import copy
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from ragkv.blend.controller import LoadingController
+from ragkv.blend.exact import exact_prefill
 from ragkv.blend.resolver import WarnThrottle
 from ragkv.llm import LLM
+from ragkv.model.forward import exact_supported
 from ragkv.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION
 from ragkv.rag.answering import Answerer, RagAnswer, RagPrompt
 from ragkv.rag.corpus import Corpus, Document, IngestCancelled, IngestReport
@@ -88,6 +92,7 @@ class RAG:
         generator: Generator | None = None,
         quotas: Quotas | None = None,
         fidelity: str | float | None = None,
+        first_level: bool = True,
     ):
         llm = llm if isinstance(llm, LLM) else LLM(llm)
         self.corpus = Corpus(
@@ -123,6 +128,27 @@ class RAG:
         )
         #: the data folder's writer lock, when this RAG holds one (``ragkv_server.service.build_rag``)
         self.writer_lock = None
+        #: the exact KV tree every answer reuses (the LLM's); unless the LLM's tree has a store tier,
+        #: its pages go to a namespace of this RAG's store of their own (``store.sibling("tree")``):
+        #: they outlive the process and are shared by the processes on that store
+        self.kv_tree = llm.kv_tree
+        if self.kv_tree.store is None and self.corpus.store is not None:
+            self.kv_tree.store = self.corpus.store.sibling("tree")
+        #: ingest precomputes each chunk's exact KV after the prompt head (the tree's first level), so
+        #: the first retrieved chunk of a request is an exact hit (docs/EXACT_REUSE.md)
+        self.first_level = first_level
+        self.corpus.chunk_hooks.append(self._precompute_first_level)
+
+    def _precompute_first_level(self, token_ids: list[int]) -> None:
+        """The chunk's exact KV after this RAG's prompt head, into the KV tree (pages to the store)."""
+        if not self.first_level or not exact_supported(self.model):
+            return
+        head, _ = self.answers.prompt_parts("?")  # the head does not depend on the question
+        ids = head + [int(t) for t in token_ids]
+        if len(ids) > self.model.config.max_position:
+            return
+        with torch.inference_mode():
+            exact_prefill(self.model, ids, self.kv_tree, boundaries=[len(head)], wait=True)
 
     def using(self, generator: Generator) -> RAG:
         """A view of this RAG that generates with ``generator``: e.g. one RAG answering both in process
@@ -138,6 +164,7 @@ class RAG:
         """Finish write-backs, snapshot the index, close the store, release the data folder's writer
         lock if this RAG holds one (``ragkv_server.service.build_rag(writer=True)``)."""
         self.answers.generator.close()
+        self.kv_tree.flush()
         self.corpus.close()
         lock = self.writer_lock
         if lock is not None:

@@ -199,6 +199,12 @@ class ChunkStore(ABC):
         out["backend"] = type(self).__name__
         return out
 
+    def sibling(self, name: str) -> ChunkStore | None:
+        """A store of the same backend in a namespace of its own (``name``), with this one's key and
+        checks: where the exact KV tree keeps its pages apart from chunk KV (garbage collection,
+        quotas and key listings of chunk KV never see them). None: this kind has no such namespace."""
+        return None
+
     def describe(self) -> str:
         return type(self).__name__
 

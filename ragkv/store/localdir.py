@@ -58,6 +58,7 @@ class LocalDirStore(BlobStore):
         super().__init__(**options)
         self.max_bytes = check_max_bytes(max_bytes)
         self.root = Path(root).expanduser().resolve()
+        self._options = dict(options, fsync=fsync, access_flush_s=access_flush_s)
         self.fsync = fsync
         self.access_flush_s = access_flush_s
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -76,6 +77,11 @@ class LocalDirStore(BlobStore):
             self.rebuild_index()  # cleans temp files too
         else:
             self._clean_tmp()
+
+    def sibling(self, name: str) -> LocalDirStore:
+        """``root/name`` as a store of its own (same key, codec and checks; its own size index)."""
+        opts = {k: v for k, v in self._options.items() if k != "hmac_key"}
+        return LocalDirStore(self.root / name, self.max_bytes, hmac_key=self.auth, **opts)
 
     def describe(self) -> str:
         return f"LocalDirStore({self.root})"

@@ -51,6 +51,14 @@ class RedisStore(BlobStore):
             raise ValueError(f"invalid Redis key prefix {prefix!r}")
         self.url = url
         self.prefix = prefix
+        self._options = dict(
+            options,
+            socket_timeout=socket_timeout,
+            connect_timeout=connect_timeout,
+            retries=retries,
+            down_backoff_s=down_backoff_s,
+            warn_every_s=warn_every_s,
+        )
         self.index_key = f"{prefix}@index"
         self.down_backoff_s = down_backoff_s
         self._warn.every_s = warn_every_s
@@ -62,6 +70,11 @@ class RedisStore(BlobStore):
             socket_connect_timeout=connect_timeout,
             retry=Retry(NoBackoff(), retries),
         )
+
+    def sibling(self, name: str) -> RedisStore:
+        """The same server (and connection pool) under the key prefix ``prefix + name + ':'``."""
+        opts = {k: v for k, v in self._options.items() if k != "hmac_key"}
+        return RedisStore(self.url, f"{self.prefix}{name}:", client=self._r, hmac_key=self.auth, **opts)
 
     def describe(self) -> str:
         return f"RedisStore({_redact(self.url)}, prefix={self.prefix!r})"

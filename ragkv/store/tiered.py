@@ -45,6 +45,10 @@ class TieredStore(ChunkStore):
         self._stage_lock = threading.Lock()
         self._stats.update(memory_hits=0, backend_hits=0)
 
+    def sibling(self, name: str) -> ChunkStore | None:
+        """The backend's namespace ``name`` (no memory tier: the KV tree keeps its own RAM tier)."""
+        return self.backend.sibling(name)
+
     def describe(self) -> str:
         return f"TieredStore({self.memory.describe()} -> {self.backend.describe()})"
 
