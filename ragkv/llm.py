@@ -84,7 +84,9 @@ class LLM:
         self.attention = attention
         self.schedule = schedule
         #: the exact KV tree every exact prefill of this model reuses (RAM, then ``store``'s pages)
-        self.kv_tree = kv_tree if kv_tree is not None else KVTree(max_bytes=cache_bytes // 2, store=store)
+        self.kv_tree = kv_tree or KVTree(
+            cache_bytes // 2, store.sibling("tree") if store is not None else None
+        )
         #: where chunk KV comes from (passed in, or one over ``store``); a :class:`ragkv.RAG` answers
         #: with a view of this LLM over its own resolver (:meth:`with_resolver`)
         self.resolver = resolver or ChunkResolver(

@@ -91,6 +91,10 @@ STAT_KEYS = (
     "num_reused_rows",
     "num_computed_rows",
     "num_exact_rows",
+    "cached_tokens",  # exact prompt rows reused from the KV tree (ragkv.blend.kvtree)
+    "computed_tokens",
+    "tree_depth",  # KV tree nodes matched
+    "store_tokens",  # of the cached rows, read from the tree's store tier
     "recompute_fraction",
     "recomputed_per_layer",
     "kv_hits",
@@ -629,6 +633,23 @@ class Service:
         r.add(Gauge("ragkv_store_bytes", "bytes of chunk KV in the store", lambda: self.rag.store.nbytes()))
         r.add(
             Gauge(
+                "ragkv_kv_tree",
+                "the exact KV tree (ragkv.blend.kvtree): requests and hits, tokens requested, matched and read "
+                "from the store tier, pages written/read/rejected, evictions, RAM bytes and nodes, token hit rate",
+                lambda: {(k,): v for k, v in self.rag.kv_tree.stats().items() if isinstance(v, (int, float))},
+                ("figure",),
+            )
+        )
+        r.add(
+            Gauge(
+                "ragkv_kv_tree_bytes",
+                "bytes of the exact KV tree per tier (ram; store: its pages in the store's tree namespace)",
+                lambda: _tree_bytes(self.rag.kv_tree),
+                ("tier",),
+            )
+        )
+        r.add(
+            Gauge(
                 "ragkv_store_ops",
                 "chunk store counters (hits, misses, puts, bytes read/written ...)",
                 lambda: {(k,): v for k, v in self.rag.store.stats().items() if isinstance(v, (int, float))},
@@ -703,6 +724,11 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except (AttributeError, OSError) as e:  # not Linux, or not permitted: priorities stay equal
         log.info("could not lower the ingest thread's priority: %s", e)
+
+
+def _tree_bytes(tree) -> dict:
+    """The KV tree's bytes per tier (the store tier: its namespace of the store)."""
+    return {("ram",): tree.nbytes, ("store",): tree.store.nbytes() if tree.store is not None else 0}
 
 
 def _rate(hits: float, misses: float) -> float:

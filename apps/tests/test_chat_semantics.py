@@ -246,3 +246,30 @@ def test_a_templates_refusal_is_a_400(served, client):
     with pytest.raises(openai.BadRequestError, match="alternate") as e:
         _chat(client, model, two_users)
     assert e.value.param == "messages" and e.value.code == "invalid_value"
+
+
+def test_multi_turn_chat_reuses_the_whole_previous_prompt_exactly(served, client):
+    """Issue 52: in the exact mode each turn reuses the previous turn's whole prompt from the KV tree
+    (``cached_tokens`` >= 0.9 of it) and answers exactly as full prefill of the same ids does."""
+    _, _, model, docs = served
+    ctx = docs[0]["text"][:200]  # the tiny model has 512 positions: four turns must fit
+    question = musique_samples(1)[0]["question"]
+    messages = [
+        {"role": "system", "content": "Answer from the context."},
+        {"role": "user", "content": f"Context:\n{ctx}\n\nQuestion: {question}"},
+    ]
+    follow = ["Why?", "Say it in one sentence."]  # the test limits allow 6 messages
+    prev = None
+    for turn, ask in enumerate([None, *follow]):
+        if ask is not None:
+            messages = [*messages, {"role": "user", "content": ask}]
+        out = _chat(client, model, messages, extra_body={"ragkv": {"mode": "prefix"}})
+        full = _chat(client, model, messages, extra_body={"ragkv": {"mode": "full"}})
+        assert out.model_extra["prompt_token_ids"] == full.model_extra["prompt_token_ids"]
+        assert out.choices[0].model_extra["token_ids"] == full.choices[0].model_extra["token_ids"], turn
+        cached = out.usage.prompt_tokens_details.cached_tokens
+        assert cached == out.model_extra["ragkv"]["stats"]["cached_tokens"]
+        if prev is not None:
+            assert cached >= 0.9 * prev, (turn, cached, prev)
+        prev = out.usage.prompt_tokens
+        messages = [*messages, {"role": "assistant", "content": out.choices[0].message.content}]

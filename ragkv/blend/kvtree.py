@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -178,6 +179,12 @@ class TreeMatch:
         return PrefixSegment(*kv) if kv is not None else None
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor that holds only its own rows (a copy when it is a view into a larger buffer)."""
+    whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
+
+
 class KVTree:
     """The exact KV tree of one model (see the module doc). Thread-safe."""
 
@@ -308,9 +315,9 @@ class KVTree:
             start = pos
             for cut in cuts:
                 toks = ids[start:cut]
-                k = k_new[:, start - first : cut - first].clone()
-                v = v_new[:, start - first : cut - first].clone()
-                child = TreeNode(toks, k, v, start, parent=node, last=self._tick)
+                k = k_new[:, start - first : cut - first]
+                v = v_new[:, start - first : cut - first]
+                child = TreeNode(toks, _own(k), _own(v), start, parent=node, last=self._tick)
                 node.children[toks[0]] = child
                 self._bytes += child.nbytes()
                 self._refresh(child)
@@ -547,6 +554,10 @@ class KVTree:
         from ragkv.store.codecs import get_codec
 
         raw = get_codec("raw")
+        try:  # the writer only uses idle CPU: answering comes first (Linux: per-thread nice)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while True:
             try:
                 item = q.get(timeout=30.0)

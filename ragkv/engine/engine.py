@@ -120,7 +120,7 @@ class Engine:
         check_kv_source(self.resolver, self.kv_model)
         self.fetcher = KVFetcher(self.resolver, cfg.compute_missing)
         #: the exact KV tree (an LLM's or a RAG's when given: one tree per model for every route)
-        self.kv_tree = kv_tree if kv_tree is not None else KVTree(max_bytes=256 << 20, store=store)
+        self.kv_tree = kv_tree or KVTree(256 << 20, store.sibling("tree") if store is not None else None)
         self.bff_stats, self.cff_stats = FusionStats("bff"), FusionStats("cff")
         self._salt = f"{model.fingerprint}|{cfg.attention}"
         self._lock = threading.RLock()  # held by step(): the engine state is single-threaded
