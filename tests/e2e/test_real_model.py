@@ -105,13 +105,14 @@ def test_chat_prompt_has_one_bos_and_reuses_the_cached_head(real_llm):
     # a plain (chat=False) prompt gets BOS only as this tokenizer would: not at all
     pre_plain, _, _ = real_llm.tokenize_prompt("Answer.", ["x"], "y", chat=False)
     assert pre_plain[0] != bos
-    # the instruction head is computed once, then reused by reuse and blend alike, exactly
-    real_llm.prefix_cache.clear()
+    # the instruction head is computed once (exactly, into the KV tree, before the first blend), then
+    # reused by reuse and blend alike, exactly
+    real_llm.kv_tree.clear()
     args = ("Use the passages to answer.", ["Lily had a red ball.", "Tom ran."], "Who ran?")
     first = real_llm.prefill(*args, mode="blend", ratio=0.5)
     again = real_llm.prefill(*args, mode="blend", ratio=0.5)
     reuse = real_llm.prefill(*args, mode="reuse")
-    assert first.stats["num_head_segments_cached"] == 0
+    assert first.stats["num_head_segments_cached"] == 1 and len(real_llm.kv_tree) >= 1
     assert again.stats["num_head_segments_cached"] == 1 and reuse.stats["num_head_segments_cached"] == 1
     assert again.stats["num_exact_rows"] == len(real_llm.tokenize_prompt(*args)[0])
     assert (first.logits - again.logits).abs().max().item() < 1e-4
