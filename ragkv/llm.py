@@ -13,7 +13,7 @@ import torch
 from ragkv.adapter.shipped import AUTO_ADAPTER, check_kv_source, kv_model, resolve_adapter
 from ragkv.blend.core import BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, ensure_gate, gate_report
-from ragkv.blend.kvtree import KVTree
+from ragkv.blend.kvtree import KVTree, tree_store
 from ragkv.blend.resolver import ChunkResolver
 from ragkv.fidelity import OperatingPoint, parse_fidelity
 from ragkv.fidelity.plan import BlendPlan, plan_blend
@@ -84,9 +84,7 @@ class LLM:
         self.attention = attention
         self.schedule = schedule
         #: the exact KV tree every exact prefill of this model reuses (RAM, then ``store``'s pages)
-        self.kv_tree = kv_tree or KVTree(
-            cache_bytes // 2, store.sibling("tree") if store is not None else None
-        )
+        self.kv_tree = kv_tree if kv_tree is not None else KVTree(cache_bytes // 2, tree_store(store))
         #: where chunk KV comes from (passed in, or one over ``store``); a :class:`ragkv.RAG` answers
         #: with a view of this LLM over its own resolver (:meth:`with_resolver`)
         self.resolver = resolver or ChunkResolver(

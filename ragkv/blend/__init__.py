@@ -10,7 +10,7 @@ from ragkv.blend.core import (
     PromptKV,
     selective_prefill,
 )
-from ragkv.blend.kvtree import KVTree, PrefixCache
+from ragkv.blend.kvtree import KVTree, PrefixCache, tree_store
 from ragkv.blend.prefill import MODES, UnknownModeError, prefill
 from ragkv.blend.resolver import ChunkNotFoundError, ChunkResolver
 from ragkv.blend.source import LayerSource
@@ -28,6 +28,7 @@ __all__ = [
     "PrefillResult",
     "KVTree",
     "PrefixCache",
+    "tree_store",
     "PromptKV",
     "UnknownModeError",
     "prefill",

@@ -179,6 +179,13 @@ class TreeMatch:
         return PrefixSegment(*kv) if kv is not None else None
 
 
+def tree_store(store):
+    """Where a tree over ``store`` keeps its pages: the store's ``tree`` namespace (None: no store, or one
+    without namespaces, :meth:`ragkv.store.ChunkStore.sibling`)."""
+    sibling = getattr(store, "sibling", None)
+    return sibling("tree") if sibling is not None else None
+
+
 def _own(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a tensor that holds only its own rows (a copy when it is a view into a larger buffer)."""
     whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
@@ -242,6 +249,13 @@ class KVTree:
             c["tokens_matched"] += m.tokens
             c["store_tokens"] += m.store_tokens
         return m
+
+    def peek(self, model, ids: Sequence[int]) -> int:
+        """How many leading tokens of ``ids`` the RAM tier holds now (no pin, no statistics): what a
+        scheduler orders waiting requests by."""
+        m = self._match_ram(tree_root(model), [int(t) for t in ids], len(ids), touch=False)
+        self.release(m)
+        return m.tokens
 
     def _match_ram(self, root: str, ids: list[int], limit: int, touch: bool = True) -> TreeMatch:
         with self._lock:

@@ -26,6 +26,7 @@ from ragkv.blend import (
     KVTree,
     UnknownModeError,
     prefill,
+    tree_store,
 )
 from ragkv.blend.plan import BlendPlan, BlendPlanError
 from ragkv.engine import joint
@@ -120,7 +121,7 @@ class Engine:
         check_kv_source(self.resolver, self.kv_model)
         self.fetcher = KVFetcher(self.resolver, cfg.compute_missing)
         #: the exact KV tree (an LLM's or a RAG's when given: one tree per model for every route)
-        self.kv_tree = kv_tree or KVTree(256 << 20, store.sibling("tree") if store is not None else None)
+        self.kv_tree = kv_tree if kv_tree is not None else KVTree(256 << 20, tree_store(store))
         self.bff_stats, self.cff_stats = FusionStats("bff"), FusionStats("cff")
         self._salt = f"{model.fingerprint}|{cfg.attention}"
         self._lock = threading.RLock()  # held by step(): the engine state is single-threaded
@@ -253,7 +254,8 @@ class Engine:
             fetches = self.scheduler.fetches(self._local) if self.config.scheduler.fetch_aware else []
             for r in fetches:
                 self._start_fetch(r)
-            admitted = self.scheduler.admit(self._local, self._cost)
+            self.scheduler.order_waiting(self._cached)
+            admitted = self.scheduler.admit(self._local, self._cost, self._shares)
             if admitted:
                 self._counts["prefill_steps"] += 1
                 for r in admitted:
@@ -333,6 +335,29 @@ class Engine:
             return []
         ids = r.prefix + [t for c in r.resolved for t in as_tokens(c)] + r.question + r.output_ids
         return block_keys(ids, self.config.block_size, exact // self.config.block_size, self._salt, exact)
+
+    def _prompt_ids(self, r: Request) -> list[int] | None:
+        """The prompt's token ids (None while a chunk's tokens are not known: a store key to fetch)."""
+        toks = [as_tokens(c) for c in (r.resolved if r.resolved is not None else r.chunks)]
+        if any(t is None for t in toks):
+            return None
+        return r.prefix + [t for c in toks for t in c] + r.question + r.output_ids
+
+    def _cached(self, r: Request) -> tuple[int, int, tuple]:
+        """(tokens the KV tree holds, prompt tokens, the first uncached tokens): the scheduler's order."""
+        ids = self._prompt_ids(r)
+        if ids is None or getattr(r.plan, "mode", None) != "prefix":  # only exact-prefix requests hit
+            return 0, 1, (id(r),)
+        m = self.kv_tree.peek(self.model, ids)
+        return m, len(ids), (m, tuple(ids[m : m + 32]))
+
+    def _shares(self, a: Request, b: Request) -> bool:
+        """Whether ``b`` (an exact-prefix request: the only kind a tree hit speeds up) would reuse what
+        ``a`` computes: its uncached part starts as ``a``'s (same cached length, same next 32 tokens)."""
+        if getattr(b.plan, "mode", None) != "prefix":
+            return False
+        kb = self._cached(b)[2]
+        return len(kb) > 1 and self._cached(a)[2] == kb
 
     def _cost(self, r: Request) -> tuple[int, int]:
         """(prompt rows, blocks its prefill takes now: shared prompt-head blocks are not taken)."""

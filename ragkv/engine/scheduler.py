@@ -9,6 +9,7 @@ request; decode may still run out, and the engine then preempts the newest (:met
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ class SchedulerConfig:
     max_prefill_tokens: int = 8192  # prompt tokens prefilled in one step (at least one request)
     max_fetching: int = 64  # requests fetching at once
     fetch_aware: bool = True  # False: fetch synchronously in the engine step (the baseline)
+    #: admit waiting requests with the longest cached prefix (share of their prompt) first, RAGCache's
+    #: cache-aware reordering; a request that waited ``max_wait_s`` goes first whatever it shares
+    cache_aware: bool = True
+    max_wait_s: float = 2.0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_queue", "max_prefill_tokens", "max_fetching"):
@@ -84,11 +89,43 @@ class Scheduler:
             self.waiting_for_kv[r.request_id] = r
         return out
 
+    def order_waiting(
+        self, cached: Callable[[Request], tuple[int, int, tuple]], now: float | None = None
+    ) -> None:
+        """Reorder ``waiting`` cache-aware: requests that waited ``max_wait_s`` first (FCFS among them),
+        then by the cached share of their prompt. Of two requests whose uncached parts start alike (the
+        same ``cached(r)[2]``: their next tokens after the same cached length), only the first stays in
+        front: the second goes after every other, so it runs once the first's KV is in the tree.
+        ``cached(r)``: (cached tokens, prompt tokens, the key of its first uncached tokens)."""
+        if not self.cfg.cache_aware or len(self.waiting) < 2:
+            return
+        now = time.perf_counter() if now is None else now
+        info = {id(r): cached(r) for r in self.waiting}
+        seen: set = set()
+        front, later = [], []
+        for r in sorted(
+            self.waiting,
+            key=lambda r: (
+                now - r.metrics.arrival < self.cfg.max_wait_s,  # the starving first
+                -info[id(r)][0] / max(info[id(r)][1], 1),
+                r.metrics.arrival,
+            ),
+        ):
+            key = info[id(r)][2]
+            (later if key in seen and now - r.metrics.arrival < self.cfg.max_wait_s else front).append(r)
+            seen.add(key)
+        self.waiting = deque(front + later)
+
     def admit(
-        self, local: Callable[[Request], bool], cost: Callable[[Request], tuple[int, int]]
+        self,
+        local: Callable[[Request], bool],
+        cost: Callable[[Request], tuple[int, int]],
+        shares: Callable[[Request, Request], bool] | None = None,
     ) -> list[Request]:
-        """Requests to prefill now, FCFS (``ready``, then local ``waiting`` ones) under the running slots,
-        the prefill token budget and the free blocks; ``cost(r)``: (prompt tokens, blocks taken now)."""
+        """Requests to prefill now (``ready``, then local ``waiting`` ones, in queue order) under the
+        running slots, the prefill token budget and the free blocks; ``cost(r)``: (prompt tokens, blocks
+        taken now). ``shares(a, b)``: b's uncached prefix starts as a's: b waits for the next step, when
+        a's KV is in the tree."""
         out, tokens = [], 0
         slots = self.cfg.max_num_seqs - len(self.running)
         budget = self.manager.num_free - self.num_layers * len(self.running)
@@ -97,6 +134,8 @@ class Scheduler:
                 r = queue_[0]
                 if queue_ is self.waiting and not local(r):
                     break  # it will move to waiting_for_kv once a fetch slot frees up
+                if queue_ is self.waiting and shares is not None and any(shares(a, r) for a in out):
+                    return out
                 n, blocks = cost(r)
                 if blocks > budget or (out and tokens + n > self.cfg.max_prefill_tokens):
                     return out

@@ -17,6 +17,7 @@ import torch
 
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.exact import exact_prefill
+from ragkv.blend.kvtree import tree_store
 from ragkv.blend.resolver import WarnThrottle
 from ragkv.llm import LLM
 from ragkv.model.forward import exact_supported
@@ -132,8 +133,8 @@ class RAG:
         #: its pages go to a namespace of this RAG's store of their own (``store.sibling("tree")``):
         #: they outlive the process and are shared by the processes on that store
         self.kv_tree = llm.kv_tree
-        if self.kv_tree.store is None and self.corpus.store is not None:
-            self.kv_tree.store = self.corpus.store.sibling("tree")
+        if self.kv_tree.store is None:
+            self.kv_tree.store = tree_store(self.corpus.store)
         #: ingest precomputes each chunk's exact KV after the prompt head (the tree's first level), so
         #: the first retrieved chunk of a request is an exact hit (docs/EXACT_REUSE.md)
         self.first_level = first_level

@@ -784,3 +784,36 @@ def test_engine_stop_strings_never_leak_and_finish_reason_is_the_detokenizers(mo
                 assert all(e.finish_reason is None for e in events[:-1])
                 assert out.metrics.num_output_tokens == len(out.token_ids) == len(events)
         assert eng.pool.manager.num_used == 0
+
+
+def test_cache_aware_admission_and_twins_run_one_after_the_other(model, chunks):
+    """Issue 52: waiting exact-prefix requests are admitted longest cached share first; two that share an
+    uncached prefix run one after the other, so the second hits the KV tree; answers stay exact."""
+    head = [1] + chunks[0][:40]
+    cold = dict(prefix=[1] + chunks[1][:40], question=model.encode("Tom"), mode="prefix")
+    warm = dict(prefix=head, question=model.encode("Lily"), mode="prefix")
+    one = SamplingParams(max_new_tokens=1)
+    with Engine(model, EngineConfig(num_blocks=600, scheduler=SchedulerConfig(max_num_seqs=1))) as eng:
+        eng.submit(prefix=head, question=model.encode("Sue"), mode="prefix", params=one)
+        while eng.step():  # stepped by hand: no background thread reorders anything
+            pass
+        hs = [eng.submit(**r, params=SamplingParams(max_new_tokens=3)) for r in (cold, warm)]
+        eng.step()  # one slot: the warm request (its head cached) goes first
+        assert hs[1].request.metrics.prefill_start is not None and hs[0].request.metrics.prefill_start is None
+        while eng.step():
+            pass
+        twin = dict(prefix=[1] + chunks[2][:40], mode="prefix", params=one)
+        twins = [eng.submit(**twin, question=model.encode(q)) for q in "AB"]
+        eng.step()  # the twins share 41 uncached tokens: one now, the other next step, from the tree
+        started = [t.request.metrics.prefill_start is not None for t in twins]
+        assert sorted(started) == [False, True]
+        while eng.step():
+            pass
+        outs = [h.result() for h in hs]
+        got = [t.result() for t in twins]
+    assert outs[1].prefill_stats["cached_tokens"] >= len(head)
+    first, second = (got[0], got[1]) if started[0] else (got[1], got[0])
+    assert second.prefill_stats["cached_tokens"] >= 41 and first.prefill_stats["cached_tokens"] < 41
+    for r, o in ((cold, outs[0]), (warm, outs[1])):
+        ref = dict(r, chunks=[], mode="full", params=SamplingParams(max_new_tokens=3))
+        assert o.token_ids == _reference(model, ref)
