@@ -3,6 +3,7 @@ strings/tokens, log-probabilities, streaming."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from ragkv.blend.core import PrefillResult
 from ragkv.constrain import ConstraintError, GrammarState, JsonConstraint
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_LOGPROBS, MIN_TEMPERATURE
 from ragkv.model.forward import run_layers
+
+log = logging.getLogger("ragkv.generate")
 
 
 @dataclass
@@ -330,10 +333,18 @@ def stream(
         yield out.finish_empty()
         return
     logits = result.logits
+    generated: list[int] = []
     while True:
         ev, reason = out.step(logits, gen)
+        if ev.token_id is not None:
+            generated.append(ev.token_id)
         yield ev
         if reason is not None:
+            if result.on_finish is not None and generated:
+                try:  # the answer is whole (and sent): its KV goes to the KV tree for the next turn
+                    result.on_finish(generated)
+                except Exception as e:  # noqa: BLE001 - a cache that fails never fails the answer
+                    log.warning("could not commit the answer's KV: %s", e)
             return
         logits = decode_step(model, cache, ev.token_id, n_prompt + ev.index)
 

@@ -161,6 +161,9 @@ class PrefillResult:
     attn_probs: list[torch.Tensor] | None = None  # per layer [P, Hq, N] for probe rows
     #: APE tempering the decode must keep applying to the reused rows (None: plain attention)
     temper: ContextTemper | None = None
+    #: called by the decode loop with the generated token ids when the answer is complete: an exact
+    #: prefill commits the answer's KV to the KV tree, so the next chat turn reuses it too
+    on_finish: Callable[[list[int]], None] | None = None
 
 
 class BlendKV:

@@ -34,12 +34,14 @@ def exact_prefill(
     insert: bool = True,
     reuse: bool = True,
     wait: bool = False,
+    commit_answer: bool = True,
 ) -> PrefillResult:
     """Prefill ``ids`` exactly, reusing ``tree``'s longest cached prefix (``reuse``) and inserting the
     computed rows (``insert``, nodes ending at ``boundaries``). ``stats``: ``cached_tokens`` (exact rows
     reused), ``computed_tokens``, ``tree_depth`` (nodes matched), ``store_tokens`` (of them, read from the
     store tier), and the row counts every mode reports. ``wait``: block until the new pages are queued
-    for the store (ingest) instead of dropping them when the writer is behind (requests)."""
+    for the store (ingest) instead of dropping them when the writer is behind (requests).
+    ``commit_answer``: the result's ``on_finish`` commits the generated answer's KV (:func:`commit`)."""
     t0 = time.perf_counter()
     ids = [int(t) for t in ids]
     n = len(ids)
@@ -86,4 +88,18 @@ def exact_prefill(
     }
     dev = model.device
     kv = PromptKV(ep.k, ep.v, torch.arange(n, device=dev), torch.tensor(ids, dtype=torch.long, device=dev))
-    return PrefillResult(ep.logits, kv, stats, ep.probes, None)
+    res = PrefillResult(ep.logits, kv, stats, ep.probes, None)
+    if tree is not None and insert and commit_answer:
+        res.on_finish = lambda out: commit(model, tree, ids, out)
+    return res
+
+
+def commit(model, tree: KVTree, prompt: Sequence[int], answer: Sequence[int]) -> None:
+    """Put the exact KV of ``prompt + answer`` (the prompt already in the tree) into the tree: the next
+    turn of a chat, whose prompt repeats both, then computes only what it adds. The answer's rows are
+    computed again by an exact pass (decode computes them one at a time, another order)."""
+    ids = [int(t) for t in prompt] + [int(t) for t in answer]
+    if len(ids) > model.config.max_position or not answer:
+        return
+    with torch.inference_mode():
+        exact_prefill(model, ids, tree, commit_answer=False)

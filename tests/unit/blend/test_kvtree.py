@@ -223,3 +223,22 @@ def test_exact_prefill_reports_what_was_reused():
     warm = exact_prefill(m, ids + _ids(m, 20, seed=8), tree)
     assert warm.stats["cached_tokens"] == 90 and warm.stats["computed_tokens"] == 20
     assert warm.stats["tree_depth"] == 1 and tree.stats()["token_hit_rate"] > 0
+
+
+def test_a_finished_answer_is_committed_so_the_next_turn_reuses_it():
+    """The decode loop hands the answer to the exact prefill's ``on_finish``: the next turn's prompt
+    (prompt + answer + more) then reuses the answer's rows too, and still equals full prefill."""
+    from ragkv.generate import SamplingParams, generate
+
+    m = _model()
+    tree = KVTree()
+    prompt = _ids(m, 70)
+    res = prefill(m, prompt, [], [], "prefix", prefix_cache=tree)
+    gen = generate(m, res, SamplingParams(max_new_tokens=6, stop_token_ids=()))
+    assert len(gen.token_ids) == 6
+    turn2 = prompt + gen.token_ids + _ids(m, 20, seed=4)
+    got = prefill(m, turn2, [], [], "prefix", prefix_cache=tree)
+    assert got.stats["cached_tokens"] == len(prompt) + 6
+    assert torch.equal(got.logits, prefill(m, turn2, [], [], "full").logits)
+    full = prefill(m, prompt, [], [], "full")
+    assert full.on_finish is None  # full prefill commits nothing
