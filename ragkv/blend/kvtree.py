@@ -164,13 +164,16 @@ class TreeMatch:
     path: list[tuple[TreeNode, int]]
     depth: int
     store_tokens: int = 0
+    #: the matched rows of each node, taken under the tree's lock when matched (a later split of a node
+    #: replaces its tensors; these views keep the rows this match saw)
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Pre-RoPE K and V ``[L, tokens, Hkv, D]`` of the matched rows (None when nothing matched)."""
         if not self.tokens:
             return None
-        ks = [n.k[:, :used] for n, used in self.path]
-        vs = [n.v[:, :used] for n, used in self.path]
+        ks = [k for k, _ in self.parts]
+        vs = [v for _, v in self.parts]
         return (torch.cat(ks, 1), torch.cat(vs, 1)) if len(ks) > 1 else (ks[0], vs[0])
 
     def piece(self) -> PrefixSegment | None:
@@ -278,13 +281,14 @@ class KVTree:
                 if n < len(child.tokens):
                     break
                 node = child
+            parts = [(nd.k[:, :used], nd.v[:, :used]) for nd, used in path]
             for nd, _ in path:
                 nd.pins += 1
                 if touch:
                     nd.hits += 1
                     nd.last = self._tick
                     self._refresh(nd)
-            return TreeMatch(pos, path, len(path))
+            return TreeMatch(pos, path, len(path), parts=parts)
 
     def release(self, match: TreeMatch) -> None:
         """Unpin a match's nodes."""

@@ -242,3 +242,19 @@ def test_a_finished_answer_is_committed_so_the_next_turn_reuses_it():
     assert torch.equal(got.logits, prefill(m, turn2, [], [], "full").logits)
     full = prefill(m, prompt, [], [], "full")
     assert full.on_finish is None  # full prefill commits nothing
+
+
+def test_a_match_keeps_its_rows_when_another_request_splits_its_node():
+    """A request matched part of a node; before it reads the rows, another request's insert splits that
+    node (concurrent requests): the first still gets its matched rows at their positions."""
+    m = _model()
+    tree = KVTree()
+    ids = _ids(m, 80)
+    full = prefill(m, ids, [], [], "full")
+    prefill(m, ids[:60], [], [], "prefix", prefix_cache=tree)  # one node of 60 rows
+    mine = tree.match(m, ids[:50] + _ids(m, 5, seed=9))  # 50 rows of it, pinned
+    prefill(m, ids[:30] + _ids(m, 30, seed=7), [], [], "prefix", prefix_cache=tree)  # splits it at 30
+    k, v = mine.kv()
+    assert k.shape[1] == 50
+    assert torch.equal(v, full.kv.v[:, :50])
+    tree.release(mine)
