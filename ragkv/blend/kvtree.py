@@ -43,10 +43,21 @@ EXACT_VERSION = 1
 POLICIES = ("pgdsf", "lru")
 
 
+_ROOTS: dict[tuple, str] = {}
+
+
 def tree_root(model) -> str:
     """The identity every key of a model's tree chains from: what the exact KV is a function of (the
     weights' fingerprint, dtype, the exact computation's version, the thread count and CPU kernel level,
     which can change float results) and the tokenizer/template it was made for."""
+    memo = (id(model), getattr(model, "fingerprint", ""), torch.get_num_threads())
+    root = _ROOTS.get(memo)
+    if root is None:
+        root = _ROOTS[memo] = _tree_root(model)
+    return root
+
+
+def _tree_root(model) -> str:
     tok = getattr(model, "tokenizer", None)
     template = getattr(tok, "chat_template", None) or ""
     parts = [
@@ -345,32 +356,20 @@ class KVTree:
             self._queue_pages(model, root, ids, wait)
 
     def _descend(self, rootnode: TreeNode, ids: list[int], first: int) -> tuple[TreeNode, int]:
-        """The node after which ``ids[pos:]`` is new, splitting a node the prefix ends inside; ``pos``
-        stops at ``first`` at most (rows beyond it come from the caller's pass)."""
+        """``(node, pos)``: the deepest node whose tokens ``ids`` follow, ``pos`` tokens matched (rows
+        beyond ``first`` may exist already: another request inserted them). A node is split only where
+        ``ids`` diverge from it inside it; a prompt that ends inside a node matches to its end."""
         node, pos = rootnode, 0
-        while pos < first:
-            child = node.children.get(ids[pos])
-            if child is None:
-                return node, pos
-            n = 0
-            stop = min(len(child.tokens), first - pos)
-            while n < stop and child.tokens[n] == ids[pos + n]:
-                n += 1
-            if n < len(child.tokens):
-                if n == 0:
-                    return node, pos
-                self._split(child, n)
-            node, pos = child, pos + n
-        # the rows right after ``first`` may exist already (another request inserted them): follow
-        # them while they match, so the new span hangs below the deepest equal node
         while pos < len(ids):
             child = node.children.get(ids[pos])
             if child is None:
                 break
-            n = 0
-            while n < len(child.tokens) and pos + n < len(ids) and child.tokens[n] == ids[pos + n]:
+            n, stop = 0, min(len(child.tokens), len(ids) - pos)
+            while n < stop and child.tokens[n] == ids[pos + n]:
                 n += 1
             if n < len(child.tokens):
+                if pos + n == len(ids):  # ids end inside this node: all of them are there
+                    return child, len(ids)
                 if n == 0:
                     break
                 self._split(child, n)
