@@ -1,6 +1,6 @@
 """ragkv: retrieval-augmented generation that never prefills the same retrieved text twice."""
 
-from ragkv.blend import BlendSchedule, PrefixCache, prefill
+from ragkv.blend import BlendSchedule, KVTree, PrefixCache, prefill
 from ragkv.constrain import ConstraintError, JsonConstraint, json_constraint
 from ragkv.generate import SamplingParams
 from ragkv.kv import ChunkKV, KVMismatchError, compute_chunk_kv
@@ -18,6 +18,7 @@ __all__ = [
     "ConstraintError",
     "JsonConstraint",
     "KVMismatchError",
+    "KVTree",
     "Model",
     "PrefixCache",
     "PromptTooLongError",
