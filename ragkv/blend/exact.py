@@ -89,7 +89,7 @@ def exact_prefill(
     dev = model.device
     kv = PromptKV(ep.k, ep.v, torch.arange(n, device=dev), torch.tensor(ids, dtype=torch.long, device=dev))
     res = PrefillResult(ep.logits, kv, stats, ep.probes, None)
-    if tree is not None and insert and commit_answer:
+    if tree is not None and insert and commit_answer and tree.commit_answers:
         res.on_finish = lambda out: commit(model, tree, ids, out)
     return res
 

@@ -216,6 +216,7 @@ class KVTree:
         policy: str = "pgdsf",
         page_tokens: int = PAGE_TOKENS,
         write_queue: int = 256,
+        commit_answers: bool = True,
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; use one of {POLICIES}")
@@ -225,6 +226,9 @@ class KVTree:
         self.store = store
         self.policy = policy
         self.page_tokens = page_tokens
+        #: commit each finished answer's KV (an exact pass over prompt + answer after the answer is sent:
+        #: the next chat turn then computes only what it adds; a single-shot workload pays that pass)
+        self.commit_answers = commit_answers
         self.cost = RecomputeCost()
         self._roots: dict[str, TreeNode] = {}
         self._lock = threading.RLock()
