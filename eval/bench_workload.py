@@ -304,11 +304,13 @@ class Rec:
         return (self.index, self.turn)
 
 
-def _median_by_key(recs: list[Rec], arm: str) -> dict[tuple, float]:
+def _median_by_key(recs: list[Rec], arm: str, server: bool = False) -> dict[tuple, float]:
+    """Each request's TTFT (the client's, or with ``server`` the service's own) median over the passes."""
     by: dict[tuple, list[float]] = {}
     for r in recs:
-        if r.arm == arm and r.ttft_s is not None:
-            by.setdefault(r.key, []).append(r.ttft_s)
+        v = r.server_ttft_s if server else r.ttft_s
+        if r.arm == arm and v is not None:
+            by.setdefault(r.key, []).append(v)
     return {k: statistics.median(v) for k, v in by.items()}
 
 
@@ -333,6 +335,15 @@ def summarize(recs: list[Rec]) -> dict:
         out[f"{arm}_n"] = len(arm_recs)
     sources = sorted({r.cached_source for r in recs if r.arm == "default" and r.cached_source})
     out["hit_source"] = ",".join(sources) or None
+    d = [r for r in recs if r.arm == "default"]
+    out["default_modes_run"] = (
+        sorted({str(r.extra["mode_run"]) for r in d if r.extra.get("mode_run")}) or None
+    )
+    depths = [r.extra.get("tree_depth") for r in d]
+    out["default_tree_depth_p50"] = quantile((x for x in depths if isinstance(x, (int, float))), 0.5)
+    out["default_server_ttft_p50_s"] = quantile(
+        _median_by_key([r for r in d if r.server_ttft_s is not None], "default", server=True).values(), 0.5
+    )
     for other in ("full", "llamacpp"):
         out[f"default_over_{other}_p50"] = _ratio(out["default_ttft_p50_s"], out[f"{other}_ttft_p50_s"])
         speedups = [
@@ -849,6 +860,7 @@ class Bench:
             turn,
             prev,
             r["server_ttft_s"],
+            extra={"mode_run": r["stats"].get("mode"), "tree_depth": r["stats"].get("tree_depth")},
         )
 
     def serve(self, data_dir: Path, log_name: str, **env: str):
