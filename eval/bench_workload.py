@@ -30,13 +30,16 @@ Arms, side by side in the same run: **default** (the library's / the service's d
 mode, no ratio), **full** (``mode="full"``), and **llama.cpp** (``llama-cpp-python`` on the same GGUF
 file, ``--threads`` threads, one ``Llama`` object per workload pass so its prompt cache, the longest
 common prefix with what it holds, applies as in llama-server or Ollama; fed the token ids ragkv
-prefilled; TTFT to its first generated token). The library workloads run the default arm over the
-whole request sequence, then full over the same prompts, then llama.cpp, each pass from a fresh
+prefilled; TTFT to its first generated token). The arms run interleaved, request by request (turn
+by turn in chat), so each pair is measured under the same load (full reuses nothing; what it could
+leave in a cache is the prompt the default arm has just run). Each library pass starts from a fresh
 state: a fresh copy of the data folder as ingest left it, a fresh ``RAG`` (process memory), a reset
-``Llama``. ``--repeats`` passes; a request's TTFT is its median over the passes. In chat each repeat
-is its own set of sessions: the system message carries the session number, so no pass reuses
-another's prompts (chunk KV stored at ingest stays reusable). llama.cpp serves the conversations
-one after another, on the default arm's prompt ids (its one-slot cache: the friendliest order).
+``Llama``; a question without passages warms each arm up first (untimed). ``--repeats`` passes; a
+request's TTFT is its median over the passes. In chat each repeat is its own set of sessions: the
+system message carries the session number, so no pass reuses another's prompts (chunk KV stored at
+ingest stays reusable); each arm keeps its own conversation (its own answers). llama.cpp serves the
+conversations one after another on the default arm's prompt ids (its one-slot cache: the friendliest
+order). After a restart, and on a second process, llama.cpp holds nothing (llama-server's default).
 
 Figures per workload and arm: TTFT p50 / p95, the default's ratio to full and to llama.cpp (ratio of
 the medians, and the median and p10 of the per-request speed-ups), token hit rate (cached prompt
@@ -661,6 +664,14 @@ class Bench:
 
         self.notes.append(f"llama.cpp: llama-cpp-python {llama_cpp.__version__}, {gguf.name}")
 
+    def llama_rec(self, workload: str, index: int, rep: int, ids: Sequence[int], turn=None, prev=None) -> Rec:
+        """llama.cpp on the prompt ``ids`` (after whatever it holds) as a record."""
+        ttft, out, reused = self.llama.run(ids, self.args.max_new_tokens)
+        text = self.decode(out)
+        return Rec(
+            workload, "llamacpp", index, rep, ttft, len(ids), reused, "llamacpp.prefix", out, text, turn, prev
+        )
+
     # -- library workloads --
     def requests(self, workload: str, rag) -> list[tuple[str, str, list]]:
         """(question text, collection, chunk records) of each request of a library workload, retrieved
@@ -705,13 +716,17 @@ class Bench:
                 if workload == "natural" and rep == 0:
                     for q, (_, _, chunks) in zip(self.questions, reqs, strict=True):
                         self.retrieved[id(q)] = [c.text for c in chunks]
-                prompts: list[list[int]] = []
-                for arm, mode in (("default", None), ("full", "full")):
+                for mode in (None, "full"):
                     # warm-up, untimed: a question without passages (lazy starts stay out of the
                     # figures; the default's cached instruction head is what any served request leaves)
                     kw = {"mode": mode} if mode else {}
                     rag.answer("Hello?", chunks=[], collection=reqs[0][1], params=params, **kw)
-                    for i, (text, coll, chunks) in enumerate(reqs):
+                if self.llama is not None:
+                    self.llama.reset()
+                # the arms interleaved request by request (paired under the same load); full reuses
+                # nothing, and what it could leave behind is the same prompt default just ran
+                for i, (text, coll, chunks) in enumerate(reqs):
+                    for arm, mode in (("default", None), ("full", "full")):
                         kw = {"mode": mode} if mode else {}
                         ans = rag.answer(text, chunks=chunks, collection=coll, params=params, **kw)
                         cached, src = cached_of(ans.stats)
@@ -733,28 +748,9 @@ class Bench:
                                 },
                             )
                         )
-                        if arm == "default":
-                            prompts.append(list(ans.prompt_ids))
-                    if arm == "default":
-                        rss.append(rss_bytes())
-                if self.llama is not None:
-                    self.llama.reset()
-                    for i, ids in enumerate(prompts):
-                        ttft, out, reused = self.llama.run(ids, a.max_new_tokens)
-                        recs.append(
-                            Rec(
-                                workload,
-                                "llamacpp",
-                                i,
-                                rep,
-                                ttft,
-                                len(ids),
-                                reused,
-                                "llamacpp.prefix",
-                                out,
-                                rag.model.decode(out),
-                            )
-                        )
+                        if arm == "default" and self.llama is not None:
+                            recs.append(self.llama_rec(workload, i, rep, list(ans.prompt_ids)))
+                rss.append(rss_bytes())
             finally:
                 rag.close()
             disk.append(dir_bytes(data))
@@ -893,60 +889,42 @@ class Bench:
             client = self.client(base)
             model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
             # warm-up: the service's lazy starts (self-check, locator) stay out of the figures
-            self.chat_call(client, model, [{"role": "user", "content": "Hello"}], False, convs[0].dataset)
+            for full in (False, True):
+                self.chat_call(client, model, [{"role": "user", "content": "Hello"}], full, convs[0].dataset)
             recs: list[Rec] = []
             if "chat" in workloads:
                 for rep in range(a.repeats):
-                    for arm, full in (("default", False), ("full", True)):
-                        for c, q in enumerate(convs):
-                            msgs = self.chat_messages(q, rep)
-                            prev = None
-                            for t in range(1, chat_turns(c) + 1):
+                    if self.llama is not None:
+                        self.llama.reset()
+                    for c, q in enumerate(convs):
+                        # each arm its own conversation (its own answers in the history), turn by turn
+                        # side by side; llama.cpp on the default arm's prompt ids
+                        msgs = {arm: self.chat_messages(q, rep) for arm in ("default", "full")}
+                        prev: dict[str, int | None] = {"default": None, "full": None}
+                        alive = {"default": True, "full": True}
+                        for t in range(1, chat_turns(c) + 1):
+                            for arm in ("default", "full"):
+                                if not alive[arm]:
+                                    continue
                                 if t > 1:
-                                    msgs = [
-                                        *msgs,
-                                        {"role": "user", "content": FOLLOW_UPS[(t - 2) % len(FOLLOW_UPS)]},
-                                    ]
+                                    follow = FOLLOW_UPS[(t - 2) % len(FOLLOW_UPS)]
+                                    msgs[arm] = [*msgs[arm], {"role": "user", "content": follow}]
                                 try:
-                                    r = self.chat_call(client, model, msgs, full, q.dataset)
+                                    r = self.chat_call(client, model, msgs[arm], arm == "full", q.dataset)
                                 except Exception as e:  # context full: the conversation ends there
                                     self.notes.append(
                                         f"chat {arm} conversation {c} turn {t}: {type(e).__name__}: {e}"
                                     )
-                                    break
-                                recs.append(self.rec_of("chat", arm, c, rep, r, t, prev))
+                                    alive[arm] = False
+                                    continue
+                                recs.append(self.rec_of("chat", arm, c, rep, r, t, prev[arm]))
                                 if arm == "default" and t == 1 and rep == 0:
-                                    first_turn[c] = (msgs, r)
+                                    first_turn[c] = (msgs[arm], r)
                                 if arm == "default" and self.llama is not None and r["prompt_ids"]:
-                                    recs[-1].extra["prompt_ids"] = r["prompt_ids"]
-                                prev = r["prompt_tokens"]
-                                msgs = [*msgs, {"role": "assistant", "content": r["text"]}]
-                    if self.llama is not None:
-                        self.llama.reset()
-                        for r in [x for x in recs if x.arm == "default" and x.repeat == rep]:
-                            ids = r.extra.get("prompt_ids")
-                            if not ids:
-                                continue
-                            ttft, out, reused = self.llama.run(ids, a.max_new_tokens)
-                            recs.append(
-                                Rec(
-                                    "chat",
-                                    "llamacpp",
-                                    r.index,
-                                    rep,
-                                    ttft,
-                                    len(ids),
-                                    reused,
-                                    "llamacpp.prefix",
-                                    out,
-                                    "",
-                                    r.turn,
-                                    r.prev_prompt_tokens,
-                                )
-                            )
+                                    recs.append(self.llama_rec("chat", c, rep, r["prompt_ids"], t, prev[arm]))
+                                prev[arm] = r["prompt_tokens"]
+                                msgs[arm] = [*msgs[arm], {"role": "assistant", "content": r["text"]}]
                     print(f"  chat: pass {rep + 1}/{a.repeats} done", flush=True)
-                for r in recs:
-                    r.extra.pop("prompt_ids", None)
                 results["chat"] = (recs, {"rss_bytes": rss_bytes(proc.pid), "disk_bytes": dir_bytes(data)})
             if "restart" in workloads:
                 if not first_turn:  # chat did not run: send each first request once before the restart
@@ -981,20 +959,7 @@ class Bench:
                 recs.append(self.rec_of("restart", "full", c, 0, f))
                 if self.llama is not None and r["prompt_ids"]:
                     self.llama.reset()  # llama.cpp after its own restart: nothing held
-                    ttft, out, reused = self.llama.run(r["prompt_ids"], self.args.max_new_tokens)
-                    recs.append(
-                        Rec(
-                            "restart",
-                            "llamacpp",
-                            c,
-                            0,
-                            ttft,
-                            len(r["prompt_ids"]),
-                            reused,
-                            "llamacpp.prefix",
-                            out,
-                        )
-                    )
+                    recs.append(self.llama_rec("restart", c, 0, r["prompt_ids"]))
             extra = {"rss_bytes": rss_bytes(proc.pid), "disk_bytes": dir_bytes(data)}
         finally:
             stop_server(proc, 120)
@@ -1067,20 +1032,7 @@ class Bench:
                 recs.append(self.rec_of("two-process", "full", c, 0, f))
                 if self.llama is not None and r["prompt_ids"]:
                     self.llama.reset()  # a second llama.cpp process holds nothing
-                    ttft, out, reused = self.llama.run(r["prompt_ids"], a.max_new_tokens)
-                    recs.append(
-                        Rec(
-                            "two-process",
-                            "llamacpp",
-                            c,
-                            0,
-                            ttft,
-                            len(r["prompt_ids"]),
-                            reused,
-                            "llamacpp.prefix",
-                            out,
-                        )
-                    )
+                    recs.append(self.llama_rec("two-process", c, 0, r["prompt_ids"]))
             extra = {
                 "rss_bytes": sum(filter(None, (rss_bytes(p.pid) for p in procs))),
                 "disk_bytes": sum(dir_bytes(self.work / f"two-{n}") for n in ("A", "B")),
@@ -1217,7 +1169,7 @@ def resolve_args(args) -> argparse.Namespace:
         repeats=1 if q else 3,
         top_k=(2 if tiny else 3) if q else 6,
         max_new_tokens=(4 if tiny else 8) if q else 16,
-        zipf_requests=6 if q else 48,
+        zipf_requests=4 if q else 48,
         burst_topics=1 if q else 6,
         chat_conversations=2 if q else 6,
         chunk_tokens=96 if tiny else None,

@@ -167,7 +167,7 @@ def test_quick_run_on_the_tiny_model_ends_with_one_json_line(tmp_path, capsys):
         assert f["n_requests"] >= 1 and f["default_ttft_p50_s"] > 0 and f["full_ttft_p50_s"] > 0, name
         assert f["default_hit_rate"] is not None and f["llamacpp_ttft_p50_s"] is None
         assert f["default_same_answer_as_full"] is not None
-    assert w["zipf-1"]["n_requests"] == 6 and w["chat"]["per_turn"][0]["turn"] == 1
+    assert w["zipf-1"]["n_requests"] == 4 and w["chat"]["per_turn"][0]["turn"] == 1
     assert (out / "results.json").is_file() and (out / "ttft_chat_per_turn.png").stat().st_size > 0
     assert (out / "ttft_natural.png").stat().st_size > 0
     assert "two-process" in w and ("skipped" in w["two-process"] or "cached_share" in w["two-process"])
