@@ -12,6 +12,9 @@ built as the service builds it (``ragkv_server.service.build_rag``: its model, e
   paraphrases) whose passages are a sliding window over the topic's ranked retrieval: query j gets
   ranks ``j .. j+k-1``, so consecutive sets share k-1 passages, each one place earlier
   (:func:`burst_windows`).
+* ``zipf-1-service``: the ``zipf-1`` sequence through the service's OpenAI route with
+  ``extra_body={"ragkv": {"retrieve": true}}`` (the service retrieves and builds ``/v1/query``'s
+  prompt; a system message naming the pass keeps passes apart).
 * ``chat``: multi-turn RAG chat through the service's ``/v1/chat/completions`` with the official
   ``openai`` client: a system message, then a user message with the question's retrieved passages
   and the question, then up to 4 follow-ups (:data:`FOLLOW_UPS`), 1 to 5 turns per conversation
@@ -78,11 +81,21 @@ from pathlib import Path
 from eval.prompts import TINY_MODEL, get_spec, load_samples
 
 #: every workload, in run order
-WORKLOADS = ("natural", "zipf-0.8", "zipf-1", "zipf-1.2", "bursts", "chat", "restart", "two-process")
+WORKLOADS = (
+    "natural",
+    "zipf-0.8",
+    "zipf-1",
+    "zipf-1.2",
+    "bursts",
+    "chat",
+    "zipf-1-service",
+    "restart",
+    "two-process",
+)
 #: the library workloads (in process, on a RAG built as the service builds it)
 LIBRARY = ("natural", "zipf-0.8", "zipf-1", "zipf-1.2", "bursts")
 #: the service workloads (HTTP, the OpenAI route)
-SERVICE = ("chat", "restart", "two-process")
+SERVICE = ("chat", "zipf-1-service", "restart", "two-process")
 ARMS = ("default", "full", "llamacpp")
 SYSTEM = "You are a helpful assistant. Answer the question from the context, in a few words."
 #: the follow-up questions of a chat, after the first (RAG) turn
@@ -673,6 +686,18 @@ class Bench:
         )
 
     # -- library workloads --
+    def zipf_sequence(self, s: float) -> list[tuple[str, str]]:
+        """(question text, collection) of the Zipf workload of exponent ``s``: the k-th repeat of a
+        question paraphrased by rule k."""
+        qs = self.questions
+        seen: dict[int, int] = {}
+        out = []
+        for i in zipf_draw(len(qs), self.args.zipf_requests, s, self.args.seed):
+            k = seen.get(i, 0)
+            seen[i] = k + 1
+            out.append((paraphrase(qs[i].text, k), qs[i].dataset))
+        return out
+
     def requests(self, workload: str, rag) -> list[tuple[str, str, list]]:
         """(question text, collection, chunk records) of each request of a library workload, retrieved
         by ``rag`` as the service retrieves (top_k, fitted to the context), bursts from windows."""
@@ -683,12 +708,7 @@ class Bench:
             for q in qs:
                 out.append((q.text, q.dataset, None))
         elif workload.startswith("zipf-"):
-            s = float(workload.split("-", 1)[1])
-            seen: dict[int, int] = {}
-            for i in zipf_draw(len(qs), a.zipf_requests, s, a.seed):
-                k = seen.get(i, 0)
-                seen[i] = k + 1
-                out.append((paraphrase(qs[i].text, k), qs[i].dataset, None))
+            out += [(text, coll, None) for text, coll in self.zipf_sequence(float(workload.split("-")[1]))]
         elif workload == "bursts":
             for q in qs[: a.burst_topics]:
                 ranked = rag.retrieve(q.text, a.top_k + a.burst_len - 1, collection=q.dataset)
@@ -786,11 +806,15 @@ class Bench:
             r.close()
             del self._reader
 
-    def chat_call(self, client, model: str, messages: list[dict], full: bool, collection: str) -> dict:
-        """One streamed chat completion: client TTFT (first content chunk), the answer, usage, ids."""
+    def chat_call(
+        self, client, model: str, messages: list[dict], full: bool, collection: str, retrieve: bool = False
+    ) -> dict:
+        """One streamed chat completion: client TTFT (first content chunk), the answer, usage, ids.
+        ``retrieve``: ragkv retrieves for the last user message (``ragkv.retrieve``: /v1/query's prompt)."""
         extra: dict = {"return_token_ids": True}
-        if full:
-            extra["ragkv"] = {"mode": "full"}
+        opts = {**({"mode": "full"} if full else {}), **({"retrieve": True} if retrieve else {})}
+        if opts:
+            extra["ragkv"] = opts
         t0 = time.perf_counter()
         stream = client.chat.completions.create(
             model=model,
@@ -926,6 +950,12 @@ class Bench:
                                 msgs[arm] = [*msgs[arm], {"role": "assistant", "content": r["text"]}]
                     print(f"  chat: pass {rep + 1}/{a.repeats} done", flush=True)
                 results["chat"] = (recs, {"rss_bytes": rss_bytes(proc.pid), "disk_bytes": dir_bytes(data)})
+            if "zipf-1-service" in workloads:
+                zrecs = self.zipf_service(client, model)
+                results["zipf-1-service"] = (
+                    zrecs,
+                    {"rss_bytes": rss_bytes(proc.pid), "disk_bytes": dir_bytes(data)},
+                )
             if "restart" in workloads:
                 if not first_turn:  # chat did not run: send each first request once before the restart
                     for c, q in enumerate(convs):
@@ -937,6 +967,28 @@ class Bench:
             results["restart"] = self.run_restart(data, first_turn, convs)
         shutil.rmtree(data, ignore_errors=True)
         return results
+
+    def zipf_service(self, client, model: str) -> list[Rec]:
+        """The Zipf workload (s = 1.0) through the service: the OpenAI route with ``ragkv.retrieve`` (the
+        service retrieves and builds /v1/query's prompt); a system message naming the pass keeps the
+        passes apart (it replaces the service's system prompt)."""
+        recs: list[Rec] = []
+        seq = self.zipf_sequence(1.0)
+        for rep in range(self.args.repeats):
+            if self.llama is not None:
+                self.llama.reset()
+            for i, (text, coll) in enumerate(seq):
+                msgs = [
+                    {"role": "system", "content": f"{SYSTEM} (session {rep})"},
+                    {"role": "user", "content": text},
+                ]
+                for arm in ("default", "full"):
+                    r = self.chat_call(client, model, msgs, arm == "full", coll, retrieve=True)
+                    recs.append(self.rec_of("zipf-1-service", arm, i, rep, r))
+                    if arm == "default" and self.llama is not None and r["prompt_ids"]:
+                        recs.append(self.llama_rec("zipf-1-service", i, rep, r["prompt_ids"]))
+            print(f"  zipf-1-service: pass {rep + 1}/{self.args.repeats} done", flush=True)
+        return recs
 
     def run_restart(self, data: Path, first_turn: dict, convs: list[Question]) -> tuple[list[Rec], dict]:
         import httpx
@@ -1221,7 +1273,7 @@ def main(argv: list[str] | None = None) -> int:
             figures[w] = {**summarize(recs), **extra}
             p = plot_workload(b.out, w, recs)
             plots += [str(p)] if p else []
-        svc = [w for w in args.workloads if w in ("chat", "restart")]
+        svc = [w for w in args.workloads if w in ("chat", "zipf-1-service", "restart")]
         if svc:
             print(f"workloads {', '.join(svc)} (service) ...", flush=True)
             for w, (recs, extra) in b.run_chat(svc).items():

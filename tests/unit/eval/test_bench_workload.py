@@ -161,8 +161,18 @@ def test_quick_run_on_the_tiny_model_ends_with_one_json_line(tmp_path, capsys):
     res = json.loads(lines[-1])
     assert res["bench"] == "workload" and res["llamacpp_skipped"] == "--no-llamacpp"
     w = res["workloads"]
-    assert set(w) == {"natural", "zipf-0.8", "zipf-1", "zipf-1.2", "bursts", "chat", "restart", "two-process"}
-    for name in ("natural", "zipf-1", "bursts", "chat", "restart"):
+    assert set(w) == {
+        "natural",
+        "zipf-0.8",
+        "zipf-1",
+        "zipf-1.2",
+        "bursts",
+        "chat",
+        "zipf-1-service",
+        "restart",
+        "two-process",
+    }
+    for name in ("natural", "zipf-1", "bursts", "chat", "zipf-1-service", "restart"):
         f = w[name]
         assert f["n_requests"] >= 1 and f["default_ttft_p50_s"] > 0 and f["full_ttft_p50_s"] > 0, name
         assert f["default_hit_rate"] is not None and f["llamacpp_ttft_p50_s"] is None
