@@ -371,8 +371,11 @@ def summarize(recs: list[Rec]) -> dict:
     full = {(r.key, r.repeat): r for r in recs if r.arm == "full"}
     for arm in ("default", "llamacpp"):
         pairs = [(r, full[(r.key, r.repeat)]) for r in recs if r.arm == arm and (r.key, r.repeat) in full]
-        if arm == "default":
-            same = [a.answer_ids == b.answer_ids for a, b in pairs if a.answer_ids is not None]
+        if arm == "default":  # token ids where both have them, else the text
+            same = [
+                a.answer_ids == b.answer_ids if a.answer_ids and b.answer_ids else a.text == b.text
+                for a, b in pairs
+            ]
         else:
             same = [a.text.strip() == b.text.strip() for a, b in pairs]
         out[f"{arm}_same_answer_as_full"] = sum(same) / len(same) if same else None
