@@ -672,10 +672,13 @@ class Bench:
             return
         from ragkv.model.loader import load_model
 
-        # ragkv's stop tokens (EOS and generation_config's), and llama.cpp's EOS
+        # ragkv's stop tokens (EOS and generation_config's) besides llama.cpp's EOS, and its tokenizer
+        # for the answers' text (the weights are dropped: the RSS figures are ragkv's and llama.cpp's)
         model = load_model(self.args.model)
-        self.llama = LlamaCpp(gguf, self.args.threads, self.args.n_ctx, model.config.eos_token_ids)
-        self.decode = model.decode
+        eos, tokenizer = model.config.eos_token_ids, model.tokenizer
+        del model
+        self.llama = LlamaCpp(gguf, self.args.threads, self.args.n_ctx, eos)
+        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         import llama_cpp
 
         self.notes.append(f"llama.cpp: llama-cpp-python {llama_cpp.__version__}, {gguf.name}")
