@@ -1269,6 +1269,45 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     figures: dict[str, dict] = {}
     plots: list[str] = []
+    (b.out / "records.jsonl").write_text("")
+
+    def result() -> dict:
+        return {
+            "bench": "workload",
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "model": args.model,
+            "threads": args.threads,
+            "datasets": args.datasets,
+            "limit": args.limit,
+            "passages": args.passages,
+            "repeats": args.repeats,
+            "top_k": args.top_k,
+            "max_new_tokens": args.max_new_tokens,
+            "quick": args.quick,
+            "llamacpp": None if b.llama is None else "llama-cpp-python",
+            "llamacpp_skipped": b.llama_skip,
+            "ingest": b.ingest,
+            "seconds": round(time.perf_counter() - t_start, 1),
+            "plots": plots,
+            "notes": b.notes,
+            "workloads": figures,
+        }
+
+    def done(w: str, recs: list[Rec], figs: dict) -> None:
+        """A finished workload: its figures, records (``records.jsonl``), plot, results so far."""
+        figures[w] = figs
+        with open(b.out / "records.jsonl", "a") as f:
+            for r in recs:
+                f.write(json.dumps(vars(r)) + "\n")
+        p = plot_workload(b.out, w, recs) if w in LIBRARY or w in ("chat", "zipf-1-service") else None
+        plots.extend([str(p)] if p else [])
+        (b.out / "results.json").write_text(json.dumps(result(), indent=1))
+        print(
+            f"  {w}: default p50 {_fmt(figs.get('default_ttft_p50_s'))} s, full {_fmt(figs.get('full_ttft_p50_s'))} s, "
+            f"llama.cpp {_fmt(figs.get('llamacpp_ttft_p50_s'))} s, hit {_fmt(figs.get('default_hit_rate'))}",
+            flush=True,
+        )
+
     try:
         b.load_data()
         b.setup_llama()
@@ -1276,18 +1315,15 @@ def main(argv: list[str] | None = None) -> int:
         for w in [w for w in args.workloads if w in LIBRARY]:
             print(f"workload {w} ...", flush=True)
             recs, extra = b.run_library(w)
-            figures[w] = {**summarize(recs), **extra}
-            p = plot_workload(b.out, w, recs)
-            plots += [str(p)] if p else []
+            done(w, recs, {**summarize(recs), **extra})
         svc = [w for w in args.workloads if w in ("chat", "zipf-1-service", "restart")]
         if svc:
             print(f"workloads {', '.join(svc)} (service) ...", flush=True)
             for w, (recs, extra) in b.run_chat(svc).items():
-                figures[w] = {**(summarize_chat(recs) if w == "chat" else summarize(recs)), **extra}
+                figs = {**(summarize_chat(recs) if w == "chat" else summarize(recs)), **extra}
                 if w == "restart":
-                    figures[w].update(restart_figures(recs))
-                p = plot_workload(b.out, w, recs) if w == "chat" else None
-                plots += [str(p)] if p else []
+                    figs.update(restart_figures(recs))
+                done(w, recs, figs)
         if "two-process" in args.workloads:
             print("workload two-process (two services, one Redis store) ...", flush=True)
             got = b.run_two_process()
@@ -1295,37 +1331,19 @@ def main(argv: list[str] | None = None) -> int:
                 figures["two-process"] = got
             else:
                 recs, extra = got
-                figures["two-process"] = {**summarize(recs), **extra, **restart_figures(recs)}
+                done("two-process", recs, {**summarize(recs), **extra, **restart_figures(recs)})
     finally:
         b.cleanup()
-    result = {
-        "bench": "workload",
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "model": args.model,
-        "threads": args.threads,
-        "datasets": args.datasets,
-        "limit": args.limit,
-        "repeats": args.repeats,
-        "top_k": args.top_k,
-        "max_new_tokens": args.max_new_tokens,
-        "quick": args.quick,
-        "llamacpp": None if b.llama is None else "llama-cpp-python",
-        "llamacpp_skipped": b.llama_skip,
-        "ingest": b.ingest,
-        "seconds": round(time.perf_counter() - t_start, 1),
-        "plots": plots,
-        "notes": b.notes,
-        "workloads": figures,
-    }
-    (b.out / "results.json").write_text(json.dumps(result, indent=1))
+    res = result()
+    (b.out / "results.json").write_text(json.dumps(res, indent=1))
     print()
     print(table(figures))
     if b.llama_skip:
         print(b.llama_skip)
     for n in b.notes:
         print("note:", n)
-    print(f"plots and results.json in {b.out}")
-    print(json.dumps(result))
+    print(f"plots, records.jsonl and results.json in {b.out}")
+    print(json.dumps(res))
     return 0
 
 

@@ -180,4 +180,9 @@ def test_quick_run_on_the_tiny_model_ends_with_one_json_line(tmp_path, capsys):
     assert w["zipf-1"]["n_requests"] == 4 and w["chat"]["per_turn"][0]["turn"] == 1
     assert (out / "results.json").is_file() and (out / "ttft_chat_per_turn.png").stat().st_size > 0
     assert (out / "ttft_natural.png").stat().st_size > 0
+    recs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert {r["arm"] for r in recs} == {"default", "full"} and {r["workload"] for r in recs} >= {
+        "natural",
+        "chat",
+    }
     assert "two-process" in w and ("skipped" in w["two-process"] or "cached_share" in w["two-process"])
