@@ -499,6 +499,9 @@ def plot(
         if pts:
             xs, ys = zip(*sorted(pts), strict=True)
             ax.plot(xs, ys, marker="o", ms=3, label=arm)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
     ax.set_ylabel("TTFT (s)")
     ax.set_title(title)
