@@ -53,9 +53,14 @@ greedy answer as full (token ids, % of requests), RSS and the data folder's byte
 TTFT per request (per turn for chat) in ``--out``. Prints a table, ends with exactly one JSON line.
 
     python -m eval.bench_workload                          # everything, the default model, 2 threads
-    python -m eval.bench_workload --quick                  # a tiny run (a couple of minutes)
+    python -m eval.bench_workload --quick                  # a smoke test (1 question per dataset ...)
     python -m eval.bench_workload --workloads natural,chat --limit 3 --datasets musique --no-llamacpp
     python -m eval.bench_workload --quick --model tiny --no-llamacpp   # the repository's test model
+
+CPU time: a quick run is ~3 minutes on the tiny model; on the default model most of its time is
+prefill (every request runs three times) and a service start per service workload, so it slows down
+a lot beside other jobs (2 torch / ggml threads on 2 busy cores: 40 minutes measured); ``--workloads``
+runs a subset.
 
 llama.cpp is optional: ``pip install llama-cpp-python`` (builds from source, ~8 minutes on 2 cores);
 without it (or with a model that is not a GGUF file) its column is skipped and the run says how to
@@ -1211,7 +1216,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--work-dir", default=None, help="where the data folders go (default: the system's temp)")
     ap.add_argument("--keep-work", action="store_true", help="keep the data folders and server logs")
     ap.add_argument(
-        "--quick", action="store_true", help="a tiny run (smoke test): 1 question per dataset ..."
+        "--quick",
+        action="store_true",
+        help="a smoke test: 1 question and 4 passages per dataset, 1 pass, top-k 3, 8 new tokens, 4 Zipf "
+        "requests, 1 burst of 3, 2 conversations (3 minutes on the tiny model; on the default model ~6 "
+        "minutes quiet, 40 beside busy jobs)",
     )
     ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp column")
     return ap
