@@ -57,7 +57,7 @@ TTFT per request (per turn for chat) in ``--out``. Prints a table, ends with exa
     python -m eval.bench_workload --workloads natural,chat --limit 3 --datasets musique --no-llamacpp
     python -m eval.bench_workload --quick --model tiny --no-llamacpp   # the repository's test model
 
-CPU time: a quick run is ~3 minutes on the tiny model; on the default model most of its time is
+CPU time: a quick run takes 3-7 minutes on the tiny model; on the default model most of its time is
 prefill (every request runs three times) and a service start per service workload, so it slows down
 a lot beside other jobs (2 torch / ggml threads on 2 busy cores: 40 minutes measured); ``--workloads``
 runs a subset.
@@ -1219,8 +1219,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="a smoke test: 1 question and 4 passages per dataset, 1 pass, top-k 3, 8 new tokens, 4 Zipf "
-        "requests, 1 burst of 3, 2 conversations (3 minutes on the tiny model; on the default model ~6 "
-        "minutes quiet, 40 beside busy jobs)",
+        "requests, 1 burst of 3, 2 conversations (3-7 minutes on the tiny model; the default model took "
+        "40 minutes beside busy jobs on 2 cores)",
     )
     ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp column")
     return ap
