@@ -112,7 +112,8 @@ FOLLOW_UPS = (
 )
 LLAMA_INSTALL = (
     "llama.cpp column skipped: llama-cpp-python is not installed. Install it in this venv with "
-    "`pip install llama-cpp-python` (it builds llama.cpp from source: ~8 minutes on 2 cores), then rerun."
+    "`pip install llama-cpp-python` (or `pip install -e .[llamacpp]`; it builds llama.cpp from source: ~8 "
+    "minutes on 2 cores), then rerun."
 )
 
 
