@@ -439,13 +439,13 @@ def _fmt(x, digits: int = 3) -> str:
 def table(figures: dict[str, dict]) -> str:
     """A readable table: one row per workload."""
     head = (
-        f"{'workload':<12} {'n':>3} {'default p50/p95 s':>18} {'full p50/p95 s':>16} {'llama.cpp p50/p95 s':>20} "
+        f"{'workload':<15} {'n':>3} {'default p50/p95 s':>18} {'full p50/p95 s':>16} {'llama.cpp p50/p95 s':>20} "
         f"{'/full':>6} {'x full med/p10':>15} {'/llama':>7} {'hit':>6} {'same':>5} {'RSS MB':>7} {'disk MB':>8}"
     )
     lines = [head, "-" * len(head)]
     for name, f in figures.items():
         if "skipped" in f:
-            lines.append(f"{name:<12} skipped: {f['skipped']}")
+            lines.append(f"{name:<15} skipped: {f['skipped']}")
             continue
 
         def pair(arm: str, f: dict = f) -> str:
@@ -454,7 +454,7 @@ def table(figures: dict[str, dict]) -> str:
         same = f.get("default_same_answer_as_full")
         mb = lambda b: _fmt(b / 1e6, 1) if b is not None else "n/a"  # noqa: E731
         lines.append(
-            f"{name:<12} {f.get('n_requests', 0):>3} {pair('default'):>18} {pair('full'):>16} {pair('llamacpp'):>20} "
+            f"{name:<15} {f.get('n_requests', 0):>3} {pair('default'):>18} {pair('full'):>16} {pair('llamacpp'):>20} "
             f"{_fmt(f.get('default_over_full_p50'), 2):>6} "
             f"{_fmt(f.get('speedup_vs_full_median'), 2) + '/' + _fmt(f.get('speedup_vs_full_p10'), 2):>15} "
             f"{_fmt(f.get('default_over_llamacpp_p50'), 2):>7} {_fmt(f.get('default_hit_rate'), 3):>6} "
