@@ -22,6 +22,7 @@ METRICS = (
     "kl",
     "first_token_agreement",
     "output_f1_vs_full",
+    "same_as_full",
     "attn_dev",
     "recompute_fraction",
 )
@@ -70,7 +71,7 @@ def aggregate(records: Iterable[dict]) -> dict[str, dict]:
 
 
 def _order(a: dict) -> tuple:
-    modes = (*PREFILL_MODES, "mapreduce", "maprerank")
+    modes = (*PREFILL_MODES, "default", "mapreduce", "maprerank")
     i = modes.index(a["mode"]) if a["mode"] in modes else len(modes)
     return (i, a.get("ratio") or 0.0)
 

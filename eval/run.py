@@ -1,6 +1,6 @@
 """Evaluate every prefill mode on MuSiQue / 2WikiMQA: answer quality, fidelity vs full, and TTFT.
 
-    python -m eval.run --dataset musique --model PATH_OR_ID [--modes full,prefix,reuse,blend]
+    python -m eval.run --dataset musique --model PATH_OR_ID [--modes full,prefix,reuse,blend,default]
         [--ratios 0.15] [--limit N] [--device cpu|cuda] [--dtype float32|bfloat16] [--out DIR]
         [--num-chunks N] [--chunk-tokens N] [--retrieval] [--summary-json]
 
@@ -13,6 +13,11 @@ attention deviation of the query rows. Records are appended to ``OUT/records.jso
 finish; a rerun with the same settings skips finished (sample, mode, ratio) units, so a crash or
 Ctrl-C loses nothing. ``OUT/results.json``, ``results.md`` and two PNG plots are (re)written at
 the end. Numbers other than timings are deterministic (greedy decoding, seeded shuffle).
+
+Mode ``default`` is what a user gets: ``ragkv.LLM.prefill`` called with no mode and no ratio, so the
+fidelity gate picks the operating point (exact prefill on the default model), through the LLM's own
+chunk resolver and prefix cache; its records say which point ran (``fidelity``, ``mode_run``).
+``blend`` instead runs at the explicit ``--ratios``, outside the gate.
 """
 
 from __future__ import annotations
@@ -57,7 +62,9 @@ from ragkv.model import DEFAULT_MODEL, PromptTooLongError
 
 log = logging.getLogger("eval.run")
 
-ALL_MODES = (*PREFILL_MODES, *BASELINES)
+#: the default setting (no mode, no ratio: the fidelity gate's point), beside the explicit modes
+DEFAULT_MODE = "default"
+ALL_MODES = (*PREFILL_MODES, DEFAULT_MODE, *BASELINES)
 
 
 class EvalConfigError(ValueError):
@@ -71,7 +78,7 @@ class EvalConfig:
     dataset: str
     model: str = ""
     data: str | None = None
-    modes: tuple[str, ...] = PREFILL_MODES
+    modes: tuple[str, ...] = (*PREFILL_MODES, DEFAULT_MODE)
     ratios: tuple[float, ...] = (DEFAULT_RATIO,)
     default_ratio: float = DEFAULT_RATIO
     limit: int | None = None
@@ -165,7 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         "'tiny' for the repository's stories260k test model)",
     )
     ap.add_argument("--data", default=None, help="data file or folder (default: the repository's data/)")
-    ap.add_argument("--modes", default=",".join(PREFILL_MODES), help=f"comma list of {', '.join(ALL_MODES)}")
+    ap.add_argument(
+        "--modes",
+        default=",".join((*PREFILL_MODES, DEFAULT_MODE)),
+        help=f"comma list of {', '.join(ALL_MODES)}; '{DEFAULT_MODE}' is the library's default setting "
+        "(no mode, no ratio: the fidelity gate's point), 'blend' runs at the explicit --ratios",
+    )
     ap.add_argument("--ratios", default=str(DEFAULT_RATIO), help="blend recompute ratios, comma list")
     ap.add_argument(
         "--default-ratio", type=float, default=DEFAULT_RATIO, help="ratio behind plain blend_* keys"
@@ -378,6 +390,21 @@ class Evaluator:
         for mode, ratio, _ in self.cfg.units:
             if mode in PREFILL_MODES:
                 self._prefill(head, mode, ratio, kvs)
+            elif mode == DEFAULT_MODE:
+                self.default_prefill(head)
+
+    def default_prefill(self, prompt: PromptIds):
+        """The default setting: the LLM called with no mode and no ratio (the fidelity gate's point),
+        over its own chunk resolver and prefix cache, as ``ragkv.LLM.generate`` runs for a user."""
+        return self.llm.prefill(prompt.prefix, prompt.chunks, prompt.suffix)
+
+    def timed_default(self, prompt: PromptIds):
+        self._sync()
+        t0 = time.perf_counter()
+        res = self.default_prefill(prompt)
+        first = int(res.logits.argmax())
+        self._sync()
+        return res, first, time.perf_counter() - t0
 
     def run_sample(
         self, sample, prompt: PromptIds, todo: list, done_full: dict | None, log_: RecordLog, config_id: str
@@ -411,6 +438,11 @@ class Evaluator:
             elif mode in PREFILL_MODES:
                 res, _, ttft = self.timed_prefill(prompt, mode, ratio, kvs)
                 text = generate(self.model, res, self.params).text
+            elif mode == DEFAULT_MODE:
+                res, _, ttft = self.timed_default(prompt)
+                text = generate(self.model, res, self.params).text
+                fid = res.stats.get("fidelity") or {}
+                rec.update(mode_run=res.stats.get("mode"), fidelity=fid)
             else:
                 b = self.baselines.map_reduce if mode == "mapreduce" else self.baselines.map_rerank
                 br = b(sample.question, prompt.chunks)
@@ -419,22 +451,27 @@ class Evaluator:
             f1, em = score_answer(text, sample.answers)
             rec.update(output=text, f1=f1, em=em, recall=score_recall(text, sample.answers), ttft_s=ttft)
             rec["output_f1_vs_full"] = token_f1(text, full_text)
+            rec["same_as_full"] = float(text == full_text)  # the same greedy answer as full prefill
             if res is not None:
                 rec.update(
                     kl=first_token_kl(full_res.logits, res.logits),
                     first_token_agreement=float(first_token_agreement(full_res.logits, res.logits)),
                     first_token=int(res.logits.argmax()),
-                    prompt_tokens=res.stats["num_tokens"],
-                    recompute_fraction=res.stats["recompute_fraction"],
-                    recomputed_per_layer=res.stats["recomputed_per_layer"],
+                    prompt_tokens=res.stats.get("num_tokens"),
+                    recompute_fraction=res.stats.get("recompute_fraction"),
+                    recomputed_per_layer=res.stats.get("recomputed_per_layer"),
                     fallback=res.stats.get("fallback"),
                 )
                 if full_probs is not None:
-                    dev = (
-                        attention_deviation(full_probs, self.probe(prompt, mode, ratio, kvs))
-                        if mode != "full"
-                        else [0.0] * len(full_probs)
-                    )
+                    if mode == "full":
+                        dev = [0.0] * len(full_probs)
+                    elif mode == DEFAULT_MODE:  # the point the gate chose, probed as that mode runs it
+                        probs = self.llm.prefill(
+                            prompt.prefix, prompt.chunks, prompt.suffix, probe_suffix=True
+                        ).attn_probs
+                        dev = attention_deviation(full_probs, probs)
+                    else:
+                        dev = attention_deviation(full_probs, self.probe(prompt, mode, ratio, kvs))
                     rec.update(attn_dev=statistics.fmean(dev), attn_dev_per_layer=dev)
             rec["finished_at"] = time.time()
             log_.append(rec)

@@ -211,6 +211,28 @@ def test_resume_skips_finished_samples_and_reproduces_numbers(tmp_path, small_da
     assert "another configuration" in capsys.readouterr().err
 
 
+def test_default_mode_runs_the_llm_with_no_mode_or_ratio(tmp_path, small_data, capsys):
+    """``default`` is what a user gets (``LLM.prefill`` with no mode and no ratio: the fidelity gate's
+    point; the tiny model has no fidelity report, so exact prefill), recorded beside full with the point
+    it ran; it is among the default modes, so the evaluation measures it unless told otherwise."""
+    from eval.run import DEFAULT_MODE, build_parser
+
+    assert DEFAULT_MODE in build_parser().parse_args(["--dataset", "musique"]).modes.split(",")
+    out = tmp_path / "run"
+    argv = ["--dataset", "musique", "--data", str(small_data), "--limit", "1", "--modes", "full,default"]
+    assert main([*argv, "--no-plots", "--summary-json", "--out", str(out), *SMALL]) == 0
+    summary = _summary(capsys)
+    recs = {r["label"]: r for r in _records(out)}
+    assert set(recs) == {"full", "default"}
+    d = recs["default"]
+    assert d["mode"] == "default" and d["ratio"] is None and d["fidelity"]
+    assert d["mode_run"] in ("full", "prefix", "reuse", "blend")
+    assert d["kl"] < 1e-4 and d["first_token_agreement"] == 1.0  # exact prefill: full's logits up to rounding
+    assert d["same_as_full"] == 1.0 and recs["full"]["same_as_full"] == 1.0
+    assert summary["default_n"] == 1 and summary["default_ttft_median_s"] > 0
+    assert "default_same_as_full" in summary
+
+
 def test_truncated_record_line_is_ignored_on_resume(tmp_path, small_data):
     base = ["--dataset", "musique", "--data", str(small_data), "--modes", "full,reuse", "--no-plots", *SMALL]
     out = tmp_path / "run"
