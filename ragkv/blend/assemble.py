@@ -140,7 +140,7 @@ def assemble(
                 exact_prefill(model, prefix_ids, prefix_cache, insert=prefix_cache_insert)
                 match = prefix_cache.match(model, prefix_ids)
             if match.tokens == len(prefix_ids):
-                head = [match.piece()]
+                head = [match.piece(model)]
         finally:
             prefix_cache.release(match)
     n_head_cached = len(head)

@@ -18,11 +18,15 @@ from ragkv.blend.kvtree import KVTree, TreeMatch
 from ragkv.model.forward import exact_forward
 
 
-def rotate_rows(model, k_pre: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Post-RoPE K of pre-RoPE rows ``[L, n, Hkv, D]`` at positions ``start ..`` (the same rotation, bit for
-    bit, as the pass that computed them: cos/sin are elementwise functions of the position)."""
-    pos = torch.arange(start, start + k_pre.shape[1], device=k_pre.device)
-    return model.rope(k_pre, pos, model.rope_tables(pos))
+def unrotate_rows(model, k: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Pre-RoPE K of post-RoPE rows ``[L, n, Hkv, D]`` at positions ``start ..``, for a blend's source
+    (which rotates stored rows itself): the inverse rotation, exact up to float rounding."""
+    pos = torch.arange(start, start + k.shape[1], device=k.device)
+    cos, sin = model.rope_tables(pos)
+    half = k.shape[-1] // 2
+    rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
+    # the rotation may carry an attention scale (YaRN): cos^2 + sin^2 is then its square
+    return (k * cos - rotated * sin) / (cos * cos + sin * sin)
 
 
 def exact_prefill(
@@ -54,17 +58,13 @@ def exact_prefill(
     match: TreeMatch | None = tree.match(model, ids, limit) if (tree is not None and reuse) else None
     try:
         m = match.tokens if match is not None else 0
-        cached_k = cached_v = None
-        if m:
-            k_pre, cached_v = match.kv()
-            cached_k = rotate_rows(model, k_pre)
         t_pass = time.perf_counter()
-        ep = exact_forward(model, ids, cached_k, cached_v, probe_rows=probe_rows)
+        ep = exact_forward(model, ids, match.parts if m else (), probe_rows=probe_rows)
         seconds = time.perf_counter() - t_pass
         if tree is not None:
             tree.cost.observe(n - m, m, seconds)
             if insert:
-                tree.insert(model, ids, m, ep.k_pre, ep.v[:, m:], boundaries, wait=wait)
+                tree.insert(model, ids, m, ep.k[:, m:], ep.v[:, m:], boundaries, wait=wait)
     finally:
         if match is not None:
             tree.release(match)

@@ -6,7 +6,7 @@ matched rows' KV is reused and only the rest is computed (:func:`ragkv.model.for
 split-invariant, so the logits are full prefill's bit for bit). Design: docs/EXACT_REUSE.md.
 
 * **RAM tier**: a radix tree over token ids (SGLang's RadixAttention): a node holds a run of tokens and
-  their rows' pre-RoPE K and V ``[L, n, Hkv, D]`` at fixed positions; nodes split where two prompts
+  their rows' post-RoPE K and V ``[L, n, Hkv, D]`` at fixed positions; nodes split where two prompts
   diverge and where the caller marks a boundary (chunk and message ends), so eviction drops a question
   before the passages it followed.
 * **Eviction**: a byte budget; only unpinned leaves go; ``policy="pgdsf"`` (RAGCache: priority = clock +
@@ -141,7 +141,8 @@ class RecomputeCost:
 
 @dataclass(eq=False)
 class TreeNode:
-    """A run of tokens at positions ``start ..`` and their rows' pre-RoPE K and V ``[L, n, Hkv, D]``."""
+    """A run of tokens at positions ``start ..`` and their rows' post-RoPE K and V ``[L, n, Hkv, D]`` (an
+    exact prefix never moves: K is kept rotated, as attention reads it)."""
 
     tokens: list[int]
     k: torch.Tensor | None
@@ -180,17 +181,19 @@ class TreeMatch:
     parts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Pre-RoPE K and V ``[L, tokens, Hkv, D]`` of the matched rows (None when nothing matched)."""
+        """Post-RoPE K and V ``[L, tokens, Hkv, D]`` of the matched rows (None when nothing matched)."""
         if not self.tokens:
             return None
         ks = [k for k, _ in self.parts]
         vs = [v for _, v in self.parts]
         return (torch.cat(ks, 1), torch.cat(vs, 1)) if len(ks) > 1 else (ks[0], vs[0])
 
-    def piece(self) -> PrefixSegment | None:
-        """The matched rows as one KV piece of a blend's source."""
+    def piece(self, model) -> PrefixSegment | None:
+        """The matched rows as one KV piece of a blend's source (pre-RoPE K: the source rotates it)."""
+        from ragkv.blend.exact import unrotate_rows
+
         kv = self.kv()
-        return PrefixSegment(*kv) if kv is not None else None
+        return PrefixSegment(unrotate_rows(model, kv[0]), kv[1]) if kv is not None else None
 
 
 def tree_store(store):
@@ -324,7 +327,7 @@ class KVTree:
         persist: bool = True,
         wait: bool = False,
     ) -> None:
-        """Add the rows ``[first, len(ids))`` of an exact pass over ``ids`` (pre-RoPE ``k_new``, ``v_new``
+        """Add the rows ``[first, len(ids))`` of an exact pass over ``ids`` (post-RoPE ``k_new``, ``v_new``
         ``[L, len(ids) - first, Hkv, D]``) after the prefix ``ids[:first]``, which must still be in the
         tree (the caller's match keeps it pinned). ``boundaries``: absolute positions where a node must
         end (chunk and message ends). Then evicts down to the budget and queues the new full pages for
@@ -587,7 +590,12 @@ class KVTree:
             fp, key, toks, start, k, v = item
             try:
                 ch = ChunkKV(
-                    torch.tensor(toks, dtype=torch.long), k, v, start, fp, meta={"kind": "tree-page"}
+                    torch.tensor(toks, dtype=torch.long),
+                    k,
+                    v,
+                    start,
+                    fp,
+                    meta={"kind": "tree-page", "k": "post-rope"},
                 )
                 blob = blobfmt.encode_chunk(ch, raw, self.store.auth)
                 ok = self.store.put_blob(key, blob)

@@ -23,7 +23,7 @@ adapter in ``integrations/vllm/ragkv_vllm/model_hook.py`` (same primitives over 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -335,12 +335,11 @@ class ExactKV:
 @dataclass
 class ExactPass:
     """What an exact pass returns: the last row's logits and the whole prompt's K/V ``[L, n, Hkv, D]``
-    (post-RoPE), with the pre-RoPE K of the computed rows ``[L, n - first, Hkv, D]``."""
+    (post-RoPE), the first ``first`` rows as given."""
 
     logits: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    k_pre: torch.Tensor
     first: int
     #: per layer, the probe rows' attention probabilities ``[P, Hq, n]`` (None: no probes asked)
     probes: list[torch.Tensor] | None = None
@@ -349,13 +348,13 @@ class ExactPass:
 def exact_forward(
     model: LayerModel,
     token_ids,
-    cached_k: torch.Tensor | None = None,
-    cached_v: torch.Tensor | None = None,
+    cached: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     probe_rows: torch.Tensor | None = None,
 ) -> ExactPass:
-    """Prefill ``token_ids`` after an exact cached prefix (post-RoPE ``cached_k, cached_v [L, m, Hkv, D]``
-    of the first ``m`` ids, as an earlier exact pass computed them), bit-identical to a pass with
-    nothing cached: every row's result depends on its position and the tokens up to it only.
+    """Prefill ``token_ids`` after an exact cached prefix, bit-identical to a pass with nothing cached:
+    every row's result depends on its position and the tokens up to it only. ``cached``: post-RoPE
+    ``(k, v) [L, n_i, Hkv, D]`` runs of the first ``m`` ids, in order, as earlier exact passes computed
+    them (copied once, straight into this pass's buffers).
 
     Passes shorter than :data:`EXACT_MIN_ROWS` are padded with dummy rows after the prompt (causally
     invisible to it). Sliding-window layers are not split-invariant: callers check
@@ -365,7 +364,7 @@ def exact_forward(
     ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids, dtype=torch.long)
     ids = ids.flatten().cpu()
     n = int(ids.numel())
-    m = 0 if cached_k is None else int(cached_k.shape[1])
+    m = sum(int(ck.shape[1]) for ck, _ in cached)
     if not 0 <= m < n:
         raise ValueError(f"an exact pass needs at least one row to compute ({m} cached of {n})")
     cfg, dev = model.config, model.device
@@ -378,20 +377,20 @@ def exact_forward(
     shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
     k = torch.empty(shape, dtype=model.dtype, device=dev)
     v = torch.empty(shape, dtype=model.dtype, device=dev)
-    if m:
-        k[:, :m] = cached_k
-        v[:, :m] = cached_v
-    cap = CapturePreRope()
+    at = 0
+    for ck, cv in cached:
+        k[:, at : at + ck.shape[1]] = ck
+        v[:, at : at + cv.shape[1]] = cv
+        at += int(ck.shape[1])
     h = model.embed(run_ids.to(dev))
     positions = torch.arange(m, total, device=dev)
     if probe_rows is not None and bool((probe_rows < m).any() | (probe_rows >= n).any()):
         raise ValueError("probe rows must be computed rows of the prompt")
     kv = ExactKV(model, k, v, m, probe_rows.to(dev) if probe_rows is not None else None)
-    h, _ = run_layers(model, h, positions, kv, on_pre_rope=cap)
+    h, _ = run_layers(model, h, positions, kv)
     logits = model.logits(h[new - 1 : new])[0].float()
-    k_pre = torch.stack([x[:new] for x in cap.k])
     probes = [p[..., :n] for p in kv.probes] if probe_rows is not None else None
-    return ExactPass(logits, k[:, :n], v[:, :n], k_pre, m, probes)
+    return ExactPass(logits, k[:, :n], v[:, :n], m, probes)
 
 
 def exact_supported(model: LayerModel) -> bool:

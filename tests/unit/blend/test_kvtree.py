@@ -52,7 +52,7 @@ def test_exact_pass_after_any_cached_prefix_equals_full_prefill_bit_for_bit():
     for split in (1, 5, 15, 16, 17, 64, 129, 250, 284, 290, 299):
         head = exact_forward(m, ids[:split])
         assert torch.equal(head.k, full.k[:, :split]) and torch.equal(head.v, full.v[:, :split]), split
-        rest = exact_forward(m, ids, head.k, head.v)
+        rest = exact_forward(m, ids, [(head.k, head.v)])
         assert torch.equal(rest.logits, full.logits), split
         assert torch.equal(rest.k, full.k) and torch.equal(rest.v, full.v), split
 
