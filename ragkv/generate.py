@@ -13,7 +13,7 @@ from ragkv.attention.kvcache import DenseKVCache, KVCache
 from ragkv.blend.core import PrefillResult
 from ragkv.constrain import ConstraintError, GrammarState, JsonConstraint
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_LOGPROBS, MIN_TEMPERATURE
-from ragkv.model.forward import run_layers
+from ragkv.model.forward import decoder, run_layers
 
 
 @dataclass
@@ -255,10 +255,12 @@ def load_prompt(cache: KVCache, result: PrefillResult) -> None:
 
 @torch.inference_mode()
 def decode_step(model, cache: KVCache, token_id: int, position: int) -> torch.Tensor:
-    """One token through every layer, appending its KV; returns fp32 logits ``[vocab]``."""
+    """One token through every layer, appending its KV; returns fp32 logits ``[vocab]``. Runs on the
+    model's decode weights (:func:`ragkv.model.forward.decoder`)."""
+    m = decoder(model)
     pos = torch.tensor([position], device=model.device)
-    h, _ = run_layers(model, model.embed(torch.tensor([token_id], device=model.device)), pos, cache)
-    return model.logits(h)[0].float()
+    h, _ = run_layers(m, m.embed(torch.tensor([token_id], device=model.device)), pos, cache)
+    return m.logits(h)[0].float()
 
 
 @torch.inference_mode()
