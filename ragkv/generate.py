@@ -13,7 +13,7 @@ from ragkv.attention.kvcache import DenseKVCache, KVCache
 from ragkv.blend.core import PrefillResult
 from ragkv.constrain import ConstraintError, GrammarState, JsonConstraint
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_LOGPROBS, MIN_TEMPERATURE
-from ragkv.model.forward import decoder, run_layers
+from ragkv.model.forward import decode_weights_of, decoder, run_layers
 
 
 @dataclass
@@ -352,7 +352,12 @@ def generate(
     t0 = time.perf_counter()
     *_, (text, ids, reason) = collect(stream(model, result, params, attention, **hack_options))
     dt = time.perf_counter() - t0
-    return Generation(text, ids, reason, {"decode_s": dt, "tpot_s": dt / max(1, len(ids) - 1)})
+    timings = {
+        "decode_s": dt,
+        "tpot_s": dt / max(1, len(ids) - 1),
+        "decode_weights": decode_weights_of(model),
+    }
+    return Generation(text, ids, reason, timings)
 
 
 def collect(events: Iterator[TokenEvent]) -> Iterator[TokenEvent | tuple[str, list[int], str]]:

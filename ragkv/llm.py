@@ -72,9 +72,13 @@ class LLM:
         fidelity: str | float | None = None,
         resolver: ChunkResolver | None = None,
         adapter=AUTO_ADAPTER,
+        decode_weights: str | None = None,
     ):
         self.fidelity = parse_fidelity(fidelity)
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
+        if isinstance(model, Model):
+            self.model = model
+        else:
+            self.model = load_model(model, dtype=dtype, device=device, decode_weights=decode_weights)
         self.adapter, self.adapter_explicit = resolve_adapter(self.model, adapter)
         #: the model that writes and names chunk KV: the model itself, or with a chunk-KV writer on
         self.kv_model = kv_model(self.model, self.adapter)

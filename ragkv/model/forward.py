@@ -88,6 +88,12 @@ def decoder(model: LayerModel) -> LayerModel:
     return get() if callable(get) else model
 
 
+def decode_weights_of(model: LayerModel) -> str:
+    """Which weights ``model``'s decode steps run on (``"float32"``, ``"gguf"``): what every answer's
+    stats report as ``decode_weights``."""
+    return str(getattr(model, "decode_weights", "float32"))
+
+
 def window_attention(
     model: LayerModel, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
 ) -> torch.Tensor:

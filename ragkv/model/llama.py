@@ -103,11 +103,12 @@ class Model:
         self._decoder: DecodeModel | None = None
 
     # ---- decode weights ---------------------------------------------------------------------
-    def set_decode_weights(self, tensors: dict | None, note: str = "") -> str:
+    def set_decode_weights(self, tensors: dict | None, note: str = "", label: str = "gguf") -> str:
         """Decode steps on low-bit weights: ``tensors`` maps Hugging Face weight names to
         :class:`~ragkv.model.lowbit.LowBitTensor` (the GGUF file's blocks, :func:`ragkv.model.gguf.
         lowbit_weights`); None (or an empty dict) keeps float32 weights, with ``note`` saying why.
-        A linear layer any of whose parts has no low-bit form keeps its float32 weights. Multi-row
+        ``label`` names them in stats (``"gguf"``: the file's own blocks; ``"q8_0"`` ...: weights
+        quantized at load). A linear layer any of whose parts has no low-bit form keeps float32. Multi-row
         passes (prefill, chunk KV, the blend) never change: only :meth:`decoder` reads these.
         Returns the decode weights now in use."""
         from ragkv.model.lowbit import LowBitLinear
@@ -129,7 +130,7 @@ class Model:
                 lw.down_q = lin([m + "down_proj.weight"])
             tied = self.lm_head_w is self.embed_w
             self.lm_head_q = lin(["model.embed_tokens.weight" if tied else "lm_head.weight"])
-            self.decode_weights, self.decode_weights_note = "gguf", ""
+            self.decode_weights, self.decode_weights_note = label, ""
         self._decoder = DecodeModel(self) if self.decode_weights != "float32" else None
         return self.decode_weights
 

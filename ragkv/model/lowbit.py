@@ -42,6 +42,8 @@ from ragkv.model import lowbit_kernel
 #: GGUF file and the kernel is available, else ``"float32"``)
 DECODE_WEIGHTS = ("auto", "gguf", "float32")
 DEFAULT_DECODE_WEIGHTS = "auto"
+#: version of the packed layout kept beside a converted checkpoint (bump when packing changes)
+PACK_VERSION = 1
 
 _FP16_ONE = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
 
