@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ragkv.model.chat import tokenizer_adds_bos
 from ragkv.model.config import ModelConfig
 from ragkv.model.forward import CapturePreRope, CausalKV, run_layers, window_attention
+from ragkv.model.lowbit import fused_finish, fused_qkv
 from ragkv.model.rope import Rotary, rope_frequencies
 
 
@@ -167,11 +168,13 @@ class Model:
         (``lowbit``: on the low-bit weights where set, as :meth:`decoder` runs it)."""
         c = self.config
         lw = self.layers[layer]
-        x = rms_norm(h, lw.in_norm, c.rms_norm_eps)
+        out = None
         if lowbit and lw.qkv_q is not None:
-            out = lw.qkv_q(x, lw.qkv_b).to(h.dtype)
-        else:
-            out = F.linear(x, lw.qkv_w, lw.qkv_b)
+            out = fused_qkv(h, lw.in_norm, c.rms_norm_eps, lw.qkv_q, lw.qkv_b)
+            if out is None:
+                out = lw.qkv_q(rms_norm(h, lw.in_norm, c.rms_norm_eps), lw.qkv_b).to(h.dtype)
+        if out is None:
+            out = F.linear(rms_norm(h, lw.in_norm, c.rms_norm_eps), lw.qkv_w, lw.qkv_b)
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = out[:, :nq].view(-1, c.num_heads, c.head_dim)
         k = out[:, nq : nq + nk].view(-1, c.num_kv_heads, c.head_dim)
@@ -192,6 +195,11 @@ class Model:
         return h + F.linear(F.silu(gate) * up, lw.down_w)
 
     def _finish_lowbit(self, lw: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if lw.o_q is not None and lw.gate_up_q is not None and lw.down_q is not None:
+            out = fused_finish(h, attn_out, lw.o_q, lw.o_b, lw.post_norm, eps, lw.gate_up_q, lw.down_q)
+            if out is not None:
+                return out
         a = attn_out.reshape(h.shape[0], -1)
         o = lw.o_q(a, lw.o_b).to(h.dtype) if lw.o_q is not None else F.linear(a, lw.o_w, lw.o_b)
         h = h + o

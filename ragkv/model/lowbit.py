@@ -113,6 +113,36 @@ class LowBitLinear:
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
 
+    @property
+    def single(self) -> tuple[torch.Tensor, int, int] | None:
+        """``(packed, N, format code)`` of a linear of one part (what the fused decode ops take)."""
+        if len(self.parts) != 1:
+            return None
+        p = self.parts[0]
+        return p.packed, p.n, lowbit_kernel.FORMATS[p.fmt]
+
+
+def fused_qkv(
+    h: torch.Tensor, norm_w: torch.Tensor, eps: float, lin: LowBitLinear, bias
+) -> torch.Tensor | None:
+    """RMSNorm and the q/k/v projection of float32 decode rows in one kernel call (None: not fusable)."""
+    one = lin.single
+    if one is None or h.dtype != torch.float32 or norm_w.dtype != torch.float32:
+        return None
+    return lowbit_kernel.kernel().decode_qkv(h, norm_w, eps, one[0], one[1], one[2], bias)
+
+
+def fused_finish(
+    h, attn, o: LowBitLinear, o_b, norm_w, eps: float, gate_up: LowBitLinear, down: LowBitLinear
+):
+    """The rest of a decode layer in one kernel call: ``h + o(attn)``, then the MLP of its RMSNorm
+    added (None: not fusable)."""
+    parts = (o.single, gate_up.single, down.single)
+    if any(p is None for p in parts) or h.dtype != torch.float32 or norm_w.dtype != torch.float32:
+        return None
+    (ow, _, of), (gw, gn, gf), (dw, _, df) = parts
+    return lowbit_kernel.kernel().decode_finish(h, attn, ow, of, o_b, norm_w, eps, gw, gf, dw, df, gn // 2)
+
 
 # ---- packing ----------------------------------------------------------------------------------------
 def _rows_bytes(q: np.ndarray, s: np.ndarray, m: np.ndarray, fmt: str) -> np.ndarray:

@@ -31,6 +31,7 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cstring>
 #include <cstdint>
+#include <cmath>
 
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -135,6 +136,82 @@ static void mm(const float* x, int64_t B, int64_t K, const uint8_t* W, int64_t N
     for (int64_t r = 0; r < B; ++r) rows<F, 1, 1>(x + r * K, K, W, n, n + 1, y + r * N, N);
 }
 
+static void mm_any(const float* xp, int64_t B, int64_t K, const uint8_t* wp, int64_t N, float* yp, int64_t fmt) {
+  if (fmt == 0) mm<U4>(xp, B, K, wp, N, yp);
+  else if (fmt == 1) mm<I8<16>>(xp, B, K, wp, N, yp);
+  else if (fmt == 2) mm<I8<32>>(xp, B, K, wp, N, yp);
+  else TORCH_CHECK(false, "unknown block format");
+}
+
+static int64_t row_bytes(int64_t K, int64_t fmt) {
+  return fmt == 0 ? K / 32 * 24 : fmt == 1 ? K / 16 * 24 : K / 32 * 40;
+}
+
+static void check_w(const torch::Tensor& w, int64_t N, int64_t K, int64_t fmt) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == N &&
+              K % (fmt == 1 ? 16 : 32) == 0 && w.size(1) == row_bytes(K, fmt), "bad packed weight");
+}
+
+// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * g  (RMSNorm of each row, float32)
+static void rms_rows(const float* x, int64_t B, int64_t D, const float* g, double eps, float* out) {
+  for (int64_t r = 0; r < B; ++r) {
+    const float* xr = x + r * D;
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+    float inv = 1.f / std::sqrt(ss / (float)D + (float)eps);
+    for (int64_t i = 0; i < D; ++i) out[r * D + i] = g[i] * (xr[i] * inv);
+  }
+}
+
+// q/k/v of decode rows: RMSNorm, then the packed projection (+ bias)
+torch::Tensor decode_qkv(torch::Tensor h, torch::Tensor norm_w, double eps, torch::Tensor w, int64_t N,
+                         int64_t fmt, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(h.dtype() == torch::kFloat32 && h.dim() == 2, "h must be float32 [B, D]");
+  h = h.contiguous();
+  const int64_t B = h.size(0), D = h.size(1);
+  check_w(w, N, D, fmt);
+  auto x = torch::empty_like(h);
+  rms_rows(h.data_ptr<float>(), B, D, norm_w.contiguous().data_ptr<float>(), eps, x.data_ptr<float>());
+  auto y = torch::empty({B, N}, h.options());
+  mm_any(x.data_ptr<float>(), B, D, w.data_ptr<uint8_t>(), N, y.data_ptr<float>(), fmt);
+  if (bias.has_value()) y += *bias;
+  return y;
+}
+
+// the rest of a decode layer: h + o(attn), then + down(silu(gate) * up) of its RMSNorm
+torch::Tensor decode_finish(torch::Tensor h, torch::Tensor attn, torch::Tensor o_w, int64_t o_fmt,
+                            c10::optional<torch::Tensor> o_b, torch::Tensor norm_w, double eps,
+                            torch::Tensor gu_w, int64_t gu_fmt, torch::Tensor down_w, int64_t down_fmt,
+                            int64_t I) {
+  TORCH_CHECK(h.dtype() == torch::kFloat32 && h.dim() == 2, "h must be float32 [B, D]");
+  h = h.contiguous();
+  attn = attn.reshape({h.size(0), -1}).contiguous();
+  const int64_t B = h.size(0), D = h.size(1), A = attn.size(1);
+  check_w(o_w, D, A, o_fmt);
+  check_w(gu_w, 2 * I, D, gu_fmt);
+  check_w(down_w, D, I, down_fmt);
+  auto h2 = torch::empty_like(h);
+  mm_any(attn.data_ptr<float>(), B, A, o_w.data_ptr<uint8_t>(), D, h2.data_ptr<float>(), o_fmt);
+  if (o_b.has_value()) h2 += *o_b;
+  h2 += h;
+  auto x = torch::empty_like(h);
+  rms_rows(h2.data_ptr<float>(), B, D, norm_w.contiguous().data_ptr<float>(), eps, x.data_ptr<float>());
+  auto gu = torch::empty({B, 2 * I}, h.options());
+  mm_any(x.data_ptr<float>(), B, D, gu_w.data_ptr<uint8_t>(), 2 * I, gu.data_ptr<float>(), gu_fmt);
+  auto y = torch::empty({B, I}, h.options());
+  float* g = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      float a = g[r * 2 * I + i], u = g[r * 2 * I + I + i];
+      yp[r * I + i] = a / (1.f + std::exp(-a)) * u;
+    }
+  auto out = torch::empty_like(h);
+  mm_any(yp, B, I, down_w.data_ptr<uint8_t>(), D, out.data_ptr<float>(), down_fmt);
+  out += h2;
+  return out;
+}
+
 torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t fmt) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x must be float32 [B, K]");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.size(0) == N, "w must be packed uint8 [N, bytes]");
@@ -152,7 +229,7 @@ torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
 }
 """
 
-FUNCTIONS = ["lowbit_mm"]
+FUNCTIONS = ["lowbit_mm", "decode_qkv", "decode_finish"]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"]
 #: the kernel's block formats by name, as ``lowbit_mm``'s ``fmt`` argument
 FORMATS = {"u4": 0, "i8g16": 1, "i8g32": 2}
