@@ -11,6 +11,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ragkv.model import lowbit_kernel
 from ragkv.model.chat import tokenizer_adds_bos
 from ragkv.model.config import ModelConfig
 from ragkv.model.forward import CapturePreRope, CausalKV, run_layers, window_attention
@@ -66,6 +67,12 @@ class DecodeModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.logits(h, lowbit=True)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
+        """RoPE in one kernel call, rounded exactly as :meth:`Model.rope` (a float32 decode row)."""
+        if tables is None or x.dtype != torch.float32 or tables[0].dtype != torch.float32:
+            return self.model.rope(x, positions, tables)
+        return lowbit_kernel.kernel().rope_rows(x, tables[0], tables[1])
 
 
 class Model:

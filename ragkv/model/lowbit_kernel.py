@@ -212,6 +212,40 @@ torch::Tensor decode_finish(torch::Tensor h, torch::Tensor attn, torch::Tensor o
   return out;
 }
 
+// RoPE of decode rows, x * cos + rotate_half(x) * sin, rounded as torch rounds it (no fused multiply-add)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3 && cos.dtype() == torch::kFloat32, "float32 [n, H, D]");
+  x = x.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t n = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(cos.numel() == n * D && sin.numel() == n * D, "cos/sin must be [n, 1, D]");
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* a = xp + (r * H + h) * D;
+      const float* c = cp + r * D;
+      const float* s = sp + r * D;
+      float* o = op + (r * H + h) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        float t1 = a[i] * c[i], t2 = (-a[i + half]) * s[i];
+        o[i] = t1 + t2;
+      }
+      for (int64_t i = half; i < D; ++i) {
+        float t1 = a[i] * c[i], t2 = a[i - half] * s[i];
+        o[i] = t1 + t2;
+      }
+    }
+  return out;
+}
+#pragma GCC pop_options
+
 torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t fmt) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x must be float32 [B, K]");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.size(0) == N, "w must be packed uint8 [N, bytes]");
@@ -229,7 +263,7 @@ torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
 }
 """
 
-FUNCTIONS = ["lowbit_mm", "decode_qkv", "decode_finish"]
+FUNCTIONS = ["lowbit_mm", "decode_qkv", "decode_finish", "rope_rows"]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"]
 #: the kernel's block formats by name, as ``lowbit_mm``'s ``fmt`` argument
 FORMATS = {"u4": 0, "i8g16": 1, "i8g32": 2}

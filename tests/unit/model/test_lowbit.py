@@ -226,3 +226,15 @@ def test_quantized_decode_of_a_float_checkpoint_is_opt_in():
     assert "model.layers.0.self_attn.q_proj.weight" in packed
     w = hf_state_dict(m)["model.layers.0.self_attn.q_proj.weight"]
     assert float((packed["model.layers.0.self_attn.q_proj.weight"].dequantize() - w).abs().max()) < 0.02
+
+
+@needs_kernel
+def test_decode_rope_rounds_as_the_models_rope():
+    """The decode view's one-call RoPE is the model's RoPE bit for bit (no fused multiply-add)."""
+    m = random_model("llama", seed=2, head_dim=64, hidden_size=256, num_attention_heads=4)
+    m.set_decode_weights(quantized_decode_weights(m, "Q8_0"))
+    for n in (1, 5):
+        pos = torch.randint(0, 900, (n,), generator=torch.Generator().manual_seed(n))
+        x = torch.randn(n, 4, 64, generator=torch.Generator().manual_seed(n + 1)) * 3
+        tables = m.rope_tables(pos)
+        assert torch.equal(m.decoder().rope(x, pos, tables), m.rope(x, pos, tables))
