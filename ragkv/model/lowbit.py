@@ -43,7 +43,7 @@ from ragkv.model import lowbit_kernel
 DECODE_WEIGHTS = ("auto", "gguf", "float32")
 DEFAULT_DECODE_WEIGHTS = "auto"
 #: version of the packed layout kept beside a converted checkpoint (bump when packing changes)
-PACK_VERSION = 1
+PACK_VERSION = 2
 
 _FP16_ONE = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
 
@@ -145,13 +145,24 @@ def fused_finish(
 
 
 # ---- packing ----------------------------------------------------------------------------------------
+def _base(fmt: str) -> tuple[str, bool]:
+    """``(format without the float16 mark, whether scales/offsets are float16)``."""
+    return (fmt[:-1], True) if fmt.endswith("h") else (fmt, False)
+
+
+def _group(fmt: str) -> int:
+    return 16 if _base(fmt)[0] == "i8g16" else 32
+
+
 def _rows_bytes(q: np.ndarray, s: np.ndarray, m: np.ndarray, fmt: str) -> np.ndarray:
     """Kernel rows ``[N, nb * block bytes]`` of integers ``q [N, K]`` and per-block ``s, m [N, nb]``."""
     n, k = q.shape
     nb = s.shape[1]
     g = k // nb
-    sm = np.stack([s.astype(np.float32), m.astype(np.float32)], -1).view(np.uint8).reshape(n, nb, 8)
-    if fmt == "u4":
+    base, half = _base(fmt)
+    dt = np.float16 if half else np.float32
+    sm = np.stack([s.astype(dt), m.astype(dt)], -1).view(np.uint8).reshape(n, nb, 4 if half else 8)
+    if base == "u4":
         qb = q.reshape(n, nb, 2, 16).astype(np.uint8)
         body = qb[:, :, 0] | (qb[:, :, 1] << np.uint8(4))
     else:
@@ -159,25 +170,37 @@ def _rows_bytes(q: np.ndarray, s: np.ndarray, m: np.ndarray, fmt: str) -> np.nda
     return np.ascontiguousarray(np.concatenate([sm, body], -1).reshape(n, -1))
 
 
+def _exact_in_f16(x: np.ndarray) -> bool:
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(x.astype(np.float16).astype(np.float32), x))
+
+
 def pack(q, s, m, fmt: str, source: str = "") -> LowBitTensor:
-    """A :class:`LowBitTensor` of integers ``q [N, K]`` and block scales/offsets ``s, m [N, K / G]``."""
+    """A :class:`LowBitTensor` of integers ``q [N, K]`` and block scales/offsets ``s, m [N, K / G]``
+    (``fmt``: ``u4``, ``i8g16`` or ``i8g32``; stored with float16 scales and offsets, the ``h``
+    variant, where every one of them is exact in float16, else float32: exact either way)."""
     q, s, m = (np.asarray(t) for t in (q, s, m))
     g = {"u4": 32, "i8g32": 32, "i8g16": 16}[fmt]
     if q.shape[1] % g or s.shape != (q.shape[0], q.shape[1] // g) or s.shape != m.shape:
         raise ValueError(f"{fmt}: q {q.shape} does not fit scales {s.shape} / offsets {m.shape}")
+    if _exact_in_f16(s) and _exact_in_f16(m):
+        fmt += "h"
     rows = _rows_bytes(q, s, m, fmt)
     return LowBitTensor(fmt, torch.from_numpy(rows), int(q.shape[0]), int(q.shape[1]), source)
 
 
 def unpack(t: LowBitTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [N, K] int, s [N, nb], m [N, nb])`` of a packed weight (the inverse of :func:`pack`)."""
-    g = 16 if t.fmt == "i8g16" else 32
+    base, half = _base(t.fmt)
+    g = _group(t.fmt)
     nb = t.k // g
-    body = g // 2 if t.fmt == "u4" else g
-    blocks = t.packed.reshape(t.n, nb, 8 + body)
-    sm = blocks[..., :8].contiguous().view(torch.float32)
-    b = blocks[..., 8:]
-    if t.fmt == "u4":
+    body = g // 2 if base == "u4" else g
+    head = 4 if half else 8
+    blocks = t.packed.reshape(t.n, nb, head + body)
+    sm = blocks[..., :head].contiguous().view(torch.float16 if half else torch.float32).float()
+    b = blocks[..., head:]
+    if base == "u4":
         q = torch.stack([b & 15, b >> 4], 2).reshape(t.n, t.k).to(torch.int16)
     else:
         q = b.contiguous().view(torch.int8).reshape(t.n, t.k).to(torch.int16)

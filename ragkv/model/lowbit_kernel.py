@@ -13,7 +13,10 @@ Block formats (one row of a weight is ``nb`` blocks, each its float32 scale ``s`
 followed by the integers ``q``; a weight value is ``s * q + m``, computed as one fused multiply-add):
 
 * ``u4``: 32 values, ``q`` 4-bit (byte ``j`` holds ``q[j]`` low and ``q[j + 16]`` high), 24 bytes;
-* ``i8g16``: 16 values, ``q`` int8, 24 bytes; ``i8g32``: 32 values, ``q`` int8, 40 bytes.
+* ``i8g16``: 16 values, ``q`` int8, 24 bytes; ``i8g32``: 32 values, ``q`` int8, 40 bytes;
+* ``u4h``, ``i8g16h``, ``i8g32h``: the same with ``s`` and ``m`` in float16 (4 bytes instead of 8), used
+  where every block's scale and offset are exact in float16 (the file's own Q4_0, Q4_1, Q5_0, Q5_1
+  and Q8_0 scales are float16; the K-quants' products ``d * sc`` are not): 20, 20 and 36 bytes.
 """
 
 from __future__ import annotations
@@ -77,19 +80,24 @@ static inline v16f int8s(const uint8_t* p) {
 #endif
 
 // one block's weights as float32 vectors: W[0..VPB) of 16 values each
-struct U4 {
-  static constexpr int VALS = 32, BYTES = 24, VPB = 2;
+// a block's scale and offset: float32 (H = 0, 8 bytes) or float16 (H = 1, 4 bytes; exact in float32)
+template <int H> static inline void scale_offset(const uint8_t* b, float& s, float& m) {
+  if (H) { _Float16 a, c; std::memcpy(&a, b, 2); std::memcpy(&c, b + 2, 2); s = (float)a; m = (float)c; }
+  else { std::memcpy(&s, b, 4); std::memcpy(&m, b + 4, 4); }
+}
+template <int H> struct U4 {
+  static constexpr int HEAD = H ? 4 : 8, VALS = 32, BYTES = HEAD + 16, VPB = 2;
   static inline void get(const uint8_t* b, v16f* w) {
-    float s, m; std::memcpy(&s, b, 4); std::memcpy(&m, b + 4, 4);
-    w[0] = nibbles(b + 8, 0) * s + m;
-    w[1] = nibbles(b + 8, 4) * s + m;
+    float s, m; scale_offset<H>(b, s, m);
+    w[0] = nibbles(b + HEAD, 0) * s + m;
+    w[1] = nibbles(b + HEAD, 4) * s + m;
   }
 };
-template <int G> struct I8 {
-  static constexpr int VALS = G, BYTES = 8 + G, VPB = G / 16;
+template <int G, int H> struct I8 {
+  static constexpr int HEAD = H ? 4 : 8, VALS = G, BYTES = HEAD + G, VPB = G / 16;
   static inline void get(const uint8_t* b, v16f* w) {
-    float s, m; std::memcpy(&s, b, 4); std::memcpy(&m, b + 4, 4);
-    for (int i = 0; i < VPB; ++i) w[i] = int8s(b + 8 + 16 * i) * s + m;
+    float s, m; scale_offset<H>(b, s, m);
+    for (int i = 0; i < VPB; ++i) w[i] = int8s(b + HEAD + 16 * i) * s + m;
   }
 };
 
@@ -136,20 +144,28 @@ static void mm(const float* x, int64_t B, int64_t K, const uint8_t* W, int64_t N
     for (int64_t r = 0; r < B; ++r) rows<F, 1, 1>(x + r * K, K, W, n, n + 1, y + r * N, N);
 }
 
+// formats: 0 u4, 1 i8g16, 2 i8g32 (float32 scale/offset); 3 u4h, 4 i8g16h, 5 i8g32h (float16)
 static void mm_any(const float* xp, int64_t B, int64_t K, const uint8_t* wp, int64_t N, float* yp, int64_t fmt) {
-  if (fmt == 0) mm<U4>(xp, B, K, wp, N, yp);
-  else if (fmt == 1) mm<I8<16>>(xp, B, K, wp, N, yp);
-  else if (fmt == 2) mm<I8<32>>(xp, B, K, wp, N, yp);
-  else TORCH_CHECK(false, "unknown block format");
+  switch (fmt) {
+    case 0: mm<U4<0>>(xp, B, K, wp, N, yp); break;
+    case 1: mm<I8<16, 0>>(xp, B, K, wp, N, yp); break;
+    case 2: mm<I8<32, 0>>(xp, B, K, wp, N, yp); break;
+    case 3: mm<U4<1>>(xp, B, K, wp, N, yp); break;
+    case 4: mm<I8<16, 1>>(xp, B, K, wp, N, yp); break;
+    case 5: mm<I8<32, 1>>(xp, B, K, wp, N, yp); break;
+    default: TORCH_CHECK(false, "unknown block format");
+  }
 }
 
+static int64_t group(int64_t fmt) { return fmt % 3 == 1 ? 16 : 32; }
 static int64_t row_bytes(int64_t K, int64_t fmt) {
-  return fmt == 0 ? K / 32 * 24 : fmt == 1 ? K / 16 * 24 : K / 32 * 40;
+  const int64_t head = fmt >= 3 ? 4 : 8, body = fmt % 3 == 0 ? 16 : group(fmt);
+  return K / group(fmt) * (head + body);
 }
 
 static void check_w(const torch::Tensor& w, int64_t N, int64_t K, int64_t fmt) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == N &&
-              K % (fmt == 1 ? 16 : 32) == 0 && w.size(1) == row_bytes(K, fmt), "bad packed weight");
+              K % group(fmt) == 0 && w.size(1) == row_bytes(K, fmt), "bad packed weight");
 }
 
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * g  (RMSNorm of each row, float32)
@@ -255,10 +271,8 @@ torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (fmt == 0) { TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * 24); mm<U4>(xp, B, K, wp, N, yp); }
-  else if (fmt == 1) { TORCH_CHECK(K % 16 == 0 && w.size(1) == K / 16 * 24); mm<I8<16>>(xp, B, K, wp, N, yp); }
-  else if (fmt == 2) { TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * 40); mm<I8<32>>(xp, B, K, wp, N, yp); }
-  else TORCH_CHECK(false, "unknown block format");
+  check_w(w, N, K, fmt);
+  mm_any(xp, B, K, wp, N, yp, fmt);
   return y;
 }
 """
@@ -266,7 +280,7 @@ torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
 FUNCTIONS = ["lowbit_mm", "decode_qkv", "decode_finish", "rope_rows"]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"]
 #: the kernel's block formats by name, as ``lowbit_mm``'s ``fmt`` argument
-FORMATS = {"u4": 0, "i8g16": 1, "i8g32": 2}
+FORMATS = {"u4": 0, "i8g16": 1, "i8g32": 2, "u4h": 3, "i8g16h": 4, "i8g32h": 5}
 
 _lock = threading.Lock()
 _state: dict = {}
