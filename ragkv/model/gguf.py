@@ -166,37 +166,6 @@ def _hf_name(t, arch: str, path: Path) -> tuple[str, str]:
     return f"{_GLOBAL_NAMES[base]}.{kind}", base
 
 
-def lowbit_weights(path: str | os.PathLike) -> dict:
-    """The GGUF file's 2-D low-bit tensors in the decode kernel's formats, by Hugging Face name
-    (:func:`ragkv.model.lowbit.pack_gguf_tensor`; rows in the order :func:`dequantized_weights` gives
-    them, llama's q/k un-permuted). Tensors of a type without a kernel format are left out."""
-    import gguf
-
-    from ragkv.model.lowbit import pack_gguf_tensor
-
-    path = Path(path)
-    reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported; ragkv converts {GGUF_ARCHITECTURES}")
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    out = {}
-    for t in reader.tensors:
-        if len(t.shape) != 2 or not t.name.endswith(".weight"):
-            continue
-        name, part = _hf_name(t, arch, path)
-        raw = np.asarray(t.data)
-        if raw.ndim != 2:
-            continue
-        if arch == "llama" and part in ("attn_q", "attn_k"):
-            raw = _unpermute(raw, n_head if part == "attn_q" else n_kv)
-        packed = pack_gguf_tensor(raw, t.tensor_type.name, int(t.shape[0]), source=t.tensor_type.name)
-        if packed is not None:
-            out[name] = packed
-    return out
-
-
 def gguf_source(folder: str | os.PathLike) -> Path | None:
     """The GGUF file a converted checkpoint folder was made from (its ``source.json``), if it is still
     there unchanged; None otherwise."""

@@ -113,8 +113,8 @@ class Model:
     # ---- decode weights ---------------------------------------------------------------------
     def set_decode_weights(self, tensors: dict | None, note: str = "", label: str = "gguf") -> str:
         """Decode steps on low-bit weights: ``tensors`` maps Hugging Face weight names to
-        :class:`~ragkv.model.lowbit.LowBitTensor` (the GGUF file's blocks, :func:`ragkv.model.gguf.
-        lowbit_weights`); None (or an empty dict) keeps float32 weights, with ``note`` saying why.
+        :class:`~ragkv.model.lowbit.LowBitTensor` (the GGUF file's blocks, :func:`ragkv.model.lowbit.
+        gguf_lowbit_weights`); None (or an empty dict) keeps float32 weights, with ``note`` saying why.
         ``label`` names them in stats (``"gguf"``: the file's own blocks; ``"q8_0"`` ...: weights
         quantized at load). A linear layer any of whose parts has no low-bit form keeps float32. Multi-row
         passes (prefill, chunk KV, the blend) never change: only :meth:`decoder` reads these.

@@ -280,13 +280,12 @@ def quantized_decode_weights(model: Model, qtype: str = "Q8_0") -> dict:
 
 
 def cached_lowbit_weights(folder: str | os.PathLike, src: Path) -> dict:
-    """The GGUF file's blocks in the kernel's formats (:func:`ragkv.model.gguf.lowbit_weights`), kept
+    """The GGUF file's blocks in the kernel's formats (:func:`ragkv.model.lowbit.gguf_lowbit_weights`), kept
     beside the converted checkpoint (``<folder>/lowbit/``, not a ``*.safetensors`` of the folder, so
     the model's fingerprint is unchanged) and read from there on later loads."""
     from safetensors.torch import load_file, save_file
 
-    from ragkv.model.gguf import lowbit_weights
-    from ragkv.model.lowbit import PACK_VERSION, LowBitTensor
+    from ragkv.model.lowbit import PACK_VERSION, LowBitTensor, gguf_lowbit_weights
 
     path = Path(folder) / "lowbit" / f"v{PACK_VERSION}.safetensors"
     try:
@@ -298,7 +297,7 @@ def cached_lowbit_weights(folder: str | os.PathLike, src: Path) -> dict:
         return {n: LowBitTensor(m["fmt"], packed[n], m["n"], m["k"], m["source"]) for n, m in meta.items()}
     except (OSError, ValueError, KeyError, RuntimeError, TypeError):
         pass
-    out = lowbit_weights(src)
+    out = gguf_lowbit_weights(src)
     meta = {n: {"fmt": t.fmt, "n": t.n, "k": t.k, "source": t.source} for n, t in out.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
