@@ -238,3 +238,19 @@ def test_decode_rope_rounds_as_the_models_rope():
         x = torch.randn(n, 4, 64, generator=torch.Generator().manual_seed(n + 1)) * 3
         tables = m.rope_tables(pos)
         assert torch.equal(m.decoder().rope(x, pos, tables), m.rope(x, pos, tables))
+
+
+@needs_kernel
+def test_hack_kv_decodes_on_the_blocks_too():
+    """HACK's 2-bit KV cache is the decode cache under the same decode weights (its attention, the
+    blocks' projections): the same tokens as float32 decode over HACK."""
+    from ragkv.blend import prefill
+    from ragkv.generate import SamplingParams, generate
+
+    m, packed = _quantized_model("Q8_0", seed=11)
+    res = prefill(m, [1, 4, 9, 16, 25, 36, 49, 64], [], [], "full")
+    params = SamplingParams(max_new_tokens=10, stop_token_ids=())
+    want = generate(m, res, params, attention="hack")
+    m.set_decode_weights(packed)
+    got = generate(m, res, params, attention="hack")
+    assert got.token_ids == want.token_ids and got.timings["decode_weights"] == "gguf"
