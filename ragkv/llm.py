@@ -80,7 +80,7 @@ class LLM:
     ):
         self.fidelity = parse_fidelity(fidelity)
         if isinstance(model, Model):
-            if decode_weights is not None and decode_weights != model.decode_weights:
+            if decode_weights not in (None, "auto", model.decode_weights):
                 raise ValueError(
                     f"decode_weights={decode_weights!r} for a model loaded with {model.decode_weights!r}: "
                     "pass decode_weights to load_model"
