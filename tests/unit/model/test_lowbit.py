@@ -83,16 +83,17 @@ def _quantized_model(qtype: str, seed: int = 7):
     with those blocks as its decode weights."""
     m = random_model("llama", seed=seed, init_std=0.1, tie_word_embeddings=True)
     packed = quantized_decode_weights(m, qtype)
-    for lw, i in zip(m.layers, range(m.config.num_layers), strict=True):
-        p = f"model.layers.{i}."
-        deq = {n: packed[p + n].dequantize() for n in ("self_attn.q_proj.weight", "mlp.down_proj.weight")}
-        lw.qkv_w.copy_(torch.cat([packed[f"{p}self_attn.{x}_proj.weight"].dequantize() for x in "qkv"]))
-        lw.o_w.copy_(packed[p + "self_attn.o_proj.weight"].dequantize())
-        lw.gate_up_w.copy_(
-            torch.cat([packed[p + f"mlp.{x}_proj.weight"].dequantize() for x in ("gate", "up")])
-        )
-        lw.down_w.copy_(deq["mlp.down_proj.weight"])
-    m.embed_w.copy_(packed["model.embed_tokens.weight"].dequantize())
+
+    def deq(*names):
+        return torch.cat([packed[n].dequantize() for n in names])
+
+    for i, lw in enumerate(m.layers):
+        a, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        lw.qkv_w.copy_(deq(*(f"{a}{x}_proj.weight" for x in "qkv")))
+        lw.o_w.copy_(deq(a + "o_proj.weight"))
+        lw.gate_up_w.copy_(deq(p + "gate_proj.weight", p + "up_proj.weight"))
+        lw.down_w.copy_(deq(p + "down_proj.weight"))
+    m.embed_w.copy_(deq("model.embed_tokens.weight"))
     return m, packed
 
 
@@ -165,7 +166,7 @@ def test_engine_batched_decode_runs_on_the_blocks():
         assert out.prefill_stats["decode_weights"] == "gguf"
 
 
-def test_non_gguf_checkpoint_decodes_on_float32(tmp_path):
+def test_non_gguf_checkpoint_decodes_on_float32():
     m = stories_model()
     assert m.decode_weights == "float32" and m.decoder() is m
     assert "not a GGUF" in m.decode_weights_note
