@@ -16,7 +16,9 @@ installed. Every figure is the median of ``--repeats`` runs.
 Bytes per token: the weights one decode step reads (linear layers and LM head: float32, or the
 repacked blocks) plus the prompt's K/V, against this machine's memory bandwidth measured here (a
 float32 sum over 1 GiB, the same threads): the time that many bytes take at that rate is the bound.
-The last line is one JSON object.
+``--cpu-proxy`` adds, on one thread, the CPU time of a decode step and of its linear layers
+(``time.process_time``): on a shared machine wall-clock times move with other jobs' load, CPU time
+much less (``--only-cpu-proxy`` measures that alone). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -133,6 +135,47 @@ def time_engine(model, ids: list[int], batch: int, steps: int, repeats: int) -> 
     return median(ms)
 
 
+def cpu_proxy(model, weights: dict, ids: list[int], steps: int) -> dict:
+    """CPU milliseconds per decode step on one thread (``time.process_time``: what the step itself
+    costs, not the time it waits for a core on a shared machine), and of the step's weight reads
+    alone (the linear layers and LM head on a random row, the same calls a step makes)."""
+    from ragkv.generate import decode_step, make_cache
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for name, t in weights.items():
+            model.set_decode_weights(t)
+            dec = model.decoder()
+            cache = make_cache(model, capacity=len(ids) + steps + 2)
+            for i, tok in enumerate(ids):
+                decode_step(model, cache, tok, i)
+            cpu = []
+            tok = 5
+            for i in range(steps):
+                c0 = time.process_time()
+                tok = int(decode_step(model, cache, tok, len(ids) + i).argmax())
+                cpu.append(time.process_time() - c0)
+            h = torch.randn(1, model.config.hidden_size)
+            attn = torch.randn(1, model.config.num_heads * model.config.head_dim)
+            reads = []
+            for _ in range(max(3, steps // 4)):
+                c0 = time.process_time()
+                for layer in range(model.config.num_layers):
+                    dec.qkv(layer, h)
+                    dec.finish_layer(layer, h, attn)
+                dec.logits(h)
+                reads.append(time.process_time() - c0)
+            out[name] = {
+                "cpu_ms_per_step": round(median(cpu) * 1e3, 2),
+                "cpu_ms_linear_layers": round(median(reads) * 1e3, 2),
+            }
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -143,6 +186,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engine-steps", type=int, default=32)
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument(
+        "--cpu-proxy",
+        type=int,
+        default=32,
+        metavar="STEPS",
+        help="also measure CPU ms per decode step on one thread over STEPS steps (0: skip)",
+    )
+    ap.add_argument("--only-cpu-proxy", action="store_true", help="measure the CPU proxy only (quick)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts = [int(x) for x in args.prompts.split(",") if x]
@@ -178,6 +229,20 @@ def main(argv=None) -> dict:
     for name, t in weights.items():
         model.set_decode_weights(t)
         summary["bytes_per_token"][name] = model.decode_weight_bytes()
+
+    if args.cpu_proxy:
+        summary["cpu_proxy_one_thread"] = cpu_proxy(
+            model, weights, prompt_ids(model, min(prompts)), args.cpu_proxy
+        )
+        for name, r in summary["cpu_proxy_one_thread"].items():
+            print(
+                f"one thread, CPU time: {name:>8} {r['cpu_ms_per_step']:.1f} ms per decode step, "
+                f"{r['cpu_ms_linear_layers']:.1f} ms of it the linear layers and LM head"
+            )
+        if args.only_cpu_proxy:
+            model.set_decode_weights(packed)
+            print(json.dumps(summary))
+            return summary
 
     llm = None
     if not args.no_llamacpp:
