@@ -8,8 +8,8 @@ decode weights) and the longest answer decoded greedily with no stop token; the 
 token (TPOT: from the first answer token to the n-th, over n - 1) and the end-to-end time (prefill +
 n tokens) are read at each answer length. Engine batches: ``batch`` sequences holding the shortest
 prompt's KV, ``--engine-steps`` batched decode steps (``batched_decode_step``, the engine's step):
-milliseconds per step and tokens per second. llama.cpp (``llama-cpp-python``, the optional ``peers``
-extra: ``pip install 'ragkv[peers]'``, or ``pip install llama-cpp-python``) runs the same GGUF file
+milliseconds per step and tokens per second. llama.cpp (``llama-cpp-python``, the optional ``llamacpp``
+extra: ``pip install 'ragkv[llamacpp]'``, or ``pip install llama-cpp-python``) runs the same GGUF file
 on the same token ids and threads, greedy; its column is skipped, with a message, where it is not
 installed. Every figure is the median of ``--repeats`` runs.
 
@@ -39,7 +39,7 @@ from ragkv.model import DEFAULT_MODEL, load_model
 
 LLAMACPP_MISSING = (
     "llama.cpp column skipped: llama-cpp-python is not installed "
-    "(pip install 'ragkv[peers]' or pip install llama-cpp-python; it compiles llama.cpp, ~8 min on 2 cores)"
+    "(pip install 'ragkv[llamacpp]' or pip install llama-cpp-python; it compiles llama.cpp, ~8 min on 2 cores)"
 )
 
 
