@@ -14,7 +14,7 @@ from ragkv.attention.kvcache import DenseKVCache, KVCache
 from ragkv.blend.core import PrefillResult
 from ragkv.constrain import ConstraintError, GrammarState, JsonConstraint
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_LOGPROBS, MIN_TEMPERATURE
-from ragkv.model.forward import run_layers
+from ragkv.model.forward import decode_weights_of, decoder, run_layers
 
 log = logging.getLogger("ragkv.generate")
 
@@ -258,10 +258,12 @@ def load_prompt(cache: KVCache, result: PrefillResult) -> None:
 
 @torch.inference_mode()
 def decode_step(model, cache: KVCache, token_id: int, position: int) -> torch.Tensor:
-    """One token through every layer, appending its KV; returns fp32 logits ``[vocab]``."""
+    """One token through every layer, appending its KV; returns fp32 logits ``[vocab]``. Runs on the
+    model's decode weights (:func:`ragkv.model.forward.decoder`)."""
+    m = decoder(model)
     pos = torch.tensor([position], device=model.device)
-    h, _ = run_layers(model, model.embed(torch.tensor([token_id], device=model.device)), pos, cache)
-    return model.logits(h)[0].float()
+    h, _ = run_layers(m, m.embed(torch.tensor([token_id], device=model.device)), pos, cache)
+    return m.logits(h)[0].float()
 
 
 @torch.inference_mode()
@@ -361,7 +363,12 @@ def generate(
     t0 = time.perf_counter()
     *_, (text, ids, reason) = collect(stream(model, result, params, attention, **hack_options))
     dt = time.perf_counter() - t0
-    return Generation(text, ids, reason, {"decode_s": dt, "tpot_s": dt / max(1, len(ids) - 1)})
+    timings = {
+        "decode_s": dt,
+        "tpot_s": dt / max(1, len(ids) - 1),
+        "decode_weights": decode_weights_of(model),
+    }
+    return Generation(text, ids, reason, timings)
 
 
 def collect(events: Iterator[TokenEvent]) -> Iterator[TokenEvent | tuple[str, list[int], str]]:

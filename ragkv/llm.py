@@ -59,6 +59,10 @@ class LLM:
     wherever chunk KV is reused; None: never. A chunk-KV writer's file (``ragkv adapter train --kind
     writer``) writes every chunk's KV through the writer and reads only such KV (keyed by the writer's
     fingerprint, docs/CHUNK_CONVENTION.md); where to run comes from the (model, writer) report.
+
+    ``decode_weights``: what decode steps read when ``model`` is loaded here (``load_model``; None:
+    ``$RAGKV_DECODE_WEIGHTS``, else ``"auto"``: the GGUF file's own low-bit blocks where the model is
+    one); a :class:`Model` passed in decodes on whatever it was loaded with. Prefill never changes.
     """
 
     def __init__(
@@ -75,9 +79,18 @@ class LLM:
         fidelity: str | float | None = None,
         resolver: ChunkResolver | None = None,
         adapter=AUTO_ADAPTER,
+        decode_weights: str | None = None,
     ):
         self.fidelity = parse_fidelity(fidelity)
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, device=device)
+        if isinstance(model, Model):
+            if decode_weights not in (None, "auto", model.decode_weights):
+                raise ValueError(
+                    f"decode_weights={decode_weights!r} for a model loaded with {model.decode_weights!r}: "
+                    "pass decode_weights to load_model"
+                )
+            self.model = model
+        else:
+            self.model = load_model(model, dtype=dtype, device=device, decode_weights=decode_weights)
         self.adapter, self.adapter_explicit = resolve_adapter(self.model, adapter)
         #: the model that writes and names chunk KV: the model itself, or with a chunk-KV writer on
         self.kv_model = kv_model(self.model, self.adapter)

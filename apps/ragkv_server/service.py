@@ -102,6 +102,7 @@ STAT_KEYS = (
     "fallback",
     "fidelity",
     "adapter",  # the KV adapter or chunk-KV writer reused rows went through (its identity; None: none)
+    "decode_weights",  # what decode steps ran on: "gguf" (the GGUF file's blocks) or "float32"
     "t_prefill_s",
     "t_load_wait_s",
     "controller",
@@ -783,7 +784,14 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
     data_dir = Path(s.data_dir)
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = lock_data_dir(data_dir) if writer else None
-    llm = LLM(s.model, dtype=s.dtype, device=s.device, fidelity=s.fidelity, adapter=s.adapter)
+    llm = LLM(
+        s.model,
+        dtype=s.dtype,
+        device=s.device,
+        fidelity=s.fidelity,
+        adapter=s.adapter,
+        decode_weights=s.decode_weights,
+    )
     prompt = prompt_options(s.prompt_file)  # the same prompt settings `ragkv demo` reads from its corpus
     prefix, suffix = prompt_parts(llm.model, "?", **prompt)
     key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None

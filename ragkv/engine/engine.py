@@ -40,6 +40,7 @@ from ragkv.fidelity import parse_fidelity
 from ragkv.fidelity.plan import plan_blend
 from ragkv.fusion.bff import FusionConfig
 from ragkv.generate import Detokenizer, SamplingParams
+from ragkv.model.forward import decode_weights_of
 
 log = logging.getLogger("ragkv.engine")
 
@@ -396,6 +397,7 @@ class Engine:
                 r.metrics.prefill_end = time.perf_counter()
                 r.metrics.num_prompt_tokens, r.metrics.blocks_shared_at_load = n, shared
                 r.prefill_stats = {k: v for k, v in res.stats.items() if not isinstance(v, torch.Tensor)}
+                r.prefill_stats["decode_weights"] = decode_weights_of(self.model)
                 if r.plan.point is not None:
                     r.prefill_stats["fidelity"] = r.plan.stats()
                 self._counts["prompt_tokens"] += n

@@ -23,7 +23,7 @@ from ragkv.engine.block_manager import BlockManager
 from ragkv.engine.tables import batch_tables
 from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
 from ragkv.kv.calibrate import key_plans_for
-from ragkv.model.forward import run_layers
+from ragkv.model.forward import decoder, run_layers
 
 
 class PagedCacheError(ValueError):
@@ -332,8 +332,9 @@ def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) 
     step = PagedBatchKV if pool.hack is None else hack_seq.HackStep
     kv = step(seqs, pos, tables, norms)
     ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
-    h, _ = run_layers(model, model.embed(ids), pos.to(dev), kv)
+    m = decoder(model)  # the model's decode weights
+    h, _ = run_layers(m, m.embed(ids), pos.to(dev), kv)
     kv.finish()
     for s, p in zip(seqs, positions, strict=True):
         s._len = [p + 1] * s.num_layers
-    return model.logits(h).float()
+    return m.logits(h).float()

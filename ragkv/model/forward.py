@@ -80,6 +80,20 @@ class LayerModel(Protocol):
         """o-proj + residual + MLP of rows ``h`` given their attention output ``[n,Hq,D]``."""
 
 
+def decoder(model: LayerModel) -> LayerModel:
+    """The layer model a single-token decode step runs (``model.decoder()`` where it has one: ragkv's
+    :class:`~ragkv.model.llama.Model` on its decode weights, :meth:`~ragkv.model.llama.Model.decoder`);
+    multi-row passes always run ``model`` itself."""
+    get = getattr(model, "decoder", None)
+    return get() if callable(get) else model
+
+
+def decode_weights_of(model: LayerModel) -> str:
+    """Which weights ``model``'s decode steps run on (``"float32"``, ``"gguf"``): what every answer's
+    stats report as ``decode_weights``."""
+    return str(getattr(model, "decode_weights", "float32"))
+
+
 def window_attention(
     model: LayerModel, layer: int, q, k, v, q_pos, k_pos, contiguous: bool = False, position_blocks: int = 0
 ) -> torch.Tensor:

@@ -152,6 +152,33 @@ def dequantized_weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _hf_name(t, arch: str, path: Path) -> tuple[str, str]:
+    """``(Hugging Face name, GGUF part)`` of a GGUF tensor."""
+    m = _BLOCK.match(t.name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            raise GGUFError(f"unexpected tensor {t.name!r} in {path.name}")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}", part
+    base, _, kind = t.name.rpartition(".")
+    if base not in _GLOBAL_NAMES:
+        raise GGUFError(f"unexpected tensor {t.name!r} in {path.name}")
+    return f"{_GLOBAL_NAMES[base]}.{kind}", base
+
+
+def gguf_source(folder: str | os.PathLike) -> Path | None:
+    """The GGUF file a converted checkpoint folder was made from (its ``source.json``), if it is still
+    there unchanged; None otherwise."""
+    try:
+        src = json.loads((Path(folder) / "source.json").read_text())
+    except (OSError, ValueError):
+        return None
+    p = Path(src.get("gguf", ""))
+    if not p.is_file() or file_digest(p) != src.get("sha256"):
+        return None
+    return p
+
+
 def convert_gguf(path: str | os.PathLike, cache_dir: Path | None = None) -> Path:
     """Convert a GGUF file once; returns the cached checkpoint folder (reused while the file is unchanged)."""
     from safetensors.torch import save_file

@@ -11,9 +11,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ragkv.model import lowbit_kernel
 from ragkv.model.chat import tokenizer_adds_bos
 from ragkv.model.config import ModelConfig
 from ragkv.model.forward import CapturePreRope, CausalKV, run_layers, window_attention
+from ragkv.model.lowbit import fused_finish, fused_qkv
 from ragkv.model.rope import Rotary, rope_frequencies
 
 
@@ -42,6 +44,35 @@ class LayerWeights:
         self.down_w = w[m + "down_proj.weight"]
         self.in_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
+        #: the same linear layers on the GGUF file's low-bit blocks (decode steps only; None: float32)
+        self.qkv_q = self.o_q = self.gate_up_q = self.down_q = None
+
+
+class DecodeModel:
+    """A :class:`Model` as single-token decode steps run it: its linear layers and LM head on the
+    low-bit weights (:meth:`Model.set_decode_weights`); everything else is the model's own. Only
+    :meth:`Model.decoder` makes one; multi-row passes never see it."""
+
+    def __init__(self, model: Model):
+        self.model = model
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def qkv(self, layer: int, h: torch.Tensor):
+        return self.model.qkv(layer, h, lowbit=True)
+
+    def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        return self.model.finish_layer(layer, h, attn_out, lowbit=True)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(h, lowbit=True)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
+        """RoPE in one kernel call, rounded exactly as :meth:`Model.rope` (a float32 decode row)."""
+        if tables is None or x.dtype != torch.float32 or tables[0].dtype != torch.float32:
+            return self.model.rope(x, positions, tables)
+        return lowbit_kernel.kernel().rope_rows(x, tables[0], tables[1])
 
 
 class Model:
@@ -72,35 +103,125 @@ class Model:
         self.scale = config.head_dim**-0.5
         #: set by the correctness gate (ragkv.blend.gate); False disables chunk-KV reuse
         self.blend_ok: bool | None = None
+        #: which weights single-token decode steps run on: "float32" or "gguf" (:meth:`decoder`)
+        self.decode_weights = "float32"
+        #: why decode runs on float32 weights where low-bit ones were asked for ("" otherwise)
+        self.decode_weights_note = ""
+        self.lm_head_q = None
+        self._decoder: DecodeModel | None = None
+
+    # ---- decode weights ---------------------------------------------------------------------
+    def set_decode_weights(self, tensors: dict | None, note: str = "", label: str = "gguf") -> str:
+        """Decode steps on low-bit weights: ``tensors`` maps Hugging Face weight names to
+        :class:`~ragkv.model.lowbit.LowBitTensor` (the GGUF file's blocks, :func:`ragkv.model.lowbit.
+        gguf_lowbit_weights`); None (or an empty dict) keeps float32 weights, with ``note`` saying why.
+        ``label`` names them in stats (``"gguf"``: the file's own blocks; ``"q8_0"`` ...: weights
+        quantized at load). A linear layer any of whose parts has no low-bit form keeps float32. Multi-row
+        passes (prefill, chunk KV, the blend) never change: only :meth:`decoder` reads these.
+        Returns the decode weights now in use."""
+        from ragkv.model.lowbit import LowBitLinear
+
+        def lin(names):
+            parts = [tensors.get(n) for n in names]
+            return LowBitLinear(parts) if all(p is not None for p in parts) else None
+
+        for lw in self.layers:
+            lw.qkv_q = lw.o_q = lw.gate_up_q = lw.down_q = None
+        self.lm_head_q = None
+        self.decode_weights, self.decode_weights_note = "float32", note
+        if tensors:
+            for i, lw in enumerate(self.layers):
+                a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+                lw.qkv_q = lin([f"{a}{p}_proj.weight" for p in "qkv"])
+                lw.o_q = lin([a + "o_proj.weight"])
+                lw.gate_up_q = lin([m + "gate_proj.weight", m + "up_proj.weight"])
+                lw.down_q = lin([m + "down_proj.weight"])
+            tied = self.lm_head_w is self.embed_w
+            self.lm_head_q = lin(["model.embed_tokens.weight" if tied else "lm_head.weight"])
+            self.decode_weights, self.decode_weights_note = label, ""
+        self._decoder = DecodeModel(self) if self.decode_weights != "float32" else None
+        return self.decode_weights
+
+    def decoder(self):
+        """The model as single-token decode steps run it (:func:`ragkv.generate.decode_step`, the
+        engine's batched decode): itself on float32 weights, else a view whose linear layers and LM
+        head read the low-bit weights. The one switch every surface decodes through."""
+        return self._decoder if self._decoder is not None else self
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (linear layers and LM head; embeddings and norms
+        aside): the low-bit blocks where they are used, float32 elsewhere."""
+        total = 0
+        for lw in self.layers:
+            for q, w in (
+                (lw.qkv_q, lw.qkv_w),
+                (lw.o_q, lw.o_w),
+                (lw.gate_up_q, lw.gate_up_w),
+                (lw.down_q, lw.down_w),
+            ):
+                use = q if self.decode_weights != "float32" else None
+                total += use.nbytes if use is not None else w.numel() * w.element_size()
+        q = self.lm_head_q if self.decode_weights != "float32" else None
+        return total + (q.nbytes if q is not None else self.lm_head_w.numel() * self.lm_head_w.element_size())
 
     # ---- primitives -------------------------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids.to(self.device), self.embed_w)
 
-    def qkv(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pre-RoPE ``q [n,Hq,D]``, ``k [n,Hkv,D]``, ``v [n,Hkv,D]`` of rows ``h [n, hidden]``."""
+    def qkv(
+        self, layer: int, h: torch.Tensor, lowbit: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-RoPE ``q [n,Hq,D]``, ``k [n,Hkv,D]``, ``v [n,Hkv,D]`` of rows ``h [n, hidden]``
+        (``lowbit``: on the low-bit weights where set, as :meth:`decoder` runs it)."""
         c = self.config
         lw = self.layers[layer]
-        x = rms_norm(h, lw.in_norm, c.rms_norm_eps)
-        out = F.linear(x, lw.qkv_w, lw.qkv_b)
+        out = None
+        if lowbit and lw.qkv_q is not None:
+            out = fused_qkv(h, lw.in_norm, c.rms_norm_eps, lw.qkv_q, lw.qkv_b)
+            if out is None:
+                out = lw.qkv_q(rms_norm(h, lw.in_norm, c.rms_norm_eps), lw.qkv_b).to(h.dtype)
+        if out is None:
+            out = F.linear(rms_norm(h, lw.in_norm, c.rms_norm_eps), lw.qkv_w, lw.qkv_b)
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = out[:, :nq].view(-1, c.num_heads, c.head_dim)
         k = out[:, nq : nq + nk].view(-1, c.num_kv_heads, c.head_dim)
         v = out[:, nq + nk :].reshape(-1, c.num_kv_heads, c.head_dim)
         return q, k, v
 
-    def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def finish_layer(
+        self, layer: int, h: torch.Tensor, attn_out: torch.Tensor, lowbit: bool = False
+    ) -> torch.Tensor:
         """o-proj + residual + MLP on rows ``h`` given their attention output ``[n,Hq,D]``."""
         c = self.config
         lw = self.layers[layer]
+        if lowbit:
+            return self._finish_lowbit(lw, h, attn_out)
         h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw.o_w, lw.o_b)
         x = rms_norm(h, lw.post_norm, c.rms_norm_eps)
         gate, up = F.linear(x, lw.gate_up_w).chunk(2, dim=-1)
         return h + F.linear(F.silu(gate) * up, lw.down_w)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _finish_lowbit(self, lw: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if lw.o_q is not None and lw.gate_up_q is not None and lw.down_q is not None:
+            out = fused_finish(h, attn_out, lw.o_q, lw.o_b, lw.post_norm, eps, lw.gate_up_q, lw.down_q)
+            if out is not None:
+                return out
+        a = attn_out.reshape(h.shape[0], -1)
+        o = lw.o_q(a, lw.o_b).to(h.dtype) if lw.o_q is not None else F.linear(a, lw.o_w, lw.o_b)
+        h = h + o
+        x = rms_norm(h, lw.post_norm, self.config.rms_norm_eps)
+        gu = lw.gate_up_q(x).to(h.dtype) if lw.gate_up_q is not None else F.linear(x, lw.gate_up_w)
+        gate, up = gu.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+        return h + (lw.down_q(y).to(h.dtype) if lw.down_q is not None else F.linear(y, lw.down_w))
+
+    def logits(self, h: torch.Tensor, lowbit: bool = False) -> torch.Tensor:
         """Final norm + LM head of rows ``h`` -> ``[n, vocab]``."""
-        return F.linear(rms_norm(h, self.final_norm, self.config.rms_norm_eps), self.lm_head_w)
+        x = rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+        if lowbit and self.lm_head_q is not None:
+            return self.lm_head_q(x)
+        return F.linear(x, self.lm_head_w)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of ``positions`` in the model's dtype, shared by every layer of a forward."""

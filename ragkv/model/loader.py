@@ -178,8 +178,13 @@ def load_model(
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
+    decode_weights: str | None = None,
 ) -> Model:
-    """Load a Llama/Mistral/Qwen2 checkpoint: a model name, GGUF file, folder or hub id."""
+    """Load a Llama/Mistral/Qwen2 checkpoint: a model name, GGUF file, folder or hub id.
+
+    ``decode_weights`` (None: ``$RAGKV_DECODE_WEIGHTS``, else ``"auto"``): what single-token decode
+    steps run on, :func:`use_decode_weights`; prefill and every multi-row pass use the float32 (or
+    ``dtype``) weights whatever it says."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -200,8 +205,108 @@ def load_model(
         tokenizer.model_max_length = 1 << 30  # ragkv checks lengths itself (PromptTooLongError)
     fp = model_fingerprint(cfg, digest, dtype, tokenizer_digest(tokenizer))
     model = Model(cfg, weights, tokenizer=tokenizer, fingerprint=fp, name=str(path_or_id))
-    log.info("loaded %s (%s, %d layers) fingerprint %s", path_or_id, cfg.model_type, cfg.num_layers, fp[:12])
+    use_decode_weights(model, folder, decode_weights)
+    log.info(
+        "loaded %s (%s, %d layers) fingerprint %s, decode weights %s",
+        path_or_id,
+        cfg.model_type,
+        cfg.num_layers,
+        fp[:12],
+        model.decode_weights,
+    )
     return model
+
+
+#: opt-in weight-only quantized decode of any checkpoint (the weights quantized at load)
+QUANTIZED_DECODE = ("q8_0", "q4_1", "q4_0")
+
+
+def resolve_decode_weights(decode_weights: str | None) -> str:
+    """A ``decode_weights`` setting: the argument, else ``$RAGKV_DECODE_WEIGHTS``, else the default."""
+    from ragkv.model.lowbit import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS
+
+    value = decode_weights or os.environ.get("RAGKV_DECODE_WEIGHTS") or DEFAULT_DECODE_WEIGHTS
+    value = {"fp32": "float32", "q": "gguf"}.get(value, value)
+    if value not in DECODE_WEIGHTS + QUANTIZED_DECODE:
+        raise ValueError(f"unknown decode_weights {value!r}; use one of {DECODE_WEIGHTS + QUANTIZED_DECODE}")
+    return value
+
+
+def use_decode_weights(model: Model, folder: str | os.PathLike, decode_weights: str | None = None) -> str:
+    """Set ``model``'s decode weights (:meth:`Model.set_decode_weights`) from checkpoint ``folder``:
+    with ``"gguf"`` or ``"auto"``, the low-bit blocks of the GGUF file it was converted from, when
+    that file is still there and the kernel builds; float32 otherwise (``"gguf"`` asked where it
+    cannot run logs a warning; the model's ``decode_weights_note`` says why). Returns what runs."""
+    from ragkv.model import lowbit_kernel
+    from ragkv.model.gguf import gguf_source
+
+    want = resolve_decode_weights(decode_weights)
+    if want == "float32":
+        return model.set_decode_weights(None)
+    if want in QUANTIZED_DECODE:
+        if lowbit_kernel.kernel() is None:
+            note = f"the low-bit kernel is unavailable ({lowbit_kernel.kernel_error()})"
+            log.warning("decode_weights=%r cannot run: %s; decode uses float32 weights", want, note)
+            return model.set_decode_weights(None, note=note)
+        return model.set_decode_weights(quantized_decode_weights(model, want.upper()), label=want)
+    src = gguf_source(folder)
+    if src is None:
+        note = "the checkpoint is not a GGUF file (or its GGUF file moved)"
+    elif model.device.type != "cpu":
+        note = f"the low-bit kernel runs on the CPU; the model is on {model.device}"
+    elif lowbit_kernel.kernel() is None:
+        note = f"the low-bit kernel is unavailable ({lowbit_kernel.kernel_error()})"
+    else:
+        return model.set_decode_weights(cached_lowbit_weights(folder, src))
+    if want == "gguf":
+        log.warning("decode_weights='gguf' cannot run: %s; decode uses float32 weights", note)
+    return model.set_decode_weights(None, note=note)
+
+
+def quantized_decode_weights(model: Model, qtype: str = "Q8_0") -> dict:
+    """``model``'s linear weights and LM head quantized into GGUF ``qtype`` blocks (Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0; by the ``gguf`` library) in the kernel's formats: weight-only low-bit decode for a
+    checkpoint with no GGUF file (``decode_weights="q8_0"`` ...). Unlike ``"gguf"`` this changes the
+    weights decode runs on (prefill keeps the checkpoint's); a weight whose rows are not a whole
+    number of 32-value blocks is left out (it stays float32)."""
+    from ragkv.model.lowbit import pack_gguf_tensor, quantize_to_gguf
+
+    out = {}
+    for name, w in hf_state_dict(model).items():
+        if w.dim() != 2 or w.shape[1] % 32 or "norm" in name:
+            continue
+        out[name] = pack_gguf_tensor(quantize_to_gguf(w, qtype), qtype, int(w.shape[1]), source=qtype)
+    return out
+
+
+def cached_lowbit_weights(folder: str | os.PathLike, src: Path) -> dict:
+    """The GGUF file's blocks in the kernel's formats (:func:`ragkv.model.lowbit.gguf_lowbit_weights`), kept
+    beside the converted checkpoint (``<folder>/lowbit/``, not a ``*.safetensors`` of the folder, so
+    the model's fingerprint is unchanged) and read from there on later loads."""
+    from safetensors.torch import load_file, save_file
+
+    from ragkv.model.lowbit import PACK_VERSION, LowBitTensor, gguf_lowbit_weights
+
+    path = Path(folder) / "lowbit" / f"v{PACK_VERSION}.safetensors"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as sf:
+            meta = json.loads(sf.metadata()["tensors"])
+        packed = load_file(str(path))
+        return {n: LowBitTensor(m["fmt"], packed[n], m["n"], m["k"], m["source"]) for n, m in meta.items()}
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError):
+        pass
+    out = gguf_lowbit_weights(src)
+    meta = {n: {"fmt": t.fmt, "n": t.n, "k": t.k, "source": t.source} for n, t in out.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({n: t.packed for n, t in out.items()}, str(tmp), metadata={"tensors": json.dumps(meta)})
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache only costs repacking on the next load
+        log.info("could not keep the repacked decode weights in %s: %s", path.parent, e)
+    return out
 
 
 def random_hf_config(model_type: str = "llama", **overrides):

@@ -24,6 +24,7 @@ from ragkv.blend.locate import Located, split_at_chunks
 from ragkv.blend.plan import BlendPlan
 from ragkv.blend.spans import check_cancelled
 from ragkv.generate import SamplingParams, TokenEvent, collect, stream
+from ragkv.model.forward import decode_weights_of
 
 
 class OptionNotServedError(ValueError):
@@ -146,6 +147,7 @@ class ThreadGenerator:
             stats.update(kv_hits=items.hits, kv_misses=misses, kv_saved=saved)
             stats["num_chunks"] = len(job.chunks)  # text between chunks is not a chunk
         stats["kv_recomputed_bad"] = bad
+        stats["decode_weights"] = decode_weights_of(rag.model)
         if job.plan.point is not None:
             stats["fidelity"] = job.plan.stats()
         if job.decision is not None:
@@ -206,6 +208,7 @@ class EngineGenerator:
         out = handle.request.output()
         m = out.metrics
         stats = {**out.prefill_stats, "finish_reason": out.finish_reason}
+        stats["decode_weights"] = decode_weights_of(self.engine.model)
         if plan.point is not None:
             stats["fidelity"] = plan.stats()
         if reuse:
