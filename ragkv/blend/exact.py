@@ -18,17 +18,6 @@ from ragkv.blend.kvtree import KVTree, TreeMatch
 from ragkv.model.forward import exact_forward
 
 
-def unrotate_rows(model, k: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Pre-RoPE K of post-RoPE rows ``[L, n, Hkv, D]`` at positions ``start ..``, for a blend's source
-    (which rotates stored rows itself): the inverse rotation, exact up to float rounding."""
-    pos = torch.arange(start, start + k.shape[1], device=k.device)
-    cos, sin = model.rope_tables(pos)
-    half = k.shape[-1] // 2
-    rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-    # the rotation may carry an attention scale (YaRN): cos^2 + sin^2 is then its square
-    return (k * cos - rotated * sin) / (cos * cos + sin * sin)
-
-
 def exact_prefill(
     model,
     ids: Sequence[int],

@@ -190,10 +190,19 @@ class TreeMatch:
 
     def piece(self, model) -> PrefixSegment | None:
         """The matched rows as one KV piece of a blend's source (pre-RoPE K: the source rotates it)."""
-        from ragkv.blend.exact import unrotate_rows
-
         kv = self.kv()
         return PrefixSegment(unrotate_rows(model, kv[0]), kv[1]) if kv is not None else None
+
+
+def unrotate_rows(model, k: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Pre-RoPE K of post-RoPE rows ``[L, n, Hkv, D]`` at positions ``start ..``, for a blend's source
+    (which rotates stored rows itself): the inverse rotation, exact up to float rounding."""
+    pos = torch.arange(start, start + k.shape[1], device=k.device)
+    cos, sin = model.rope_tables(pos)
+    half = k.shape[-1] // 2
+    rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
+    # the rotation may carry an attention scale (YaRN): cos^2 + sin^2 is then its square
+    return (k * cos - rotated * sin) / (cos * cos + sin * sin)
 
 
 def tree_store(store):
