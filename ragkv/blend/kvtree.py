@@ -567,19 +567,25 @@ class KVTree:
             self.release(m)
 
     def _enqueue(self, item, wait: bool = False) -> None:
-        with self._lock:
-            if self._writer is None or not self._writer.is_alive():
-                self._queue = queue.Queue(self._write_queue)
-                self._writer = threading.Thread(
-                    target=self._write_loop, args=(self._queue,), name="ragkv-kvtree-writer", daemon=True
-                )
-                self._writer.start()
-            q = self._queue
-        try:
-            q.put(item, timeout=60.0) if wait else q.put_nowait(item)
-        except queue.Full:
+        """Queue a page for the writer (started on demand). Under the lock, so the writer cannot decide
+        to stop between the check and the put; a full queue skips the page, or waits with ``wait``."""
+        deadline = time.monotonic() + 60.0
+        while True:
             with self._lock:
-                self._persisted.pop(item[1], None)
+                if self._writer is None or not self._writer.is_alive():
+                    self._queue = queue.Queue(self._write_queue)
+                    self._writer = threading.Thread(
+                        target=self._write_loop, args=(self._queue,), name="ragkv-kvtree-writer", daemon=True
+                    )
+                    self._writer.start()
+                try:
+                    self._queue.put_nowait(item)
+                    return
+                except queue.Full:
+                    if not wait or time.monotonic() > deadline:
+                        self._persisted.pop(item[1], None)
+                        return
+            time.sleep(0.01)
 
     def _write_loop(self, q: queue.Queue) -> None:
         from ragkv.kv.chunk import ChunkKV
@@ -595,7 +601,11 @@ class KVTree:
             try:
                 item = q.get(timeout=30.0)
             except queue.Empty:
-                return
+                with self._lock:  # idle: stop, unless a page arrived meanwhile (queued under this lock)
+                    if q.empty():
+                        self._writer = None
+                        return
+                continue
             fp, key, toks, start, k, v = item
             try:
                 ch = ChunkKV(
