@@ -119,8 +119,8 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def dequantized_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the GGUF file, dequantized to float32 under its Hugging Face name."""
+def open_reader(path: Path):
+    """``(reader, architecture, query heads, KV heads)`` of a GGUF file ragkv can run (else GGUFError)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -128,7 +128,14 @@ def dequantized_weights(path: Path) -> dict[str, torch.Tensor]:
     if arch not in GGUF_ARCHITECTURES:
         raise GGUFError(f"GGUF architecture {arch!r} is not supported; ragkv converts {GGUF_ARCHITECTURES}")
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    return reader, arch, n_head, int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+
+
+def dequantized_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the GGUF file, dequantized to float32 under its Hugging Face name."""
+    import gguf
+
+    reader, arch, n_head, n_kv = open_reader(path)
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         a = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)  # owned, writable

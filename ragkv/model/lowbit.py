@@ -304,17 +304,10 @@ def gguf_lowbit_weights(path: str | os.PathLike) -> dict:
     """The GGUF file's 2-D low-bit tensors in the decode kernel's formats, by Hugging Face name
     (:func:`ragkv.model.lowbit.pack_gguf_tensor`; rows in the order :func:`dequantized_weights` gives
     them, llama's q/k un-permuted). Tensors of a type without a kernel format are left out."""
-    import gguf
-
-    from ragkv.model.gguf import GGUF_ARCHITECTURES, GGUFError, _field, _hf_name, _unpermute
+    from ragkv.model.gguf import _hf_name, _unpermute, open_reader
 
     path = Path(path)
-    reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported; ragkv converts {GGUF_ARCHITECTURES}")
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    reader, arch, n_head, n_kv = open_reader(path)
     out = {}
     for t in reader.tensors:
         if len(t.shape) != 2 or not t.name.endswith(".weight"):
