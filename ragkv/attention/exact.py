@@ -84,17 +84,22 @@ def exact_attention(
         if t == 0:
             out[lo - first : hi - first] = o2
             continue
-        # 1. every whole tile before: heads grouped by KV head (no copy of K/V), rows padded
+        # 1. every whole tile before: each KV head's query heads stacked row-wise (no copy of K/V), the
+        # stacked rows padded to a multiple of ROW_MULTIPLE (the GEMM's M), not each head's rows
         rp = -(-r // ROW_MULTIPLE) * ROW_MULTIPLE
-        qg = _pad_rows(rows, rp).view(rp, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * rp, d)
-        o1, lse1 = _flash_lse(qg, k[:t0].transpose(0, 1)[None], v[:t0].transpose(0, 1)[None], scale, False)
-        o1 = o1[0].view(hkv, g, rp, d).permute(2, 0, 1, 3).reshape(rp, hq, d).float()
-        lse1 = lse1[0].view(hkv, g, rp).permute(2, 0, 1).reshape(rp, hq)
-        # the merge runs on the padded rows: a vectorized exp's scalar tail would otherwise fall on
-        # other rows in another pass (and give other bits)
+        gr = g * r
+        qg = rows.reshape(r, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, gr, d)
+        qg = _pad_rows(qg.transpose(0, 1), -(-gr // ROW_MULTIPLE) * ROW_MULTIPLE).transpose(0, 1).contiguous()
+        o1, lse1 = _flash_lse(
+            qg[None], k[:t0].transpose(0, 1)[None], v[:t0].transpose(0, 1)[None], scale, False
+        )
+        o1 = o1[0, :, :gr].reshape(hkv, g, r, d).permute(2, 0, 1, 3).reshape(r, hq, d).float()
+        lse1 = _pad_rows(lse1[0, :, :gr].reshape(hkv, g, r).permute(2, 0, 1).reshape(r, hq), rp)
+        # the merge runs on rows padded to a multiple of ROW_MULTIPLE: a vectorized exp's scalar tail
+        # would otherwise fall on other rows in another pass (and give other bits)
         lse2 = _pad_rows(lse2[0, :, lo - t0 : hi - t0].transpose(0, 1), rp)  # [rp, Hq]
         lse = torch.logaddexp(lse1, lse2)
         w1 = torch.exp(lse1 - lse)[:r, :, None]
         w2 = torch.exp(lse2 - lse)[:r, :, None]
-        out[lo - first : hi - first] = w1 * o1[:r] + w2 * o2
+        out[lo - first : hi - first] = w1 * o1 + w2 * o2
     return out.to(q.dtype)

@@ -8,6 +8,8 @@ modes are measured against.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -16,6 +18,51 @@ import torch
 from ragkv.blend.core import PrefillResult, PromptKV
 from ragkv.blend.kvtree import KVTree, TreeMatch
 from ragkv.model.forward import exact_forward
+
+log = logging.getLogger(__name__)
+
+#: split points the self-check compares against one whole pass: inside the first tile, across a tile
+#: boundary, short and long tails (the tile is 128 keys; passes of under 16 rows are padded)
+CHECK_SPLITS = (5, 17, 130, 283)
+_CHECKED: dict[tuple, bool] = {}
+_CHECK_LOCK = threading.Lock()
+
+
+def exactness_check(model) -> bool:
+    """Whether exact passes are split-invariant for ``model`` on this machine: a 300-token prompt
+    computed whole and after cached heads of several lengths must give the same logits and K/V bits.
+    Split invariance rests on measured properties of this CPU's kernels (ragkv/attention/exact.py); a
+    machine where they do not hold gets full prefill on every request (the tree is bypassed, with a
+    warning) instead of reuse that is not exact. Once per model and thread count per process (~0.3 s)."""
+    memo = (id(model), getattr(model, "fingerprint", ""), torch.get_num_threads())
+    with _CHECK_LOCK:
+        ok = _CHECKED.get(memo)
+        if ok is None:
+            ok = _CHECKED[memo] = _split_invariant(model)
+            if not ok:
+                log.warning(
+                    "exact passes are not split-invariant on this machine (%s, %d threads): the KV tree "
+                    "is bypassed and every prompt is prefilled whole",
+                    torch.backends.cpu.get_cpu_capability(),
+                    torch.get_num_threads(),
+                )
+    return ok
+
+
+def _split_invariant(model) -> bool:
+    g = torch.Generator().manual_seed(52)
+    n = min(300, model.config.max_position)
+    ids = torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
+    with torch.inference_mode():
+        whole = exact_forward(model, ids)
+        for split in (s for s in CHECK_SPLITS if s < n - 1):
+            head = exact_forward(model, ids[:split])
+            if not (torch.equal(head.k, whole.k[:, :split]) and torch.equal(head.v, whole.v[:, :split])):
+                return False
+            rest = exact_forward(model, ids, [(head.k, head.v)])
+            if not (torch.equal(rest.logits, whole.logits) and torch.equal(rest.k, whole.k)):
+                return False
+    return True
 
 
 def exact_prefill(
@@ -41,6 +88,8 @@ def exact_prefill(
     if n == 0:
         raise ValueError("empty prompt: no prefix, chunks or question")
     model.check_length(n)
+    if tree is not None and not exactness_check(model):
+        tree = None  # reuse would not be exact here: full prefill, nothing reused or inserted
     limit = n - 1  # the last row is always computed: its hidden state gives the first logits
     if probe_rows is not None and probe_rows.numel():
         limit = min(limit, int(probe_rows.min()))

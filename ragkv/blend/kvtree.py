@@ -39,7 +39,7 @@ log = logging.getLogger("ragkv.blend.kvtree")
 #: tokens of a store page (the unit written to and read from the store tier)
 PAGE_TOKENS = 32
 #: bump when the exact computation changes (tile sizes, padding): older pages then never match
-EXACT_VERSION = 1
+EXACT_VERSION = 2
 POLICIES = ("pgdsf", "lru")
 
 

@@ -304,6 +304,31 @@ def chunk_kv_rows(
 #: fewer rows sum in another order on this CPU (measured: 1-3, 5-7 and 9-11 rows differ from the same
 #: rows inside a taller product), which would make a short pass's KV differ from full prefill's
 EXACT_MIN_ROWS = 16
+#: the unit of a thread's share of an elementwise op: PyTorch splits an op of ``numel`` elements
+#: into one contiguous chunk per thread, and each chunk ends in a scalar loop where it is not a whole
+#: number of vectors; a scalar exp/silu gives other bits than the vector one, so a row whose elements
+#: straddle a chunk end in one pass and not in another differs (measured: stories260k's 172-wide MLP
+#: at 2 threads). Every pass's row count is a multiple of :func:`exact_row_multiple`.
+EXACT_CHUNK_ELEMENTS = 64
+
+
+def exact_row_multiple(model: LayerModel, threads: int | None = None) -> int:
+    """The smallest row count ``R`` (a power of two, at most 64) such that every activation width of
+    ``model`` times ``R`` splits into whole :data:`EXACT_CHUNK_ELEMENTS` blocks per thread: with passes
+    of a multiple of ``R`` rows no thread's chunk of an elementwise op ends inside a vector. 1 for the
+    default model (its widths are multiples of 64)."""
+    cfg = model.config
+    t = threads or torch.get_num_threads()
+    widths = {
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    }
+    for r in (1, 2, 4, 8, 16, 32):
+        if all((r * w) % (t * EXACT_CHUNK_ELEMENTS) == 0 for w in widths):
+            return r
+    return 64
 
 
 class ExactKV:
@@ -370,8 +395,8 @@ def exact_forward(
     ``(k, v) [L, n_i, Hkv, D]`` runs of the first ``m`` ids, in order, as earlier exact passes computed
     them (copied once, straight into this pass's buffers).
 
-    Passes shorter than :data:`EXACT_MIN_ROWS` are padded with dummy rows after the prompt (causally
-    invisible to it). Sliding-window layers are not split-invariant: callers check
+    Passes shorter than :data:`EXACT_MIN_ROWS`, or not a multiple of :func:`exact_row_multiple` rows, are
+    padded with dummy rows after the prompt (causally invisible to it). Sliding-window layers are not split-invariant: callers check
     :func:`exact_supported` first. ``probe_rows``: computed positions whose attention probabilities
     are kept (diagnostics).
     """
@@ -385,7 +410,8 @@ def exact_forward(
     if hasattr(model, "check_length"):
         model.check_length(n)
     new = n - m
-    pad = max(0, EXACT_MIN_ROWS - new)
+    unit = exact_row_multiple(model)
+    pad = max(EXACT_MIN_ROWS, -(-new // unit) * unit) - new
     run_ids = torch.cat([ids[m:], ids[-1:].repeat(pad)]) if pad else ids[m:]
     total = n + pad
     shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)

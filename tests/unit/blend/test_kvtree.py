@@ -259,3 +259,51 @@ def test_a_match_keeps_its_rows_when_another_request_splits_its_node():
     assert k.shape[1] == 50
     assert torch.equal(v, full.kv.v[:, :50])
     tree.release(mine)
+
+
+def test_a_machine_where_passes_are_not_split_invariant_gets_full_prefill(monkeypatch, caplog):
+    """The per-machine self-check: where a tail pass's attention is not the whole pass's bits (simulated:
+    the attention's result depends on the pass's row count, as a GEMM that changes its order with M
+    would), the tree is bypassed with a warning and every prompt is computed whole."""
+    import ragkv.attention.exact as exact_attn
+    from ragkv.blend import exact as exact_mod
+
+    m = _model(seed=5)
+    assert exact_mod.exactness_check(m)  # this machine: invariant
+    honest = exact_attn.exact_attention
+
+    def order_dependent(q, k, v, first, scale, tile=exact_attn.TILE):
+        return honest(q, k, v, first, scale, tile) * (1 + 1e-6 * (q.shape[0] % 7))
+
+    monkeypatch.setattr(exact_attn, "exact_attention", order_dependent)
+    monkeypatch.setattr(exact_mod, "_CHECKED", {})
+    tree = KVTree()
+    ids = _ids(m, 90)
+    with caplog.at_level("WARNING", logger="ragkv.blend.exact"):
+        exact_prefill(m, ids, tree)
+        again = exact_prefill(m, ids + _ids(m, 20, seed=8), tree)
+    assert "not split-invariant" in caplog.text
+    assert again.stats["cached_tokens"] == 0 and again.stats["computed_tokens"] == 110
+    assert tree.stats()["ram_nodes"] == 0
+
+
+def test_passes_are_split_invariant_with_widths_that_split_threads_inside_a_vector():
+    """stories260k's MLP is 172 wide: at 2 threads an elementwise op's per-thread chunk used to end
+    inside a vector at a row that depended on the pass's length (rows 152-153 after a 5-token head gave
+    other bits). Passes are now a whole number of rows per chunk (``exact_row_multiple``)."""
+    from ragkv.model.forward import exact_row_multiple
+    from tests.helpers import stories_model
+
+    m = stories_model()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert exact_row_multiple(m) == 32  # 172 * 32 = 43 whole 128-element blocks (2 threads x 64)
+        ids = _ids(m, 300, seed=52)
+        whole = exact_forward(m, ids)
+        for split in (5, 17, 130):
+            head = exact_forward(m, ids[:split])
+            rest = exact_forward(m, ids, [(head.k, head.v)])
+            assert torch.equal(rest.logits, whole.logits) and torch.equal(rest.k, whole.k), split
+    finally:
+        torch.set_num_threads(before)
