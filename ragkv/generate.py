@@ -326,7 +326,7 @@ def stream(
     params = params or SamplingParams()
     n_prompt = result.kv.num_tokens
     model.check_length(n_prompt, params.max_new_tokens)
-    if cache is None:
+    if cache is None and attention not in ("fp16", "dense"):  # built (and its options checked) up front
         cache = make_cache(model, attention, capacity=n_prompt + params.max_new_tokens + 1, **hack_options)
         load_prompt(cache, result)
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -348,6 +348,11 @@ def stream(
                 except Exception as e:  # noqa: BLE001 - a cache that fails never fails the answer
                     log.warning("could not commit the answer's KV: %s", e)
             return
+        if cache is None:  # the dense cache is filled after the first token is out (it needs only logits)
+            cache = make_cache(
+                model, attention, capacity=n_prompt + params.max_new_tokens + 1, **hack_options
+            )
+            load_prompt(cache, result)
         logits = decode_step(model, cache, ev.token_id, n_prompt + ev.index)
 
 

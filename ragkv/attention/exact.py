@@ -16,8 +16,8 @@ depend on ``t`` alone:
    outputs are dropped; keys past the prompt are zero and masked by causality).
 
 The two partial results are merged by their log-sum-exp, elementwise. What remains shape-dependent is the
-number of query rows in a kernel call (the GEMM's M): row blocks are padded to a multiple of
-:data:`ROW_MULTIPLE` so that every GEMM has M >= 32, where this CPU's GEMMs are row-invariant
+number of query rows in a kernel call (the GEMM's M): the query heads of a KV head are stacked as rows
+and padded to a multiple of :data:`QUERY_ROW_MULTIPLE`, where this CPU's GEMMs are row-invariant
 (measured; the model's self-check, :func:`ragkv.blend.exact.exactness_check`, verifies it per machine).
 """
 
@@ -28,8 +28,12 @@ import torch
 #: keys per tile (a row's reduction order is fixed by its tile); 128 keeps the diagonal square's
 #: wasted work small for short tail passes and the number of kernel calls low for long prompts
 TILE = 128
-#: query rows of a kernel call are padded to a multiple of this (GEMMs with few rows change their order)
+#: rows of the elementwise merge are padded to a multiple of this (a vectorized exp's scalar tail)
 ROW_MULTIPLE = 32
+#: stacked query rows of the kernel call over whole tiles are padded to a multiple of this: GEMMs whose
+#: row count is not a multiple of 8 sum in another order on this CPU (1-3, 5-7, 9-11 rows measured);
+#: 16 keeps a margin (8 also held in the split-invariance test over every tail of 1-40 rows)
+QUERY_ROW_MULTIPLE = 16
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -85,11 +89,15 @@ def exact_attention(
             out[lo - first : hi - first] = o2
             continue
         # 1. every whole tile before: each KV head's query heads stacked row-wise (no copy of K/V), the
-        # stacked rows padded to a multiple of ROW_MULTIPLE (the GEMM's M), not each head's rows
+        # stacked rows padded to a multiple of QUERY_ROW_MULTIPLE (the GEMM's M), not each head's rows
         rp = -(-r // ROW_MULTIPLE) * ROW_MULTIPLE
         gr = g * r
         qg = rows.reshape(r, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, gr, d)
-        qg = _pad_rows(qg.transpose(0, 1), -(-gr // ROW_MULTIPLE) * ROW_MULTIPLE).transpose(0, 1).contiguous()
+        qg = (
+            _pad_rows(qg.transpose(0, 1), -(-gr // QUERY_ROW_MULTIPLE) * QUERY_ROW_MULTIPLE)
+            .transpose(0, 1)
+            .contiguous()
+        )
         o1, lse1 = _flash_lse(
             qg[None], k[:t0].transpose(0, 1)[None], v[:t0].transpose(0, 1)[None], scale, False
         )

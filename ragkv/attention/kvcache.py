@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ragkv.attention.buffers import KV_BUFFERS
 from ragkv.attention.dense import ContextTemper, attention, explicit_attention, layer_windows
 
 
@@ -69,8 +70,9 @@ class DenseKVCache(KVCache):
         self.scale = scale
         #: per layer: its sliding window (None: full causal)
         self.windows = layer_windows(sliding_window, num_layers)
-        self._k = torch.empty(num_layers, capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self._v = torch.empty_like(self._k)
+        shape = (num_layers, capacity, num_kv_heads, head_dim)
+        self._k = KV_BUFFERS.empty(shape, dtype, device)  # reused memory (ragkv/attention/buffers.py)
+        self._v = KV_BUFFERS.empty(shape, dtype, device)
         self._pos = torch.empty(num_layers, capacity, dtype=torch.long, device=device)
         self._len = [0] * num_layers
         #: APE tempering of the attention to a blended prompt's reused rows (set by ``load_prompt``)
@@ -87,7 +89,7 @@ class DenseKVCache(KVCache):
         new = max(need, 2 * cap)
         for name in ("_k", "_v", "_pos"):
             old = getattr(self, name)
-            t = torch.empty((old.shape[0], new, *old.shape[2:]), dtype=old.dtype, device=old.device)
+            t = KV_BUFFERS.empty((old.shape[0], new, *old.shape[2:]), old.dtype, old.device)
             t[:, :cap] = old
             setattr(self, name, t)
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ragkv.attention.buffers import KV_BUFFERS
 from ragkv.attention.dense import attention
 
 
@@ -415,8 +416,8 @@ def exact_forward(
     run_ids = torch.cat([ids[m:], ids[-1:].repeat(pad)]) if pad else ids[m:]
     total = n + pad
     shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
-    k = torch.empty(shape, dtype=model.dtype, device=dev)
-    v = torch.empty(shape, dtype=model.dtype, device=dev)
+    k = KV_BUFFERS.empty(shape, model.dtype, dev)  # reused memory: no page faults per turn
+    v = KV_BUFFERS.empty(shape, model.dtype, dev)
     at = 0
     for ck, cv in cached:
         k[:, at : at + ck.shape[1]] = ck

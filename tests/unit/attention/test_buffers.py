@@ -1,0 +1,65 @@
+"""The K/V buffer pool (ragkv/attention/buffers.py): a buffer is handed out again only when nothing
+views it, and the next pass's copy lands on pages already mapped."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from ragkv.attention.buffers import ROW_QUANTUM, BufferPool
+
+SHAPE = (30, 1000, 3, 64)  # 23 MB of float32: pooled
+
+
+def test_a_buffer_comes_back_only_when_no_view_of_it_is_alive():
+    pool = BufferPool()
+    a = pool.empty(SHAPE, torch.float32)
+    kept = a[:, :10]  # e.g. a tree node or a PromptKV still viewing the pass's rows
+    a.fill_(7.0)
+    del a
+    b = pool.empty(SHAPE, torch.float32)
+    assert (pool.allocated, pool.reused) == (2, 0)  # the first one is still in use
+    assert torch.equal(kept, torch.full_like(kept, 7.0))
+    b.fill_(1.0)
+    assert torch.equal(kept, torch.full_like(kept, 7.0))  # b is other memory
+    del kept
+    c = pool.empty((30, 1010, 3, 64), torch.float32)  # a prompt one turn longer fits the same buffer
+    assert (pool.allocated, pool.reused) == (2, 1) and c.shape == (30, 1010, 3, 64)
+
+
+def test_rows_are_rounded_up_and_other_shapes_get_their_own_buffer():
+    pool = BufferPool()
+    a = pool.empty(SHAPE, torch.float32)
+    assert a.untyped_storage().nbytes() == 30 * ROW_QUANTUM * 2 * 3 * 64 * 4
+    del a
+    pool.empty((30, 1000, 4, 64), torch.float32)  # another head count
+    pool.empty(SHAPE, torch.bfloat16)  # another dtype
+    assert (pool.allocated, pool.reused) == (3, 0)
+    small = pool.empty((2, 10, 3, 64), torch.float32)  # small buffers are not pooled
+    assert pool.allocated == 3 and small.shape == (2, 10, 3, 64)
+
+
+def test_free_buffers_beyond_the_budget_are_dropped():
+    pool = BufferPool(max_bytes=60 << 20)
+    held = [pool.empty(SHAPE, torch.float32) for _ in range(2)]  # 2 x 24.6 MB, both in use
+    del held
+    third = pool.empty((30, 1600, 3, 64), torch.float32)  # does not fit a free one: a new buffer
+    assert pool.allocated == 3 and pool.nbytes() <= 60 << 20  # free ones dropped to the budget
+    del third
+    pool.clear()
+    assert pool.nbytes() == 0
+
+
+def test_the_next_pass_writes_into_pages_already_mapped():
+    pool = BufferPool()
+
+    def faults_of_a_pass() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        buf = pool.empty((30, 2450, 3, 64), torch.float32)  # a 2,450-token prompt's K (56 MB)
+        buf.fill_(1.0)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    first = faults_of_a_pass()
+    assert first > 5_000  # fresh pages
+    assert max(faults_of_a_pass() for _ in range(3)) < 200  # the same pages again
