@@ -63,7 +63,7 @@ class BufferPool:
             ]
             if fits:
                 buf = min(fits, key=lambda b: b.shape[1])
-                self._bufs.remove(buf)
+                self._drop(buf)
                 self._bufs.append(buf)  # most recently used last
                 self.reused += 1
                 return buf[:, :rows]
@@ -80,8 +80,12 @@ class BufferPool:
             if total <= self.max_bytes:
                 break
             if self._free(b):
-                self._bufs.remove(b)
+                self._drop(b)
                 total -= b.numel() * b.element_size()
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        # by identity: list.remove would compare tensors elementwise
+        self._bufs = [b for b in self._bufs if b is not buf]
 
     def nbytes(self) -> int:
         """Bytes held by the pool (buffers in use and free)."""

@@ -63,3 +63,17 @@ def test_the_next_pass_writes_into_pages_already_mapped():
     first = faults_of_a_pass()
     assert first > 5_000  # fresh pages
     assert max(faults_of_a_pass() for _ in range(3)) < 200  # the same pages again
+
+
+def test_a_free_buffer_behind_others_in_the_pool_is_found():
+    """Regression: picking a free buffer that is not the pool's first one (list.remove compared tensors)."""
+    pool = BufferPool()
+    busy = pool.empty(SHAPE, torch.float32)
+    other = pool.empty((30, 2000, 3, 64), torch.float32)
+    del other
+    again = pool.empty((30, 1500, 3, 64), torch.float32)
+    assert pool.reused == 1 and busy.shape == SHAPE and again.shape == (30, 1500, 3, 64)
+    del busy, again
+    for _ in range(3):
+        pool.empty(SHAPE, torch.float32)
+    assert pool.reused == 4 and pool.allocated == 2
