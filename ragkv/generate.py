@@ -342,7 +342,7 @@ def stream(
             generated.append(ev.token_id)
         yield ev
         if reason is not None:
-            if result.on_finish is not None and generated:
+            if result.on_finish is not None:
                 try:  # the answer is whole (and sent): its KV goes to the KV tree for the next turn
                     result.on_finish(generated)
                 except Exception as e:  # noqa: BLE001 - a cache that fails never fails the answer

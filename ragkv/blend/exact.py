@@ -81,7 +81,8 @@ def exact_prefill(
     reused), ``computed_tokens``, ``tree_depth`` (nodes matched), ``store_tokens`` (of them, read from the
     store tier), and the row counts every mode reports. ``wait``: block until the new pages are queued
     for the store (ingest) instead of dropping them when the writer is behind (requests).
-    ``commit_answer``: the result's ``on_finish`` commits the generated answer's KV (:func:`commit`)."""
+    ``commit_answer``: the result's ``on_finish`` commits the generated answer's KV (:func:`commit`);
+    it first waits (``tree.persist_wait_s`` at most) for the prompt's pages to reach the store."""
     t0 = time.perf_counter()
     ids = [int(t) for t in ids]
     n = len(ids)
@@ -99,10 +100,11 @@ def exact_prefill(
         t_pass = time.perf_counter()
         ep = exact_forward(model, ids, match.parts if m else (), probe_rows=probe_rows)
         seconds = time.perf_counter() - t_pass
+        queued: list[str] = []
         if tree is not None:
             tree.cost.observe(n - m, m, seconds)
             if insert:
-                tree.insert(model, ids, m, ep.k[:, m:], ep.v[:, m:], boundaries, wait=wait)
+                queued = tree.insert(model, ids, m, ep.k[:, m:], ep.v[:, m:], boundaries, wait=wait)
     finally:
         if match is not None:
             tree.release(match)
@@ -127,8 +129,15 @@ def exact_prefill(
     dev = model.device
     kv = PromptKV(ep.k, ep.v, torch.arange(n, device=dev), torch.tensor(ids, dtype=torch.long, device=dev))
     res = PrefillResult(ep.logits, kv, stats, ep.probes, None)
-    if tree is not None and insert and commit_answer and tree.commit_answers:
-        res.on_finish = lambda out: commit(model, tree, ids, out)
+    commits = tree is not None and insert and commit_answer and tree.commit_answers
+    if queued or commits:
+
+        def finish(answer: list[int]) -> None:
+            tree.wait_persisted(queued)  # the prompt's pages in the store before the request ends
+            if commits:
+                commit(model, tree, ids, answer)
+
+        res.on_finish = finish
     return res
 
 

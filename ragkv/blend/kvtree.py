@@ -229,6 +229,7 @@ class KVTree:
         page_tokens: int = PAGE_TOKENS,
         write_queue: int = 256,
         commit_answers: bool = True,
+        persist_wait_s: float = 2.0,
     ):
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; use one of {POLICIES}")
@@ -241,6 +242,9 @@ class KVTree:
         #: commit each finished answer's KV (an exact pass over prompt + answer after the answer is sent:
         #: the next chat turn then computes only what it adds; a single-shot workload pays that pass)
         self.commit_answers = commit_answers
+        #: at a request's end, how long it waits for its prompt's pages to reach the store (0: never),
+        #: so that another process on the store, or this one after a restart, finds them
+        self.persist_wait_s = float(persist_wait_s)
         self.cost = RecomputeCost()
         self._roots: dict[str, TreeNode] = {}
         self._lock = threading.RLock()
@@ -249,6 +253,8 @@ class KVTree:
         self._tick = 0
         self._persisted: dict[str, None] = {}  # page keys known to be in the store (bounded, insertion order)
         self._queue: queue.Queue | None = None
+        self._pending: set[str] = set()  # page keys queued and not yet written (or failed)
+        self._written = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         self._write_queue = write_queue
         self.counters = dict.fromkeys(
@@ -335,16 +341,17 @@ class KVTree:
         boundaries: Sequence[int] = (),
         persist: bool = True,
         wait: bool = False,
-    ) -> None:
+    ) -> list[str]:
         """Add the rows ``[first, len(ids))`` of an exact pass over ``ids`` (post-RoPE ``k_new``, ``v_new``
         ``[L, len(ids) - first, Hkv, D]``) after the prefix ``ids[:first]``, which must still be in the
         tree (the caller's match keeps it pinned). ``boundaries``: absolute positions where a node must
         end (chunk and message ends). Then evicts down to the budget and queues the new full pages for
-        the store (``wait``: blocking while the writer's queue is full, else such pages are skipped)."""
+        the store (``wait``: blocking while the writer's queue is full, else such pages are skipped).
+        Returns the keys of the pages queued (:meth:`wait_persisted` waits for them)."""
         ids = [int(t) for t in ids]
         n = len(ids)
         if first >= n:
-            return
+            return []
         root = tree_root(model)
         with self._lock:
             rootnode = self._roots.get(root)
@@ -353,9 +360,9 @@ class KVTree:
             node, pos = self._descend(rootnode, ids, first)
             if pos < first:
                 log.debug("kv tree: prefix of %d tokens gone before insert (%d left)", first, pos)
-                return
+                return []
             if pos >= n:  # another request inserted the same rows meanwhile
-                return
+                return []
             cuts = sorted({b for b in boundaries if pos < b < n} | {n})
             start = pos
             for cut in cuts:
@@ -369,7 +376,8 @@ class KVTree:
                 node, start = child, cut
             self._evict()
         if persist and self.store is not None:
-            self._queue_pages(model, root, ids, wait)
+            return self._queue_pages(model, root, ids, wait)
+        return []
 
     def _descend(self, rootnode: TreeNode, ids: list[int], first: int) -> tuple[TreeNode, int]:
         """``(node, pos)``: the deepest node whose tokens ``ids`` follow, ``pos`` tokens matched (rows
@@ -536,18 +544,20 @@ class KVTree:
             while len(self._persisted) > 65536:
                 self._persisted.pop(next(iter(self._persisted)))
 
-    def _queue_pages(self, model, root: str, ids: list[int], wait: bool = False) -> None:
-        """Queue the full pages of ``ids`` not yet known to be in the store (their rows read from RAM now)."""
+    def _queue_pages(self, model, root: str, ids: list[int], wait: bool = False) -> list[str]:
+        """Queue the full pages of ``ids`` not yet known to be in the store (their rows read from RAM now);
+        the keys queued."""
         P = self.page_tokens
         keys = page_keys(root, ids, P)
         todo = [i for i, (_, key) in enumerate(keys) if key not in self._persisted]
+        queued: list[str] = []
         if not todo:
-            return
+            return queued
         m = self._match_ram(root, ids, len(keys) * P, touch=False)
         try:
             kv = m.kv()
             if kv is None:
-                return
+                return queued
             k, v = kv
             for i in todo:
                 if (i + 1) * P > m.tokens:
@@ -562,13 +572,16 @@ class KVTree:
                     k[:, i * P : (i + 1) * P].clone(),
                     v[:, i * P : (i + 1) * P].clone(),
                 )
-                self._enqueue(item, wait)
+                if self._enqueue(item, wait):
+                    queued.append(key)
         finally:
             self.release(m)
+        return queued
 
-    def _enqueue(self, item, wait: bool = False) -> None:
+    def _enqueue(self, item, wait: bool = False) -> bool:
         """Queue a page for the writer (started on demand). Under the lock, so the writer cannot decide
-        to stop between the check and the put; a full queue skips the page, or waits with ``wait``."""
+        to stop between the check and the put; a full queue skips the page (False), or waits with
+        ``wait``."""
         deadline = time.monotonic() + 60.0
         while True:
             with self._lock:
@@ -580,11 +593,12 @@ class KVTree:
                     self._writer.start()
                 try:
                     self._queue.put_nowait(item)
-                    return
+                    self._pending.add(item[1])
+                    return True
                 except queue.Full:
                     if not wait or time.monotonic() > deadline:
                         self._persisted.pop(item[1], None)
-                        return
+                        return False
             time.sleep(0.01)
 
     def _write_loop(self, q: queue.Queue) -> None:
@@ -621,13 +635,30 @@ class KVTree:
             except Exception as e:  # a store that fails must never break answering
                 ok = False
                 log.warning("kv tree: writing page %s failed: %s", key[:16], e)
-            if ok:
-                self._count("store_pages_written")
-            else:
-                self._count("store_errors")
-                with self._lock:
+            with self._lock:
+                self.counters["store_pages_written" if ok else "store_errors"] += 1
+                if not ok:
                     self._persisted.pop(key, None)
+                self._pending.discard(key)
+                self._written.notify_all()
             q.task_done()
+
+    def wait_persisted(self, keys: Sequence[str], timeout: float | None = None) -> bool:
+        """Wait until the pages ``keys`` (as :meth:`insert` returned them) are written or failed: True,
+        or False after ``timeout`` (default :attr:`persist_wait_s`). A request calls it as it ends, so a
+        second process on the store finds its prompt; meanwhile the writer has the CPU it waits with."""
+        timeout = self.persist_wait_s if timeout is None else timeout
+        keys = [k for k in keys if k]
+        if not keys or timeout <= 0:
+            return not keys
+        deadline = time.monotonic() + timeout
+        with self._written:
+            while any(k in self._pending for k in keys):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._written.wait(left)
+        return True
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued page is written (True) or ``timeout`` passes (False)."""
