@@ -210,7 +210,10 @@ def test_demo_runs_on_the_tiny_model_and_ends_with_json(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["questions"] == 2 and out["passages"] == 3 and out["speedup"] > 0
-    assert {"model", "f1_full", "f1_blend", "recall_full", "recall_blend", "ttft_full_median_s"} <= set(out)
+    assert {"model", "f1_full", "f1_default", "recall_full", "recall_default", "ttft_full_median_s"} <= set(
+        out
+    )
+    assert out["default_mode"] == "prefix"  # every surface says which mode ran
     # the tiny model has no fidelity report: the demo says so and runs exact, never silently blended
     assert out["fidelity_target"] == "floor" and out["fidelity_point"] == "exact" and out["ratio"] is None
     assert "kv_adapter" in out and out["kv_adapter"] is None  # floor: the adapter is off
