@@ -51,11 +51,13 @@ class BufferPool:
         device = torch.device(device)
         if _use_count is None or nbytes < MIN_POOLED_BYTES or device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
+        inference = torch.is_inference_mode_enabled()
         with self._lock:
             fits = [
                 b
                 for b in self._bufs
-                if b.dtype == dtype
+                if b.is_inference() == inference  # an inference tensor cannot be written outside that mode
+                and b.dtype == dtype
                 and b.shape[0] == L
                 and list(b.shape[2:]) == rest
                 and b.shape[1] >= rows

@@ -77,3 +77,20 @@ def test_a_free_buffer_behind_others_in_the_pool_is_found():
     for _ in range(3):
         pool.empty(SHAPE, torch.float32)
     assert pool.reused == 4 and pool.allocated == 2
+
+
+def test_buffers_made_in_inference_mode_go_only_to_inference_mode():
+    """Regression: a buffer allocated under ``torch.inference_mode`` (an inference tensor) was handed to
+    a pass outside it, whose in-place copy then raised."""
+    pool = BufferPool()
+    with torch.inference_mode():
+        a = pool.empty(SHAPE, torch.float32)
+    del a
+    b = pool.empty(SHAPE, torch.float32)
+    b[:, :2] = 1.0  # writable here
+    assert not b.is_inference() and pool.allocated == 2
+    del b
+    with torch.inference_mode():
+        c = pool.empty(SHAPE, torch.float32)
+        c.fill_(0.0)
+    assert pool.reused == 1
