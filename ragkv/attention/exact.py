@@ -12,8 +12,9 @@ depend on ``t`` alone:
 
 1. the whole tiles before it, keys ``[0, t * tile)``, no mask (the kernel's own key blocks are then a
    function of ``t`` too);
-2. its own tile as a causal square of ``tile`` rows (rows not computed in this pass are zero queries whose
-   outputs are dropped; keys past the prompt are zero and masked by causality).
+2. its own tile as a causal square: all ``tile`` keys, and the query rows from the tile's start to this
+   pass's last row (rows not computed in this pass are zero queries whose outputs are dropped; keys past
+   the prompt are zero and masked by causality).
 
 The two partial results are merged by their log-sum-exp, elementwise. What remains shape-dependent is the
 number of query rows in a kernel call (the GEMM's M): the query heads of a KV head are stacked as rows
@@ -34,6 +35,9 @@ ROW_MULTIPLE = 32
 #: row count is not a multiple of 8 sum in another order on this CPU (1-3, 5-7, 9-11 rows measured);
 #: 16 keeps a margin (8 also held in the split-invariance test over every tail of 1-40 rows)
 QUERY_ROW_MULTIPLE = 16
+#: the causal square's query rows are cut after this pass's last row, to a multiple of this (held in the
+#: split-invariance tests over every head and tail of 1-139 rows, like QUERY_ROW_MULTIPLE)
+SQUARE_ROW_MULTIPLE = 16
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -72,8 +76,11 @@ def exact_attention(
         lo, hi = max(first, t0), min(end, t1)  # this pass's rows in tile t
         rows = q[lo - first : hi - first]  # [r, Hq, D]
         r = hi - lo
-        # 2. the tile's own keys, as a causal square (fixed shape whatever is computed now)
-        sq = rows.new_zeros(tile, hq, d)
+        # 2. the tile's own keys, causally: the square's first rows up to this pass's last one, padded
+        # to whole query blocks (the kernel blocks queries by 32 from the tile's start and the keys,
+        # always the whole tile, in one block: a row's sums do not depend on the rows below it)
+        rq = min(tile, -(-(hi - t0) // SQUARE_ROW_MULTIPLE) * SQUARE_ROW_MULTIPLE)
+        sq = rows.new_zeros(rq, hq, d)
         sq[lo - t0 : hi - t0] = rows
         kt = _pad_rows(k[t0:hi], tile)
         vt = _pad_rows(v[t0:hi], tile)

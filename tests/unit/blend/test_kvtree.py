@@ -33,6 +33,9 @@ def test_exact_attention_rows_do_not_depend_on_the_pass():
     for first in (1, 63, 64, 65, 300, 640, 699):
         part = exact_attention(q[first:], k, v, first, 0.25, tile=64)
         assert torch.equal(part, full[first:]), first
+    for first, end in ((0, 5), (0, 17), (3, 40), (64, 81), (100, 128), (129, 150), (250, 333)):
+        head = exact_attention(q[first:end], k[:end], v[:end], first, 0.25, tile=64)  # a cut causal square
+        assert torch.equal(head, full[first:end]), (first, end)
     # and it is attention: against the plain causal kernel, within float rounding
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
