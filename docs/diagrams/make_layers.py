@@ -41,8 +41,6 @@ DESCRIBE = {
     "__init__": "the public API (import ragkv)",
     "cli": "ragkv demo / ingest / ask / serve / calibrate / eval",
 }
-#: units of tests/project/test_layout.py's RANK that become their own distributions (drawn in the top band)
-EDGE_UNITS = ("integrations", "apps")
 #: the distributions that depend on ragkv: (folder, distribution, what it is)
 DISTRIBUTIONS = (
     ("integrations/langchain", "langchain-ragkv", "LangChain models, retriever, splitter"),
@@ -83,7 +81,7 @@ def draw(ranks: dict[str, float], out: Path = OUT) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-    core = {u: r for u, r in ranks.items() if u not in EDGE_UNITS}
+    core = dict(ranks)
     rows = sorted({r for r in core.values()})
     row_h, gap, width = 0.62, 0.12, 10.0
     top_band = 1.35

@@ -5,8 +5,8 @@ attention <- model <- kv <- store <- blend <- engine <- rag <- integrations <- a
 ``defaults`` sits below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits
 on attention, ``generate`` and ``llm`` between blend and rag. ``remote`` (the kv_transfer_params wire format
 and the HTTP generator), ``frameworks`` (what the framework integrations share) and ``aio`` (the one
-thread-to-async bridge) are the core's because more than one edge uses them. ``integrations`` and ``apps``
-inside ``ragkv`` are deprecated aliases of the distributions. Lazy imports inside functions count too.
+thread-to-async bridge) are the core's because more than one edge uses them. Lazy imports inside functions
+count too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from tests.helpers import PACKAGE_FOLDERS, REPO, source_files
+from tests.helpers import REPO, source_files
 
 #: rank of each ragkv subpackage / top-level module: a module may import only lower ranks
 RANK = {
@@ -47,10 +47,7 @@ RANK = {
     "demo": 8,
     "frameworks": 8.5,  # what the LangChain and LlamaIndex distributions share
     "__init__": 9,
-    "_moved": 9.5,  # the old import paths' aliases
-    "integrations": 10,  # deprecated aliases of the integration distributions
-    "apps": 11,  # deprecated alias of ragkv-server
-    "cli": 12,  # runs the service (ragkv-server, when installed) and a checkout's eval (a child process)
+    "cli": 10,  # runs the service (ragkv-server, when installed) and a checkout's eval (a child process)
 }
 #: what the installed core never imports: a checkout's folders and the distributions built on it
 EDGES = (
@@ -64,9 +61,6 @@ EDGES = (
 )
 #: the card's top level: the core package, its distributions, the checkout's folders
 TOP_LEVEL = {"pyproject.toml", "README.md", "ragkv", "integrations", "apps", "tests", "eval"}
-#: ragkv subpackages with no ``tests/unit/<package>/`` of their own: the deprecated aliases of the distributions
-#: (their old import paths: tests/project/test_moved_imports.py)
-NO_UNIT_TESTS = {"integrations", "apps"}
 #: folders of ``tests/unit/`` that are no ragkv unit: the checkout's evaluation harness (eval/)
 UNIT_TESTS_BEYOND_RAGKV = {"eval"}
 #: each distribution of the repository: folder -> (name, its importable package folder)
@@ -170,9 +164,8 @@ def _scratch(rel: Path) -> bool:
 
 
 def test_the_core_tests_mirror_the_packages():
-    """tests/ mirrors ragkv/ (issue 40): every subpackage of ragkv (a folder with ``__init__.py``; the
-    deprecated aliases aside) has test files in ``tests/unit/<package>/``, every folder of
-    ``tests/unit/`` names a unit of ragkv (a subpackage or top-level module of ``RANK``) or eval,
+    """tests/ mirrors ragkv/ (issue 40): every subpackage of ragkv (a folder with ``__init__.py``) has
+    test files in ``tests/unit/<package>/``, every folder of ``tests/unit/`` names a unit of ragkv (a subpackage or top-level module of ``RANK``) or eval,
     ``tests/e2e/`` and ``tests/project/`` hold tests, no test file sits at ``tests/``'s top level (the
     root conftest.py and the shared helpers do), and every test folder is a package (so basenames may
     repeat). A missing folder fails here, rather than checking nothing."""
@@ -181,13 +174,11 @@ def test_the_core_tests_mirror_the_packages():
     for folder in ("unit", "e2e", "project"):
         source_files(tests / folder)
     packages = sorted(p.parent.name for p in (REPO / "ragkv").glob("*/__init__.py"))
-    assert packages and NO_UNIT_TESTS <= set(packages), packages
-    missing = [
-        p for p in packages if p not in NO_UNIT_TESTS and not any((tests / "unit" / p).glob("test_*.py"))
-    ]
+    assert packages, packages
+    missing = [p for p in packages if not any((tests / "unit" / p).glob("test_*.py"))]
     assert not missing, f"ragkv subpackages with no tests/unit/<package>/test_*.py: {missing}"
     units = {d.name for d in (tests / "unit").iterdir() if d.is_dir() and not _scratch(Path(d.name))}
-    strays = sorted(units - (set(RANK) - NO_UNIT_TESTS) - UNIT_TESTS_BEYOND_RAGKV)
+    strays = sorted(units - set(RANK) - UNIT_TESTS_BEYOND_RAGKV)
     assert not strays, f"tests/unit/ folders that name no ragkv unit: {strays}"
     top = sorted(p.name for p in tests.glob("test_*.py"))
     assert not top, (
@@ -205,17 +196,10 @@ def test_the_edges_use_the_library_not_each_others_internals():
     bad = []
     integrations = ("langchain_ragkv", "llama_index.llms.ragkv", "llama_index.retrievers.ragkv", "ragkv_vllm")
     for f in source_files("eval"):
-        banned = ("ragkv_server.server", "ragkv.integrations", "ragkv.apps")
+        banned = ("ragkv_server.server",)
         if f.name != "standard_paths.py":
             banned += integrations
         bad += [f"{f.relative_to(REPO)} imports {m}" for m in _imports(f) if m.startswith(banned)]
-    for folder in PACKAGE_FOLDERS[1:]:  # a distribution never uses the deprecated aliases
-        for f in source_files(folder):
-            bad += [
-                f"{f.relative_to(REPO)} imports {m}"
-                for m in _imports(f)
-                if m.startswith(("ragkv.integrations", "ragkv.apps"))
-            ]
     assert not bad, "\n".join(bad)
 
 
