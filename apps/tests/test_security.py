@@ -569,7 +569,7 @@ def test_second_writer_on_a_data_dir_fails_clearly(open_server):
 
 @pytest.mark.slow  # a live server and two command-line runs
 def test_ingest_beside_a_running_server_loses_nothing(open_server, tmp_path):
-    """Finding "two processes on one data folder race": ``ragkv ingest`` while ``ragkv serve`` runs
+    """Finding "two processes on one data folder race": ``ragkv-server ingest`` while ``ragkv-server serve`` runs
     deleted the server's in-flight KV, and the server never saw the new documents. Now the command
     stops before touching anything, with a message naming ``--url``; with ``--url`` it ingests through
     the running service, which indexes and stores them; nothing the server held is lost."""
@@ -583,7 +583,7 @@ def test_ingest_beside_a_running_server_loses_nothing(open_server, tmp_path):
     f = tmp_path / "docs.jsonl"
     f.write_text("".join(json.dumps(d) + "\n" for d in docs))
     env = {**os.environ, **LIMITS, "PYTHONPATH": checkout_pythonpath(), "RAGKV_MODEL": str(stories_path())}
-    cli = [sys.executable, "-m", "ragkv.cli", "ingest", str(f), "-q"]
+    cli = [sys.executable, "-m", "ragkv_server.cli", "ingest", str(f), "-q"]
     p = subprocess.run([*cli, "--data-dir", str(data)], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "in use by another ragkv writer" in p.stderr and "--url" in p.stderr, (
         p.stderr
@@ -636,8 +636,8 @@ def test_secrets_are_secret_strings():
 
 
 def test_ingest_through_an_unreachable_service_is_a_clear_error(tmp_path, capsys):
-    """``ragkv ingest --url`` to nothing listening: a one-line error and exit 2, no traceback."""
-    from ragkv.cli import main, upload_documents
+    """``ragkv-server ingest --url`` to nothing listening: a one-line error and exit 2, no traceback."""
+    from ragkv_server.cli import main, upload_documents
 
     with pytest.raises(ValueError, match="cannot reach http://127.0.0.1:1"):
         upload_documents("http://127.0.0.1:1", [{"text": "a"}], None, None)

@@ -39,7 +39,7 @@ DESCRIBE = {
     "rag": "ingest, index, retrieve, answer: one query path",
     "demo": "the demo corpus",
     "__init__": "the public API (import ragkv)",
-    "cli": "ragkv demo / ingest / ask / serve / calibrate / eval",
+    "cli": "ragkv demo / models / calibrate / adapter / eval",
 }
 #: the distributions that depend on ragkv: (folder, distribution, what it is)
 DISTRIBUTIONS = (
@@ -50,7 +50,7 @@ DISTRIBUTIONS = (
         "LlamaIndex LLM, retriever",
     ),
     ("integrations/vllm", "ragkv-vllm", "vLLM plugin: KV connector"),
-    ("apps/", "ragkv-server", "HTTP service (ragkv serve)"),
+    ("apps/", "ragkv-server", "HTTP service, ragkv-server serve / ingest / ask"),
 )
 CHECKOUT = (
     ("eval/", "evaluation, benchmarks"),

@@ -47,7 +47,7 @@ RANK = {
     "demo": 8,
     "frameworks": 8.5,  # what the LangChain and LlamaIndex distributions share
     "__init__": 9,
-    "cli": 10,  # runs the service (ragkv-server, when installed) and a checkout's eval (a child process)
+    "cli": 10,  # what the core owns: demo, models, calibrate, adapter, eval (a checkout's, in a child process)
 }
 #: what the installed core never imports: a checkout's folders and the distributions built on it
 EDGES = (

@@ -212,24 +212,6 @@ def test_default_store_of_a_rag_is_bounded_and_pinned_by_its_index(rag):
     assert rag.store.pinned(key) and not rag.store.pinned("ab" * 32)
 
 
-def test_gc_command_collects_a_data_folder(tmp_path, embedder, capsys, one_thread):
-    import json
-
-    from ragkv.cli import main
-    from ragkv.kv import compute_chunk_kv
-    from tests.helpers import stories_path
-
-    r = RAG(LLM(stories_model()), tmp_path, embedder=embedder, chunk_tokens=64, ratio=DEFAULT_RATIO)
-    r.ingest(["Lily had a red ball."], show_progress=False)
-    r.store.put(compute_chunk_kv(r.model, [7, 8, 9]))
-    r.close()
-    args = ["gc", "--data-dir", str(tmp_path), "--model", str(stories_path())]
-    assert main([*args, "--dry-run"]) == 0
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["unreferenced"] == 1
-    assert main(args) == 0
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["deleted"] == 1
-
-
 # ---- the gate wherever blending can happen ------------------------------------------------------------
 def test_a_bare_model_is_gated_before_its_first_blend():
     """Bug: ``ragkv.load_model`` + ``ragkv.prefill`` (and ``Engine("name")``) blended with no self-check."""

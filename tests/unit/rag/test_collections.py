@@ -361,31 +361,3 @@ def test_naming_a_collection_a_key_may_not_use_is_403_and_bad_names_422(limited)
     assert r.json()["documents"][0]["status"] == "unchanged"
     assert r.json()["documents"][0]["chunk_ids"] == chunks["a"][docs["a"][0]["id"]]
     assert re.fullmatch(r"d\d", docs["a"][0]["id"]) and docs["a"][0]["id"] in chunks["b"]
-
-
-def test_cli_ingest_and_ask_take_a_collection(tmp_path, capsys, monkeypatch):
-    """``ragkv ingest --collection`` / ``ragkv ask --collection``: the CLI reaches the same collections."""
-    import json
-
-    from ragkv.cli import main
-    from tests.helpers import stories_path
-
-    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path / "cache"))
-    common = ["--data-dir", str(tmp_path / "data"), "--model", str(stories_path()), "--threads", "1"]
-    (tmp_path / "a.txt").write_text("Lily had a red ball. She played with it in the park every day.")
-    (tmp_path / "b.txt").write_text("Tom liked to run. He ran to the shop and bought a blue kite.")
-    assert main(["ingest", str(tmp_path / "a.txt"), "--collection", "a", "-q", *common]) == 0
-    assert main(["ingest", str(tmp_path / "b.txt"), "-q", *common]) == 0
-    capsys.readouterr()
-    ask = ["ask", "What did Tom buy?", "--max-new-tokens", "2", *common]
-    assert main([*ask, "--collection", "a"]) == 0
-    out = capsys.readouterr().out
-    sources = out.split("sources:")[1]
-    assert "Lily had" in sources and "Tom liked" not in sources  # only collection a's chunk
-    assert main(ask) == 0
-    out = capsys.readouterr().out
-    sources = out.split("sources:")[1]
-    assert "Tom liked" in sources and "Lily had" not in sources
-    assert main([*ask, "--collection", "no/such"]) == 2
-    assert "invalid collection name" in capsys.readouterr().err
-    json.loads(out.strip().splitlines()[-1])  # the last line stays one JSON object
