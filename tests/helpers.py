@@ -232,6 +232,7 @@ def template_ids(checkpoint: Path, messages: list[dict]) -> list[int]:
 PACKAGE_FOLDERS = (
     "ragkv",
     "apps/ragkv_server",
+    "integrations/frameworks/ragkv_frameworks",
     "integrations/langchain/langchain_ragkv",
     "integrations/llama-index/llms/llama_index/llms/ragkv",
     "integrations/llama-index/retrievers/llama_index/retrievers/ragkv",

@@ -15,7 +15,6 @@ import pytest
 
 from eval.harness import free_port, spawn_server, stop_server, wait_for_server
 from ragkv import LLM, compute_chunk_kv
-from ragkv.frameworks import format_docs
 from ragkv.generate import TokenEvent
 from ragkv.rag import RAG, Embedder, RagAnswer
 from ragkv.remote.client import (
@@ -252,7 +251,7 @@ def test_openai_shapes_text_prompt_and_models(servers):
 # ---- the wrappers over the vLLM backend ------------------------------------------------------------
 def test_langchain_over_vllm_backend(rag, vrag, samples):
     pytest.importorskip("langchain_core")
-    from langchain_ragkv import ChatRagkv, RagkvLLM
+    from langchain_ragkv import ChatRagkv, RagkvLLM, format_docs
 
     q = samples[0]["question"]
     ids = [f"ragkv:{r.chunk_id}" for r in rag.retrieve(q)]

@@ -43,14 +43,15 @@ DESCRIBE = {
 }
 #: the distributions that depend on ragkv: (folder, distribution, what it is)
 DISTRIBUTIONS = (
-    ("integrations/langchain", "langchain-ragkv", "LangChain models, retriever, splitter"),
+    ("integrations/frameworks", "ragkv-frameworks", "what the integrations share"),
+    ("integrations/langchain", "langchain-ragkv", "LangChain models,\nretriever, splitter"),
     (
         "integrations/llama-index",
         "llama-index-llms-ragkv\nllama-index-retrievers-ragkv",
         "LlamaIndex LLM, retriever",
     ),
     ("integrations/vllm", "ragkv-vllm", "vLLM plugin: KV connector"),
-    ("apps/", "ragkv-server", "HTTP service, ragkv-server serve / ingest / ask"),
+    ("apps/", "ragkv-server", "HTTP service, its CLI"),
 )
 CHECKOUT = (
     ("eval/", "evaluation, benchmarks"),
@@ -153,6 +154,7 @@ def draw(ranks: dict[str, float], out: Path = OUT) -> Path:
             "#fff6e0",
             "#c08a1e",
             dashed=True,
+            size=8.5,
         )
     ax.text(
         width / 2, yb + top_band - 0.18, "distributions that depend on ragkv (own pyproject, README, tests)",

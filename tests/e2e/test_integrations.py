@@ -23,8 +23,8 @@ from llama_index.retrievers.ragkv import RagkvLlamaRetriever, RagkvQueryEngine  
 
 from langchain_ragkv import ChatRagkv, RagkvEmbeddings, RagkvLLM, RagkvRetriever, rag_chain  # noqa: E402
 from ragkv import LLM  # noqa: E402
-from ragkv.frameworks import CHUNK_SEPARATOR, format_docs  # noqa: E402
 from ragkv.rag import RAG  # noqa: E402
+from ragkv_frameworks import CHUNK_SEPARATOR, format_docs  # noqa: E402
 from tests.helpers import check_stop_strings, musique_samples, stories_model  # noqa: E402
 
 NEW = 8  # tokens per answer: enough to see streaming, cheap on 2 cores
@@ -462,7 +462,7 @@ def test_langchain_structured_output_over_chunks_and_its_formats(rag, samples):
     from pydantic import BaseModel, Field
 
     from ragkv.constrain import ConstraintError, JsonConstraint
-    from ragkv.frameworks import format_constraint
+    from ragkv_frameworks import format_constraint
 
     class Answer(BaseModel):
         answer: str = Field(max_length=60)

@@ -4,8 +4,7 @@
 attention <- model <- kv <- store <- blend <- engine <- rag <- integrations <- apps (docs/ARCHITECTURE.md, "The layers");
 ``defaults`` sits below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits
 on attention, ``generate`` and ``llm`` between blend and rag. ``remote`` (the kv_transfer_params wire format
-and the HTTP generator), ``frameworks`` (what the framework integrations share) and ``aio`` (the one
-thread-to-async bridge) are the core's because more than one edge uses them. Lazy imports inside functions
+and the HTTP generator) and ``aio`` (the one thread-to-async bridge) are the core's because more than one edge uses them. Lazy imports inside functions
 count too.
 """
 
@@ -45,7 +44,6 @@ RANK = {
     "engine": 6,
     "rag": 7,
     "demo": 8,
-    "frameworks": 8.5,  # what the LangChain and LlamaIndex distributions share
     "__init__": 9,
     "cli": 10,  # what the core owns: demo, models, calibrate, adapter, eval (a checkout's, in a child process)
 }
@@ -54,6 +52,7 @@ EDGES = (
     "eval",
     "tests",
     "ragkv_server",
+    "ragkv_frameworks",
     "langchain_ragkv",
     "llama_index.llms.ragkv",
     "llama_index.retrievers.ragkv",
@@ -66,6 +65,7 @@ UNIT_TESTS_BEYOND_RAGKV = {"eval"}
 #: each distribution of the repository: folder -> (name, its importable package folder)
 DISTRIBUTIONS = {
     "apps": ("ragkv-server", "ragkv_server"),
+    "integrations/frameworks": ("ragkv-frameworks", "ragkv_frameworks"),
     "integrations/langchain": ("langchain-ragkv", "langchain_ragkv"),
     "integrations/llama-index/llms": ("llama-index-llms-ragkv", "llama_index/llms/ragkv"),
     "integrations/llama-index/retrievers": ("llama-index-retrievers-ragkv", "llama_index/retrievers/ragkv"),
