@@ -19,7 +19,7 @@ import torch
 
 from eval.harness import launch_server, stop_server
 from ragkv.generate import SamplingParams
-from tests.helpers import CHATML_TEMPLATE, INST_TEMPLATE, musique_samples, template_ids, templated_checkpoint
+from ragkv.testing import CHATML_TEMPLATE, INST_TEMPLATE, musique_samples, template_ids, templated_checkpoint
 from tests.helpers_service import LIMITS
 from tests.helpers_service import service_docs as _docs
 

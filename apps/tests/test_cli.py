@@ -11,8 +11,8 @@ from ragkv import LLM
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.kv.calibrate import DEMO_CORPUS
 from ragkv.rag import RAG
+from ragkv.testing import stories_model, stories_path
 from ragkv_server.cli import build_parser, main, settings
-from tests.helpers import stories_model, stories_path
 
 
 @pytest.mark.parametrize("cmd", ["ingest", "ask", "gc", "serve"])

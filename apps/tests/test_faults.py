@@ -26,9 +26,9 @@ from ragkv.blend import DEFAULT_RATIO
 from ragkv.rag import RAG, ChunkIndex, IngestCancelled
 from ragkv.store import LocalDirStore
 from ragkv.store import blob as blobfmt
+from ragkv.testing import stories_model, stories_path
 from ragkv_server.config import Settings
 from ragkv_server.service import ClientGoneError, Service, UnavailableError
-from tests.helpers import stories_model, stories_path
 
 W_KEY = "write-key-0123456789abcdef"
 R_KEY = "read-key-0123456789abcdef"

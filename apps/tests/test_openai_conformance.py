@@ -13,7 +13,7 @@ import operator
 import httpx
 import pytest
 
-from tests.helpers import check_stop_strings, musique_samples
+from ragkv.testing import check_stop_strings, musique_samples
 from tests.helpers_service import running_server
 from tests.helpers_service import service_docs as _docs
 

@@ -28,7 +28,7 @@ from eval.bench_openai_rag import Recorder, chat_openai, musique_passages, start
 from eval.harness import stop_server  # noqa: E402
 from ragkv.generate import SamplingParams  # noqa: E402
 from ragkv.rag.generation import Generated  # noqa: E402
-from tests.helpers import worker_threads  # noqa: E402
+from ragkv.testing import worker_threads  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the real model behind a live service
 

@@ -247,7 +247,7 @@ def test_every_route_but_healthz_needs_a_key(keyed):
 # ---- the store, in process -----------------------------------------------------------------------------
 def _real_chunk(seed: int = 0) -> ChunkKV:
     from ragkv.kv.compute import compute_chunk_kv
-    from tests.helpers import stories_model
+    from ragkv.testing import stories_model
 
     model = stories_model()
     g = torch.Generator().manual_seed(seed)
@@ -382,7 +382,7 @@ def test_chunk_search_and_recompute_stop_when_cancelled(tmp_path):
     """Finding: a request's chunk work was not stopped by a disconnect. Inside a cancel scope that
     says stop, the chunk search of ``/v1/completions`` raises SearchCancelled before reading anything."""
     from ragkv.blend.spans import ChunkRef, SearchCancelled, cancel_scope, request_spans
-    from tests.helpers import stories_model
+    from ragkv.testing import stories_model
 
     model = stories_model()
     store = LocalDirStore(tmp_path)
@@ -406,7 +406,7 @@ def test_completions_do_not_write_unless_asked(open_server):
     """Finding "a read route writes": /v1/completions saved the KV of every chunk it computed
     (save defaulted to true). Now nothing is stored unless save is true."""
     from ragkv.kv.chunk import chunk_key
-    from tests.helpers import stories_model
+    from ragkv.testing import stories_model
 
     c, data = open_server
     key = chunk_key([5, 6, 7, 8], stories_model().fingerprint)  # a real chunk of the prompt, not stored

@@ -12,9 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from eval.harness import free_port
+from ragkv.testing import check_stop_strings, free_port, musique_samples, stories_path
 from ragkv_server.config import ConfigError, Settings, load_settings
-from tests.helpers import check_stop_strings, musique_samples, stories_path
 from tests.helpers_service import LIMITS, NEW, metric, running_server
 from tests.helpers_service import service_docs as _docs
 
@@ -497,7 +496,7 @@ def test_schemathesis_finds_no_server_errors(server, ingested):
 def engine_client(request, tmp_path_factory, samples):
     """A second server: generation through ragkv.engine, chunk KV in Redis when redis-server is installed."""
     pytest.importorskip("ragkv.engine")
-    from tests.conftest import REDIS_BIN
+    from ragkv.testing.fixtures import REDIS_BIN
 
     env = {"RAGKV_GENERATION": "engine"}
     if REDIS_BIN is not None:

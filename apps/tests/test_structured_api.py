@@ -18,7 +18,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from eval.bench_structured import schema_set  # noqa: E402
-from tests.helpers import worker_threads  # noqa: E402
+from ragkv.testing import worker_threads  # noqa: E402
 from tests.helpers_service import running_server  # noqa: E402
 from tests.unit.constrain.test_constrain import check_output  # noqa: E402
 

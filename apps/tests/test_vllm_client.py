@@ -25,7 +25,7 @@ from ragkv.remote.client import (
     VllmUnavailableError,
     build_prompt,
 )
-from tests.helpers import musique_samples, stories_model
+from ragkv.testing import musique_samples, stories_model
 from tests.helpers_service import LIMITS
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)

@@ -39,6 +39,7 @@ DESCRIBE = {
     "rag": "ingest, index, retrieve, answer: one query path",
     "demo": "the demo corpus",
     "__init__": "the public API (import ragkv)",
+    "testing": "what every test suite shares: the tiny model, fixtures",
     "cli": "ragkv demo / models / calibrate / adapter / eval",
 }
 #: the distributions that depend on ragkv: (folder, distribution, what it is)

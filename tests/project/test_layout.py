@@ -15,12 +15,12 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import tomllib
 
+from ragkv.testing import build_wheel
 from tests.helpers import REPO, source_files
 
 #: rank of each ragkv subpackage / top-level module: a module may import only lower ranks
@@ -45,6 +45,7 @@ RANK = {
     "rag": 7,
     "demo": 8,
     "__init__": 9,
+    "testing": 9.5,  # what the test suites share (ragkv's and its distributions'): fixtures, the tiny model
     "cli": 10,  # what the core owns: demo, models, calibrate, adapter, eval (a checkout's, in a child process)
 }
 #: what the installed core never imports: a checkout's folders and the distributions built on it
@@ -211,35 +212,6 @@ def test_only_the_vllm_distribution_declares_the_vllm_plugin():
         declared[meta["name"]] = meta.get("entry-points", {}).get("vllm.general_plugins")
     assert declared.pop("ragkv-vllm") == {"ragkv": "ragkv_vllm.plugin:register"}
     assert not any(declared.values()), declared
-
-
-def build_wheel(project: Path, tmp_path: Path, extra: tuple[str, ...] = ()) -> tuple[list[str], str]:
-    """Build ``project``'s wheel from a copy (no build folders left in the checkout): its file names and
-    its ``entry_points.txt`` ("" if none). ``extra``: folders beside the pyproject to copy too."""
-    src = tmp_path / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "tests")
-    shutil.copytree(project, src, ignore=ignore)
-    for name in extra:
-        shutil.copytree(REPO / name, src / name, ignore=ignore, dirs_exist_ok=True)
-    out = tmp_path / "wheel"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "-q",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        str(out),
-        ".",
-    ]
-    subprocess.run(cmd, cwd=src, check=True, capture_output=True, timeout=300)
-    (wheel,) = out.glob("*.whl")
-    with zipfile.ZipFile(wheel) as z:
-        names = z.namelist()
-        eps = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-        return names, z.read(eps[0]).decode() if eps else ""
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from llama_index.retrievers.ragkv import RagkvLlamaEmbedding, RagkvLlamaRetrieve
 from ragkv import LLM  # noqa: E402
 from ragkv.generate import Detokenizer  # noqa: E402
 from ragkv.rag import RAG  # noqa: E402
-from tests.helpers import check_stop_strings, musique_samples, stories_path  # noqa: E402
+from ragkv.testing import check_stop_strings, musique_samples, stories_path  # noqa: E402
 
 #: a ChatML template (SmolLM2's, without its default system turn) for the tiny model's tokenizer
 CHATML = (
@@ -330,6 +330,15 @@ def _check_standard(res, rag) -> None:
     assert res.same_job and res.info["num_tokens"] == res.explicit_tokens, row
 
 
+def _standard_paths():
+    """The checkout's harness of the frameworks' standard paths (``eval/standard_paths.py``, shared with
+    ``python -m eval.bench_flat_reuse``): importable in a run from the repository's root, where the core
+    suite's ``tests`` package puts the checkout on the path; these two tests skip in a run from this folder."""
+    return pytest.importorskip(
+        "eval.standard_paths", reason="the checkout's eval/ (run from the repository root)"
+    )
+
+
 @pytest.mark.slow
 def test_standard_query_engine_answers_as_the_explicit_chunks_do(real_rag, embedder, one_thread):
     """``VectorStoreIndex.from_documents(docs).as_query_engine(llm=RagkvLlamaLLM(...))``: LlamaIndex
@@ -337,7 +346,10 @@ def test_standard_query_engine_answers_as_the_explicit_chunks_do(real_rag, embed
     (recorded by LlamaIndex's instrumentation, not a mock). For sync, streaming and async queries:
     >= 90% of the context's tokens come from stored KV, and the answer equals the explicit form's
     (the same prompt text, each stored chunk in it given as that chunk, ``RAG.job(locate=False)``)."""
-    from eval.standard_paths import KINDS, compare, llama_calls, llamaindex_answer, recording
+    standard = _standard_paths()
+    KINDS, compare, llama_calls, llamaindex_answer, recording = (
+        standard.KINDS, standard.compare, standard.llama_calls, standard.llamaindex_answer, standard.recording
+    )  # fmt: skip
 
     index = VectorStoreIndex.from_documents(
         [LlamaDocument(text=t) for t in real_rag.texts], embed_model=RagkvLlamaEmbedding(embedder)
@@ -364,7 +376,10 @@ def test_node_parser_makes_long_documents_nodes_the_stored_chunks(real_rag, embe
     are not ingested again; the nodes resolve to their chunks for ``chunks=`` too."""
     from llama_index.retrievers.ragkv import RagkvNodeParser
 
-    from eval.standard_paths import compare, llama_calls, llamaindex_answer, recording
+    standard = _standard_paths()
+    compare, llama_calls, llamaindex_answer, recording = (
+        standard.compare, standard.llama_calls, standard.llamaindex_answer, standard.recording
+    )  # fmt: skip
 
     long_docs = [" ".join(real_rag.texts[:3]), " ".join(real_rag.texts[3:])]
     n_docs = len(real_rag.index.document_ids())
