@@ -3,7 +3,6 @@ torch thread, the embedder, an empty fidelity cache); hypothesis without wall-ti
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -24,17 +23,3 @@ torch.set_num_threads(worker_threads())
 #: neighbours on a shared 2-core machine, not the code: off for the whole suite (issue 36)
 settings.register_profile("ragkv", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ragkv")
-
-#: modules whose async tests share one event loop (a client bound to its first loop, like ChatOpenAI's)
-SHARED_LOOP_MODULES = ("test_chatopenai_standard.py",)
-
-
-def pytest_collection_modifyitems(items):
-    """Async tests of :data:`SHARED_LOOP_MODULES` run on one module-scoped loop (a marker on the sync
-    tests would only warn, so it goes on the coroutines alone)."""
-    import inspect
-
-    for item in items:
-        fn = getattr(item, "function", None)
-        if item.path.name in SHARED_LOOP_MODULES and fn is not None and inspect.iscoroutinefunction(fn):
-            item.add_marker(pytest.mark.asyncio(loop_scope="module"), append=False)

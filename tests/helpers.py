@@ -12,6 +12,7 @@ from ragkv.testing import (  # noqa: F401  (what every suite shares, under the n
     CHATML_TEMPLATE,
     INST_TEMPLATE,
     NO_VLLM,
+    bearer,
     check_stop_strings,
     data_dir,
     have_vllm,
@@ -36,14 +37,6 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
-
-
-def bearer(key: str, collection: str | None = None) -> dict:
-    """Request headers of an API key (and the collection it names)."""
-    h = {"Authorization": f"Bearer {key}"}
-    if collection is not None:
-        h["X-Ragkv-Collection"] = collection
-    return h
 
 
 def yarn_rope(original_max_position_embeddings: int = 32) -> dict:

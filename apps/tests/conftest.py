@@ -4,19 +4,12 @@ one event loop per module for clients bound to their first loop."""
 from __future__ import annotations
 
 import inspect
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if (
-    str(REPO) not in sys.path
-):  # what some of these tests still take from the checkout (tests.helpers_service, eval)
-    sys.path.insert(0, str(REPO))
-
-from ragkv.testing.fixtures import (  # noqa: E402, F401  (fixtures, re-exported)
+from ragkv.testing.fixtures import (  # noqa: F401  (fixtures, re-exported)
     embedder,
+    fidelity_cache,
     make_redis_server,
     one_thread,
     redis_server,

@@ -22,16 +22,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers_service import LIMITS, running_server
 
-from eval.harness import checkout_pythonpath
 from ragkv.kv.chunk import ChunkKV
 from ragkv.store import LocalDirStore
 from ragkv.store import blob as blobfmt
 from ragkv.store.base import decode_blob
 from ragkv.store.blob import BlobAuth
 from ragkv.store.codecs.base import get_codec
-from tests.helpers import REPO, musique_samples, stories_path
-from tests.helpers_service import LIMITS, running_server
+from ragkv.testing import musique_samples, stories_path
 
 HMAC_KEY = "blob-hmac-key-0123456789abcdef"
 W_KEY = "write-key-0123456789abcdef"
@@ -554,11 +553,11 @@ def test_long_ndjson_line_does_not_stall_the_server(open_server):
 def test_second_writer_on_a_data_dir_fails_clearly(open_server):
     """One writer per data folder: a second server on the same data_dir exits with a clear message."""
     _, data = open_server
-    env = {**os.environ, **LIMITS, "RAGKV_DATA_DIR": str(data), "PYTHONPATH": checkout_pythonpath()}
+    env = {**os.environ, **LIMITS, "RAGKV_DATA_DIR": str(data)}
     env["RAGKV_MODEL"] = str(stories_path())
     p = subprocess.run(
         [sys.executable, "-m", "ragkv_server.server", "--port", "1"],
-        cwd=REPO,
+        cwd=data.parent,
         env=env,
         capture_output=True,
         text=True,
@@ -582,7 +581,7 @@ def test_ingest_beside_a_running_server_loses_nothing(open_server, tmp_path):
     ]
     f = tmp_path / "docs.jsonl"
     f.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    env = {**os.environ, **LIMITS, "PYTHONPATH": checkout_pythonpath(), "RAGKV_MODEL": str(stories_path())}
+    env = {**os.environ, **LIMITS, "RAGKV_MODEL": str(stories_path())}
     cli = [sys.executable, "-m", "ragkv_server.cli", "ingest", str(f), "-q"]
     p = subprocess.run([*cli, "--data-dir", str(data)], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "in use by another ragkv writer" in p.stderr and "--url" in p.stderr, (

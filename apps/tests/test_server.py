@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from helpers_service import LIMITS, NEW, metric, running_server
+from helpers_service import service_docs as _docs
 
 from ragkv.testing import check_stop_strings, free_port, musique_samples, stories_path
 from ragkv_server.config import ConfigError, Settings, load_settings
-from tests.helpers_service import LIMITS, NEW, metric, running_server
-from tests.helpers_service import service_docs as _docs
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers_service import LIMITS
 
-from eval.harness import free_port, spawn_server, stop_server, wait_for_server
 from ragkv import LLM, compute_chunk_kv
 from ragkv.generate import TokenEvent
 from ragkv.rag import RAG, Embedder, RagAnswer
@@ -25,8 +25,8 @@ from ragkv.remote.client import (
     VllmUnavailableError,
     build_prompt,
 )
-from ragkv.testing import musique_samples, stories_model
-from tests.helpers_service import LIMITS
+from ragkv.testing import free_port, musique_samples, stories_model
+from ragkv_server.testing import spawn_server, stop_server, wait_for_server
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
 

@@ -16,14 +16,20 @@ import importlib.util
 import itertools
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ragkv.adapter.writer import WriterLoRA
+    from ragkv.fidelity.report import FidelityReport, PointStats
 
 #: the source checkout this ragkv was installed from (editable), if it is one
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -61,6 +67,141 @@ def data_dir() -> Path:
 def musique_samples(n: int) -> list[dict]:
     """The first ``n`` MuSiQue samples of the repository's copy (a question, its passages ``ctxs``)."""
     return json.loads((data_dir() / "musique_s.json").read_text())[:n]
+
+
+#: the words of :func:`synthetic_docs`
+WORDS = (
+    "river mountain lantern copper violin harbor meadow falcon orchard glacier ember cobalt tundra "
+    "saffron quartz willow canyon beacon thistle marble comet prairie lagoon cedar basalt heron "
+    "citadel juniper monsoon obsidian pebble raven sierra tulip velvet walnut yonder zephyr amber "
+    "bramble cinder dune fjord grove hollow island jasper kelp ledge mesa nectar onyx"
+).split()
+
+
+def synthetic_docs(n: int, seed: int = 0) -> list[dict]:
+    """``n`` distinct synthetic documents (``{"id", "text"}``) of 60-200 words (a corpus of any size,
+    the same for a seed: the fault-injection runs and the service's tests)."""
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(60, 200))]
+        sentences = [" ".join(words[j : j + 9]).capitalize() + "." for j in range(0, len(words), 9)]
+        docs.append({"id": f"doc-{i:04d}", "text": f"Record {i} of the survey. " + " ".join(sentences)})
+    return docs
+
+
+def structured_schemas() -> list[dict]:
+    """The 10 JSON schemas (name, prompt, schema, example) of the structured-output tests and benchmark."""
+    return json.loads((data_dir() / "structured_schemas.json").read_text())
+
+
+def fidelity_point(
+    name: str, same: float, charged: float, speedup: float, recall: float = 0.5, ratio=None
+) -> PointStats:
+    """One operating point of a synthetic fidelity report (``exact``, ``reuse`` or ``blend@R``)."""
+    from ragkv.fidelity.report import PointStats
+
+    mode = "prefix" if name == "exact" else "reuse" if name == "reuse" else "blend"
+    if mode == "blend" and ratio is None:
+        ratio = float(name.split("@")[1])
+    ci = (max(0.0, same - 0.1), min(1.0, same + 0.1))
+    return PointStats(
+        name, mode, ratio, 40, same, ci, same, ci, 0.1, (0.0, 0.2), recall, ci, charged, speedup, ci
+    )
+
+
+def fidelity_report(
+    model, points: list[PointStats], floor_same: float = 0.8, full_recall: float = 0.5
+) -> FidelityReport:
+    """A sealed fidelity report of ``model`` with these points (what ``ragkv calibrate`` would save), for
+    tests of the surfaces that show the gate's operating point."""
+    from ragkv.fidelity import schedule_key
+    from ragkv.fidelity.report import FidelityReport, calibration_set_digest
+
+    return FidelityReport(
+        model=model.name,
+        fingerprint=model.fingerprint,
+        schedule=schedule_key(None),
+        calibration_set=calibration_set_digest(),
+        n_questions=40,
+        max_new_tokens=24,
+        full_recall=full_recall,
+        full_ttft_s=0.5,
+        floor=fidelity_point("full-bf16", floor_same, 1.0, 1.0, ratio=1.0),
+        points=points,
+        monotone_ok=True,
+        monotone_violations=[],
+        compute_to_floor=None,
+        measured_at="2026-11-27",
+        machine="test",
+    ).seal()
+
+
+def fidelity_ladder() -> list[PointStats]:
+    """A ladder of operating points with a dip (blend@0.5 above blend@0.7: not trusted); over a floor of
+    0.8 the gate picks blend@0.8."""
+    return [
+        fidelity_point("exact", 1.0, 0.82, 1.1),
+        fidelity_point("reuse", 0.1, 0.1, 5.0, ratio=0.0),
+        fidelity_point("blend@0.3", 0.3, 0.38, 2.6),
+        fidelity_point("blend@0.5", 0.85, 0.55, 1.8),  # a lucky point below a dip: not trusted
+        fidelity_point("blend@0.7", 0.75, 0.71, 1.4),
+        fidelity_point("blend@0.8", 0.82, 0.78, 1.3),
+        fidelity_point("blend@0.9", 0.9, 0.85, 1.05),
+    ]
+
+
+def random_writer(model, rank: int = 4, seed: int = 1) -> WriterLoRA:
+    """A chunk-KV writer (W-full LoRA) for ``model`` with small random weights: its KV differs from the
+    model's own, as a trained one's does."""
+    from ragkv.adapter.writer import WriterLoRA
+
+    w = WriterLoRA.for_model(model, rank, 16.0, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (w.b_qkv, w.b_o):
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return w.requires_grad_(False)
+
+
+def writer_file(tmp_path: Path) -> tuple:
+    """(the tiny model, the file of a random writer for it): what a writer named in settings loads."""
+    m = stories_model()
+    path = tmp_path / "writer.safetensors"
+    random_writer(m, rank=2).save(path)
+    return m, path
+
+
+def bearer(key: str, collection: str | None = None) -> dict:
+    """Request headers of an API key (and the collection it names)."""
+    h = {"Authorization": f"Bearer {key}"}
+    if collection is not None:
+        h["X-Ragkv-Collection"] = collection
+    return h
+
+
+def musique_docs(n_samples: int = 2, per_sample: int = 3, chars: int = 300) -> list[dict]:
+    """Documents of the first ``per_sample`` passages of ``n_samples`` MuSiQue samples, cut to ``chars``
+    (ids ``s<i>-p<j>``): a corpus the tiny model's 512 positions hold a few of."""
+    return [
+        {"id": f"s{i}-p{j}", "text": c["text"][:chars]}
+        for i, s in enumerate(musique_samples(n_samples))
+        for j, c in enumerate(s["ctxs"][:per_sample])
+    ]
+
+
+def musique_rag(data_dir: Path | str, embedder=None, n_samples: int = 2, chars: int = 300, **options):
+    """A RAG on the tiny model over :func:`musique_docs` (passages cut to ``chars``; each chunk's KV
+    computed and stored), blending at an explicit ratio (the tiny model has no fidelity report):
+    ``options`` over chunk_tokens=64, top_k=3. The caller closes it."""
+    from ragkv.blend import DEFAULT_RATIO
+    from ragkv.llm import LLM
+    from ragkv.rag import RAG, Embedder
+
+    options = {"chunk_tokens": 64, "top_k": 3, "ratio": DEFAULT_RATIO, **options}
+    rag = RAG(LLM(stories_model()), data_dir, embedder=embedder or Embedder(), **options)
+    rag.ingest(musique_docs(n_samples, chars=chars), show_progress=False)
+    return rag
 
 
 def free_port() -> int:

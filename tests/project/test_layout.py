@@ -204,6 +204,28 @@ def test_the_edges_use_the_library_not_each_others_internals():
     assert not bad, "\n".join(bad)
 
 
+def test_the_suites_stand_alone():
+    """Issue 55: the core's tests import no distribution (a feature seen through the service or a wrapper
+    is tested in that distribution), and a distribution's tests import neither the core's ``tests`` nor
+    the checkout's ``eval`` (what every suite shares is ``ragkv.testing``), so ``cd <folder> && pytest``
+    runs them. A test that drives the checkout's harness asks for it by name (``pytest.importorskip``)."""
+    distributions = tuple(EDGES[2:])
+    bad = [
+        f"{f.relative_to(REPO)} imports {m}"
+        for f in source_files("tests")
+        for m in _imports(f)
+        if m.startswith(distributions)
+    ]
+    for folder in DISTRIBUTIONS:
+        bad += [
+            f"{f.relative_to(REPO)} imports {m}"
+            for f in source_files(REPO / folder / "tests")
+            for m in _imports(f)
+            if m.split(".")[0] in ("tests", "eval")
+        ]
+    assert not bad, "\n".join(bad)
+
+
 def test_only_the_vllm_distribution_declares_the_vllm_plugin():
     """``pip install ragkv`` hooks nothing in vLLM: the ``vllm.general_plugins`` entry point is ragkv-vllm's."""
     declared = {}

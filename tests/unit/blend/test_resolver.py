@@ -18,7 +18,6 @@ from ragkv.generate import SamplingParams
 from ragkv.rag import RAG
 from ragkv.store import MemoryStore
 from tests.helpers import PACKAGE_FOLDERS, REPO, source_files, stories_model
-from tests.helpers_service import metric
 
 
 @pytest.fixture
@@ -73,18 +72,6 @@ def test_llm_of_a_rag_writes_back_by_the_rags_policy(rag):
 
     _deleted_while_computing(rag, run)
     assert rag.store.keys() == []
-
-
-def test_service_engine_mode_uses_the_rags_resolver(rag):
-    from ragkv_server.config import Settings
-    from ragkv_server.service import Service
-
-    svc = Service(Settings(generation="engine", max_new_tokens=2, allowed_hosts=["testserver"]), rag)
-    svc.start()
-    try:
-        assert svc.rag.generator.engine.resolver is rag.resolver
-    finally:
-        svc.rag.generator.close()
 
 
 def test_bare_resolver_memory_store_and_compute_order():
@@ -227,21 +214,3 @@ def test_a_bare_model_is_gated_before_its_first_blend():
     assert gate_state(model) == "pending"
     prefill(model, [1, 5], [compute_chunk_kv(model, [6, 7, 8])], [9], "blend")
     assert gate_state(model) == "passed" and gate_report(model).ok
-
-
-def test_healthz_and_metrics_show_the_gate(rag):
-    from fastapi.testclient import TestClient
-
-    from ragkv_server.config import Settings
-    from ragkv_server.server import create_app
-    from ragkv_server.service import Service
-
-    s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
-    svc = Service(s, rag)
-    svc.start()
-    with TestClient(create_app(s, svc), base_url="http://testserver") as c:
-        state = c.get("/healthz").json()["blend_gate"]
-        assert state in ("passed", "pending")
-        c.post("/v1/query", json={"question": "kite?", "max_tokens": 1})
-        assert c.get("/healthz").json()["blend_gate"] == "passed"
-        assert metric(c.get("/metrics").text, "ragkv_blend_gate", state="passed") == 1
