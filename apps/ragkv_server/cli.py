@@ -25,16 +25,13 @@ PROMPT_FILE_HELP = (
 )
 
 
+#: the settings every command here takes as a flag (:func:`add_settings_flags`)
+SETTINGS_FLAGS = ("model", "data_dir", "store", "prompt_file")
+
+
 def settings(args: argparse.Namespace, **extra) -> Settings:
     """The service's settings as ``args`` (the shared flags, :func:`add_settings_flags`) override them."""
-    return load_settings(
-        args.config,
-        model=args.model,
-        data_dir=args.data_dir,
-        store=args.store,
-        prompt_file=args.prompt_file,
-        **extra,
-    )
+    return load_settings(args.config, **{k: getattr(args, k) for k in SETTINGS_FLAGS}, **extra)
 
 
 def read_docs(path: Path, fmt: str) -> list[dict]:

@@ -21,14 +21,13 @@ from __future__ import annotations
 import pytest
 
 from ragkv.blend import DEFAULT_RATIO
+from ragkv.testing import checkout_harness
 
 pytest.importorskip("langchain_openai")
 
 # the benchmark's clients and service start (python -m eval.bench_openai_rag): a checkout's eval/, importable
 # in a run from the repository's root; this module skips in a run from apps/
-bench = pytest.importorskip(
-    "eval.bench_openai_rag", reason="the checkout's eval/ (run from the repository root)"
-)
+bench = checkout_harness("bench_openai_rag")
 Recorder, chat_openai, musique_passages, start_service, stuff_chain = (
     bench.Recorder, bench.chat_openai, bench.musique_passages, bench.start_service, bench.stuff_chain
 )  # fmt: skip

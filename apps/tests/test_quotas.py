@@ -9,40 +9,24 @@ import json
 import pytest
 from helpers_service import metric, tiny_settings
 
-from ragkv.rag import RAG, ChunkIndex, Quotas
-from ragkv.testing import bearer, musique_samples, stories_model
+from ragkv.rag import RAG, Quotas
+from ragkv.testing import (
+    bearer,
+    document_tokens,
+    fill_index_disk,
+    free_index_disk,
+    musique_samples,
+    stories_model,
+)
 
 W_KEY = "write-all-0123456789abcdef"  # every collection
-
 A_KEY = "write-a-0123456789abcdef"  # collection a only
-
 RB_KEY = "read-b-0123456789abcdef"  # read-only, collection b only
 
 
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
     return [c["text"] for s in musique_samples(4) for c in s["ctxs"]]
-
-
-def _rag(path, embedder, quotas: Quotas | None = None, **kw) -> RAG:
-    kw.setdefault("store", f"file://{path / 'kv'}?codec=raw")
-    return RAG(stories_model(), path, embedder=embedder, chunk_tokens=32, quotas=quotas, **kw)
-
-
-def _tokens(rag: RAG, text: str) -> int:
-    from ragkv.rag.splitter import split_tokens
-
-    return sum(len(c.token_ids) for c in split_tokens(rag.model.tokenizer, text, rag.chunk_tokens))
-
-
-def _fill_index_disk(index: ChunkIndex) -> None:
-    """SQLite's own full-disk answer (SQLITE_FULL, as ENOSPC gives): the database may not grow a page."""
-    pages = index.db.execute("PRAGMA page_count").fetchone()[0]
-    index.db.execute(f"PRAGMA max_page_count = {pages}")
-
-
-def _free_index_disk(index: ChunkIndex) -> None:
-    index.db.execute("PRAGMA max_page_count = 1073741823")
 
 
 def test_the_service_answers_507_on_a_full_index_disk_and_keeps_serving(tmp_path, embedder, texts):
@@ -55,7 +39,8 @@ def test_the_service_answers_507_on_a_full_index_disk_and_keeps_serving(tmp_path
     from ragkv_server.server import create_app
     from ragkv_server.service import Service
 
-    rag = _rag(tmp_path, embedder)
+    store = f"file://{tmp_path / 'kv'}?codec=raw"
+    rag = RAG(stories_model(), tmp_path, embedder=embedder, chunk_tokens=32, store=store)
     s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
     svc = Service(s, rag)
     svc.start()
@@ -65,7 +50,7 @@ def test_the_service_answers_507_on_a_full_index_disk_and_keeps_serving(tmp_path
             c.post("/v1/documents", json={"documents": [{"id": "a", "text": texts[0][:150]}]}).status_code
             == 200
         )
-        _fill_index_disk(rag.index)
+        fill_index_disk(rag.index)
         r = c.post("/v1/documents", json={"documents": [{"id": "b", "text": texts[1] * 3}]})
         assert r.status_code == 507, r.text
         err = r.json()["error"]
@@ -73,7 +58,7 @@ def test_the_service_answers_507_on_a_full_index_disk_and_keeps_serving(tmp_path
         assert c.get("/v1/documents").json()["ids"] == ["a"]
         r = c.post("/v1/query", json={"question": "What is the series?", "top_k": 1})
         assert r.status_code == 200 and r.json()["sources"][0]["doc_id"] == "a"
-        _free_index_disk(rag.index)
+        free_index_disk(rag.index)
         r = c.post("/v1/documents", json={"documents": [{"id": "b", "text": texts[1] * 3}]})
         assert r.status_code == 200 and c.get("/v1/documents").json()["ids"] == ["a", "b"]
     finally:
@@ -130,7 +115,7 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
     c = TestClient(create_app(s, svc), base_url="http://testserver")
     try:
         d1, d2, d3 = texts[0][:200], texts[1][:200], texts[2][:200]
-        t1, t2, t3 = (_tokens(rag, t) for t in (d1, d2, d3))
+        t1, t2, t3 = (document_tokens(rag, t) for t in (d1, d2, d3))
         assert max(t1, t2, t3) <= 150 and t1 + t2 <= 300 < t1 + t2 + t3
         r = c.post("/v1/documents", json={"documents": [{"id": "d1", "text": d1}]}, headers=bearer(A_KEY))
         assert r.status_code == 200, r.text
@@ -144,7 +129,7 @@ def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(t
         assert err["details"] == {
             "limit": "max_document_tokens",
             "limit_value": 150,
-            "requested": _tokens(rag, big),
+            "requested": document_tokens(rag, big),
             "collection": "a",
             "document": "big",
         }

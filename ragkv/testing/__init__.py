@@ -22,8 +22,9 @@ import socket
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -190,18 +191,88 @@ def musique_docs(n_samples: int = 2, per_sample: int = 3, chars: int = 300) -> l
     ]
 
 
-def musique_rag(data_dir: Path | str, embedder=None, n_samples: int = 2, chars: int = 300, **options):
-    """A RAG on the tiny model over :func:`musique_docs` (passages cut to ``chars``; each chunk's KV
-    computed and stored), blending at an explicit ratio (the tiny model has no fidelity report):
-    ``options`` over chunk_tokens=64, top_k=3. The caller closes it."""
+def texts_rag(data_dir: Path | str, texts: list[str], embedder=None, model=None, **options):
+    """A RAG on ``model`` (default: the tiny one) over ``texts`` (documents ``d0``, ``d1``...; each
+    chunk's KV computed and stored; the texts kept as ``rag.texts``), blending at an explicit ratio (the
+    tiny model has no fidelity report): ``options`` over chunk_tokens=64, top_k=3. The caller closes it."""
     from ragkv.blend import DEFAULT_RATIO
     from ragkv.llm import LLM
     from ragkv.rag import RAG, Embedder
 
     options = {"chunk_tokens": 64, "top_k": 3, "ratio": DEFAULT_RATIO, **options}
-    rag = RAG(LLM(stories_model()), data_dir, embedder=embedder or Embedder(), **options)
-    rag.ingest(musique_docs(n_samples, chars=chars), show_progress=False)
+    rag = RAG(LLM(model or stories_model()), data_dir, embedder=embedder or Embedder(), **options)
+    rag.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
+    rag.texts = list(texts)
     return rag
+
+
+def musique_rag(data_dir: Path | str, embedder=None, n_samples: int = 2, chars: int = 300, **options):
+    """:func:`texts_rag` over :func:`musique_docs` (passages cut to ``chars``). The caller closes it."""
+    return texts_rag(data_dir, [d["text"] for d in musique_docs(n_samples, chars=chars)], embedder, **options)
+
+
+def assert_chunks_reused(info: dict, n_chunks: int) -> None:
+    """An answer's ragkv statistics say its prefill reused every chunk's stored KV (blend)."""
+    assert info["mode"] == "blend"
+    assert info["kv_hits"] == n_chunks == info["num_chunks"]
+    assert info["num_reused_rows"] > 0
+    assert info["recomputed_per_layer"][-1] < info["num_tokens"]
+
+
+@dataclass
+class TwoCollections:
+    """A RAG whose collections ``a`` and ``b`` hold two MuSiQue passages each (``pa``, ``pa2``; ``pb``,
+    ``pb2``) and whose default collection is empty: the texts and each collection's chunk ids."""
+
+    rag: Any
+    texts: list[str]
+    a_ids: set[int]
+    b_ids: set[int]
+
+
+def two_collections_rag(data_dir: Path | str, embedder=None) -> TwoCollections:
+    """:class:`TwoCollections` on the tiny model (top_k=2, blend at an explicit ratio); the caller closes
+    its ``rag``."""
+    texts = [c["text"][:300] for s in musique_samples(2) for c in s["ctxs"][:2]]
+    rag = musique_rag(data_dir, embedder, n_samples=0, top_k=2)
+    for collection, ids in (("a", ("pa", "pa2")), ("b", ("pb", "pb2"))):
+        first = 0 if collection == "a" else 2
+        docs = [{"id": d, "text": texts[first + i]} for i, d in enumerate(ids)]
+        rag.ingest(docs, show_progress=False, collection=collection)
+    chunk_ids = {
+        c: {r.chunk_id for d in ids for r in rag.index.chunks_of(d, c)}
+        for c, ids in (("a", ("pa", "pa2")), ("b", ("pb", "pb2")))
+    }
+    return TwoCollections(rag, texts, chunk_ids["a"], chunk_ids["b"])
+
+
+def checkout_harness(name: str):
+    """The checkout's ``eval.<name>`` (e.g. ``standard_paths``, the frameworks' standard paths that
+    ``python -m eval.bench_flat_reuse`` measures): importable in a run from the repository's root, where
+    the core suite's ``tests`` package puts the checkout on the path; the calling test skips elsewhere
+    (a distribution's suite run from its own folder)."""
+    import pytest
+
+    return pytest.importorskip(f"eval.{name}", reason="the checkout's eval/ (run from the repository root)")
+
+
+def document_tokens(rag, text: str) -> int:
+    """The tokens ``rag`` stores for ``text``: the sum over its chunks (what a token quota counts)."""
+    from ragkv.rag.splitter import split_tokens
+
+    return sum(len(c.token_ids) for c in split_tokens(rag.model.tokenizer, text, rag.chunk_tokens))
+
+
+def fill_index_disk(index) -> None:
+    """Make a RAG index's SQLite answer as on a full disk (SQLITE_FULL, what ENOSPC gives): the database
+    may not grow by a page until :func:`free_index_disk`."""
+    pages = index.db.execute("PRAGMA page_count").fetchone()[0]
+    index.db.execute(f"PRAGMA max_page_count = {pages}")
+
+
+def free_index_disk(index) -> None:
+    """Undo :func:`fill_index_disk`."""
+    index.db.execute("PRAGMA max_page_count = 1073741823")
 
 
 def free_port() -> int:

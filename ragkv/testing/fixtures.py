@@ -141,3 +141,21 @@ def fidelity_cache(tmp_path, monkeypatch):
     GATE.forget()
     yield tmp_path
     GATE.forget()
+
+
+@pytest.fixture(scope="module")
+def samples() -> list[dict]:
+    """The first two MuSiQue samples (questions and passages: those :func:`tiny_rag` holds)."""
+    from ragkv.testing import musique_samples
+
+    return musique_samples(2)
+
+
+@pytest.fixture(scope="module")
+def tiny_rag(tmp_path_factory, one_thread, embedder):
+    """A RAG on the tiny model over six MuSiQue passages, each chunk's KV stored (one per test module)."""
+    from ragkv.testing import musique_rag
+
+    rag = musique_rag(tmp_path_factory.mktemp("tiny-rag") / "data", embedder)
+    yield rag
+    rag.close()

@@ -8,7 +8,12 @@ import shutil
 import pytest
 from langchain_ragkv_support import shared_rag
 
-from ragkv.testing.fixtures import embedder, one_thread  # noqa: F401  (fixtures, re-exported)
+from ragkv.testing.fixtures import (  # noqa: F401  (fixtures, re-exported)
+    embedder,
+    one_thread,
+    samples,
+    tiny_rag,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,6 +18,7 @@ import pytest
 
 from ragkv.rag import RAG, ChunkIndex, Document, QuotaExceededError, Quotas
 from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, measure_kv_bytes_per_token
+from ragkv.testing import document_tokens, fill_index_disk, free_index_disk
 from tests.helpers import musique_samples, stories_model
 
 
@@ -44,12 +45,6 @@ def _state(rag: RAG) -> dict:
     }
 
 
-def _tokens(rag: RAG, text: str) -> int:
-    from ragkv.rag.splitter import split_tokens
-
-    return sum(len(c.token_ids) for c in split_tokens(rag.model.tokenizer, text, rag.chunk_tokens))
-
-
 # ---- the library ----------------------------------------------------------------------------------------
 def test_quotas_are_checked_and_default_to_a_document_bound():
     q = Quotas()
@@ -71,7 +66,7 @@ def test_a_document_over_its_quota_refuses_the_whole_call_and_writes_nothing(tmp
     before = _state(rag)
     big = texts[1][:400]
     fits, after = texts[2][:200], texts[3][:200]
-    assert _tokens(rag, big) > 150 >= max(_tokens(rag, fits), _tokens(rag, after))
+    assert document_tokens(rag, big) > 150 >= max(document_tokens(rag, fits), document_tokens(rag, after))
     with pytest.raises(QuotaExceededError) as ei:
         rag.ingest(
             [Document(fits, "fits"), Document(big, "big"), Document(after, "after")],
@@ -86,7 +81,11 @@ def test_a_document_over_its_quota_refuses_the_whole_call_and_writes_nothing(tmp
         "big",
         "t",
     )
-    assert e.requested == _tokens(rag, big) and "'big'" in str(e) and "max_document_tokens (150)" in str(e)
+    assert (
+        e.requested == document_tokens(rag, big)
+        and "'big'" in str(e)
+        and "max_document_tokens (150)" in str(e)
+    )
     assert e.details() == {
         "limit": "max_document_tokens",
         "limit_value": 150,
@@ -106,7 +105,7 @@ def test_a_document_over_its_quota_refuses_the_whole_call_and_writes_nothing(tmp
 def test_collection_token_quota_counts_a_replacement_once_and_collections_apart(tmp_path, embedder, texts):
     rag = _rag(tmp_path, embedder)
     a, b = texts[0][:300], texts[1][:300]
-    ta, tb = _tokens(rag, a), _tokens(rag, b)
+    ta, tb = document_tokens(rag, a), document_tokens(rag, b)
     rag.ingest([Document(a, "a")], show_progress=False, collection="t")
     assert rag.usage("t").tokens == ta and rag.usage("t").documents == 1
     limit = ta + tb - 1
@@ -131,7 +130,7 @@ def test_collection_token_quota_counts_a_replacement_once_and_collections_apart(
 
     # replacing "a" with a text about as long: old + new would be over the limit, the result is not
     a2 = texts[2][:300]
-    ta2 = _tokens(rag, a2)
+    ta2 = document_tokens(rag, a2)
     assert ta + ta2 > limit >= ta2
     rep = rag.ingest([Document(a2, "a")], show_progress=False, collection="t")
     assert rep.documents_added == 1 and rag.usage("t").tokens == ta2 and rag.usage("t").documents == 1
@@ -139,7 +138,7 @@ def test_collection_token_quota_counts_a_replacement_once_and_collections_apart(
     # a limit lowered below the usage: a shrinking replacement passes, a growing one does not
     rag.quotas = Quotas(max_collection_tokens=ta2 // 2)
     shorter = a2[: len(a2) * 2 // 3]
-    assert ta2 // 2 < _tokens(rag, shorter) < ta2
+    assert ta2 // 2 < document_tokens(rag, shorter) < ta2
     rag.ingest([Document(shorter, "a")], show_progress=False, collection="t")
     with pytest.raises(QuotaExceededError):
         rag.ingest([Document(a2, "a")], show_progress=False, collection="t")
@@ -159,7 +158,7 @@ def test_collection_kv_bytes_quota_counts_a_shared_chunk_once(tmp_path, embedder
     per = 1000
     rag = _rag(tmp_path, embedder, Quotas(kv_bytes_per_token=per))
     x = texts[0][:300]
-    tx = _tokens(rag, x)
+    tx = document_tokens(rag, x)
     rag.ingest([Document(x, "x")], show_progress=False, collection="t")
     assert rag.usage("t").kv_bytes == tx * per
     rag.quotas = Quotas(max_collection_kv_bytes=tx * per, kv_bytes_per_token=per)
@@ -172,7 +171,7 @@ def test_collection_kv_bytes_quota_counts_a_shared_chunk_once(tmp_path, embedder
         rag.ingest([Document(z, "z")], show_progress=False, collection="t")
     e = ei.value
     assert (e.status, e.limit, e.usage) == (429, "max_collection_kv_bytes", tx * per)
-    assert e.requested == (tx + _tokens(rag, z)) * per and "bytes of stored KV" in str(e)
+    assert e.requested == (tx + document_tokens(rag, z)) * per and "bytes of stored KV" in str(e)
     assert _state(rag) == before
     # deleting one of the two sharers frees no KV bytes; deleting both does
     rag.delete_document("x", "t")
@@ -270,16 +269,6 @@ def test_a_full_disk_after_the_commit_is_not_an_error(tmp_path, embedder, texts,
     rag.close()
 
 
-def _fill_index_disk(index: ChunkIndex) -> None:
-    """SQLite's own full-disk answer (SQLITE_FULL, as ENOSPC gives): the database may not grow a page."""
-    pages = index.db.execute("PRAGMA page_count").fetchone()[0]
-    index.db.execute(f"PRAGMA max_page_count = {pages}")
-
-
-def _free_index_disk(index: ChunkIndex) -> None:
-    index.db.execute("PRAGMA max_page_count = 1073741823")
-
-
 def test_a_full_disk_during_the_commit_rolls_back_whole_and_loses_nothing(tmp_path, embedder, texts):
     """The index's SQLite meets a full disk inside the commit: the ingest raises IndexFullError (an
     OSError with ENOSPC) after rolling back, the documents already there stay listed and retrievable,
@@ -292,14 +281,14 @@ def test_a_full_disk_during_the_commit_rolls_back_whole_and_loses_nothing(tmp_pa
     rag = _rag(tmp_path, embedder)
     rag.ingest([Document(texts[0][:150], "a")], show_progress=False)
     before = _state(rag)
-    _fill_index_disk(rag.index)
+    fill_index_disk(rag.index)
     with pytest.raises(IndexFullError) as e:
         rag.ingest([Document(texts[1] * 3, "b")], show_progress=False)
     assert e.value.errno == errno.ENOSPC and "nothing of this change was committed" in str(e.value)
     assert rag.list_documents() == ["a"] and len(rag.index) == before["chunks"]
     assert sorted(rag.store.keys()) == before["blobs"]  # the failed ingest's KV: settled, not orphaned
     assert rag.retrieve(texts[0][:100], 1)[0].doc_id == "a"
-    _free_index_disk(rag.index)
+    free_index_disk(rag.index)
     rep = rag.ingest([Document(texts[1] * 3, "b")], show_progress=False)
     assert rep.documents_added == 1 and rag.list_documents() == ["a", "b"]
     assert rag.index.intents() == [] and all(rag.index.references(k) for k in rag.store.keys())

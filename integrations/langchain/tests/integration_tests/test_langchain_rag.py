@@ -26,31 +26,22 @@ from langchain_ragkv import (
 from ragkv import LLM
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.rag import RAG
-from ragkv.testing import check_stop_strings, musique_rag, musique_samples, stories_model
+from ragkv.testing import (
+    assert_chunks_reused,
+    check_stop_strings,
+    checkout_harness,
+    musique_samples,
+    texts_rag,
+    two_collections_rag,
+)
 
 NEW = 8  # tokens per answer: enough to see streaming, cheap on 2 cores
 STOP_MAX = 24  # tokens of the output stop strings are cut from
 
 
 @pytest.fixture(scope="module")
-def samples():
-    return musique_samples(2)
-
-
-@pytest.fixture(scope="module")
-def rag(tmp_path_factory, one_thread, embedder):
-    """A RAG on the tiny model over six MuSiQue passages, each chunk's KV stored."""
-    r = musique_rag(tmp_path_factory.mktemp("lc") / "data", embedder)
-    yield r
-    r.close()
-
-
-def _reused(info: dict, n_chunks: int) -> None:
-    """The answer's prefill reused every chunk's stored KV (blend)."""
-    assert info["mode"] == "blend"
-    assert info["kv_hits"] == n_chunks == info["num_chunks"]
-    assert info["num_reused_rows"] > 0
-    assert info["recomputed_per_layer"][-1] < info["num_tokens"]
+def rag(tiny_rag):
+    return tiny_rag
 
 
 def test_langchain_retriever_documents_carry_chunk_keys(rag, samples):
@@ -71,7 +62,7 @@ def test_langchain_retrieval_chain_reuses_chunk_kv(rag, samples):
     assert set(out) == {"question", "docs", "answer"} and isinstance(out["answer"], str) and out["answer"]
     gen = llm.generate([q], chunks=out["docs"]).generations[0][0]
     assert gen.text == out["answer"]
-    _reused(gen.generation_info["ragkv"], 3)
+    assert_chunks_reused(gen.generation_info["ragkv"], 3)
     assert gen.generation_info["ragkv"]["chunk_ids"] == [d.metadata["ragkv_chunk_id"] for d in out["docs"]]
     # chunk ids work as well as documents; blend at ratio 1 is exactly full prefill through the wrapper
     ids = [d.id for d in out["docs"]]
@@ -89,7 +80,7 @@ def test_langchain_chat_model_stream_and_async(rag, samples):
     docs = RagkvRetriever(rag=rag).invoke(q)
     chat = ChatRagkv(rag=rag, max_new_tokens=NEW)
     msg = chat.invoke(q, chunks=docs)
-    _reused(msg.response_metadata["ragkv"], len(docs))
+    assert_chunks_reused(msg.response_metadata["ragkv"], len(docs))
     assert msg.usage_metadata["output_tokens"] == msg.response_metadata["ragkv"]["completion_tokens"]
     parts = list(chat.stream(q, chunks=docs))
     texts = [p.content for p in parts if p.content]
@@ -102,7 +93,7 @@ def test_langchain_chat_model_stream_and_async(rag, samples):
 
     aparts, amsg = asyncio.run(run())
     assert "".join(aparts) == msg.content and amsg.content == msg.content
-    _reused(amsg.response_metadata["ragkv"], len(docs))
+    assert_chunks_reused(amsg.response_metadata["ragkv"], len(docs))
     # no chunks: the conversation is completed as a plain prompt (full prefill)
     plain = chat.invoke("Once upon a time")
     assert plain.response_metadata["ragkv"]["num_chunks"] == 0 and plain.content
@@ -153,10 +144,10 @@ def test_langchain_foreign_vector_store_documents_ingested_on_first_use(rag, emb
     assert len(first["ingested_documents"]) == 2 and len(rag.index.document_ids()) == n_docs + 2
     again = chat.invoke("What did the dog like?", chunks=docs).response_metadata["ragkv"]
     assert again["ingested_documents"] == [] and len(rag.index.document_ids()) == n_docs + 2
-    _reused(again, len(again["chunk_ids"]))
+    assert_chunks_reused(again, len(again["chunk_ids"]))
     assert again["chunk_ids"] == first["chunk_ids"]
     out = rag_chain(store.as_retriever(search_kwargs={"k": 2}), chat).invoke("Who had a red ball?")
-    _reused(out["answer"].response_metadata["ragkv"], 2)
+    assert_chunks_reused(out["answer"].response_metadata["ragkv"], 2)
 
 
 def test_langchain_bad_input_is_a_typed_error(rag):
@@ -340,33 +331,15 @@ def _short_texts(n_chars: int) -> list[str]:
 def flat_rag(tmp_path_factory, embedder):
     """Passages short enough for LangChain's standard RAG prompt around two of them to fit the tiny
     model's 512 positions; each is two stored chunks."""
-    texts = _short_texts(160)
-    r = RAG(
-        LLM(stories_model()),
-        tmp_path_factory.mktemp("lcel") / "data",
-        embedder=embedder,
-        chunk_tokens=64,
-        ratio=DEFAULT_RATIO,
-    )
-    r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
-    r.texts = texts
+    r = texts_rag(tmp_path_factory.mktemp("lcel") / "data", _short_texts(160), embedder)
     yield r
     r.close()
-
-
-def _standard_paths():
-    """The checkout's harness of the frameworks' standard paths (``eval/standard_paths.py``, shared with
-    ``python -m eval.bench_flat_reuse``): importable in a run from the repository's root, where the core
-    suite's ``tests`` package puts the checkout on the path; the tests that use it skip elsewhere."""
-    return pytest.importorskip(
-        "eval.standard_paths", reason="the checkout's eval/ (run from the repository root)"
-    )
 
 
 def _lcel_paths(rag, retriever, model, question: str, kinds=None) -> list:
     """The standard LCEL chain over ``retriever`` with ``model``, each way it runs, recorded by a
     LangChain callback handler and compared with the explicit form (eval.standard_paths)."""
-    standard = _standard_paths()
+    standard = checkout_harness("standard_paths")
     KINDS, compare, langchain_calls, lcel_answer, lcel_chain = (
         standard.KINDS, standard.compare, standard.langchain_calls, standard.lcel_answer, standard.lcel_chain
     )  # fmt: skip
@@ -406,7 +379,7 @@ def test_standard_lcel_chain_answers_as_the_explicit_chunks_do(flat_rag, embedde
     # the completion model with a PromptTemplate: the same
     from langchain_core.output_parsers import StrOutputParser
 
-    standard = _standard_paths()
+    standard = checkout_harness("standard_paths")
     LC_RAG_PROMPT, compare, format_docs, langchain_calls = (
         standard.LC_RAG_PROMPT, standard.compare, standard.format_docs, standard.langchain_calls
     )  # fmt: skip
@@ -498,35 +471,16 @@ def test_the_langchain_wrappers_work_inside_one_collection(tmp_path, one_thread,
     retriever searches only it, chunk ids of another collection are unknown (KeyError, as a missing id),
     foreign documents are ingested into it, the splitter gives its chunks, and a call may name another
     collection. Answers over its chunks reuse their stored KV."""
-    r = RAG(
-        LLM(stories_model()),
-        tmp_path / "data",
-        embedder=embedder,
-        chunk_tokens=64,
-        top_k=2,
-        ratio=DEFAULT_RATIO,
-    )
+    two = two_collections_rag(tmp_path / "data", embedder)
+    r, texts, a_ids, b_ids = two.rag, two.texts, two.a_ids, two.b_ids
     try:
-        texts = [c["text"][:300] for s in samples for c in s["ctxs"][:2]]
-        r.ingest(
-            [{"id": "pa", "text": texts[0]}, {"id": "pa2", "text": texts[1]}],
-            show_progress=False,
-            collection="a",
-        )
-        r.ingest(
-            [{"id": "pb", "text": texts[2]}, {"id": "pb2", "text": texts[3]}],
-            show_progress=False,
-            collection="b",
-        )
-        a_ids = {c.chunk_id for d in ("pa", "pa2") for c in r.index.chunks_of(d, "a")}
-        b_ids = {c.chunk_id for d in ("pb", "pb2") for c in r.index.chunks_of(d, "b")}
         q = samples[0]["question"]
         docs = RagkvRetriever(rag=r, k=5, collection="a").invoke(q)
         assert docs and {d.metadata["ragkv_chunk_id"] for d in docs} <= a_ids
         assert RagkvRetriever(rag=r, k=5).invoke(q) == []  # the default collection is empty
 
         chat = ChatRagkv(rag=r, max_new_tokens=2, collection="a")
-        _reused(chat.invoke(q, chunks=docs).response_metadata["ragkv"], len(docs))
+        assert_chunks_reused(chat.invoke(q, chunks=docs).response_metadata["ragkv"], len(docs))
         with pytest.raises(KeyError):  # b's chunk, by id or as the document ragkv made of it
             chat.invoke(q, chunk_ids=[min(b_ids)])
         b_info = chat.invoke(q, retrieve=True, collection="b").response_metadata["ragkv"]  # per call

@@ -2,4 +2,9 @@
 
 from __future__ import annotations
 
-from ragkv.testing.fixtures import embedder, one_thread  # noqa: F401  (fixtures, re-exported)
+from ragkv.testing.fixtures import (  # noqa: F401  (fixtures, re-exported)
+    embedder,
+    one_thread,
+    samples,
+    tiny_rag,
+)

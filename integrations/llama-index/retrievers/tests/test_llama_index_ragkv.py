@@ -22,7 +22,7 @@ from llama_index.retrievers.ragkv import RagkvLlamaEmbedding  # noqa: E402
 
 from ragkv import LLM  # noqa: E402
 from ragkv.rag import RAG  # noqa: E402
-from ragkv.testing import musique_samples, stories_path  # noqa: E402
+from ragkv.testing import checkout_harness, musique_samples, stories_path, texts_rag  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +127,10 @@ def real_rag(tmp_path_factory, embedder):
     except ModelFetchError as e:
         pytest.skip(f"default model not available: {e}")
     texts = [c["text"].strip()[:700] for s in musique_samples(2) for c in s["ctxs"][:3]]
-    r = RAG(  # the reuse paths at an explicit ratio (the gate's default on this model is exact prefill)
-        LLM(DEFAULT_MODEL),
-        tmp_path_factory.mktemp("li-real") / "data",
-        embedder=embedder,
-        chunk_tokens=128,
-        ratio=DEFAULT_RATIO,
+    # the reuse paths at an explicit ratio (the gate's default on this model is exact prefill)
+    r = texts_rag(
+        tmp_path_factory.mktemp("li-real") / "data", texts, embedder, DEFAULT_MODEL, chunk_tokens=128
     )
-    r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
-    r.texts = texts
     yield r
     r.close()
 
@@ -150,15 +145,6 @@ def _check_standard(res, rag) -> None:
     assert res.same_job and res.info["num_tokens"] == res.explicit_tokens, row
 
 
-def _standard_paths():
-    """The checkout's harness of the frameworks' standard paths (``eval/standard_paths.py``, shared with
-    ``python -m eval.bench_flat_reuse``): importable in a run from the repository's root, where the core
-    suite's ``tests`` package puts the checkout on the path; these two tests skip in a run from this folder."""
-    return pytest.importorskip(
-        "eval.standard_paths", reason="the checkout's eval/ (run from the repository root)"
-    )
-
-
 @pytest.mark.slow
 def test_standard_query_engine_answers_as_the_explicit_chunks_do(real_rag, embedder, one_thread):
     """``VectorStoreIndex.from_documents(docs).as_query_engine(llm=RagkvLlamaLLM(...))``: LlamaIndex
@@ -166,7 +152,7 @@ def test_standard_query_engine_answers_as_the_explicit_chunks_do(real_rag, embed
     (recorded by LlamaIndex's instrumentation, not a mock). For sync, streaming and async queries:
     >= 90% of the context's tokens come from stored KV, and the answer equals the explicit form's
     (the same prompt text, each stored chunk in it given as that chunk, ``RAG.job(locate=False)``)."""
-    standard = _standard_paths()
+    standard = checkout_harness("standard_paths")
     KINDS, compare, llama_calls, llamaindex_answer, recording = (
         standard.KINDS, standard.compare, standard.llama_calls, standard.llamaindex_answer, standard.recording
     )  # fmt: skip
@@ -196,7 +182,7 @@ def test_node_parser_makes_long_documents_nodes_the_stored_chunks(real_rag, embe
     are not ingested again; the nodes resolve to their chunks for ``chunks=`` too."""
     from llama_index.retrievers.ragkv import RagkvNodeParser
 
-    standard = _standard_paths()
+    standard = checkout_harness("standard_paths")
     compare, llama_calls, llamaindex_answer, recording = (
         standard.compare, standard.llama_calls, standard.llamaindex_answer, standard.recording
     )  # fmt: skip
