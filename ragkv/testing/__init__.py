@@ -248,9 +248,9 @@ def two_collections_rag(data_dir: Path | str, embedder=None) -> TwoCollections:
 
 def checkout_harness(name: str):
     """The checkout's ``eval.<name>`` (e.g. ``standard_paths``, the frameworks' standard paths that
-    ``python -m eval.bench_flat_reuse`` measures): importable in a run from the repository's root, where
-    the core suite's ``tests`` package puts the checkout on the path; the calling test skips elsewhere
-    (a distribution's suite run from its own folder)."""
+    ``python -m eval.bench_flat_reuse`` measures): importable in a run from the repository's root
+    (``python -m pytest`` puts it on the path); the calling test skips elsewhere (a distribution's suite
+    run from its own folder)."""
     import pytest
 
     return pytest.importorskip(f"eval.{name}", reason="the checkout's eval/ (run from the repository root)")
