@@ -36,17 +36,9 @@ import httpx
 
 from eval.harness import ForkedProcess, launch_server, stop_server
 from eval.prompts import DATA_DIR, TINY_MODEL
+from ragkv.metrics import percentile
 
 MODES = ("blend", "full")
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); nan for no data."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
-    return s[k]
 
 
 def start_server(

@@ -41,10 +41,11 @@ from types import SimpleNamespace
 
 import httpx
 
-from eval.bench_api import percentile, start_server
+from eval.bench_api import start_server
 from eval.faults import WORDS, make_docs
 from eval.harness import stop_server
 from eval.prompts import TINY_MODEL
+from ragkv.metrics import percentile
 
 MB = 1_000_000
 

@@ -22,14 +22,14 @@ from collections.abc import Callable
 
 import torch
 
-from eval.prompts import DATA_DIR
+from ragkv.testing import structured_schemas
 
 SEPARATORS = (", ", ": ")
 
 
 def schema_set() -> list[dict]:
     """The 10 schemas (name, prompt, schema, example) the structured-output tests use too."""
-    return json.loads((DATA_DIR / "structured_schemas.json").read_text())
+    return structured_schemas()
 
 
 def allowed_of(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

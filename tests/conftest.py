@@ -1,21 +1,19 @@
-"""Shared test fixtures: ``redis-server`` processes on free loopback ports, one torch thread, the embedder;
-hypothesis without wall-time limits."""
+"""The core suite's fixtures: ragkv.testing's (``redis-server`` processes on free loopback ports, one
+torch thread, the embedder, an empty fidelity cache); hypothesis without wall-time limits."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
-from collections.abc import Iterator
-
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from eval.harness import free_port
-from tests.helpers import worker_threads
+from ragkv.testing import worker_threads
+from ragkv.testing.fixtures import (  # noqa: F401  (fixtures for every test below)
+    embedder,
+    fidelity_cache,
+    make_redis_server,
+    one_thread,
+    redis_server,
+)
 
 # each pytest-xdist worker takes its share of the cores (tests.helpers.worker_threads); fixtures that want
 # one thread (``one_thread``) still set it
@@ -25,158 +23,3 @@ torch.set_num_threads(worker_threads())
 #: neighbours on a shared 2-core machine, not the code: off for the whole suite (issue 36)
 settings.register_profile("ragkv", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ragkv")
-
-REDIS_BIN = shutil.which("redis-server")
-#: modules whose async tests share one event loop (a client bound to its first loop, like ChatOpenAI's)
-SHARED_LOOP_MODULES = ("test_chatopenai_standard.py",)
-
-
-def pytest_collection_modifyitems(items):
-    """Async tests of :data:`SHARED_LOOP_MODULES` run on one module-scoped loop (a marker on the sync
-    tests would only warn, so it goes on the coroutines alone)."""
-    import inspect
-
-    for item in items:
-        fn = getattr(item, "function", None)
-        if item.path.name in SHARED_LOOP_MODULES and fn is not None and inspect.iscoroutinefunction(fn):
-            item.add_marker(pytest.mark.asyncio(loop_scope="module"), append=False)
-
-
-NO_REDIS_REASON = "redis-server binary not found on PATH (install it, e.g. `apt-get install redis-server`)"
-
-
-class RedisServer:
-    """A throwaway ``redis-server`` (no persistence) bound to 127.0.0.1; ``kill`` it to test outages."""
-
-    def __init__(self, port: int | None = None) -> None:
-        if REDIS_BIN is None:
-            pytest.skip(NO_REDIS_REASON)
-        self.port = port or free_port()
-        self.dir = tempfile.mkdtemp(prefix="ragkv-redis-")
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        """(Re)start the server on the same port; waits until it answers PING."""
-        self.proc = subprocess.Popen(
-            [
-                REDIS_BIN,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                self.dir,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--daemonize",
-                "no",
-                "--protected-mode",
-                "yes",
-                "--loglevel",
-                "warning",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
-            if self.ping():
-                return
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer within 10 s")
-
-    def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        """SIGKILL, as in a crash; the port stays free for :meth:`start`."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if self.proc is not None and self.proc.stderr:
-            self.proc.stderr.close()
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """One Redis shared by the whole session; tests isolate themselves with unique key prefixes."""
-    server = RedisServer()
-    try:
-        yield server
-    finally:
-        server.cleanup()
-
-
-@pytest.fixture
-def make_redis_server() -> Iterator:
-    """Factory for private Redis servers (for tests that kill or restart them); all stopped at teardown."""
-    servers: list[RedisServer] = []
-
-    def make() -> RedisServer:
-        s = RedisServer()
-        servers.append(s)
-        return s
-
-    try:
-        yield make
-    finally:
-        for s in servers:
-            s.cleanup()
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """The tiny model runs fastest (and fairest to other jobs) on one intra-op thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    """The RAG's default embedder (one per test module)."""
-    from ragkv.rag import Embedder
-
-    return Embedder()
-
-
-@pytest.fixture
-def fidelity_cache(tmp_path, monkeypatch):
-    """An empty ragkv cache for this test (fidelity reports, converted models), and a fidelity gate
-    that forgets what it read before."""
-    from ragkv.fidelity import GATE
-
-    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
-    GATE.forget()
-    yield tmp_path
-    GATE.forget()

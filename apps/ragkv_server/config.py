@@ -56,7 +56,7 @@ class ConfigError(ValueError):
 
 
 class Settings(BaseSettings):
-    """Everything the service, ``ragkv ingest`` and ``ragkv ask`` need (see the module docstring)."""
+    """Everything the service, ``ragkv-server ingest`` and ``ragkv-server ask`` need (see the module docstring)."""
 
     model_config = SettingsConfigDict(env_prefix="RAGKV_", extra="forbid", protected_namespaces=())
 

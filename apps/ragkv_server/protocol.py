@@ -14,13 +14,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 
+from cachetools import LRUCache
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ragkv.rag import WarnThrottle
 
 log = logging.getLogger("ragkv.server")
+
+
+class PendingHeads(LRUCache):
+    """Connections waiting for a request head, the least recently armed first; past ``maxsize`` the
+    oldest is closed (cachetools evicts through :meth:`popitem`)."""
+
+    def popitem(self):
+        key, oldest = super().popitem()
+        oldest._disarm()
+        if not oldest.transport.is_closing():
+            oldest.warn.warning(
+                "pending", "over %d connections without a request head: closing the oldest", self.maxsize
+            )
+            oldest.transport.close()
+        return key, oldest
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):
@@ -29,7 +44,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     header_timeout: float = 10.0
     max_pending: int = 64
     #: connections waiting for a request head, oldest first (per server: see header_timeout_protocol)
-    pending: OrderedDict[int, HeaderTimeoutH11Protocol] = OrderedDict()
+    pending: PendingHeads = PendingHeads(max_pending)
     warn: WarnThrottle = WarnThrottle(log)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -41,17 +56,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     def _arm(self) -> None:
         self._disarm()
         self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
-        self.pending[id(self)] = self
-        while len(self.pending) > self.max_pending:
-            _, oldest = self.pending.popitem(last=False)
-            oldest._disarm()
-            if not oldest.transport.is_closing():
-                self.warn.warning(
-                    "pending",
-                    "over %d connections without a request head: closing the oldest",
-                    self.max_pending,
-                )
-                oldest.transport.close()
+        self.pending[id(self)] = self  # past max_pending the oldest is closed (PendingHeads.popitem)
 
     def _disarm(self) -> None:
         timer = getattr(self, "_head_timer", None)
@@ -89,7 +94,7 @@ def header_timeout_protocol(timeout_s: float, max_pending: int = 64) -> type[Hea
     attrs = {
         "header_timeout": timeout_s,
         "max_pending": max_pending,
-        "pending": OrderedDict(),
+        "pending": PendingHeads(max_pending),
         "warn": WarnThrottle(log),
     }
     return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), attrs)

@@ -1,6 +1,6 @@
 """The ragkv HTTP service (FastAPI): ingest, query, an OpenAI-compatible chat endpoint, health, metrics.
 
-``python -m ragkv_server.server [--config FILE] [--host H] [--port P] ...`` or ``ragkv serve``; API reference
+``python -m ragkv_server.server [--config FILE] [--host H] [--port P] ...`` or ``ragkv-server serve``; API reference
 in docs/API.md. Errors are ``{"error": {"message", "type", "code"}}`` with 401 / 403 / 404 / 408 / 413 /
 422 / 429 / 503 for a missing or wrong API key, a key without write scope, unknown ids, a body too slow
 to arrive, too-large bodies or prompts, bad input and a busy or stopping server.

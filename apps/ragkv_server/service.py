@@ -841,7 +841,7 @@ def lock_data_dir(data_dir: Path):
         f.close()
         raise DataDirLocked(
             f"{data_dir} is in use by another ragkv writer (pid {holder}); stop it, use another data_dir, "
-            "or ingest through the running service: ragkv ingest --url http://HOST:PORT FILES"
+            "or ingest through the running service: ragkv-server ingest --url http://HOST:PORT FILES"
         ) from None
     f.seek(0)
     f.truncate()

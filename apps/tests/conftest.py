@@ -1,27 +1,22 @@
-"""Fixtures of ragkv-server's tests: the core suite's (Redis servers, one torch thread, the embedder),
-importable from a checkout, and one event loop per module for clients bound to their first loop."""
+"""Fixtures of ragkv-server's tests: ragkv.testing's (Redis servers, one torch thread, the embedder), and
+one event loop per module for clients bound to their first loop."""
 
 from __future__ import annotations
 
 import inspect
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if (
-    str(REPO) not in sys.path
-):  # the core suite's helpers (tests.helpers) and eval.harness live in the checkout
-    sys.path.insert(0, str(REPO))
-
-from tests.conftest import (  # noqa: E402, F401  (fixtures, re-exported)
-    SHARED_LOOP_MODULES,
+from ragkv.testing.fixtures import (  # noqa: F401  (fixtures, re-exported)
     embedder,
+    fidelity_cache,
     make_redis_server,
     one_thread,
     redis_server,
 )
+
+#: modules whose async tests share one event loop (a client bound to its first loop, like ChatOpenAI's)
+SHARED_LOOP_MODULES = ("test_chatopenai_standard.py",)
 
 
 def pytest_collection_modifyitems(items):

@@ -16,12 +16,12 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from helpers_service import LIMITS
+from helpers_service import service_docs as _docs
 
-from eval.harness import launch_server, stop_server
 from ragkv.generate import SamplingParams
-from tests.helpers import CHATML_TEMPLATE, INST_TEMPLATE, musique_samples, template_ids, templated_checkpoint
-from tests.helpers_service import LIMITS
-from tests.helpers_service import service_docs as _docs
+from ragkv.testing import CHATML_TEMPLATE, INST_TEMPLATE, musique_samples, template_ids, templated_checkpoint
+from ragkv_server.testing import launch_server, stop_server
 
 openai = pytest.importorskip("openai")
 

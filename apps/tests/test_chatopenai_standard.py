@@ -19,9 +19,10 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa:
 
 pytestmark = pytest.mark.slow  # the real model on a live service: ~100 s on 2 cores
 
+from helpers_service import running_server  # noqa: E402
+
 from ragkv import DEFAULT_MODEL  # noqa: E402
-from tests.helpers import worker_threads  # noqa: E402
-from tests.helpers_service import running_server  # noqa: E402
+from ragkv.testing import worker_threads  # noqa: E402
 
 # one event loop for this module's async tests (tests/conftest.py: SHARED_LOOP_MODULES): ChatOpenAI
 # keeps its async HTTP client across calls, as an application's one loop would; a fresh loop per

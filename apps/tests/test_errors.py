@@ -9,7 +9,7 @@ import pytest
 
 from ragkv.kv import KVMismatchError, compute_chunk_kv
 from ragkv.store import MemoryStore
-from tests.helpers import stories_model
+from ragkv.testing import stories_model
 
 
 class _BuggyStore(MemoryStore):

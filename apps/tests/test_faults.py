@@ -20,15 +20,14 @@ import httpx
 import numpy as np
 import pytest
 
-from eval import faults
 from ragkv import LLM
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.rag import RAG, ChunkIndex, IngestCancelled
 from ragkv.store import LocalDirStore
 from ragkv.store import blob as blobfmt
+from ragkv.testing import stories_model, synthetic_docs
 from ragkv_server.config import Settings
 from ragkv_server.service import ClientGoneError, Service, UnavailableError
-from tests.helpers import stories_model, stories_path
 
 W_KEY = "write-key-0123456789abcdef"
 R_KEY = "read-key-0123456789abcdef"
@@ -42,18 +41,6 @@ def _rag(path: Path, embedder, **kw) -> RAG:
 
 
 # ---- kill -9 during ingest ---------------------------------------------------------------------------
-@pytest.mark.slow
-def test_kill9_during_ingest_loses_no_acknowledged_document(tmp_path, one_thread):
-    """2 SIGKILLs at random points of a 16-document ingest, the children forked from a fork server that
-    has done their imports (a fresh interpreter costs ~8 s of them on 2 cores); ``python -m eval.faults
-    --soak`` runs 20 of a 100-document ingest by hand, in fresh interpreters."""
-    res = faults.run(rounds=2, n_docs=16, seed=7, model=str(stories_path()), workdir=tmp_path, fork=True)
-    print(json.dumps({k: v for k, v in res.items() if k != "per_round"}))
-    assert res["kills"] == 2
-    assert res["acknowledged_lost"] == 0
-    assert res["half_written_listed"] == 0 and res["unretrievable"] == 0
-    assert res["orphan_kv_blobs"] == 0 and res["orphan_tmp_files"] == 0 and res["intents_left"] == 0
-    assert res["final_complete"] and res["answers_identical_to_clean"]
 
 
 # ---- the index: recovery and incremental persistence -----------------------------------------------
@@ -111,7 +98,7 @@ def test_index_from_before_the_fix_drops_a_half_written_document(tmp_path):
 def test_multi_document_ingest_is_all_or_none_and_leaves_no_kv(tmp_path, embedder, one_thread):
     rag = _rag(tmp_path, embedder, ingest_batch=1)
     docs = [
-        {"id": "one", "text": faults.make_docs(1, 1)[0]["text"]},
+        {"id": "one", "text": synthetic_docs(1, 1)[0]["text"]},
         {"id": "two", "text": "Lily ran. " * 60},
     ]
     from ragkv.rag import split_tokens
@@ -271,7 +258,7 @@ def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, ma
     store = RedisStore(redis.url, prefix="outage:", down_backoff_s=0.2, warn_every_s=60.0, socket_timeout=1.0)
     rag = _rag(tmp_path, embedder, store=store)
     rag._warn.every_s = 60.0
-    docs = faults.make_docs(3, seed=21)
+    docs = synthetic_docs(3, seed=21)
     rag.ingest(docs, show_progress=False)
     recs = [r for d in docs for r in rag.index.chunks_of(d["id"])][:4]
     s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
@@ -299,7 +286,7 @@ def test_store_outage_warnings_are_throttled_with_a_count(tmp_path, embedder, ma
                         json={"prompt": prompt, "max_tokens": 2, "kv_transfer_params": params},
                     ).status_code
                 )
-            doc = {"id": "during-outage", "text": faults.make_docs(1, seed=22)[0]["text"]}
+            doc = {"id": "during-outage", "text": synthetic_docs(1, seed=22)[0]["text"]}
             codes.append(client.post("/v1/documents", json={"documents": [doc]}).status_code)
             rag.flush()  # the write-backs of the recomputed chunks (they fail too)
             burst = [r for r in caplog.records if r.name.startswith("ragkv")]
@@ -487,7 +474,7 @@ def test_slow_bodies_get_408_and_half_open_connections_cannot_starve_healthz(tmp
     """A body that stops arriving gets 408 (and the connection closed) within ``body_timeout_s``;
     connections that never send their request head are capped (the oldest closed), so they never fill
     uvicorn's connection limit: /healthz on a fresh connection keeps answering 200."""
-    from tests.helpers_service import running_server
+    from helpers_service import running_server
 
     env = {
         "RAGKV_BODY_TIMEOUT_S": "1.5",
@@ -537,10 +524,10 @@ def test_slow_bodies_get_408_and_half_open_connections_cannot_starve_healthz(tmp
 
 @pytest.mark.slow
 def test_32_clients_race_deletes_and_queries_against_a_serial_reference(tmp_path, one_thread):
-    from tests.helpers_service import running_server
+    from helpers_service import running_server
 
-    stable = [{"id": f"st-{i}", "text": d["text"]} for i, d in enumerate(faults.make_docs(4, seed=11))]
-    churn = [{"id": f"ch-{i}", "text": d["text"]} for i, d in enumerate(faults.make_docs(8, seed=12))]
+    stable = [{"id": f"st-{i}", "text": d["text"]} for i, d in enumerate(synthetic_docs(4, seed=11))]
+    churn = [{"id": f"ch-{i}", "text": d["text"]} for i, d in enumerate(synthetic_docs(8, seed=12))]
     extra = {"RAGKV_MAX_QUEUE": "64", "RAGKV_HEADER_TIMEOUT_S": "1.5", "RAGKV_QUEUE_TIMEOUT_S": "120"}
     with running_server(tmp_path, **extra) as base, httpx.Client(base_url=base, timeout=120) as c:
         assert 1.0 < _slow_client_is_cut(base) < 15  # header timeout 1.5 s: 10x
@@ -669,20 +656,6 @@ def test_store_header_read_checks_the_key(tmp_path, one_thread):
 
 
 # ---- the ingest-load benchmark at smoke size ---------------------------------------------------------
-@pytest.mark.slow
-def test_bench_ingest_load_runs_and_reports_sane_fields():
-    """eval.bench_ingest_load at a small size (the 50 MB goal is measured by hand: docs/BENCHMARKS.md)."""
-    from eval import bench_ingest_load
-
-    res = bench_ingest_load.main(
-        ["--mb", "0.2", "--doc-chars", "100000", "--runs", "1", "--queries", "6", "--load-s", "3"]
-        + ["--alone-s", "1", "--base-docs", "10", "--fork-server"]
-    )
-    assert res["errors"] == 0 and res["healthz_errors"] == 0
-    assert res["upload_bytes"] >= 200_000 and res["upload_documents"] == 2
-    assert 0 < res["idle_p50_ms"] <= res["idle_p99_ms"] and 0 < res["load_p50_ms"] <= res["load_p99_ms"]
-    assert res["p99_ratio"] > 0 and res["healthz_polls_during_load"] >= 20 and res["healthz_max_ms"] > 0
-    assert res["ingest_running_at_end"] and res["documents_unchanged_after_cut"]  # cut: nothing committed
 
 
 # ---- disk full during KV writes -----------------------------------------------------------------------

@@ -12,10 +12,10 @@ import operator
 
 import httpx
 import pytest
+from helpers_service import running_server
+from helpers_service import service_docs as _docs
 
-from tests.helpers import check_stop_strings, musique_samples
-from tests.helpers_service import running_server
-from tests.helpers_service import service_docs as _docs
+from ragkv.testing import check_stop_strings, musique_samples
 
 openai = pytest.importorskip("openai")
 

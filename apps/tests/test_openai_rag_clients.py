@@ -21,14 +21,20 @@ from __future__ import annotations
 import pytest
 
 from ragkv.blend import DEFAULT_RATIO
+from ragkv.testing import checkout_harness
 
 pytest.importorskip("langchain_openai")
 
-from eval.bench_openai_rag import Recorder, chat_openai, musique_passages, start_service, stuff_chain  # noqa: E402
-from eval.harness import stop_server  # noqa: E402
+# the benchmark's clients and service start (python -m eval.bench_openai_rag): a checkout's eval/, importable
+# in a run from the repository's root; this module skips in a run from apps/
+bench = checkout_harness("bench_openai_rag")
+Recorder, chat_openai, musique_passages, start_service, stuff_chain = (
+    bench.Recorder, bench.chat_openai, bench.musique_passages, bench.start_service, bench.stuff_chain
+)  # fmt: skip
 from ragkv.generate import SamplingParams  # noqa: E402
 from ragkv.rag.generation import Generated  # noqa: E402
-from tests.helpers import worker_threads  # noqa: E402
+from ragkv.testing import worker_threads  # noqa: E402
+from ragkv_server.testing import stop_server  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the real model behind a live service
 
@@ -137,7 +143,8 @@ def test_llamaindex_openai_like_query_engine(service):
     pytest.importorskip("llama_index.llms.openai_like")
     from llama_index.core import Document, VectorStoreIndex
     from llama_index.llms.openai_like import OpenAILike
-    from llama_index.retrievers.ragkv import RagkvLlamaEmbedding
+
+    RagkvLlamaEmbedding = pytest.importorskip("llama_index.retrievers.ragkv").RagkvLlamaEmbedding
 
     base, model, question, passages, rag = service
     rec = Recorder()

@@ -22,16 +22,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers_service import LIMITS, running_server
 
-from eval.harness import checkout_pythonpath
 from ragkv.kv.chunk import ChunkKV
 from ragkv.store import LocalDirStore
 from ragkv.store import blob as blobfmt
 from ragkv.store.base import decode_blob
 from ragkv.store.blob import BlobAuth
 from ragkv.store.codecs.base import get_codec
-from tests.helpers import REPO, musique_samples, stories_path
-from tests.helpers_service import LIMITS, running_server
+from ragkv.testing import musique_samples, stories_path
 
 HMAC_KEY = "blob-hmac-key-0123456789abcdef"
 W_KEY = "write-key-0123456789abcdef"
@@ -247,7 +246,7 @@ def test_every_route_but_healthz_needs_a_key(keyed):
 # ---- the store, in process -----------------------------------------------------------------------------
 def _real_chunk(seed: int = 0) -> ChunkKV:
     from ragkv.kv.compute import compute_chunk_kv
-    from tests.helpers import stories_model
+    from ragkv.testing import stories_model
 
     model = stories_model()
     g = torch.Generator().manual_seed(seed)
@@ -382,7 +381,7 @@ def test_chunk_search_and_recompute_stop_when_cancelled(tmp_path):
     """Finding: a request's chunk work was not stopped by a disconnect. Inside a cancel scope that
     says stop, the chunk search of ``/v1/completions`` raises SearchCancelled before reading anything."""
     from ragkv.blend.spans import ChunkRef, SearchCancelled, cancel_scope, request_spans
-    from tests.helpers import stories_model
+    from ragkv.testing import stories_model
 
     model = stories_model()
     store = LocalDirStore(tmp_path)
@@ -406,7 +405,7 @@ def test_completions_do_not_write_unless_asked(open_server):
     """Finding "a read route writes": /v1/completions saved the KV of every chunk it computed
     (save defaulted to true). Now nothing is stored unless save is true."""
     from ragkv.kv.chunk import chunk_key
-    from tests.helpers import stories_model
+    from ragkv.testing import stories_model
 
     c, data = open_server
     key = chunk_key([5, 6, 7, 8], stories_model().fingerprint)  # a real chunk of the prompt, not stored
@@ -554,11 +553,11 @@ def test_long_ndjson_line_does_not_stall_the_server(open_server):
 def test_second_writer_on_a_data_dir_fails_clearly(open_server):
     """One writer per data folder: a second server on the same data_dir exits with a clear message."""
     _, data = open_server
-    env = {**os.environ, **LIMITS, "RAGKV_DATA_DIR": str(data), "PYTHONPATH": checkout_pythonpath()}
+    env = {**os.environ, **LIMITS, "RAGKV_DATA_DIR": str(data)}
     env["RAGKV_MODEL"] = str(stories_path())
     p = subprocess.run(
         [sys.executable, "-m", "ragkv_server.server", "--port", "1"],
-        cwd=REPO,
+        cwd=data.parent,
         env=env,
         capture_output=True,
         text=True,
@@ -569,7 +568,7 @@ def test_second_writer_on_a_data_dir_fails_clearly(open_server):
 
 @pytest.mark.slow  # a live server and two command-line runs
 def test_ingest_beside_a_running_server_loses_nothing(open_server, tmp_path):
-    """Finding "two processes on one data folder race": ``ragkv ingest`` while ``ragkv serve`` runs
+    """Finding "two processes on one data folder race": ``ragkv-server ingest`` while ``ragkv-server serve`` runs
     deleted the server's in-flight KV, and the server never saw the new documents. Now the command
     stops before touching anything, with a message naming ``--url``; with ``--url`` it ingests through
     the running service, which indexes and stores them; nothing the server held is lost."""
@@ -582,8 +581,8 @@ def test_ingest_beside_a_running_server_loses_nothing(open_server, tmp_path):
     ]
     f = tmp_path / "docs.jsonl"
     f.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    env = {**os.environ, **LIMITS, "PYTHONPATH": checkout_pythonpath(), "RAGKV_MODEL": str(stories_path())}
-    cli = [sys.executable, "-m", "ragkv.cli", "ingest", str(f), "-q"]
+    env = {**os.environ, **LIMITS, "RAGKV_MODEL": str(stories_path())}
+    cli = [sys.executable, "-m", "ragkv_server.cli", "ingest", str(f), "-q"]
     p = subprocess.run([*cli, "--data-dir", str(data)], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "in use by another ragkv writer" in p.stderr and "--url" in p.stderr, (
         p.stderr
@@ -636,8 +635,8 @@ def test_secrets_are_secret_strings():
 
 
 def test_ingest_through_an_unreachable_service_is_a_clear_error(tmp_path, capsys):
-    """``ragkv ingest --url`` to nothing listening: a one-line error and exit 2, no traceback."""
-    from ragkv.cli import main, upload_documents
+    """``ragkv-server ingest --url`` to nothing listening: a one-line error and exit 2, no traceback."""
+    from ragkv_server.cli import main, upload_documents
 
     with pytest.raises(ValueError, match="cannot reach http://127.0.0.1:1"):
         upload_documents("http://127.0.0.1:1", [{"text": "a"}], None, None)

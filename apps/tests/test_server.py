@@ -11,12 +11,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from helpers_service import LIMITS, NEW, metric, running_server
+from helpers_service import service_docs as _docs
 
-from eval.harness import free_port
+from ragkv.testing import check_stop_strings, free_port, musique_samples, stories_path
 from ragkv_server.config import ConfigError, Settings, load_settings
-from tests.helpers import check_stop_strings, musique_samples, stories_path
-from tests.helpers_service import LIMITS, NEW, metric, running_server
-from tests.helpers_service import service_docs as _docs
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
 
@@ -497,7 +496,7 @@ def test_schemathesis_finds_no_server_errors(server, ingested):
 def engine_client(request, tmp_path_factory, samples):
     """A second server: generation through ragkv.engine, chunk KV in Redis when redis-server is installed."""
     pytest.importorskip("ragkv.engine")
-    from tests.conftest import REDIS_BIN
+    from ragkv.testing.fixtures import REDIS_BIN
 
     env = {"RAGKV_GENERATION": "engine"}
     if REDIS_BIN is not None:
@@ -561,29 +560,7 @@ def test_engine_generation_32_concurrent_queries(engine_client, samples):
     assert [r.json()["answer"] for r in rs] == [want[i % 2] for i in range(32)]
 
 
-# ---- command line ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cmd", ["demo", "ingest", "ask", "serve", "eval"])
-def test_cli_subcommands_have_help(cmd, capfd):
-    from ragkv.cli import main
-
-    if cmd == "eval":  # runs the checkout's eval.run as a child process: its exit status is returned
-        pytest.importorskip("eval.run")
-        assert main([cmd, "--help"]) == 0
-    else:
-        with pytest.raises(SystemExit) as e:
-            main([cmd, "--help"])
-        assert e.value.code == 0
-    out = capfd.readouterr().out
-    flag = {
-        "demo": "--questions",
-        "ingest": "--limit",
-        "ask": "--compare",
-        "serve": "--port",
-        "eval": "--dataset",
-    }[cmd]
-    assert out.startswith("usage:") and flag in out
-
-
 # ---- stop strings: never emitted, finish_reason from the generation --------------------------------------
 def _query_sse(client: httpx.Client, body: dict) -> list[tuple[str, dict]]:
     """The ``(event, data)`` pairs of a streamed ``/v1/query``."""
@@ -661,40 +638,13 @@ def test_engine_generation_stop_strings_never_leak(engine_client, samples):
 def test_one_source_of_generation_defaults():
     from ragkv.cli import build_parser
     from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
-    from ragkv.frameworks import RagkvOptions
     from ragkv.generate import SamplingParams
     from ragkv.remote.client import completion_body
+    from ragkv_server.cli import build_parser as server_cli
 
     n = DEFAULT_MAX_NEW_TOKENS
-    assert SamplingParams().max_new_tokens == n == RagkvOptions.model_fields["max_new_tokens"].default
+    assert SamplingParams().max_new_tokens == n
     assert Settings.model_fields["max_new_tokens"].default == n
     assert completion_body("m", [1], None)["max_tokens"] == n
     assert build_parser().parse_args(["demo"]).max_new_tokens == n  # was 24 (ask: 32, RAG.answer: 32)
-    assert build_parser().parse_args(["ask", "q"]).max_new_tokens is None  # the settings' (shared with serve)
-
-
-def test_ask_and_serve_take_the_demos_prompt_settings(tmp_path):
-    import json
-
-    from ragkv.cli import DEMO_CORPUS, _settings
-    from ragkv.cli import build_parser as cli_parser
-    from ragkv.rag import prompt_options, prompt_parts
-    from ragkv_server.server import build_parser as server_parser
-    from ragkv_server.server import settings_from_args
-    from ragkv_server.service import build_rag
-
-    corpus = json.loads(DEMO_CORPUS.read_text())
-    served = settings_from_args(server_parser().parse_args(["--prompt-file", str(DEMO_CORPUS)]))
-    assert served.prompt_file == DEMO_CORPUS
-    flags = ["--model", str(stories_path()), "--data-dir", str(tmp_path), "--prompt-file", str(DEMO_CORPUS)]
-    s = _settings(cli_parser().parse_args(["ask", "Who?", *flags]))
-    rag = build_rag(s)
-    try:
-        assert (
-            rag.examples == [tuple(e) for e in corpus["examples"]]
-            and rag.instruction == corpus["instruction"]
-        )
-        want = prompt_parts(rag.model, "Who?", **prompt_options(corpus))  # what `ragkv demo` asks
-        assert rag.prompt_parts("Who?") == want != prompt_parts(rag.model, "Who?")
-    finally:
-        rag.close()
+    assert server_cli().parse_args(["ask", "q"]).max_new_tokens is None  # the settings' (shared with serve)

@@ -17,14 +17,22 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from eval.bench_structured import schema_set  # noqa: E402
-from tests.helpers import worker_threads  # noqa: E402
-from tests.helpers_service import running_server  # noqa: E402
-from tests.unit.constrain.test_constrain import check_output  # noqa: E402
+from helpers_service import running_server  # noqa: E402
+
+from ragkv.testing import structured_schemas, worker_threads  # noqa: E402
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
 
 MODEL = "stories260k"
+
+
+def check_output(text: str, schema: dict) -> dict:
+    """``text`` parsed, after checking it is JSON matching ``schema``."""
+    obj = json.loads(text)
+    jsonschema.validate(obj, schema)
+    return obj
+
+
 LONG = {"RAGKV_MAX_NEW_TOKENS": "120", "RAGKV_MAX_NEW_TOKENS_LIMIT": "200"}
 NO_RAG = {"ragkv": {"retrieve": False}}
 #: schemas the story model closes greedily within 120 tokens (it rambles on numbers of the others)
@@ -43,7 +51,7 @@ def client(server):
 
 
 def _case(name: str) -> dict:
-    return next(c for c in schema_set() if c["name"] == name)
+    return next(c for c in structured_schemas() if c["name"] == name)
 
 
 def _fmt(case: dict) -> dict:
@@ -93,7 +101,7 @@ def test_the_token_limit_cuts_the_json_with_finish_reason_length(client):
 
 def test_every_schema_is_valid_whenever_it_stops(client):
     stopped = 0
-    for case in schema_set():
+    for case in structured_schemas():
         for stream in (False, True):
             if not stream:
                 c = _chat(client, case).choices[0]
@@ -308,7 +316,7 @@ def test_chat_openai_with_structured_output_is_valid_whenever_it_stops(server):
     with "length", which langchain-openai raises as the openai client's ``LengthFinishReasonError``."""
     chat = _chat_openai(server, MODEL)
     parsed = 0
-    for case in schema_set():
+    for case in structured_schemas():
         try:
             out = chat.with_structured_output(case["schema"], method="json_schema").invoke(case["prompt"])
         except openai.LengthFinishReasonError:
@@ -355,7 +363,7 @@ def test_chat_openai_structured_output_on_the_real_model_ten_of_ten(tmp_path):
         pull(DEFAULT_MODEL, quiet=True)
     except ModelFetchError as e:
         pytest.skip(f"default model not available: {e}")
-    cases = schema_set()
+    cases = structured_schemas()
     env = {
         **LONG,
         "RAGKV_MODEL": DEFAULT_MODEL,

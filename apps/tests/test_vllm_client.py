@@ -12,10 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers_service import LIMITS
 
-from eval.harness import free_port, spawn_server, stop_server, wait_for_server
 from ragkv import LLM, compute_chunk_kv
-from ragkv.frameworks import format_docs
 from ragkv.generate import TokenEvent
 from ragkv.rag import RAG, Embedder, RagAnswer
 from ragkv.remote.client import (
@@ -26,8 +25,8 @@ from ragkv.remote.client import (
     VllmUnavailableError,
     build_prompt,
 )
-from tests.helpers import musique_samples, stories_model
-from tests.helpers_service import LIMITS
+from ragkv.testing import free_port, musique_samples, stories_model
+from ragkv_server.testing import spawn_server, stop_server, wait_for_server
 
 pytestmark = pytest.mark.slow  # live server processes (scripts/test.sh runs them in the native pass)
 
@@ -252,7 +251,7 @@ def test_openai_shapes_text_prompt_and_models(servers):
 # ---- the wrappers over the vLLM backend ------------------------------------------------------------
 def test_langchain_over_vllm_backend(rag, vrag, samples):
     pytest.importorskip("langchain_core")
-    from langchain_ragkv import ChatRagkv, RagkvLLM
+    from langchain_ragkv import ChatRagkv, RagkvLLM, format_docs
 
     q = samples[0]["question"]
     ids = [f"ragkv:{r.chunk_id}" for r in rag.retrieve(q)]

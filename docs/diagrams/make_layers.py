@@ -39,20 +39,20 @@ DESCRIBE = {
     "rag": "ingest, index, retrieve, answer: one query path",
     "demo": "the demo corpus",
     "__init__": "the public API (import ragkv)",
-    "cli": "ragkv demo / ingest / ask / serve / calibrate / eval",
+    "testing": "what every test suite shares: the tiny model, fixtures",
+    "cli": "ragkv demo / models / calibrate / adapter / eval",
 }
-#: units of tests/project/test_layout.py's RANK that become their own distributions (drawn in the top band)
-EDGE_UNITS = ("integrations", "apps")
 #: the distributions that depend on ragkv: (folder, distribution, what it is)
 DISTRIBUTIONS = (
-    ("integrations/langchain", "langchain-ragkv", "LangChain models, retriever, splitter"),
+    ("integrations/frameworks", "ragkv-frameworks", "what the integrations share"),
+    ("integrations/langchain", "langchain-ragkv", "LangChain models,\nretriever, splitter"),
     (
         "integrations/llama-index",
         "llama-index-llms-ragkv\nllama-index-retrievers-ragkv",
         "LlamaIndex LLM, retriever",
     ),
     ("integrations/vllm", "ragkv-vllm", "vLLM plugin: KV connector"),
-    ("apps/", "ragkv-server", "HTTP service (ragkv serve)"),
+    ("apps/", "ragkv-server", "HTTP service, its CLI"),
 )
 CHECKOUT = (
     ("eval/", "evaluation, benchmarks"),
@@ -83,7 +83,7 @@ def draw(ranks: dict[str, float], out: Path = OUT) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-    core = {u: r for u, r in ranks.items() if u not in EDGE_UNITS}
+    core = dict(ranks)
     rows = sorted({r for r in core.values()})
     row_h, gap, width = 0.62, 0.12, 10.0
     top_band = 1.35
@@ -155,6 +155,7 @@ def draw(ranks: dict[str, float], out: Path = OUT) -> Path:
             "#fff6e0",
             "#c08a1e",
             dashed=True,
+            size=8.5,
         )
     ax.text(
         width / 2, yb + top_band - 0.18, "distributions that depend on ragkv (own pyproject, README, tests)",

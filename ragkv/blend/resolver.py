@@ -12,14 +12,15 @@ so a chunk deleted while a query runs stays deleted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
+from cachetools import LRUCache
 
 from ragkv.blend.core import PrefillResult
 from ragkv.blend.locate import ChunkLocator, Located, split_at_chunks
@@ -107,8 +108,8 @@ class ChunkResolver:
         self.write_back = write_back or (store_always(store) if store is not None else None)
         self.cache_bytes = int(cache_bytes)
         self.pipelined = pipelined
-        self._mem: OrderedDict[str, ChunkKV] = OrderedDict()
-        self._mem_bytes = 0
+        #: the memory LRU of chunk KV, bounded by its tensors' bytes
+        self._mem: LRUCache[str, ChunkKV] = LRUCache(max(self.cache_bytes, 1), getsizeof=ChunkKV.nbytes)
         self._lock = threading.Lock()
         self._writer = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragkv-kv-writeback")
@@ -141,33 +142,27 @@ class ChunkResolver:
     def cached(self, key: str) -> ChunkKV | None:
         """The chunk's KV if it is in memory (no I/O)."""
         with self._lock:
-            kv = self._mem.get(key)
+            kv = self._mem.get(key)  # a hit becomes the most recently used
             if kv is not None:
-                self._mem.move_to_end(key)
                 self.counters["memory_hits"] += 1
             return kv
 
     def remember(self, kv: ChunkKV) -> None:
-        """Keep ``kv`` in the memory LRU (bounded by ``cache_bytes``; the newest always stays)."""
+        """Keep ``kv`` in the memory LRU (bounded by ``cache_bytes``: the least recently used chunks
+        go first; a chunk larger than the whole bound is not kept)."""
         if self.cache_bytes <= 0:
             return
         with self._lock:
-            if kv.key in self._mem:
-                self._mem.move_to_end(kv.key)
+            if self._mem.get(kv.key) is not None:  # already kept: now the most recently used
                 return
-            self._mem[kv.key] = kv
-            self._mem_bytes += kv.nbytes()
-            while self._mem_bytes > self.cache_bytes and len(self._mem) > 1:
-                _, old = self._mem.popitem(last=False)
-                self._mem_bytes -= old.nbytes()
+            with contextlib.suppress(ValueError):  # cachetools' "value too large": larger than the bound
+                self._mem[kv.key] = kv
 
     def forget(self, keys) -> None:
         """Drop chunks from memory (their documents were deleted)."""
         with self._lock:
             for k in keys:
-                old = self._mem.pop(k, None)
-                if old is not None:
-                    self._mem_bytes -= old.nbytes()
+                self._mem.pop(k, None)
 
     # ---- computing and writing back ----------------------------------------------------------
     def compute(self, token_ids: Sequence[int], write_back: bool = True) -> ChunkKV:

@@ -3,7 +3,7 @@
 from ragkv.engine.async_engine import AsyncEngine, AsyncRequestHandle
 from ragkv.engine.block_manager import BlockAccountingError, BlockManager, OutOfBlocksError
 from ragkv.engine.engine import Engine, EngineConfig
-from ragkv.engine.metrics import EngineMetrics, FusionStats, RequestMetrics, percentile
+from ragkv.engine.metrics import EngineMetrics, FusionStats, RequestMetrics
 from ragkv.engine.paged_cache import KVPool, PagedCacheError, PagedSequence, batched_decode_step
 from ragkv.engine.provider import ChunkNotFoundError, ChunkRef, KVFetcher
 from ragkv.engine.request import (
@@ -14,6 +14,7 @@ from ragkv.engine.request import (
     RequestStatus,
 )
 from ragkv.engine.scheduler import EngineBusyError, RequestTooLargeError, Scheduler, SchedulerConfig
+from ragkv.metrics import percentile
 
 __all__ = [
     "AsyncEngine",

@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation; NaN for no values."""
-    xs = sorted(v for v in values if v is not None and not math.isnan(v))
-    if not xs:
-        return float("nan")
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 @dataclass

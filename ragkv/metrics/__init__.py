@@ -1,6 +1,7 @@
-"""Fidelity of reused KV vs full prefill, and answer quality (SQuAD-style F1 / EM)."""
+"""Fidelity of reused KV vs full prefill, answer quality (SQuAD-style F1 / EM), and percentiles."""
 
 from ragkv.metrics.fidelity import attention_deviation, first_token_agreement, first_token_kl
+from ragkv.metrics.stats import percentile
 from ragkv.metrics.text import answer_recall, exact_match, max_over_golds, normalize_answer, token_f1
 
 __all__ = [
@@ -11,5 +12,6 @@ __all__ = [
     "first_token_kl",
     "max_over_golds",
     "normalize_answer",
+    "percentile",
     "token_f1",
 ]

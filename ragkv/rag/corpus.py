@@ -103,7 +103,7 @@ class Corpus:
         if store is None or isinstance(store, (str, Path, dict)):
             # the applications' default (the CLI's and the service's): the compact codec unless the
             # URL names one, and blobs of the earlier raw default still decode, so a data folder
-            # written by `ragkv serve` / `ragkv ingest` is read here, not recomputed
+            # written by `ragkv-server serve` / `ragkv-server ingest` is read here, not recomputed
             spec = (
                 dict(store)
                 if isinstance(store, dict)

@@ -11,7 +11,8 @@ could merge with its neighbours, which the connector detects and then simply rec
 ``RAG(..., generator=VllmGenerator(VllmClient(url)))`` answers every question, framework call and
 completion through the server, with real token streaming over the OpenAI SSE protocol. Any server
 that speaks vLLM's ``/v1/completions`` with ``kv_transfer_params`` works: vLLM with the ragkv plugin,
-or ragkv's own HTTP service (``python -m ragkv_server.server``, docs/API.md). Stdlib HTTP only.
+or ragkv's own HTTP service (``python -m ragkv_server.server``, docs/API.md). The transport is httpx (one
+connection pool per client) and the stream's events are read by httpx-sse.
 
 Errors are typed: :class:`VllmUnavailableError` (cannot connect, timed out: retry later),
 :class:`VllmHTTPError` (the server answered with an error status; ``status`` and its message) and
@@ -20,12 +21,14 @@ Errors are typed: :class:`VllmUnavailableError` (cannot connect, timed out: retr
 
 from __future__ import annotations
 
-import http.client
+import contextlib
 import json
 import time
-import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import httpx
+from httpx_sse import EventSource, SSEError
 
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.spans import ChunkRef
@@ -159,9 +162,13 @@ def parse_completion(data: dict, seconds: float = 0.0) -> Completion:
         raise VllmResponseError(f"unexpected completion response: {str(data)[:300]}") from e
 
 
-def _error_message(raw: bytes) -> str:
-    """The message of an OpenAI / vLLM error body (``{"error": {"message"}}`` or ``{"message"}``), else the text."""
-    text = raw.decode(errors="replace")
+def _error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI / vLLM error body (``{"error": {"message"}}`` or ``{"message"}``), else
+    its text, else the status's reason."""
+    try:
+        text = response.read().decode(errors="replace")
+    except httpx.HTTPError:
+        text = ""
     try:
         body = json.loads(text)
         err = body.get("error", body) if isinstance(body, dict) else body
@@ -169,14 +176,15 @@ def _error_message(raw: bytes) -> str:
             return str(err["message"])[:1000]
     except ValueError:
         pass
-    return text[:1000]
+    return text[:1000] or response.reason_phrase
 
 
 class VllmClient:
     """Client of a vLLM OpenAI-compatible server (``/v1/models``, ``/v1/completions``, plain and streamed).
 
     ``connect_timeout``: seconds to open the connection; ``timeout``: seconds the server may stay
-    silent once connected (for a whole non-streamed answer, or between two streamed chunks).
+    silent once connected (for a whole non-streamed answer, or between two streamed chunks). One
+    httpx connection pool per client (:meth:`close` releases it).
     """
 
     def __init__(
@@ -190,54 +198,57 @@ class VllmClient:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
-        url = urllib.parse.urlsplit(self.base_url)
-        if url.scheme not in ("http", "https") or not url.hostname:
+        url = httpx.URL(self.base_url)
+        if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"server URL must be http(s)://host[:port], got {base_url!r}")
         if timeout <= 0 or connect_timeout <= 0:
             raise ValueError("timeouts must be positive")
-        self._url = url
         self.api_key = api_key
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._model = model
+        headers = {"Accept": "application/json, text/event-stream"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            trust_env=False,  # the server named here, never a proxy from the environment
+        )
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self._http.close()
+
+    def __enter__(self) -> VllmClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- transport ------------------------------------------------------------------------------
-    def _open(
-        self, path: str, body: dict | None
-    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """Send the request; the open response of a 2xx status, else a typed error."""
-        cls = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self._url.hostname, self._url.port, timeout=self.connect_timeout)
-        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        full = self._url.path + path
+    @contextlib.contextmanager
+    def _open(self, path: str, body: dict | None) -> Iterator[httpx.Response]:
+        """The open response of a 2xx status, else a typed error; closed after the block."""
+        request = self._http.build_request("GET" if body is None else "POST", path, json=body)
         try:
-            conn.connect()
-            conn.sock.settimeout(self.timeout)
-            data = json.dumps(body).encode() if body is not None else None
-            conn.request("POST" if body is not None else "GET", full, body=data, headers=headers)
-            resp = conn.getresponse()
-        except (OSError, http.client.HTTPException) as e:
-            conn.close()
+            response = self._http.send(request, stream=True)
+        except httpx.TransportError as e:  # refused, reset, timed out (connect or first byte)
             raise VllmUnavailableError(f"{self.base_url}{path}: {type(e).__name__}: {e}") from e
-        if resp.status >= 300:
-            try:
-                raw = resp.read()
-            except (OSError, http.client.HTTPException):
-                raw = b""
-            conn.close()
-            raise VllmHTTPError(path, resp.status, _error_message(raw) or resp.reason)
-        return conn, resp
+        try:
+            if response.status_code >= 300:
+                raise VllmHTTPError(path, response.status_code, _error_message(response))
+            yield response
+        finally:
+            response.close()
 
     def _request(self, path: str, body: dict | None = None) -> dict:
-        conn, resp = self._open(path, body)
-        try:
-            raw = resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            raise VllmUnavailableError(f"{path}: reading the response: {type(e).__name__}: {e}") from e
-        finally:
-            conn.close()
+        with self._open(path, body) as response:
+            try:
+                raw = response.read()
+            except httpx.TransportError as e:
+                raise VllmUnavailableError(f"{path}: reading the response: {type(e).__name__}: {e}") from e
         return _json_object(raw, f"{path}: response")
 
     # ---- API ------------------------------------------------------------------------------------
@@ -282,39 +293,41 @@ class VllmClient:
         gives it to its event (a chunk without text: a closing event, ``token_id`` None)."""
         body = self._body(prompt, kv_transfer_params, True, sampling)
         t0 = time.perf_counter()
-        conn, resp = self._open("/v1/completions", body)
         parts: list[str] = []
         finish, usage, ragkv, ttft, last = None, {}, {}, None, None
-        try:
-            for data in _sse_events(resp):
-                if data == "[DONE]":
-                    break
-                obj = _json_object(data, "stream: chunk")
-                if "error" in obj:  # an error after the headers (the server's generation failed)
-                    err = obj["error"] if isinstance(obj["error"], dict) else {"message": obj["error"]}
-                    raise VllmHTTPError(
-                        "/v1/completions", int(err.get("code") or 500), str(err.get("message"))
-                    )
-                last = obj
-                usage = obj.get("usage") or usage
-                ragkv = obj.get("ragkv") or ragkv
-                for ch in obj.get("choices") or []:
-                    text = ch.get("text") or ""
-                    ids = ch.get("token_ids") or []
-                    end = ch.get("finish_reason")
-                    finish = end or finish
-                    if text or ids:
-                        ttft = ttft if ttft is not None else time.perf_counter() - t0
-                        yield TokenEvent(int(ids[-1]) if ids else -1, text, len(parts), end)
-                        parts.append(text)
-                    elif end:  # a final chunk without text: a closing event with the finish reason
-                        yield TokenEvent(None, "", len(parts), end)
-            else:
-                raise VllmResponseError("stream: the server closed it before 'data: [DONE]'")
-        except (OSError, http.client.HTTPException) as e:
-            raise VllmUnavailableError(f"stream: connection lost: {type(e).__name__}: {e}") from e
-        finally:
-            conn.close()
+        with self._open("/v1/completions", body) as response:
+            try:
+                for event in EventSource(response).iter_sse():
+                    if event.data == "[DONE]":
+                        break
+                    obj = _json_object(event.data, "stream: chunk")
+                    if "error" in obj:  # an error after the headers (the server's generation failed)
+                        err = obj["error"] if isinstance(obj["error"], dict) else {"message": obj["error"]}
+                        raise VllmHTTPError(
+                            "/v1/completions", int(err.get("code") or 500), str(err.get("message"))
+                        )
+                    last = obj
+                    usage = obj.get("usage") or usage
+                    ragkv = obj.get("ragkv") or ragkv
+                    for ch in obj.get("choices") or []:
+                        text = ch.get("text") or ""
+                        ids = ch.get("token_ids") or []
+                        end = ch.get("finish_reason")
+                        finish = end or finish
+                        if text or ids:
+                            ttft = ttft if ttft is not None else time.perf_counter() - t0
+                            yield TokenEvent(int(ids[-1]) if ids else -1, text, len(parts), end)
+                            parts.append(text)
+                        elif end:  # a final chunk without text: a closing event with the finish reason
+                            yield TokenEvent(None, "", len(parts), end)
+                else:
+                    raise VllmResponseError("stream: the server closed it before 'data: [DONE]'")
+            except httpx.TimeoutException as e:
+                raise VllmUnavailableError("stream: no chunk within the timeout") from e
+            except httpx.TransportError as e:
+                raise VllmUnavailableError(f"stream: connection lost: {type(e).__name__}: {e}") from e
+            except SSEError as e:  # a 2xx answer that is not an event stream
+                raise VllmResponseError(f"stream: {e}") from e
         total = time.perf_counter() - t0
         yield Completion(
             text="".join(parts),
@@ -338,27 +351,6 @@ def _json_object(raw: bytes | str, what: str) -> dict:
     if not isinstance(data, dict):
         raise VllmResponseError(f"{what} is not a JSON object: {raw[:200]!r}")
     return data
-
-
-def _sse_events(resp) -> Iterator[str]:
-    """The ``data:`` payloads of a server-sent event stream (multi-line data joined with newlines)."""
-    data: list[str] = []
-    while True:
-        try:
-            line = resp.readline()
-        except TimeoutError as e:
-            raise VllmUnavailableError("stream: no chunk within the timeout") from e
-        if not line:
-            if data:
-                yield "\n".join(data)
-            return
-        line = line.decode("utf-8", errors="replace").rstrip("\r\n")
-        if not line:
-            if data:
-                yield "\n".join(data)
-                data = []
-        elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
 
 
 # ---- the RAG generator ---------------------------------------------------------------------------------
@@ -473,4 +465,4 @@ class VllmGenerator:
             )
 
     def close(self) -> None:
-        pass
+        self.client.close()

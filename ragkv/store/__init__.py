@@ -12,7 +12,7 @@ other codecs the store may decode; by default only its own), ``verify`` (segment
 HMAC key that authenticates blobs is a keyword argument only (``hmac_key=...``), never in a URL.
 
 The store classes and ``store_from_url`` default to the lossless ``raw`` codec (exact KV); the
-application stores (``ragkv ingest``, the service, the demo) are opened with :func:`default_store`,
+application stores (``ragkv-server ingest``, the service, the demo) are opened with :func:`default_store`,
 which uses :data:`ragkv.store.codecs.DEFAULT_CODEC` unless the URL names a codec.
 """
 

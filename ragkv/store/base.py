@@ -16,16 +16,17 @@ Contract (every backend):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from cachetools import LRUCache
 
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION, TREE_PAGE_PREFIX, ChunkKV
 from ragkv.store import blob as blobfmt
@@ -276,8 +277,8 @@ class BlobStore(ChunkStore):
             codecs = [c.strip() for c in codecs.split(",") if c.strip()]
         #: codecs this store decodes: its own plus ``codecs``; a blob of any other is unusable
         self.allowed_codecs = frozenset({self.codec.name, *(codecs or ())})
-        self._headers: OrderedDict[str, BlobHeader] = OrderedDict()
-        self._header_cap = header_cache
+        #: parsed headers of recently read blobs, the least recently used dropped past ``header_cache``
+        self._headers: LRUCache[str, BlobHeader] = LRUCache(header_cache)
         self._hlock = threading.Lock()
         self._corrupt: set[str] = set()
         #: ``pinned(key)``: the owner still references this chunk (a RAG sets its index's check), so a
@@ -489,9 +490,8 @@ class BlobStore(ChunkStore):
         """(header, came_from_cache); reads only the first bytes of the blob."""
         if not fresh:
             with self._hlock:
-                hdr = self._headers.get(key)
+                hdr = self._headers.get(key)  # a hit becomes the most recently used
                 if hdr is not None:
-                    self._headers.move_to_end(key)
                     return hdr, True
         head = self._read_counted(key, 0, blobfmt.HEAD_READ_SIZE)
         if head is None:
@@ -507,11 +507,8 @@ class BlobStore(ChunkStore):
         return hdr, False
 
     def _cache_header(self, key: str, hdr: BlobHeader) -> None:
-        with self._hlock:
+        with self._hlock, contextlib.suppress(ValueError):  # a cache of 0 headers keeps none
             self._headers[key] = hdr
-            self._headers.move_to_end(key)
-            while len(self._headers) > self._header_cap:
-                self._headers.popitem(last=False)
 
     def _fetch(self, key: str, fingerprint: str) -> tuple[BlobHeader, bytes | memoryview] | None:
         data = self._read_counted(key, 0, None)

@@ -7,8 +7,10 @@ checksums are not re-verified by default: these bytes never left process memory.
 
 from __future__ import annotations
 
+import math
 import threading
-from collections import OrderedDict
+
+from cachetools import LRUCache
 
 from ragkv.store.base import BlobStore, StoreWriteError, check_max_bytes
 
@@ -20,8 +22,9 @@ class MemoryStore(BlobStore):
         """``options``: :class:`BlobStore`'s (``codec``, ``codec_options``, ``hmac_key``, ``codecs``)."""
         super().__init__(verify=verify, **options)
         self.max_bytes = check_max_bytes(max_bytes)
-        self._blobs: OrderedDict[str, bytes] = OrderedDict()
-        self._size = 0
+        self._blobs: LRUCache[str, bytes] = LRUCache(
+            math.inf if self.max_bytes is None else self.max_bytes, getsizeof=len
+        )
         self._lock = threading.Lock()
 
     def describe(self) -> str:
@@ -29,10 +32,9 @@ class MemoryStore(BlobStore):
 
     def _read(self, key: str, offset: int, length: int | None) -> bytes | memoryview | None:
         with self._lock:
-            blob = self._blobs.get(key)
+            blob = self._blobs.get(key)  # a hit becomes the most recently used
             if blob is None:
                 return None
-            self._blobs.move_to_end(key)
         if offset == 0 and (length is None or length >= len(blob)):
             return blob
         return memoryview(blob)[offset : None if length is None else offset + length]
@@ -44,19 +46,13 @@ class MemoryStore(BlobStore):
             )
         evicted = []
         with self._lock:
-            old = self._blobs.get(key)
-            if old is not None and not overwrite:
-                self._blobs.move_to_end(key)
-                return False
-            if old is not None:
-                self._size -= len(self._blobs.pop(key))
-            if self.max_bytes is not None:
-                while self._blobs and self._size + len(blob) > self.max_bytes:
-                    k, b = self._blobs.popitem(last=False)
-                    self._size -= len(b)
-                    evicted.append(k)
+            if self._blobs.get(key) is not None:
+                if not overwrite:
+                    return False
+                del self._blobs[key]
+            while self._blobs and self._blobs.currsize + len(blob) > self._blobs.maxsize:
+                evicted.append(self._blobs.popitem()[0])  # the least recently used
             self._blobs[key] = blob
-            self._size += len(blob)
         for k in evicted:
             self._forget(k)
         if evicted:
@@ -69,10 +65,7 @@ class MemoryStore(BlobStore):
 
     def _delete(self, key: str) -> bool:
         with self._lock:
-            blob = self._blobs.pop(key, None)
-            if blob is not None:
-                self._size -= len(blob)
-        return blob is not None
+            return self._blobs.pop(key, None) is not None
 
     def _keys(self) -> list[str]:
         with self._lock:
@@ -80,9 +73,8 @@ class MemoryStore(BlobStore):
 
     def _nbytes(self) -> int:
         with self._lock:
-            return self._size
+            return int(self._blobs.currsize)
 
     def _close(self) -> None:
         with self._lock:
             self._blobs.clear()
-            self._size = 0

@@ -9,10 +9,11 @@ The memory tier holds exactly the backend's encoded blobs, so promotion costs no
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections import OrderedDict
 
 import torch
+from cachetools import LRUCache
 
 from ragkv.kv.chunk import ChunkKV
 from ragkv.store import blob as blobfmt
@@ -40,8 +41,9 @@ class TieredStore(ChunkStore):
             )
         self.memory = memory
         self.max_staged = max_staged
-        # key -> (header, {segment start layer: verified bytes}) of chunks being read layer by layer
-        self._staged: OrderedDict[str, tuple[BlobHeader, dict[int, bytes]]] = OrderedDict()
+        # key -> (header, {segment start layer: verified bytes}) of chunks being read layer by layer; the
+        # least recently read partial chunk is dropped past ``max_staged``
+        self._staged: LRUCache[str, tuple[BlobHeader, dict[int, bytes]]] = LRUCache(max_staged)
         self._stage_lock = threading.Lock()
         self._stats.update(memory_hits=0, backend_hits=0)
 
@@ -155,16 +157,15 @@ class TieredStore(ChunkStore):
             entry = self._staged.get(key)
             if entry is None or entry[0].total_size != hdr.total_size or entry[0].created != hdr.created:
                 entry = (hdr, {})
-                self._staged[key] = entry
-            self._staged.move_to_end(key)
             parts = entry[1]
             for s, data in segs:
                 parts[s.start] = bytes(data)
             complete = len(parts) == len(hdr.segments)
             if complete:
-                del self._staged[key]
-            while len(self._staged) > self.max_staged:
-                self._staged.popitem(last=False)
+                self._staged.pop(key, None)
+            else:
+                with contextlib.suppress(ValueError):  # max_staged=0 stages nothing
+                    self._staged[key] = entry  # now the most recently read
         if complete:
             blob = blobfmt.assemble(hdr, [parts[s.start] for s in hdr.segments], self.backend.auth)
             self.memory.put_blob(key, blob)

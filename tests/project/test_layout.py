@@ -4,9 +4,8 @@
 attention <- model <- kv <- store <- blend <- engine <- rag <- integrations <- apps (docs/ARCHITECTURE.md, "The layers");
 ``defaults`` sits below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits
 on attention, ``generate`` and ``llm`` between blend and rag. ``remote`` (the kv_transfer_params wire format
-and the HTTP generator), ``frameworks`` (what the framework integrations share) and ``aio`` (the one
-thread-to-async bridge) are the core's because more than one edge uses them. ``integrations`` and ``apps``
-inside ``ragkv`` are deprecated aliases of the distributions. Lazy imports inside functions count too.
+and the HTTP generator) and ``aio`` (the one thread-to-async bridge) are the core's because more than one edge uses them. Lazy imports inside functions
+count too.
 """
 
 from __future__ import annotations
@@ -16,13 +15,13 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import tomllib
 
-from tests.helpers import PACKAGE_FOLDERS, REPO, source_files
+from ragkv.testing import build_wheel
+from tests.helpers import REPO, source_files
 
 #: rank of each ragkv subpackage / top-level module: a module may import only lower ranks
 RANK = {
@@ -45,18 +44,16 @@ RANK = {
     "engine": 6,
     "rag": 7,
     "demo": 8,
-    "frameworks": 8.5,  # what the LangChain and LlamaIndex distributions share
     "__init__": 9,
-    "_moved": 9.5,  # the old import paths' aliases
-    "integrations": 10,  # deprecated aliases of the integration distributions
-    "apps": 11,  # deprecated alias of ragkv-server
-    "cli": 12,  # runs the service (ragkv-server, when installed) and a checkout's eval (a child process)
+    "testing": 9.5,  # what the test suites share (ragkv's and its distributions'): fixtures, the tiny model
+    "cli": 10,  # what the core owns: demo, models, calibrate, adapter, eval (a checkout's, in a child process)
 }
 #: what the installed core never imports: a checkout's folders and the distributions built on it
 EDGES = (
     "eval",
     "tests",
     "ragkv_server",
+    "ragkv_frameworks",
     "langchain_ragkv",
     "llama_index.llms.ragkv",
     "llama_index.retrievers.ragkv",
@@ -64,14 +61,12 @@ EDGES = (
 )
 #: the card's top level: the core package, its distributions, the checkout's folders
 TOP_LEVEL = {"pyproject.toml", "README.md", "ragkv", "integrations", "apps", "tests", "eval"}
-#: ragkv subpackages with no ``tests/unit/<package>/`` of their own: the deprecated aliases of the distributions
-#: (their old import paths: tests/project/test_moved_imports.py)
-NO_UNIT_TESTS = {"integrations", "apps"}
 #: folders of ``tests/unit/`` that are no ragkv unit: the checkout's evaluation harness (eval/)
 UNIT_TESTS_BEYOND_RAGKV = {"eval"}
 #: each distribution of the repository: folder -> (name, its importable package folder)
 DISTRIBUTIONS = {
     "apps": ("ragkv-server", "ragkv_server"),
+    "integrations/frameworks": ("ragkv-frameworks", "ragkv_frameworks"),
     "integrations/langchain": ("langchain-ragkv", "langchain_ragkv"),
     "integrations/llama-index/llms": ("llama-index-llms-ragkv", "llama_index/llms/ragkv"),
     "integrations/llama-index/retrievers": ("llama-index-retrievers-ragkv", "llama_index/retrievers/ragkv"),
@@ -170,9 +165,8 @@ def _scratch(rel: Path) -> bool:
 
 
 def test_the_core_tests_mirror_the_packages():
-    """tests/ mirrors ragkv/ (issue 40): every subpackage of ragkv (a folder with ``__init__.py``; the
-    deprecated aliases aside) has test files in ``tests/unit/<package>/``, every folder of
-    ``tests/unit/`` names a unit of ragkv (a subpackage or top-level module of ``RANK``) or eval,
+    """tests/ mirrors ragkv/ (issue 40): every subpackage of ragkv (a folder with ``__init__.py``) has
+    test files in ``tests/unit/<package>/``, every folder of ``tests/unit/`` names a unit of ragkv (a subpackage or top-level module of ``RANK``) or eval,
     ``tests/e2e/`` and ``tests/project/`` hold tests, no test file sits at ``tests/``'s top level (the
     root conftest.py and the shared helpers do), and every test folder is a package (so basenames may
     repeat). A missing folder fails here, rather than checking nothing."""
@@ -181,13 +175,11 @@ def test_the_core_tests_mirror_the_packages():
     for folder in ("unit", "e2e", "project"):
         source_files(tests / folder)
     packages = sorted(p.parent.name for p in (REPO / "ragkv").glob("*/__init__.py"))
-    assert packages and NO_UNIT_TESTS <= set(packages), packages
-    missing = [
-        p for p in packages if p not in NO_UNIT_TESTS and not any((tests / "unit" / p).glob("test_*.py"))
-    ]
+    assert packages, packages
+    missing = [p for p in packages if not any((tests / "unit" / p).glob("test_*.py"))]
     assert not missing, f"ragkv subpackages with no tests/unit/<package>/test_*.py: {missing}"
     units = {d.name for d in (tests / "unit").iterdir() if d.is_dir() and not _scratch(Path(d.name))}
-    strays = sorted(units - (set(RANK) - NO_UNIT_TESTS) - UNIT_TESTS_BEYOND_RAGKV)
+    strays = sorted(units - set(RANK) - UNIT_TESTS_BEYOND_RAGKV)
     assert not strays, f"tests/unit/ folders that name no ragkv unit: {strays}"
     top = sorted(p.name for p in tests.glob("test_*.py"))
     assert not top, (
@@ -205,17 +197,32 @@ def test_the_edges_use_the_library_not_each_others_internals():
     bad = []
     integrations = ("langchain_ragkv", "llama_index.llms.ragkv", "llama_index.retrievers.ragkv", "ragkv_vllm")
     for f in source_files("eval"):
-        banned = ("ragkv_server.server", "ragkv.integrations", "ragkv.apps")
+        banned = ("ragkv_server.server",)
         if f.name != "standard_paths.py":
             banned += integrations
         bad += [f"{f.relative_to(REPO)} imports {m}" for m in _imports(f) if m.startswith(banned)]
-    for folder in PACKAGE_FOLDERS[1:]:  # a distribution never uses the deprecated aliases
-        for f in source_files(folder):
-            bad += [
-                f"{f.relative_to(REPO)} imports {m}"
-                for m in _imports(f)
-                if m.startswith(("ragkv.integrations", "ragkv.apps"))
-            ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_suites_stand_alone():
+    """Issue 55: the core's tests import no distribution (a feature seen through the service or a wrapper
+    is tested in that distribution), and a distribution's tests import neither the core's ``tests`` nor
+    the checkout's ``eval`` (what every suite shares is ``ragkv.testing``), so ``cd <folder> && pytest``
+    runs them. A test that drives the checkout's harness asks for it by name (``pytest.importorskip``)."""
+    distributions = tuple(EDGES[2:])
+    bad = [
+        f"{f.relative_to(REPO)} imports {m}"
+        for f in source_files("tests")
+        for m in _imports(f)
+        if m.startswith(distributions)
+    ]
+    for folder in DISTRIBUTIONS:
+        bad += [
+            f"{f.relative_to(REPO)} imports {m}"
+            for f in source_files(REPO / folder / "tests")
+            for m in _imports(f)
+            if m.split(".")[0] in ("tests", "eval")
+        ]
     assert not bad, "\n".join(bad)
 
 
@@ -227,35 +234,6 @@ def test_only_the_vllm_distribution_declares_the_vllm_plugin():
         declared[meta["name"]] = meta.get("entry-points", {}).get("vllm.general_plugins")
     assert declared.pop("ragkv-vllm") == {"ragkv": "ragkv_vllm.plugin:register"}
     assert not any(declared.values()), declared
-
-
-def build_wheel(project: Path, tmp_path: Path, extra: tuple[str, ...] = ()) -> tuple[list[str], str]:
-    """Build ``project``'s wheel from a copy (no build folders left in the checkout): its file names and
-    its ``entry_points.txt`` ("" if none). ``extra``: folders beside the pyproject to copy too."""
-    src = tmp_path / "src"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "tests")
-    shutil.copytree(project, src, ignore=ignore)
-    for name in extra:
-        shutil.copytree(REPO / name, src / name, ignore=ignore, dirs_exist_ok=True)
-    out = tmp_path / "wheel"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "-q",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        str(out),
-        ".",
-    ]
-    subprocess.run(cmd, cwd=src, check=True, capture_output=True, timeout=300)
-    (wheel,) = out.glob("*.whl")
-    with zipfile.ZipFile(wheel) as z:
-        names = z.namelist()
-        eps = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-        return names, z.read(eps[0]).decode() if eps else ""
 
 
 @pytest.mark.slow

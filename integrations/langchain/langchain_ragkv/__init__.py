@@ -20,7 +20,7 @@ from langchain_ragkv.chat_models import ChatRagkv
 from langchain_ragkv.llms import RagkvLLM
 from langchain_ragkv.retrievers import RagkvEmbeddings, RagkvRetriever, to_document
 from langchain_ragkv.splitters import RagkvTextSplitter
-from ragkv.frameworks import CHUNK_SEPARATOR, format_docs, split_prompt
+from ragkv_frameworks import CHUNK_SEPARATOR, format_docs, split_prompt
 
 __all__ = [
     "CHUNK_SEPARATOR",

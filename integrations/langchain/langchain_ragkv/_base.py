@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 from langchain_core.language_models import LangSmithParams
 
-from ragkv.frameworks import Completion, RagkvOptions, call_events
 from ragkv.generate import TokenEvent
+from ragkv_frameworks import Completion, RagkvOptions, call_events
 
 
 class RagkvParams(RagkvOptions):

@@ -31,7 +31,7 @@ from pydantic import ConfigDict, Field
 
 from langchain_ragkv._base import RagkvParams
 from ragkv.aio import iterate_in_thread
-from ragkv.frameworks import Completion, fold_messages, render_chat
+from ragkv_frameworks import Completion, fold_messages, render_chat
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
 

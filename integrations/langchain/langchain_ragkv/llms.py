@@ -20,7 +20,7 @@ from pydantic import ConfigDict
 
 from langchain_ragkv._base import RagkvParams
 from ragkv.aio import iterate_in_thread
-from ragkv.frameworks import Completion
+from ragkv_frameworks import Completion
 
 
 def _final_info(c: Completion) -> dict:

@@ -11,8 +11,8 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.retrievers import BaseRetriever, LangSmithRetrieverParams
 from pydantic import ConfigDict, Field
 
-from ragkv.frameworks import CHUNK_ID_PREFIX, chunk_metadata
 from ragkv.rag import ChunkRecord
+from ragkv_frameworks import CHUNK_ID_PREFIX, chunk_metadata
 
 
 def to_document(rec: ChunkRecord) -> Document:

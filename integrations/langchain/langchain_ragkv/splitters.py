@@ -21,7 +21,7 @@ from typing import Any
 
 from langchain_core.documents import BaseDocumentTransformer, Document
 
-from ragkv.frameworks import CHUNK_ID_PREFIX, RagkvRunner, check_backend, ragkv_metadata
+from ragkv_frameworks import CHUNK_ID_PREFIX, RagkvRunner, check_backend, ragkv_metadata
 
 
 class RagkvTextSplitter(BaseDocumentTransformer):

@@ -1,22 +1,19 @@
-"""Fixtures of langchain-ragkv's tests: the core suite's (one torch thread, the embedder), importable from a checkout."""
+"""Fixtures of langchain-ragkv's tests: ragkv.testing's (one torch thread, the embedder), and the shared
+RAG closed after each module."""
 
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
+from langchain_ragkv_support import shared_rag
 
-REPO = Path(__file__).resolve().parents[3]
-if (
-    str(REPO) not in sys.path
-):  # the core suite's helpers (tests.helpers) and eval.harness live in the checkout
-    sys.path.insert(0, str(REPO))
-
-from langchain_ragkv_support import shared_rag  # noqa: E402
-
-from tests.conftest import embedder, one_thread  # noqa: E402, F401  (fixtures, re-exported)
+from ragkv.testing.fixtures import (  # noqa: F401  (fixtures, re-exported)
+    embedder,
+    one_thread,
+    samples,
+    tiny_rag,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,7 +10,7 @@ from typing import Any
 from langchain_ragkv import ChatRagkv, RagkvEmbeddings
 from ragkv import LLM
 from ragkv.rag import RAG, Embedder
-from tests.helpers import musique_samples, stories_path
+from ragkv.testing import musique_samples, stories_path
 
 
 @functools.lru_cache(maxsize=1)

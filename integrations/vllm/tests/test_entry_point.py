@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.project.test_layout import build_wheel
+from ragkv.testing import build_wheel
 
 HERE = Path(__file__).resolve().parents[1]
 

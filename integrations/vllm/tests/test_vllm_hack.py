@@ -9,7 +9,7 @@ import torch
 
 from ragkv.attention.hack_cache import HackKVCache
 from ragkv.attention.hack_paged import PagedLayout
-from tests.helpers import NO_VLLM, have_vllm, stories_path
+from ragkv.testing import NO_VLLM, have_vllm, stories_path
 
 HAVE_VLLM = have_vllm()
 pytestmark = pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)

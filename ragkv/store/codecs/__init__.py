@@ -1,7 +1,7 @@
 """KV codecs (tensors <-> bytes per layer group): ``raw``, ``int8``/``int4`` and ``stepz`` built in,
 ``video`` lazily.
 
-:data:`DEFAULT_CODEC` is the stored-KV codec of ``ragkv ingest``, the service and the demo (chosen by
+:data:`DEFAULT_CODEC` is the stored-KV codec of ``ragkv-server ingest``, the service and the demo (chosen by
 measurement: docs/BENCHMARKS.md, "Compact stored KV (issue 25)"); ``raw`` stays available
 (``?codec=raw``) and stores built with those defaults still decode :data:`LEGACY_CODECS` blobs.
 """

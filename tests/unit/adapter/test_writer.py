@@ -9,17 +9,10 @@ from ragkv.adapter.writer import WriterLoRA
 from ragkv.blend import prefill
 from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
+from ragkv.testing import random_writer as _randomized
+from ragkv.testing import writer_file as _story_writer
 from tests.helpers import stories_model
 from tests.unit.adapter.test_adapter import _items, _prompt
-
-
-def _randomized(model, rank=4, seed=1) -> WriterLoRA:
-    w = WriterLoRA.for_model(model, rank, 16.0, seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in (w.b_qkv, w.b_o):
-            p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return w.requires_grad_(False)
 
 
 def test_an_untrained_writer_writes_todays_chunk_kv():
@@ -237,13 +230,6 @@ def test_the_writers_student_with_the_blend_in_the_loop_is_the_served_blend():
     assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in w.parameters())
 
 
-def _story_writer(tmp_path):
-    m = stories_model()
-    path = tmp_path / "writer.safetensors"
-    _randomized(m, rank=2).save(path)
-    return m, path
-
-
 PROMPT = (
     "",
     ["Lily had a red ball. She played in the park.", "Tom ran to the shop with his dog."],
@@ -366,39 +352,3 @@ def test_a_rag_over_a_writer_llm_ingests_and_answers_through_the_writer(tmp_path
         assert ans.stats["kv_hits"] > 0 and ans.stats["kv_misses"] == 0  # the writer's stored KV, read
     finally:
         rag.close()
-
-
-@pytest.mark.slow  # the service end to end (the embedder's load, twice): the whole suite's tier
-@pytest.mark.parametrize("generation", ["threads", "engine"])
-def test_the_service_serves_a_writer_named_in_its_settings(tmp_path, generation):
-    """The service's ``adapter`` setting takes a writer file: ingest stores the writer's KV, answers
-    read it (their stats name the writer); with ``generation='vllm'`` it is a clear error."""
-    from fastapi.testclient import TestClient
-
-    from ragkv.blend import DEFAULT_RATIO
-    from ragkv_server.server import create_app
-    from ragkv_server.service import Service, build_generator, build_rag
-    from tests.helpers_service import tiny_settings
-
-    m, path = _story_writer(tmp_path)
-    w = WriterLoRA.load(path, m)
-    s = tiny_settings(tmp_path / "data", adapter=str(path), ratio=DEFAULT_RATIO, generation=generation)
-    rag = build_rag(s)
-    svc = Service(s, rag)
-    svc.start()
-    c = TestClient(create_app(s, svc), base_url="http://testserver")
-    try:
-        r = c.post("/v1/documents", json={"documents": [{"id": "d", "text": " ".join(PROMPT[1])}]})
-        assert r.status_code == 200, r.text
-        assert {rag.store.header(k).fingerprint for k in rag.store.keys()} == {w.kv_fingerprint(m)}
-        r = c.post("/v1/query", json={"question": PROMPT[2]})
-        assert r.status_code == 200, r.text
-        stats = r.json()["stats"]
-        assert stats["adapter"] == w.identity and stats["num_reused_rows"] > 0, stats
-        with pytest.raises(ValueError, match="generation 'vllm'"):
-            build_generator(
-                tiny_settings(tmp_path / "v", generation="vllm", vllm_url="http://127.0.0.1:9"), rag
-            )
-    finally:
-        c.close()
-        svc.close()

@@ -124,7 +124,7 @@ def test_question_pass_recomputes_the_rows_the_question_attends_to_most_and_char
 
 def test_a_question_pass_dearer_than_recomputing_the_chunks_gives_way_to_an_exact_prefill():
     """Short chunks beside a long question: the pass (every computed row on every layer) plus its recompute
-    cost more than recomputing every reused row, which is exact. Seen as ``ragkv ask`` charging 181% of a
+    cost more than recomputing every reused row, which is exact. Seen as ``ragkv-server ask`` charging 181% of a
     full prefill on a one-sentence document."""
     m = random_model(seed=5, init_std=0.1, num_hidden_layers=4)
     pre, chunks, suf = _prompt(m, seed=3, n_chunks=1, chunk_len=12)

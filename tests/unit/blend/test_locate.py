@@ -243,16 +243,6 @@ def test_a_flat_prompt_text_is_segmented_into_its_explicit_form(rag):
     assert full.stats["num_tokens"] == len(m.encode(text, add_bos=True))
 
 
-def test_a_langchain_llm_given_a_flat_prompt_reuses_the_stored_chunks(rag):
-    """The standard LCEL path: documents formatted by the chain, one flat string to the LLM."""
-    from langchain_ragkv import RagkvLLM
-
-    llm = RagkvLLM(rag=rag, max_new_tokens=2)
-    info = llm.generate([_flat(rag)]).generations[0][0].generation_info["ragkv"]
-    recs = [r for r in rag.index.all_chunks() if len(r.token_ids) >= 8]
-    assert info["num_reused_rows"] >= 0.9 * sum(len(r.token_ids) for r in recs), info
-
-
 def test_the_locator_follows_ingest_replace_and_delete_without_a_rebuild(tmp_path):
     """Built once, then updated by every commit and delete (O(changed chunks)): an ingest never
     makes the next query rebuild it, and a deleted or replaced document's chunks are not found."""

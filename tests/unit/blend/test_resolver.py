@@ -18,7 +18,6 @@ from ragkv.generate import SamplingParams
 from ragkv.rag import RAG
 from ragkv.store import MemoryStore
 from tests.helpers import PACKAGE_FOLDERS, REPO, source_files, stories_model
-from tests.helpers_service import metric
 
 
 @pytest.fixture
@@ -73,18 +72,6 @@ def test_llm_of_a_rag_writes_back_by_the_rags_policy(rag):
 
     _deleted_while_computing(rag, run)
     assert rag.store.keys() == []
-
-
-def test_service_engine_mode_uses_the_rags_resolver(rag):
-    from ragkv_server.config import Settings
-    from ragkv_server.service import Service
-
-    svc = Service(Settings(generation="engine", max_new_tokens=2, allowed_hosts=["testserver"]), rag)
-    svc.start()
-    try:
-        assert svc.rag.generator.engine.resolver is rag.resolver
-    finally:
-        svc.rag.generator.close()
 
 
 def test_bare_resolver_memory_store_and_compute_order():
@@ -212,24 +199,6 @@ def test_default_store_of_a_rag_is_bounded_and_pinned_by_its_index(rag):
     assert rag.store.pinned(key) and not rag.store.pinned("ab" * 32)
 
 
-def test_gc_command_collects_a_data_folder(tmp_path, embedder, capsys, one_thread):
-    import json
-
-    from ragkv.cli import main
-    from ragkv.kv import compute_chunk_kv
-    from tests.helpers import stories_path
-
-    r = RAG(LLM(stories_model()), tmp_path, embedder=embedder, chunk_tokens=64, ratio=DEFAULT_RATIO)
-    r.ingest(["Lily had a red ball."], show_progress=False)
-    r.store.put(compute_chunk_kv(r.model, [7, 8, 9]))
-    r.close()
-    args = ["gc", "--data-dir", str(tmp_path), "--model", str(stories_path())]
-    assert main([*args, "--dry-run"]) == 0
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["unreferenced"] == 1
-    assert main(args) == 0
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["deleted"] == 1
-
-
 # ---- the gate wherever blending can happen ------------------------------------------------------------
 def test_a_bare_model_is_gated_before_its_first_blend():
     """Bug: ``ragkv.load_model`` + ``ragkv.prefill`` (and ``Engine("name")``) blended with no self-check."""
@@ -245,21 +214,3 @@ def test_a_bare_model_is_gated_before_its_first_blend():
     assert gate_state(model) == "pending"
     prefill(model, [1, 5], [compute_chunk_kv(model, [6, 7, 8])], [9], "blend")
     assert gate_state(model) == "passed" and gate_report(model).ok
-
-
-def test_healthz_and_metrics_show_the_gate(rag):
-    from fastapi.testclient import TestClient
-
-    from ragkv_server.config import Settings
-    from ragkv_server.server import create_app
-    from ragkv_server.service import Service
-
-    s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
-    svc = Service(s, rag)
-    svc.start()
-    with TestClient(create_app(s, svc), base_url="http://testserver") as c:
-        state = c.get("/healthz").json()["blend_gate"]
-        assert state in ("passed", "pending")
-        c.post("/v1/query", json={"question": "kite?", "max_tokens": 1})
-        assert c.get("/healthz").json()["blend_gate"] == "passed"
-        assert metric(c.get("/metrics").text, "ragkv_blend_gate", state="passed") == 1

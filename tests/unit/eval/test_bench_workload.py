@@ -18,7 +18,6 @@ from eval.bench_workload import (
     first_user_message,
     main,
     paraphrase,
-    quantile,
     restart_figures,
     summarize,
     summarize_chat,
@@ -116,7 +115,6 @@ def test_summary_figures_from_made_up_records():
     # no llama.cpp records: its figures are null, not an error
     s2 = summarize([r for r in recs if r.arm != "llamacpp"])
     assert s2["llamacpp_ttft_p50_s"] is None and s2["speedup_vs_llamacpp_median"] is None
-    assert quantile([], 0.5) is None and quantile([1.0, 3.0], 0.5) == 2.0
 
 
 def test_chat_summary_per_turn_and_restart_figures():

@@ -17,7 +17,6 @@ from ragkv.fidelity.report import (
     CALIBRATION_SET,
     SHIPPED_DIR,
     FidelityReport,
-    PointStats,
     ReportError,
     cache_path,
     calibration_set_digest,
@@ -26,56 +25,14 @@ from ragkv.fidelity.report import (
     save_report,
 )
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION
+from ragkv.testing import fidelity_ladder
+from ragkv.testing import fidelity_point as _point
+from ragkv.testing import fidelity_report as _report
 from tests.helpers import stories_model
-from tests.helpers_service import metric
 
 QUESTION = "What did Lily hold?"
 CHUNKS = ["Lily had a red ball. She liked to play with it.", "Tom ran in the park with his dog."]
-
-
-def _point(
-    name: str, same: float, charged: float, speedup: float, recall: float = 0.5, ratio=None
-) -> PointStats:
-    mode = "prefix" if name == "exact" else "reuse" if name == "reuse" else "blend"
-    if mode == "blend" and ratio is None:
-        ratio = float(name.split("@")[1])
-    ci = (max(0.0, same - 0.1), min(1.0, same + 0.1))
-    return PointStats(
-        name, mode, ratio, 40, same, ci, same, ci, 0.1, (0.0, 0.2), recall, ci, charged, speedup, ci
-    )
-
-
-def _report(
-    model, points: list[PointStats], floor_same: float = 0.8, full_recall: float = 0.5
-) -> FidelityReport:
-    return FidelityReport(
-        model=model.name,
-        fingerprint=model.fingerprint,
-        schedule=schedule_key(None),
-        calibration_set=calibration_set_digest(),
-        n_questions=40,
-        max_new_tokens=24,
-        full_recall=full_recall,
-        full_ttft_s=0.5,
-        floor=_point("full-bf16", floor_same, 1.0, 1.0, ratio=1.0),
-        points=points,
-        monotone_ok=True,
-        monotone_violations=[],
-        compute_to_floor=None,
-        measured_at="2026-11-27",
-        machine="test",
-    ).seal()
-
-
-LADDER = [
-    _point("exact", 1.0, 0.82, 1.1),
-    _point("reuse", 0.1, 0.1, 5.0, ratio=0.0),
-    _point("blend@0.3", 0.3, 0.38, 2.6),
-    _point("blend@0.5", 0.85, 0.55, 1.8),  # a lucky point below a dip: not trusted
-    _point("blend@0.7", 0.75, 0.71, 1.4),
-    _point("blend@0.8", 0.82, 0.78, 1.3),
-    _point("blend@0.9", 0.9, 0.85, 1.05),
-]
+LADDER = fidelity_ladder()
 
 
 @pytest.mark.parametrize(
@@ -301,51 +258,6 @@ def test_prefill_refuses_nothing_new_for_plain_modes(fidelity_cache):
     for mode in ("full", "reuse"):
         res = llm.prefill("", CHUNKS, QUESTION, mode=mode)
         assert res.stats["mode"] == mode and res.stats["fidelity"]["source"] == "explicit"
-
-
-def test_the_service_says_its_operating_point_and_refuses_bad_settings(fidelity_cache, tmp_path):
-    """/healthz, /metrics and every answer's stats name the point; a bad ``fidelity`` is a 400 (query)
-    and a settings error; an explicit ratio is marked outside the gate."""
-    from fastapi.testclient import TestClient
-    from pydantic import ValidationError
-
-    from ragkv_server.config import Settings
-    from ragkv_server.server import create_app
-    from ragkv_server.service import Service, build_rag
-    from tests.helpers import stories_path
-    from tests.helpers_service import tiny_settings
-
-    m = stories_model()
-    save_report(_report(m, LADDER), cache_path(m.fingerprint))
-    with pytest.raises(ValidationError, match="fidelity"):
-        Settings(model=str(stories_path()), data_dir=tmp_path / "x", fidelity="sometimes")
-    s = tiny_settings(tmp_path / "data")
-    svc = Service(s, build_rag(s))
-    svc.start()
-    c = TestClient(create_app(s, svc), base_url="http://testserver")
-    try:
-        r = c.post("/v1/documents", json={"documents": [{"id": "d", "text": " ".join(CHUNKS)}]})
-        assert r.status_code == 200, r.text
-        health = c.get("/healthz").json()["fidelity"]
-        assert (health["target"], health["point"], health["ratio"]) == ("floor", "blend@0.8", 0.8)
-        labels = {"target": "floor", "point": "blend@0.8", "mode": "blend", "figure": "same_as_full"}
-        assert metric(c.get("/metrics").text, "ragkv_fidelity", **labels) == 0.82
-        r = c.post("/v1/query", json={"question": QUESTION})
-        assert r.status_code == 200, r.text
-        got = r.json()["stats"]
-        assert got["mode"] == "blend" and got["fidelity"]["point"] == "blend@0.8"
-        r = c.post("/v1/query", json={"question": QUESTION, "fidelity": "exact"})
-        assert r.json()["stats"]["mode"] == "prefix" and r.json()["stats"]["fidelity"]["target"] == "exact"
-        r = c.post("/v1/query", json={"question": QUESTION, "ratio": 0.3})
-        assert r.json()["stats"]["fidelity"]["outside_gate"] is True
-        for bad in ("sometimes", 1.5, "fast:1"):
-            r = c.post("/v1/query", json={"question": QUESTION, "fidelity": bad})
-            assert r.status_code in (400, 422) and "fidelity" in r.text, (bad, r.text)
-        body = {"model": s.model_name(), "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2}
-        r = c.post("/v1/chat/completions", json={**body, "ragkv": {"fidelity": "exact"}})
-        assert r.status_code == 200, r.text
-    finally:
-        svc.close()
 
 
 def test_the_engine_runs_blend_at_the_gates_point(fidelity_cache):

@@ -49,3 +49,20 @@ def test_fidelity_measures():
     assert attention_deviation(p, p) == [0.0, 0.0]
     with pytest.raises(ValueError):
         attention_deviation(p, p[:1])
+
+
+def test_percentile_interpolates_between_ranks_and_skips_missing_values():
+    """The one percentile (the engine's metrics and the benchmarks): numpy's default linear
+    interpolation, None and NaN left out, ``empty`` when nothing is left."""
+    import math
+
+    import numpy as np
+
+    from ragkv.metrics import percentile
+
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0, 10.0]
+    for q in (0, 10, 50, 90, 95, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([1.0, None, float("nan"), 3.0], 50) == 2.0
+    assert math.isnan(percentile([], 50)) and percentile([None], 50, empty=None) is None
+    assert percentile(iter([7.0]), 99) == 7.0  # any iterable, one value

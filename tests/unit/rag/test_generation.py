@@ -3,7 +3,6 @@ test_vllm_client.py) all take the same retrieval, prompt, chunk lookup, cancella
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -18,10 +17,8 @@ from ragkv.blend.plan import BlendPlan
 from ragkv.blend.spans import SearchCancelled, cancel_scope
 from ragkv.engine import Engine, EngineConfig
 from ragkv.generate import SamplingParams
-from ragkv.rag import RAG, EngineGenerator, OptionNotServedError, RagAnswer, ThreadGenerator
+from ragkv.rag import RAG, EngineGenerator, OptionNotServedError, RagAnswer
 from ragkv.rag.embedder import Embedder
-from ragkv_server.config import Settings
-from ragkv_server.service import QuerySpec, Service
 from tests.helpers import stories_model
 
 TEXTS = [
@@ -140,25 +137,3 @@ def test_engine_request_is_cancelled_when_the_caller_gives_up(rag, engine_rag):
     while eng.metrics().requests_cancelled == before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert eng.metrics().requests_cancelled == before + 1 and not eng.has_unfinished()
-
-
-def test_service_in_engine_mode_goes_through_the_rag_query_path(rag, tmp_path):
-    """Bug: ``generation=engine`` had its own service path (its own retrieval and prompt, no queue
-    deadline, no cancellation); now the RAG's generator is the engine and the path is the same."""
-    s = Settings(data_dir=str(tmp_path), generation="engine", engine_max_seqs=4, max_queue=4)
-    svc = Service(s, rag)
-    svc.start()
-    try:
-        # the service generates through a view of the RAG; the RAG itself keeps its own generator
-        assert isinstance(svc.rag.generator, EngineGenerator) and isinstance(rag.generator, ThreadGenerator)
-        spec = QuerySpec(question="What did Tom fly?", params=SamplingParams(max_new_tokens=10))
-        text, final = asyncio.run(svc.answer(spec))
-        local = rag.answer("What did Tom fly?", max_new_tokens=10)
-        assert text == local.text and final.answer.stats["kv_hits"] == 3
-        assert [r.chunk_id for r in final.answer.sources] == [r.chunk_id for r in local.sources]
-        bad = QuerySpec(question="What did Tom fly?", ratio="auto", params=SamplingParams(max_new_tokens=2))
-        with pytest.raises(Exception, match="auto") as e:
-            asyncio.run(svc.answer(bad))
-        assert getattr(e.value, "status", None) == 422  # an invalid request, as on every path
-    finally:
-        svc.rag.close()  # the view: its engine (Service.close would close the given RAG too)

@@ -8,7 +8,6 @@ and the service's app (``create_app``) over a RAG built from its settings (``bui
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sqlite3
@@ -19,8 +18,8 @@ import pytest
 
 from ragkv.rag import RAG, ChunkIndex, Document, QuotaExceededError, Quotas
 from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, measure_kv_bytes_per_token
-from tests.helpers import bearer, musique_samples, stories_model
-from tests.helpers_service import metric, tiny_settings
+from ragkv.testing import document_tokens, fill_index_disk, free_index_disk
+from tests.helpers import musique_samples, stories_model
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +45,6 @@ def _state(rag: RAG) -> dict:
     }
 
 
-def _tokens(rag: RAG, text: str) -> int:
-    from ragkv.rag.splitter import split_tokens
-
-    return sum(len(c.token_ids) for c in split_tokens(rag.model.tokenizer, text, rag.chunk_tokens))
-
-
 # ---- the library ----------------------------------------------------------------------------------------
 def test_quotas_are_checked_and_default_to_a_document_bound():
     q = Quotas()
@@ -73,7 +66,7 @@ def test_a_document_over_its_quota_refuses_the_whole_call_and_writes_nothing(tmp
     before = _state(rag)
     big = texts[1][:400]
     fits, after = texts[2][:200], texts[3][:200]
-    assert _tokens(rag, big) > 150 >= max(_tokens(rag, fits), _tokens(rag, after))
+    assert document_tokens(rag, big) > 150 >= max(document_tokens(rag, fits), document_tokens(rag, after))
     with pytest.raises(QuotaExceededError) as ei:
         rag.ingest(
             [Document(fits, "fits"), Document(big, "big"), Document(after, "after")],
@@ -88,7 +81,11 @@ def test_a_document_over_its_quota_refuses_the_whole_call_and_writes_nothing(tmp
         "big",
         "t",
     )
-    assert e.requested == _tokens(rag, big) and "'big'" in str(e) and "max_document_tokens (150)" in str(e)
+    assert (
+        e.requested == document_tokens(rag, big)
+        and "'big'" in str(e)
+        and "max_document_tokens (150)" in str(e)
+    )
     assert e.details() == {
         "limit": "max_document_tokens",
         "limit_value": 150,
@@ -108,7 +105,7 @@ def test_a_document_over_its_quota_refuses_the_whole_call_and_writes_nothing(tmp
 def test_collection_token_quota_counts_a_replacement_once_and_collections_apart(tmp_path, embedder, texts):
     rag = _rag(tmp_path, embedder)
     a, b = texts[0][:300], texts[1][:300]
-    ta, tb = _tokens(rag, a), _tokens(rag, b)
+    ta, tb = document_tokens(rag, a), document_tokens(rag, b)
     rag.ingest([Document(a, "a")], show_progress=False, collection="t")
     assert rag.usage("t").tokens == ta and rag.usage("t").documents == 1
     limit = ta + tb - 1
@@ -133,7 +130,7 @@ def test_collection_token_quota_counts_a_replacement_once_and_collections_apart(
 
     # replacing "a" with a text about as long: old + new would be over the limit, the result is not
     a2 = texts[2][:300]
-    ta2 = _tokens(rag, a2)
+    ta2 = document_tokens(rag, a2)
     assert ta + ta2 > limit >= ta2
     rep = rag.ingest([Document(a2, "a")], show_progress=False, collection="t")
     assert rep.documents_added == 1 and rag.usage("t").tokens == ta2 and rag.usage("t").documents == 1
@@ -141,7 +138,7 @@ def test_collection_token_quota_counts_a_replacement_once_and_collections_apart(
     # a limit lowered below the usage: a shrinking replacement passes, a growing one does not
     rag.quotas = Quotas(max_collection_tokens=ta2 // 2)
     shorter = a2[: len(a2) * 2 // 3]
-    assert ta2 // 2 < _tokens(rag, shorter) < ta2
+    assert ta2 // 2 < document_tokens(rag, shorter) < ta2
     rag.ingest([Document(shorter, "a")], show_progress=False, collection="t")
     with pytest.raises(QuotaExceededError):
         rag.ingest([Document(a2, "a")], show_progress=False, collection="t")
@@ -161,7 +158,7 @@ def test_collection_kv_bytes_quota_counts_a_shared_chunk_once(tmp_path, embedder
     per = 1000
     rag = _rag(tmp_path, embedder, Quotas(kv_bytes_per_token=per))
     x = texts[0][:300]
-    tx = _tokens(rag, x)
+    tx = document_tokens(rag, x)
     rag.ingest([Document(x, "x")], show_progress=False, collection="t")
     assert rag.usage("t").kv_bytes == tx * per
     rag.quotas = Quotas(max_collection_kv_bytes=tx * per, kv_bytes_per_token=per)
@@ -174,7 +171,7 @@ def test_collection_kv_bytes_quota_counts_a_shared_chunk_once(tmp_path, embedder
         rag.ingest([Document(z, "z")], show_progress=False, collection="t")
     e = ei.value
     assert (e.status, e.limit, e.usage) == (429, "max_collection_kv_bytes", tx * per)
-    assert e.requested == (tx + _tokens(rag, z)) * per and "bytes of stored KV" in str(e)
+    assert e.requested == (tx + document_tokens(rag, z)) * per and "bytes of stored KV" in str(e)
     assert _state(rag) == before
     # deleting one of the two sharers frees no KV bytes; deleting both does
     rag.delete_document("x", "t")
@@ -272,16 +269,6 @@ def test_a_full_disk_after_the_commit_is_not_an_error(tmp_path, embedder, texts,
     rag.close()
 
 
-def _fill_index_disk(index: ChunkIndex) -> None:
-    """SQLite's own full-disk answer (SQLITE_FULL, as ENOSPC gives): the database may not grow a page."""
-    pages = index.db.execute("PRAGMA page_count").fetchone()[0]
-    index.db.execute(f"PRAGMA max_page_count = {pages}")
-
-
-def _free_index_disk(index: ChunkIndex) -> None:
-    index.db.execute("PRAGMA max_page_count = 1073741823")
-
-
 def test_a_full_disk_during_the_commit_rolls_back_whole_and_loses_nothing(tmp_path, embedder, texts):
     """The index's SQLite meets a full disk inside the commit: the ingest raises IndexFullError (an
     OSError with ENOSPC) after rolling back, the documents already there stay listed and retrievable,
@@ -294,194 +281,18 @@ def test_a_full_disk_during_the_commit_rolls_back_whole_and_loses_nothing(tmp_pa
     rag = _rag(tmp_path, embedder)
     rag.ingest([Document(texts[0][:150], "a")], show_progress=False)
     before = _state(rag)
-    _fill_index_disk(rag.index)
+    fill_index_disk(rag.index)
     with pytest.raises(IndexFullError) as e:
         rag.ingest([Document(texts[1] * 3, "b")], show_progress=False)
     assert e.value.errno == errno.ENOSPC and "nothing of this change was committed" in str(e.value)
     assert rag.list_documents() == ["a"] and len(rag.index) == before["chunks"]
     assert sorted(rag.store.keys()) == before["blobs"]  # the failed ingest's KV: settled, not orphaned
     assert rag.retrieve(texts[0][:100], 1)[0].doc_id == "a"
-    _free_index_disk(rag.index)
+    free_index_disk(rag.index)
     rep = rag.ingest([Document(texts[1] * 3, "b")], show_progress=False)
     assert rep.documents_added == 1 and rag.list_documents() == ["a", "b"]
     assert rag.index.intents() == [] and all(rag.index.references(k) for k in rag.store.keys())
     rag.close()
 
 
-def test_the_service_answers_507_on_a_full_index_disk_and_keeps_serving(tmp_path, embedder, texts):
-    """Through the app: an ingest (or a delete) whose index write meets a full disk is 507
-    ``insufficient_storage`` with no internal path in the body; the documents already there are
-    still listed and answered; the same request succeeds once space is freed."""
-    from fastapi.testclient import TestClient
-
-    from ragkv_server.config import Settings
-    from ragkv_server.server import create_app
-    from ragkv_server.service import Service
-
-    rag = _rag(tmp_path, embedder)
-    s = Settings(max_new_tokens=2, allowed_hosts=["testserver"])
-    svc = Service(s, rag)
-    svc.start()
-    c = TestClient(create_app(s, svc), base_url="http://testserver")
-    try:
-        assert (
-            c.post("/v1/documents", json={"documents": [{"id": "a", "text": texts[0][:150]}]}).status_code
-            == 200
-        )
-        _fill_index_disk(rag.index)
-        r = c.post("/v1/documents", json={"documents": [{"id": "b", "text": texts[1] * 3}]})
-        assert r.status_code == 507, r.text
-        err = r.json()["error"]
-        assert err["type"] == "insufficient_storage" and str(tmp_path) not in r.text
-        assert c.get("/v1/documents").json()["ids"] == ["a"]
-        r = c.post("/v1/query", json={"question": "What is the series?", "top_k": 1})
-        assert r.status_code == 200 and r.json()["sources"][0]["doc_id"] == "a"
-        _free_index_disk(rag.index)
-        r = c.post("/v1/documents", json={"documents": [{"id": "b", "text": texts[1] * 3}]})
-        assert r.status_code == 200 and c.get("/v1/documents").json()["ids"] == ["a", "b"]
-    finally:
-        c.close()
-        svc.close()
-        rag.close()
-
-
 # ---- the service -----------------------------------------------------------------------------------------
-W_KEY = "write-all-0123456789abcdef"  # every collection
-A_KEY = "write-a-0123456789abcdef"  # collection a only
-RB_KEY = "read-b-0123456789abcdef"  # read-only, collection b only
-
-
-def test_settings_name_the_quotas(monkeypatch):
-    from ragkv_server.config import Settings, load_settings
-
-    assert Settings().quotas() == Quotas()
-    monkeypatch.setenv("RAGKV_MAX_DOCUMENT_TOKENS", "none")
-    monkeypatch.setenv("RAGKV_MAX_COLLECTION_TOKENS", "5000000")
-    monkeypatch.setenv("RAGKV_MAX_COLLECTION_KV_BYTES", "2GiB")
-    q = load_settings().quotas()
-    assert q == Quotas(None, 5_000_000, 2 << 30)
-    monkeypatch.setenv("RAGKV_MAX_COLLECTION_TOKENS", "0")
-    with pytest.raises(ValueError):
-        load_settings()
-
-
-def _quota_error(r, code: int) -> dict:
-    """The error body of a quota refusal: status ``code``, ``quota_exceeded``, no Retry-After."""
-    assert r.status_code == code, r.text
-    err = r.json()["error"]
-    assert err["type"] == "quota_exceeded" and err["code"] == code and "retry-after" not in r.headers
-    return err
-
-
-@pytest.mark.slow  # builds the service's RAG (model, embedder, stepz store) and ingests over HTTP
-def test_the_service_refuses_over_quota_ingests_and_shows_usage_per_collection(tmp_path, texts):
-    """Through the app: a document over ``max_document_tokens`` is 413 and a collection that would go
-    over ``max_collection_tokens`` 429, both ``quota_exceeded`` with the limit, usage and request in
-    ``details``, no ``Retry-After``, and nothing of the request written. ``GET
-    /v1/collections/{name}/usage`` shows a collection's usage and limits, only to keys that may use it;
-    ``/metrics`` counts refusals by limit (bounded labels: no collection names)."""
-    from fastapi.testclient import TestClient
-
-    from ragkv_server.server import create_app
-    from ragkv_server.service import Service, build_rag
-
-    s = tiny_settings(
-        tmp_path / "data",
-        max_document_tokens=150,
-        max_collection_tokens=300,
-        api_keys=[W_KEY, {"key": A_KEY, "collections": ["a"]}],
-        read_api_keys=[{"key": RB_KEY, "collections": ["b"]}],
-    )
-    rag = build_rag(s)
-    assert rag.quotas == Quotas(150, 300, None)
-    svc = Service(s, rag)
-    svc.start()
-    c = TestClient(create_app(s, svc), base_url="http://testserver")
-    try:
-        d1, d2, d3 = texts[0][:200], texts[1][:200], texts[2][:200]
-        t1, t2, t3 = (_tokens(rag, t) for t in (d1, d2, d3))
-        assert max(t1, t2, t3) <= 150 and t1 + t2 <= 300 < t1 + t2 + t3
-        r = c.post("/v1/documents", json={"documents": [{"id": "d1", "text": d1}]}, headers=bearer(A_KEY))
-        assert r.status_code == 200, r.text
-        blobs = sorted(rag.store.keys())
-
-        # a document over max_document_tokens, next to one that fits: 413, nothing ingested
-        big = texts[3][:600]
-        body = {"documents": [{"id": "d2", "text": d2}, {"id": "big", "text": big}]}
-        r = c.post("/v1/documents", json=body, headers=bearer(A_KEY))
-        err = _quota_error(r, 413)
-        assert err["details"] == {
-            "limit": "max_document_tokens",
-            "limit_value": 150,
-            "requested": _tokens(rag, big),
-            "collection": "a",
-            "document": "big",
-        }
-        assert "max_document_tokens" in err["message"] and "nothing of this request" in err["message"]
-        assert c.get("/v1/documents", headers=bearer(A_KEY)).json()["ids"] == ["d1"]
-        assert sorted(rag.store.keys()) == blobs and rag.index.intents() == []
-
-        # the collection's token quota: d2 fits, d3 would take it over (NDJSON upload: the same)
-        r = c.post("/v1/documents", json={"documents": [{"id": "d2", "text": d2}]}, headers=bearer(A_KEY))
-        assert r.status_code == 200, r.text
-        blobs = sorted(rag.store.keys())
-        ndjson = json.dumps({"id": "d3", "text": d3}) + "\n"
-        r = c.post(
-            "/v1/documents",
-            content=ndjson,
-            headers={**bearer(A_KEY), "Content-Type": "application/x-ndjson"},
-        )
-        err = _quota_error(r, 429)
-        assert err["details"] == {
-            "limit": "max_collection_tokens",
-            "limit_value": 300,
-            "requested": t1 + t2 + t3,
-            "usage": t1 + t2,
-            "collection": "a",
-        }
-        assert f"now {t1 + t2:,}" in err["message"] and "(300)" in err["message"]
-        assert c.get("/v1/documents", headers=bearer(A_KEY)).json()["ids"] == ["d1", "d2"]
-        assert sorted(rag.store.keys()) == blobs
-        # another collection has room of its own
-        r = c.post(
-            "/v1/documents", json={"documents": [{"id": "d3", "text": d3}]}, headers=bearer(W_KEY, "b")
-        )
-        assert r.status_code == 200, r.text
-
-        # usage: the collection's own numbers, only to keys that may use it
-        r = c.get("/v1/collections/a/usage", headers=bearer(A_KEY))
-        assert r.status_code == 200, r.text
-        u, want = r.json(), rag.usage("a")
-        assert u == {
-            "collection": "a",
-            "documents": 2,
-            "chunks": want.chunks,
-            "tokens": t1 + t2,
-            "kv_bytes": (t1 + t2) * want.kv_bytes_per_token,
-            "kv_bytes_per_token": want.kv_bytes_per_token,
-            "limits": {
-                "max_document_tokens": 150,
-                "max_collection_tokens": 300,
-                "max_collection_kv_bytes": None,
-            },
-        }
-        assert 0 < want.kv_bytes_per_token < 2 * rag.model.config.num_layers * 1000  # stepz, not raw
-        assert c.get("/v1/collections/b/usage", headers=bearer(RB_KEY)).json()["tokens"] == t3
-        assert c.get("/v1/collections/b/usage", headers=bearer(W_KEY)).json()["documents"] == 1
-        for key, name in ((A_KEY, "b"), (A_KEY, "no-such"), (RB_KEY, "a"), (RB_KEY, "default")):
-            r = c.get(f"/v1/collections/{name}/usage", headers=bearer(key))
-            assert r.status_code == 403, (key, name, r.text)
-            assert "tokens" not in r.text
-        assert c.get("/v1/collections/a/usage").status_code == 401
-        assert c.get("/v1/collections/a%20b/usage", headers=bearer(W_KEY)).status_code == 422
-        empty = c.get("/v1/collections/never-used/usage", headers=bearer(W_KEY)).json()
-        assert (empty["documents"], empty["tokens"], empty["kv_bytes"]) == (0, 0, 0)
-
-        metrics = c.get("/metrics", headers=bearer(W_KEY)).text
-        assert metric(metrics, "ragkv_quota_refusals", limit="max_document_tokens") == 1
-        assert metric(metrics, "ragkv_quota_refusals", limit="max_collection_tokens") == 1
-        assert metric(metrics, "ragkv_quota_refusals", limit="max_collection_kv_bytes") == 0
-        assert metric(metrics, "ragkv_collections") == 2 and '"a"' not in metrics
-    finally:
-        c.close()
-        rag.close()

@@ -168,7 +168,7 @@ def test_ingest_pauses_between_small_steps(tmp_path, embedder, musique):
 
 
 def test_default_store_is_the_applications_and_reads_their_data_folder(tmp_path, embedder, musique):
-    """``RAG(llm, data_dir)`` stores chunk KV as ``ragkv ingest`` and the service do (the compact
+    """``RAG(llm, data_dir)`` stores chunk KV as ``ragkv-server ingest`` and the service do (the compact
     default codec, raw blobs still decoded), so a data folder one of them wrote is all hits here.
     Before: the RAG's default was a raw-only store, every stepz blob a miss, recomputed and rewritten."""
     from ragkv.store import default_store, default_store_url

@@ -15,7 +15,6 @@ from ragkv.blend import BlendSchedule
 from ragkv.blend.spans import ChunkRef
 from ragkv.remote.wire import MAX_CHECK_LAYERS, MAX_CHUNKS, BlendParams, KVParamsError
 from ragkv.store.base import check_key
-from ragkv_server import openai_compat as oc
 from tests.helpers import REPO
 
 KEY = st.text("0123456789abcdefABCDEF_.:-", min_size=1, max_size=200).filter(lambda k: not k.startswith("."))
@@ -66,27 +65,6 @@ def test_the_store_and_the_wire_share_one_key_rule():
         with pytest.raises(ValueError):
             check_key(bad)
     assert check_key("ab:c-1.2_3") == "ab:c-1.2_3"
-
-
-def test_save_defaults_by_receiver():
-    """Absent ``save``: the vLLM connector saves missed chunks, the service does not (a read must not write)."""
-    wire = {"ragkv": {"chunks": ["k1"]}}
-    assert BlendParams.from_kv_transfer_params(wire).save is True
-    assert oc.blend_params(wire, num_layers=30).save is False
-    assert oc.blend_params({"ragkv": {"chunks": ["k1"], "save": True}}, num_layers=30).save is True
-
-
-def test_the_service_parses_with_the_owner():
-    """``/v1/completions`` gets the owner's type and reasons (400, naming kv_transfer_params)."""
-    wire = {"ragkv": {"chunks": [{"key": "k", "start": 3, "length": 4}], "ratio": 0.3}}
-    got = oc.blend_params(wire, num_layers=30)
-    assert isinstance(got, BlendParams) and got.chunks == (ChunkRef("k", 3, 4),)
-    assert oc.blend_params(None, 30) is None and oc.blend_params({"other": 1}, 30) is None
-    for body, reason in (({"chunks": "abc"}, "chunks"), ({"chunks": [], "ratio": 2}, "ratio")):
-        with pytest.raises(oc.BadRequestError, match=f"^kv_transfer_params: .*{reason}"):
-            oc.blend_params({"ragkv": body}, 30)
-    with pytest.raises(oc.BadRequestError, match="layers of the model"):
-        oc.blend_params({"ragkv": {"chunks": [], "check_layers": [30]}}, 30)
 
 
 def test_schedules_by_receiver():

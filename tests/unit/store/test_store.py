@@ -253,40 +253,6 @@ def test_an_old_raw_store_keeps_serving_after_the_default_codec_changed(tmp_path
     assert default_store(url + "?codecs=int8").allowed_codecs == {DEFAULT_CODEC, "int8"}
 
 
-def test_application_defaults_read_the_one_codec_constant(tmp_path, monkeypatch):
-    """``ragkv ingest`` / the service (ragkv_server.service.build_rag) and the demo store new KV with
-    DEFAULT_CODEC; the settings default is that constant."""
-    from tests.helpers import stories_path
-
-    if not stories_path().exists():
-        pytest.skip("shared model missing")
-    from ragkv.cli import build_parser, main
-    from ragkv.store.codecs import DEFAULT_CODEC
-    from ragkv_server.config import Settings
-    from ragkv_server.service import build_rag
-
-    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path / "cache"))  # calibration lands here
-    assert Settings().store_codec == DEFAULT_CODEC
-    with pytest.raises(ValueError, match="unknown store codec"):
-        Settings(store_codec="nope")
-    rag = build_rag(Settings(model=str(stories_path()), data_dir=tmp_path / "svc"))
-    try:
-        assert rag.store.codec.name == DEFAULT_CODEC and "raw" in rag.store.allowed_codecs
-        rag.ingest([{"id": "d", "text": "Lily has a red ball. She plays with it in the park every day."}])
-        keys = rag.store.keys()
-        assert keys and {rag.store.header(k).codec for k in keys} == {DEFAULT_CODEC}
-    finally:
-        rag.close()
-    assert (tmp_path / "cache" / "stepz").is_dir()  # the model was calibrated once, cached by fingerprint
-    assert build_parser().parse_args(["demo"]).codec is None  # None: DEFAULT_CODEC
-    demo_dir = tmp_path / "demo"
-    args = ["demo", "--model", str(stories_path()), "--data-dir", str(demo_dir), "--passages", "2"]
-    assert main([*args, "--questions", "1", "--max-new-tokens", "2", "-q"]) == 0
-    (kv_dir,) = demo_dir.glob("*/kv")
-    demo_store = LocalDirStore(kv_dir, codec=DEFAULT_CODEC)
-    assert demo_store.keys() and {demo_store.header(k).codec for k in demo_store.keys()} == {DEFAULT_CODEC}
-
-
 # -- writes: idempotence, bounds, persistence -------------------------------------------------------
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_put_is_idempotent(kind, request, tmp_path):

@@ -21,7 +21,7 @@ from langchain_tests.integration_tests import (  # noqa: E402
 )
 
 from langchain_ragkv import RagkvRetriever  # noqa: E402
-from tests.helpers import musique_samples  # noqa: E402
+from ragkv.testing import musique_samples  # noqa: E402
 
 
 class TestChatRagkvIntegration(ChatParams, ChatModelIntegrationTests):

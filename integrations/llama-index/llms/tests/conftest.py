@@ -1,14 +1,5 @@
-"""Fixtures of llama-index-llms-ragkv's tests: the core suite's (one torch thread, the embedder), importable from a checkout."""
+"""Fixtures of llama-index-llms-ragkv's tests: ragkv.testing's (one torch thread, the embedder)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[4]
-if (
-    str(REPO) not in sys.path
-):  # the core suite's helpers (tests.helpers) and eval.harness live in the checkout
-    sys.path.insert(0, str(REPO))
-
-from tests.conftest import embedder, one_thread  # noqa: E402, F401  (fixtures, re-exported)
+from ragkv.testing.fixtures import embedder, one_thread  # noqa: F401  (fixtures, re-exported)

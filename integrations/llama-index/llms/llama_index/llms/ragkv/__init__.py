@@ -14,6 +14,6 @@ the explicit form's, their KV reused). The retriever, query engine, embedding an
 
 from llama_index.llms.ragkv.base import RagkvLlamaLLM
 
-from ragkv.frameworks import CHUNK_SEPARATOR, format_docs
+from ragkv_frameworks import CHUNK_SEPARATOR, format_docs
 
 __all__ = ["CHUNK_SEPARATOR", "RagkvLlamaLLM", "format_docs"]

@@ -35,14 +35,14 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from pydantic import ConfigDict
 
 from ragkv.aio import iterate_in_thread
-from ragkv.frameworks import (
+from ragkv.model.chat import has_chat_template
+from ragkv_frameworks import (
     Completion,
     RagkvOptions,
     call_events,
     fold_messages,
     render_chat,
 )
-from ragkv.model.chat import has_chat_template
 
 CHUNK_KEYS = ("chunks", "chunk_ids", "nodes")
 

@@ -18,7 +18,7 @@ from llama_index.retrievers.ragkv.embeddings import RagkvLlamaEmbedding
 from llama_index.retrievers.ragkv.node_parser import RagkvNodeParser
 from llama_index.retrievers.ragkv.query_engine import RagkvQueryEngine
 
-from ragkv.frameworks import CHUNK_SEPARATOR, format_docs
+from ragkv_frameworks import CHUNK_SEPARATOR, format_docs
 
 __all__ = [
     "CHUNK_SEPARATOR",

@@ -7,8 +7,8 @@ from typing import Any
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from ragkv.frameworks import CHUNK_ID_PREFIX, chunk_metadata
 from ragkv.rag import ChunkRecord
+from ragkv_frameworks import CHUNK_ID_PREFIX, chunk_metadata
 
 
 def to_node(rec: ChunkRecord) -> NodeWithScore:

@@ -26,7 +26,7 @@ from llama_index.core.node_parser.node_utils import build_nodes_from_splits
 from llama_index.core.schema import BaseNode
 from pydantic import Field
 
-from ragkv.frameworks import RagkvRunner, ragkv_metadata
+from ragkv_frameworks import RagkvRunner, ragkv_metadata
 
 
 class RagkvNodeParser(NodeParser):

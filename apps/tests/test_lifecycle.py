@@ -12,10 +12,10 @@ from fastapi.testclient import TestClient
 from ragkv import LLM
 from ragkv.rag import RAG
 from ragkv.remote.client import build_prompt
+from ragkv.testing import stories_model
 from ragkv_server.config import Settings
 from ragkv_server.server import create_app
 from ragkv_server.service import Service
-from tests.helpers import stories_model
 
 WORDS = "Tom Lily kite ball park river red blue big small ran sat jumped the a on in".split()
 

@@ -1,70 +1,49 @@
-"""LangChain and LlamaIndex wrappers with the real libraries: retrieved documents reach the model as
-chunks whose stored KV is reused; foreign documents are ingested on first use; streaming and async."""
+"""LangChain's classes with the real library on the tiny model: retrieved documents reach the model as
+chunks whose stored KV is reused; foreign documents are ingested on first use; streaming, async, stop
+strings, structured output, constructor and tracing parameters; a flat prompt the chain formatted itself
+reuses the stored chunks inside it; the standard LCEL chain answers as the explicit chunks do (with the
+checkout's eval/standard_paths.py, in a run from the repository root)."""
 
 import asyncio
 import functools
 import operator
 
 import pytest
+from langchain_core.prompts import PromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+from langchain_core.vectorstores import InMemoryVectorStore
 
-from ragkv.blend import (
-    DEFAULT_RATIO,  # tests of blending mechanics: an explicit ratio (outside the fidelity gate)
+from langchain_ragkv import (
+    CHUNK_SEPARATOR,
+    ChatRagkv,
+    RagkvEmbeddings,
+    RagkvLLM,
+    RagkvRetriever,
+    RagkvTextSplitter,
+    format_docs,
+    rag_chain,
+)
+from ragkv import LLM
+from ragkv.blend import DEFAULT_RATIO
+from ragkv.rag import RAG
+from ragkv.testing import (
+    assert_chunks_reused,
+    check_stop_strings,
+    checkout_harness,
+    musique_samples,
+    texts_rag,
+    two_collections_rag,
 )
 
-pytest.importorskip("langchain_core")
-pytest.importorskip("llama_index.core")
-
-from langchain_core.prompts import PromptTemplate  # noqa: E402
-from langchain_core.runnables import RunnablePassthrough  # noqa: E402
-from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
-from llama_index.core.llms import ChatMessage  # noqa: E402
-from llama_index.llms.ragkv import RagkvLlamaLLM  # noqa: E402
-from llama_index.retrievers.ragkv import RagkvLlamaRetriever, RagkvQueryEngine  # noqa: E402
-
-from langchain_ragkv import ChatRagkv, RagkvEmbeddings, RagkvLLM, RagkvRetriever, rag_chain  # noqa: E402
-from ragkv import LLM  # noqa: E402
-from ragkv.frameworks import CHUNK_SEPARATOR, format_docs  # noqa: E402
-from ragkv.rag import RAG  # noqa: E402
-from tests.helpers import check_stop_strings, musique_samples, stories_model  # noqa: E402
-
 NEW = 8  # tokens per answer: enough to see streaming, cheap on 2 cores
+STOP_MAX = 24  # tokens of the output stop strings are cut from
 
 
 @pytest.fixture(scope="module")
-def samples():
-    return musique_samples(2)
+def rag(tiny_rag):
+    return tiny_rag
 
 
-@pytest.fixture(scope="module")
-def rag(tmp_path_factory, one_thread, embedder, samples):
-    r = RAG(
-        LLM(stories_model()),
-        tmp_path_factory.mktemp("lc") / "data",
-        embedder=embedder,
-        chunk_tokens=64,
-        top_k=3,
-        ratio=DEFAULT_RATIO,
-    )
-    docs = [
-        {"id": f"s{i}-p{j}", "text": c["text"][:300]}
-        for i, s in enumerate(samples)
-        for j, c in enumerate(s["ctxs"][:3])
-    ]
-    rep = r.ingest(docs, show_progress=False)
-    assert rep.kv_computed > 0
-    yield r
-    r.close()
-
-
-def _reused(info: dict, n_chunks: int) -> None:
-    """The answer's prefill reused every chunk's stored KV (blend)."""
-    assert info["mode"] == "blend"
-    assert info["kv_hits"] == n_chunks == info["num_chunks"]
-    assert info["num_reused_rows"] > 0
-    assert info["recomputed_per_layer"][-1] < info["num_tokens"]
-
-
-# ---- LangChain ----------------------------------------------------------------------------------------
 def test_langchain_retriever_documents_carry_chunk_keys(rag, samples):
     docs = RagkvRetriever(rag=rag, k=3).invoke(samples[0]["question"])
     assert len(docs) == 3
@@ -83,7 +62,7 @@ def test_langchain_retrieval_chain_reuses_chunk_kv(rag, samples):
     assert set(out) == {"question", "docs", "answer"} and isinstance(out["answer"], str) and out["answer"]
     gen = llm.generate([q], chunks=out["docs"]).generations[0][0]
     assert gen.text == out["answer"]
-    _reused(gen.generation_info["ragkv"], 3)
+    assert_chunks_reused(gen.generation_info["ragkv"], 3)
     assert gen.generation_info["ragkv"]["chunk_ids"] == [d.metadata["ragkv_chunk_id"] for d in out["docs"]]
     # chunk ids work as well as documents; blend at ratio 1 is exactly full prefill through the wrapper
     ids = [d.id for d in out["docs"]]
@@ -101,7 +80,7 @@ def test_langchain_chat_model_stream_and_async(rag, samples):
     docs = RagkvRetriever(rag=rag).invoke(q)
     chat = ChatRagkv(rag=rag, max_new_tokens=NEW)
     msg = chat.invoke(q, chunks=docs)
-    _reused(msg.response_metadata["ragkv"], len(docs))
+    assert_chunks_reused(msg.response_metadata["ragkv"], len(docs))
     assert msg.usage_metadata["output_tokens"] == msg.response_metadata["ragkv"]["completion_tokens"]
     parts = list(chat.stream(q, chunks=docs))
     texts = [p.content for p in parts if p.content]
@@ -114,7 +93,7 @@ def test_langchain_chat_model_stream_and_async(rag, samples):
 
     aparts, amsg = asyncio.run(run())
     assert "".join(aparts) == msg.content and amsg.content == msg.content
-    _reused(amsg.response_metadata["ragkv"], len(docs))
+    assert_chunks_reused(amsg.response_metadata["ragkv"], len(docs))
     # no chunks: the conversation is completed as a plain prompt (full prefill)
     plain = chat.invoke("Once upon a time")
     assert plain.response_metadata["ragkv"]["num_chunks"] == 0 and plain.content
@@ -165,10 +144,10 @@ def test_langchain_foreign_vector_store_documents_ingested_on_first_use(rag, emb
     assert len(first["ingested_documents"]) == 2 and len(rag.index.document_ids()) == n_docs + 2
     again = chat.invoke("What did the dog like?", chunks=docs).response_metadata["ragkv"]
     assert again["ingested_documents"] == [] and len(rag.index.document_ids()) == n_docs + 2
-    _reused(again, len(again["chunk_ids"]))
+    assert_chunks_reused(again, len(again["chunk_ids"]))
     assert again["chunk_ids"] == first["chunk_ids"]
     out = rag_chain(store.as_retriever(search_kwargs={"k": 2}), chat).invoke("Who had a red ball?")
-    _reused(out["answer"].response_metadata["ragkv"], 2)
+    assert_chunks_reused(out["answer"].response_metadata["ragkv"], 2)
 
 
 def test_langchain_bad_input_is_a_typed_error(rag):
@@ -181,129 +160,6 @@ def test_langchain_bad_input_is_a_typed_error(rag):
         llm.invoke("q", chunk_ids=[1], mode="nope")
 
 
-def test_the_wrappers_work_inside_one_collection(tmp_path, one_thread, embedder, samples):
-    """``collection=`` on every wrapper (issue 24: they used only the default collection): retrievers
-    search only it, chunk ids and ragkv documents of another collection are unknown (KeyError, the same
-    as a missing id), foreign documents are ingested into it, splitters give its chunks, and a call may
-    name another collection. Answers over its chunks reuse their stored KV."""
-    from llama_index.retrievers.ragkv import RagkvNodeParser
-
-    from langchain_ragkv import RagkvTextSplitter
-
-    r = RAG(
-        LLM(stories_model()),
-        tmp_path / "data",
-        embedder=embedder,
-        chunk_tokens=64,
-        top_k=2,
-        ratio=DEFAULT_RATIO,
-    )
-    try:
-        texts = [c["text"][:300] for s in samples for c in s["ctxs"][:2]]
-        r.ingest(
-            [{"id": "pa", "text": texts[0]}, {"id": "pa2", "text": texts[1]}],
-            show_progress=False,
-            collection="a",
-        )
-        r.ingest(
-            [{"id": "pb", "text": texts[2]}, {"id": "pb2", "text": texts[3]}],
-            show_progress=False,
-            collection="b",
-        )
-        a_ids = {c.chunk_id for d in ("pa", "pa2") for c in r.index.chunks_of(d, "a")}
-        b_ids = {c.chunk_id for d in ("pb", "pb2") for c in r.index.chunks_of(d, "b")}
-        q = samples[0]["question"]
-        docs = RagkvRetriever(rag=r, k=5, collection="a").invoke(q)
-        assert docs and {d.metadata["ragkv_chunk_id"] for d in docs} <= a_ids
-        nodes = RagkvLlamaRetriever(r, k=5, collection="b").retrieve(q)
-        assert nodes and {n.node.metadata["ragkv_chunk_id"] for n in nodes} <= b_ids
-        assert RagkvRetriever(rag=r, k=5).invoke(q) == []  # the default collection is empty
-
-        chat = ChatRagkv(rag=r, max_new_tokens=2, collection="a")
-        info = chat.invoke(q, chunks=docs).response_metadata["ragkv"]
-        _reused(info, len(docs))
-        with pytest.raises(KeyError):  # b's chunk, by id or as the document ragkv made of it
-            chat.invoke(q, chunk_ids=[min(b_ids)])
-        llm = RagkvLlamaLLM(rag=r, max_new_tokens=2, collection="a")
-        with pytest.raises(KeyError):
-            llm.complete(q, chunk_ids=[f"ragkv:{min(b_ids)}"])
-        b_info = chat.invoke(q, retrieve=True, collection="b").response_metadata["ragkv"]  # per call
-        assert set(b_info["chunk_ids"]) <= b_ids
-
-        before = {c: r.list_documents(c) for c in ("default", "a", "b")}
-        foreign = "Tom was a big brown dog. He liked to run after the ball in the park."
-        got = chat.invoke("What did the dog like?", chunks=[foreign]).response_metadata["ragkv"]
-        (ext,) = got["ingested_documents"]
-        assert r.list_documents("a") == sorted([*before["a"], ext])
-        assert r.list_documents("default") == before["default"] and r.list_documents("b") == before["b"]
-
-        # a flat prompt holding a's chunk: found and reused in a, never from b's side
-        rec = r.index.chunks_of("pa", "a")[0]
-        flat = f"Read this.\n\n{rec.text}\n\nQuestion: {q}"
-        hits = {
-            c: RagkvLLM(rag=r, max_new_tokens=2, collection=c)
-            .generate([flat])
-            .generations[0][0]
-            .generation_info["ragkv"]["kv_hits"]
-            for c in ("a", "b")
-        }
-        assert hits["a"] >= 1 and hits["b"] == 0, hits
-
-        pieces = RagkvTextSplitter(r, collection="b").create_documents([texts[2]])
-        assert {p.metadata["ragkv_chunk_id"] for p in pieces} <= b_ids
-        from llama_index.core import Document as LlamaDocument
-
-        nodes = RagkvNodeParser(rag=r, collection="a").get_nodes_from_documents(
-            [LlamaDocument(text=texts[0])]
-        )
-        assert nodes and {n.metadata["ragkv_chunk_id"] for n in nodes} <= a_ids
-        assert r.list_documents("b") == before["b"]  # the same text held by a: nothing ingested into b
-    finally:
-        r.close()
-
-
-# ---- LlamaIndex -----------------------------------------------------------------------------------------
-def test_llama_index_llm_retriever_and_chat(rag, samples):
-    q = samples[0]["question"]
-    nodes = RagkvLlamaRetriever(rag, k=3).retrieve(q)
-    assert len(nodes) == 3
-    for n in nodes:
-        rec = rag.index.chunk(n.node.metadata["ragkv_chunk_id"])
-        assert n.node.node_id == f"ragkv:{rec.chunk_id}" and n.node.metadata["ragkv_kv_key"] == rec.kv_key
-        assert isinstance(n.score, float)
-    assert [n.score for n in nodes] == sorted((n.score for n in nodes), reverse=True)
-    llm = RagkvLlamaLLM(rag=rag, max_new_tokens=NEW)
-    done = llm.complete(q, chunks=nodes)
-    _reused(done.raw["ragkv"], 3)
-    deltas = [r.delta for r in llm.stream_complete(q, chunk_ids=[n.node.node_id for n in nodes])]
-    assert len([d for d in deltas if d]) > 1 and "".join(deltas) == done.text
-    # chat() keeps the chunk options (CustomLLM's derived chat would render them away)
-    msgs = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content=q)]
-    chat = llm.chat(msgs, chunk_ids=[n.node.node_id for n in nodes])
-    _reused(chat.raw["ragkv"], 3)
-    streamed = list(llm.stream_chat(msgs, chunks=nodes))
-    assert streamed[-1].message.content == chat.message.content
-    _reused(streamed[-1].raw["ragkv"], 3)
-    assert llm.complete("Once upon a time").raw["ragkv"]["num_chunks"] == 0
-
-
-def test_llama_index_query_engine_answers_with_reused_kv(rag, samples):
-    q = samples[1]["question"]
-    engine = RagkvQueryEngine(
-        retriever=RagkvLlamaRetriever(rag, k=3), llm=RagkvLlamaLLM(rag=rag, max_new_tokens=NEW)
-    )
-    resp = engine.query(q)
-    assert resp.response and len(resp.source_nodes) == 3
-    _reused(resp.metadata["ragkv"], 3)
-    assert resp.metadata["ragkv"]["chunk_ids"] == [
-        n.node.metadata["ragkv_chunk_id"] for n in resp.source_nodes
-    ]
-    aresp = asyncio.run(engine.aquery(q))
-    assert aresp.response == resp.response
-    _reused(aresp.metadata["ragkv"], 3)
-
-
-# ---- LangChain conventions: constructor parameters, tracing parameters, per-call k ---------------------
 def test_langchain_max_tokens_and_stop_from_the_constructor_are_honoured(rag, samples):
     q = samples[0]["question"]
     free = ChatRagkv(rag=rag, max_tokens=24).invoke(q, retrieve=True)
@@ -406,29 +262,6 @@ def test_langchain_timeout_and_max_retries(rag):
         srv.close()
 
 
-# ---- stop strings: never emitted, finish_reason from the generation ----------------------------------
-STOP_MAX = 24
-
-
-def test_python_api_rag_answer_stop_strings(rag, samples):
-    q = samples[0]["question"]
-    chunks = rag.retrieve(q)
-
-    def complete(stop, n, streamed):
-        items = list(rag.answer_stream(q, chunks=chunks, max_new_tokens=n, stop=(stop,)))
-        events, ans = items[:-1], items[-1]
-        text = (
-            "".join(e.text for e in events)
-            if streamed
-            else rag.answer(q, chunks=chunks, max_new_tokens=n, stop=(stop,)).text
-        )
-        assert ans.text == "".join(e.text for e in events)
-        return text, events[-1].finish_reason
-
-    pieces = [e.text for e in list(rag.answer_stream(q, chunks=chunks, max_new_tokens=STOP_MAX))[:-1]]
-    check_stop_strings(pieces, STOP_MAX, complete)
-
-
 def test_langchain_stop_strings_never_leak(rag, samples):
     q = samples[0]["question"]
 
@@ -462,7 +295,7 @@ def test_langchain_structured_output_over_chunks_and_its_formats(rag, samples):
     from pydantic import BaseModel, Field
 
     from ragkv.constrain import ConstraintError, JsonConstraint
-    from ragkv.frameworks import format_constraint
+    from ragkv_frameworks import format_constraint
 
     class Answer(BaseModel):
         answer: str = Field(max_length=60)
@@ -490,7 +323,6 @@ def test_langchain_structured_output_over_chunks_and_its_formats(rag, samples):
         chat.invoke(q, stop=["}"], response_format={"type": "json_object"})
 
 
-# ---- the standard LCEL RAG chain (issue 26) -----------------------------------------------------------
 def _short_texts(n_chars: int) -> list[str]:
     return [c["text"].strip()[:n_chars] for s in musique_samples(2) for c in s["ctxs"][:3]]
 
@@ -499,16 +331,7 @@ def _short_texts(n_chars: int) -> list[str]:
 def flat_rag(tmp_path_factory, embedder):
     """Passages short enough for LangChain's standard RAG prompt around two of them to fit the tiny
     model's 512 positions; each is two stored chunks."""
-    texts = _short_texts(160)
-    r = RAG(
-        LLM(stories_model()),
-        tmp_path_factory.mktemp("lcel") / "data",
-        embedder=embedder,
-        chunk_tokens=64,
-        ratio=DEFAULT_RATIO,
-    )
-    r.ingest([{"id": f"d{i}", "text": t} for i, t in enumerate(texts)], show_progress=False)
-    r.texts = texts
+    r = texts_rag(tmp_path_factory.mktemp("lcel") / "data", _short_texts(160), embedder)
     yield r
     r.close()
 
@@ -516,7 +339,10 @@ def flat_rag(tmp_path_factory, embedder):
 def _lcel_paths(rag, retriever, model, question: str, kinds=None) -> list:
     """The standard LCEL chain over ``retriever`` with ``model``, each way it runs, recorded by a
     LangChain callback handler and compared with the explicit form (eval.standard_paths)."""
-    from eval.standard_paths import KINDS, compare, langchain_calls, lcel_answer, lcel_chain
+    standard = checkout_harness("standard_paths")
+    KINDS, compare, langchain_calls, lcel_answer, lcel_chain = (
+        standard.KINDS, standard.compare, standard.langchain_calls, standard.lcel_answer, standard.lcel_chain
+    )  # fmt: skip
 
     chain = lcel_chain(retriever, model)
     out = []
@@ -553,7 +379,10 @@ def test_standard_lcel_chain_answers_as_the_explicit_chunks_do(flat_rag, embedde
     # the completion model with a PromptTemplate: the same
     from langchain_core.output_parsers import StrOutputParser
 
-    from eval.standard_paths import LC_RAG_PROMPT, compare, format_docs, langchain_calls
+    standard = checkout_harness("standard_paths")
+    LC_RAG_PROMPT, compare, format_docs, langchain_calls = (
+        standard.LC_RAG_PROMPT, standard.compare, standard.format_docs, standard.langchain_calls
+    )  # fmt: skip
 
     llm = RagkvLLM(rag=flat_rag, max_new_tokens=NEW)
     chain = (
@@ -635,3 +464,55 @@ def test_standard_lcel_chain_on_the_real_model(tmp_path, embedder, one_thread):
             assert res.prompt.startswith("<|im_start|>system\n")  # the first turn's BOS kept
     finally:
         r.close()
+
+
+def test_the_langchain_wrappers_work_inside_one_collection(tmp_path, one_thread, embedder, samples):
+    """``collection=`` on every LangChain class (issue 24: they used only the default collection): the
+    retriever searches only it, chunk ids of another collection are unknown (KeyError, as a missing id),
+    foreign documents are ingested into it, the splitter gives its chunks, and a call may name another
+    collection. Answers over its chunks reuse their stored KV."""
+    two = two_collections_rag(tmp_path / "data", embedder)
+    r, texts, a_ids, b_ids = two.rag, two.texts, two.a_ids, two.b_ids
+    try:
+        q = samples[0]["question"]
+        docs = RagkvRetriever(rag=r, k=5, collection="a").invoke(q)
+        assert docs and {d.metadata["ragkv_chunk_id"] for d in docs} <= a_ids
+        assert RagkvRetriever(rag=r, k=5).invoke(q) == []  # the default collection is empty
+
+        chat = ChatRagkv(rag=r, max_new_tokens=2, collection="a")
+        assert_chunks_reused(chat.invoke(q, chunks=docs).response_metadata["ragkv"], len(docs))
+        with pytest.raises(KeyError):  # b's chunk, by id or as the document ragkv made of it
+            chat.invoke(q, chunk_ids=[min(b_ids)])
+        b_info = chat.invoke(q, retrieve=True, collection="b").response_metadata["ragkv"]  # per call
+        assert set(b_info["chunk_ids"]) <= b_ids
+
+        before = {c: r.list_documents(c) for c in ("default", "a", "b")}
+        foreign = "Tom was a big brown dog. He liked to run after the ball in the park."
+        got = chat.invoke("What did the dog like?", chunks=[foreign]).response_metadata["ragkv"]
+        (ext,) = got["ingested_documents"]
+        assert r.list_documents("a") == sorted([*before["a"], ext])
+        assert r.list_documents("default") == before["default"] and r.list_documents("b") == before["b"]
+
+        # a flat prompt holding a's chunk: found and reused in a, never from b's side
+        rec = r.index.chunks_of("pa", "a")[0]
+        flat = f"Read this.\n\n{rec.text}\n\nQuestion: {q}"
+        hits = {
+            c: RagkvLLM(rag=r, max_new_tokens=2, collection=c)
+            .generate([flat])
+            .generations[0][0]
+            .generation_info["ragkv"]["kv_hits"]
+            for c in ("a", "b")
+        }
+        assert hits["a"] >= 1 and hits["b"] == 0, hits
+        pieces = RagkvTextSplitter(r, collection="b").create_documents([texts[2]])
+        assert {p.metadata["ragkv_chunk_id"] for p in pieces} <= b_ids
+    finally:
+        r.close()
+
+
+def test_a_langchain_llm_given_a_flat_prompt_reuses_the_stored_chunks(rag):
+    """The standard LCEL path: documents formatted by the chain, one flat string to the LLM."""
+    recs = [r for r in rag.index.all_chunks()[:3] if len(r.token_ids) >= 8]  # shorter ones are not located
+    flat = "Answer the question.\n\n" + "\n\n".join(r.text for r in recs) + "\n\nWhat did Tom buy?"
+    info = RagkvLLM(rag=rag, max_new_tokens=2).generate([flat]).generations[0][0].generation_info["ragkv"]
+    assert info["num_reused_rows"] >= 0.9 * sum(len(r.token_ids) for r in recs), info

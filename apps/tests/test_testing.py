@@ -1,14 +1,15 @@
-"""eval.harness's server launcher: a forked server behaves as ``python -m ragkv_server.server`` does
-(its output in the log, its exit status, SIGTERM a clean stop), for the tests that start ~20 of them."""
+"""ragkv_server.testing's server launcher (the tests' and the benchmarks'): a forked server behaves as
+``python -m ragkv_server.server`` does (its output in the log, its exit status, SIGTERM a clean stop), for
+the tests that start ~20 of them."""
 
 from __future__ import annotations
 
 import signal
 
 import pytest
+from helpers_service import LIMITS
 
-from eval.harness import ForkedProcess, launch_server, stop_server
-from tests.helpers_service import LIMITS
+from ragkv_server.testing import ForkedProcess, launch_server, stop_server
 
 pytestmark = pytest.mark.slow  # the fork server imports the service once (~10 s on 2 cores)
 

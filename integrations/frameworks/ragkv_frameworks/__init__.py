@@ -1,7 +1,8 @@
 """What the LangChain and LlamaIndex wrappers (``langchain-ragkv``, ``llama-index-*-ragkv``) share: turning
 their documents into ragkv chunks and answering over them with the chunks' stored KV reused.
 
-Core, not an edge, because two edges use it; it needs pydantic, which both frameworks bring.
+Its own distribution (``ragkv-frameworks``), not the core's: only the integrations and the checkout's
+``eval/`` use it, and it needs pydantic, which both frameworks bring and the core does not.
 
 A framework document reaches ragkv in one of three ways:
 

@@ -1,6 +1,6 @@
-"""What the service's tests share: a real ``python -m ragkv_server.server`` on a loopback port with small
-limits, and the documents they ingest (used by apps/tests and by core tests that check a feature through
-the service)."""
+"""What ragkv-server's tests share: a real ``python -m ragkv_server.server`` on a loopback port with small
+limits, the settings of an in-process service on the tiny model, the documents they ingest, and a
+``/metrics`` reader."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from eval.harness import launch_server, stop_server
 from ragkv.blend import DEFAULT_RATIO
-from tests.helpers import stories_path
+from ragkv.testing import stories_path
+from ragkv_server.testing import launch_server, stop_server
 
 NEW = 8
 LIMITS = {  # small limits keep every request (and the schemathesis run) cheap on 2 cores
