@@ -3,8 +3,6 @@ views it, and the next pass's copy lands on pages already mapped."""
 
 from __future__ import annotations
 
-import resource
-
 import torch
 
 from ragkv.attention.buffers import ROW_QUANTUM, BufferPool
@@ -51,18 +49,18 @@ def test_free_buffers_beyond_the_budget_are_dropped():
     assert pool.nbytes() == 0
 
 
-def test_the_next_pass_writes_into_pages_already_mapped():
+def test_the_next_pass_writes_into_the_same_memory():
+    """A turn's pass gets the previous turn's buffer back (the same pages: no page faults to map fresh
+    ones; how much that saves is measured in docs/EXACT_REUSE.md, not asserted here)."""
     pool = BufferPool()
-
-    def faults_of_a_pass() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        buf = pool.empty((30, 2450, 3, 64), torch.float32)  # a 2,450-token prompt's K (56 MB)
-        buf.fill_(1.0)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    first = faults_of_a_pass()
-    assert first > 5_000  # fresh pages
-    assert max(faults_of_a_pass() for _ in range(3)) < 200  # the same pages again
+    first = pool.empty((30, 2450, 3, 64), torch.float32)  # a 2,450-token prompt's K (56 MB)
+    address = first.data_ptr()
+    del first
+    for rows in (2450, 2491, 2534):  # the next turns, a little longer each
+        again = pool.empty((30, rows, 3, 64), torch.float32)
+        assert again.data_ptr() == address
+        del again
+    assert (pool.allocated, pool.reused) == (1, 3)
 
 
 def test_a_free_buffer_behind_others_in_the_pool_is_found():
