@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -407,3 +408,30 @@ def build_wheel(project: Path, tmp_path: Path) -> tuple[list[str], str]:
         names = z.namelist()
         eps = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         return names, z.read(eps[0]).decode() if eps else ""
+
+
+class SlowStore:
+    """A real chunk store whose reads (``get``, ``get_blob``) and writes (``put``, ``put_blob``) each
+    take a fixed extra delay (a slow link, a busy Redis, a remote tier); everything else is the store's."""
+
+    def __init__(self, store, read_delay_s: float = 0.0, write_delay_s: float = 0.0):
+        self.inner, self.read_delay_s, self.write_delay_s = store, read_delay_s, write_delay_s
+
+    def get(self, *args, **kwargs):
+        time.sleep(self.read_delay_s)
+        return self.inner.get(*args, **kwargs)
+
+    def get_blob(self, *args, **kwargs):
+        time.sleep(self.read_delay_s)
+        return self.inner.get_blob(*args, **kwargs)
+
+    def put(self, *args, **kwargs):
+        time.sleep(self.write_delay_s)
+        return self.inner.put(*args, **kwargs)
+
+    def put_blob(self, *args, **kwargs):
+        time.sleep(self.write_delay_s)
+        return self.inner.put_blob(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

@@ -12,6 +12,7 @@ from ragkv.blend.kvtree import PAGE_TOKENS, page_keys, tree_root
 from ragkv.model import random_model
 from ragkv.model.forward import exact_forward
 from ragkv.store import store_from_url
+from ragkv.testing import SlowStore
 
 
 def _model(seed=3):
@@ -312,22 +313,6 @@ def test_passes_are_split_invariant_with_widths_that_split_threads_inside_a_vect
         torch.set_num_threads(before)
 
 
-class _SlowStore:
-    """A real store whose writes take ``delay`` seconds each (a busy Redis, a slow disk)."""
-
-    def __init__(self, store, delay: float):
-        self._store, self.delay = store, delay
-
-    def put_blob(self, key, blob):
-        import time
-
-        time.sleep(self.delay)
-        return self._store.put_blob(key, blob)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
-
-
 def test_a_request_ends_with_its_prompt_in_the_store_for_the_next_process(tmp_path):
     """A request's end (the decode loop's ``on_finish``) waits for its prompt's pages, so a second
     process on the store, asked right after, finds the prompt (two-process workload of issue 52: the
@@ -337,7 +322,7 @@ def test_a_request_ends_with_its_prompt_in_the_store_for_the_next_process(tmp_pa
     m = _model()
     ids = _ids(m, 4 * PAGE_TOKENS + 3)
     url = str(tmp_path / "kv")
-    a = KVTree(store=_SlowStore(store_from_url(url), 0.05))
+    a = KVTree(store=SlowStore(store_from_url(url), write_delay_s=0.05))
     res = exact_prefill(m, ids, a)
     generate(m, res, SamplingParams(max_new_tokens=2))
     b = KVTree(store=store_from_url(url))  # the other process, asked as soon as the answer is out
@@ -345,7 +330,7 @@ def test_a_request_ends_with_its_prompt_in_the_store_for_the_next_process(tmp_pa
     assert got.stats["store_tokens"] == 4 * PAGE_TOKENS
     assert torch.equal(got.logits, exact_prefill(m, ids).logits)
     # a store slower than the wait bounds it: the request ends anyway, the pages follow
-    c = KVTree(store=_SlowStore(store_from_url(str(tmp_path / "kv2")), 0.5), persist_wait_s=0.1)
+    c = KVTree(store=SlowStore(store_from_url(str(tmp_path / "kv2")), write_delay_s=0.5), persist_wait_s=0.1)
     ep = exact_forward(m, ids)
     keys = c.insert(m, ids, 0, ep.k, ep.v)
     assert len(keys) == 4 and not c.wait_persisted(keys)  # 0.1 s: not yet

@@ -1,7 +1,6 @@
 """Serving engine: paged KV accounting, batched decode, fetching-aware scheduling, BFF/CFF, HACK, front ends."""
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -33,6 +32,7 @@ from ragkv.generate import SamplingParams, generate, stream
 from ragkv.kv import compute_chunk_kv
 from ragkv.model import PromptTooLongError, random_model
 from ragkv.store import MemoryStore
+from ragkv.testing import SlowStore
 from tests.helpers import sample_story_chunks, stop_cases, stories_model
 
 FUSE_MIDDLE = dict(skip_first=1, skip_last=1)  # stories260k has 5 layers: fuse 1..3
@@ -73,21 +73,6 @@ def _reference(model, req):
     )
     res = prefill(model, req["prefix"], items, req["question"], req["mode"])
     return generate(model, res, req["params"]).token_ids
-
-
-class SlowStore:
-    """A real in-memory chunk store behind a fixed delay per read (a slow link / remote tier)."""
-
-    def __init__(self, delay_s: float):
-        self.inner = MemoryStore()
-        self.delay_s = delay_s
-
-    def get(self, key, fingerprint, device=None, dtype=None):
-        time.sleep(self.delay_s)
-        return self.inner.get(key, fingerprint, device, dtype)
-
-    def put(self, chunk):
-        return self.inner.put(chunk)
 
 
 # ---- block manager and paged sequences --------------------------------------------------------------
@@ -134,7 +119,7 @@ def test_batched_greedy_decode_matches_single_request(model, chunks, mode):
 def test_fetching_request_does_not_delay_local_one(model, chunks, fetch_aware):
     per_chunk = 0.6
     delay = 3 * per_chunk  # three chunks read one after the other
-    store = SlowStore(per_chunk)
+    store = SlowStore(MemoryStore(), read_delay_s=per_chunk)
     for c in chunks[:3]:
         store.put(compute_chunk_kv(model, c))
     cfg = EngineConfig(
