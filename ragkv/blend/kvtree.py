@@ -188,6 +188,21 @@ class TreeMatch:
         vs = [v for _, v in self.parts]
         return (torch.cat(ks, 1), torch.cat(vs, 1)) if len(ks) > 1 else (ks[0], vs[0])
 
+    def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the matched rows ``[lo, hi)`` (copies), gathered from the nodes that hold them:
+        a page of a long path costs its own bytes, not a copy of the whole path (:meth:`kv`)."""
+        ks, vs, start = [], [], 0
+        for k, v in self.parts:
+            stop = start + k.shape[1]
+            if stop > lo and start < hi:
+                a, b = max(lo, start) - start, min(hi, stop) - start
+                ks.append(k[:, a:b])
+                vs.append(v[:, a:b])
+            start = stop
+        if len(ks) == 1:
+            return ks[0].clone(), vs[0].clone()
+        return torch.cat(ks, 1), torch.cat(vs, 1)
+
     def piece(self, model) -> PrefixSegment | None:
         """The matched rows as one KV piece of a blend's source (pre-RoPE K: the source rotates it)."""
         kv = self.kv()
@@ -555,23 +570,12 @@ class KVTree:
             return queued
         m = self._match_ram(root, ids, len(keys) * P, touch=False)
         try:
-            kv = m.kv()
-            if kv is None:
-                return queued
-            k, v = kv
             for i in todo:
                 if (i + 1) * P > m.tokens:
                     break
                 fp, key = keys[i]
                 self._mark_persisted(key)  # queued once; a failed write forgets it again
-                item = (
-                    fp,
-                    key,
-                    ids[i * P : (i + 1) * P],
-                    i * P,
-                    k[:, i * P : (i + 1) * P].clone(),
-                    v[:, i * P : (i + 1) * P].clone(),
-                )
+                item = (fp, key, ids[i * P : (i + 1) * P], i * P, *m.rows(i * P, (i + 1) * P))
                 if self._enqueue(item, wait):
                     queued.append(key)
         finally:

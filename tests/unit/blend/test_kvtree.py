@@ -163,6 +163,32 @@ def test_pages_survive_the_process_and_are_shared_through_the_store(tmp_path):
     assert res.stats["cached_tokens"] == 0
 
 
+def test_pages_that_straddle_nodes_are_stored_with_the_rows_of_full_prefill(tmp_path):
+    """A chat: each turn adds rows after the last; pages cut across the nodes of several turns (and
+    are gathered page by page, not from a copy of the whole path): another process reads them back
+    equal to full prefill's rows."""
+    m = _model()
+    ids = _ids(m, 4 * PAGE_TOKENS + 7)
+    url = str(tmp_path / "kv")
+    a = KVTree(store=store_from_url(url))
+    for cut in (PAGE_TOKENS // 2 + 3, 2 * PAGE_TOKENS - 5, 3 * PAGE_TOKENS + 1, len(ids)):  # nodes off the pages
+        prefill(m, ids[:cut], [], [], "prefix", prefix_cache=a)
+    assert a.flush() and a.stats()["store_pages_written"] == 4
+    match = a.match(m, ids, len(ids) - 1)
+    try:
+        k, v = match.kv()
+        for lo, hi in ((0, 7), (PAGE_TOKENS - 3, 2 * PAGE_TOKENS + 2), (5, match.tokens)):
+            rk, rv = match.rows(lo, hi)
+            assert torch.equal(rk, k[:, lo:hi]) and torch.equal(rv, v[:, lo:hi])
+    finally:
+        a.release(match)
+    full = prefill(m, ids, [], [], "full")
+    b = KVTree(store=store_from_url(url))
+    got = prefill(m, ids, [], [], "prefix", prefix_cache=b)
+    assert got.stats["store_tokens"] == 4 * PAGE_TOKENS
+    assert torch.equal(got.logits, full.logits) and torch.equal(got.kv.k, full.kv.k)
+
+
 def test_corrupt_or_foreign_pages_are_recomputed_never_used(tmp_path):
     m = _model()
     ids = _ids(m, 2 * PAGE_TOKENS + 5)
