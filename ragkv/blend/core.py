@@ -163,7 +163,7 @@ class PrefillResult:
     temper: ContextTemper | None = None
     #: called by the decode loop with the generated token ids when the answer is complete: an exact
     #: prefill commits the answer's KV to the KV tree, so the next chat turn reuses it too
-    on_finish: Callable[[list[int]], None] | None = None
+    on_finish: Callable[..., None] | None = None
 
 
 class BlendKV:

@@ -81,8 +81,9 @@ def exact_prefill(
     reused), ``computed_tokens``, ``tree_depth`` (nodes matched), ``store_tokens`` (of them, read from the
     store tier), and the row counts every mode reports. ``wait``: block until the new pages are queued
     for the store (ingest) instead of dropping them when the writer is behind (requests).
-    ``commit_answer``: the result's ``on_finish`` commits the generated answer's KV (:func:`commit`);
-    it first waits (``tree.persist_wait_s`` at most) for the prompt's pages to reach the store."""
+    ``commit_answer``: the result's ``on_finish(answer, wait=True)`` commits the generated answer's KV
+    (:func:`commit`); with ``wait`` it first waits (``tree.persist_wait_s`` at most) for the prompt's
+    pages to reach the store (the batching engine does not: other requests share its step)."""
     t0 = time.perf_counter()
     ids = [int(t) for t in ids]
     n = len(ids)
@@ -132,8 +133,9 @@ def exact_prefill(
     commits = tree is not None and insert and commit_answer and tree.commit_answers
     if queued or commits:
 
-        def finish(answer: list[int]) -> None:
-            tree.wait_persisted(queued)  # the prompt's pages in the store before the request ends
+        def finish(answer: list[int], wait: bool = True) -> None:
+            if wait:
+                tree.wait_persisted(queued)  # the prompt's pages in the store before the request ends
             if commits:
                 commit(model, tree, ids, answer)
 

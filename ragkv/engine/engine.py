@@ -396,6 +396,7 @@ class Engine:
             if not recompute:
                 r.metrics.prefill_end = time.perf_counter()
                 r.metrics.num_prompt_tokens, r.metrics.blocks_shared_at_load = n, shared
+                r.on_finish = res.on_finish  # a recompute's prompt holds output so far: not its hook
                 r.prefill_stats = {k: v for k, v in res.stats.items() if not isinstance(v, torch.Tensor)}
                 r.prefill_stats["decode_weights"] = decode_weights_of(self.model)
                 if r.plan.point is not None:
@@ -490,6 +491,13 @@ class Engine:
             self._live.pop(r.request_id, None)
         r.emit(r.output())
         r.done.set()
+        if r.on_finish is not None and reason in ("stop", "length"):
+            # the answer is out: its KV goes to the KV tree so the next chat turn reuses it (the
+            # prompt's store pages are written behind, not waited for: other requests share this step)
+            try:
+                r.on_finish(r.output_ids, wait=False)
+            except Exception as e:  # noqa: BLE001 - a cache that fails never fails the answer
+                log.warning("could not commit the answer's KV: %s", e)
 
     def _fail(self, r: Request, exc: BaseException) -> None:
         r.error = exc

@@ -74,6 +74,8 @@ class Request:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.prefill_stats: dict = {}
+        #: the first prefill's hook for the finished answer (the KV tree's commit, :func:`exact_prefill`)
+        self.on_finish: Callable[..., None] | None = None
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.sink = sink
         self.done = threading.Event()

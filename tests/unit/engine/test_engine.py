@@ -802,3 +802,20 @@ def test_cache_aware_admission_and_twins_run_one_after_the_other(model, chunks):
     for r, o in ((cold, outs[0]), (warm, outs[1])):
         ref = dict(r, chunks=[], mode="full", params=SamplingParams(max_new_tokens=3))
         assert o.token_ids == _reference(model, ref)
+
+
+def test_a_finished_answer_is_committed_so_the_next_turn_reuses_it(model, chunks):
+    """The engine route of a chat: the answer's KV reaches the KV tree when the request ends (as in
+    ``generate.stream``), so a follow-up whose prompt repeats prompt + answer computes only what it adds."""
+    prompt = [1] + chunks[0][:40] + model.encode("Lily saw")
+    with Engine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO)) as eng:
+        first = eng.submit(prefix=prompt, mode="prefix", params=SamplingParams(max_new_tokens=6)).result()
+        answer = first.token_ids
+        assert answer
+        turn = prompt + answer + model.encode("The dog ran to")
+        assert eng.kv_tree.peek(model, turn) == len(prompt) + len(answer)
+        second = eng.submit(prefix=turn, mode="prefix", params=SamplingParams(max_new_tokens=5)).result()
+    assert second.prefill_stats["cached_tokens"] == len(prompt) + len(answer)
+    assert second.token_ids == _reference(
+        model, dict(prefix=turn, chunks=[], question=[], mode="full", params=SamplingParams(max_new_tokens=5))
+    )
