@@ -40,11 +40,17 @@ class BufferPool:
         return _use_count(buf.untyped_storage()._cdata) <= 2
 
     def empty(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        rows_dim: int = 1,
     ) -> torch.Tensor:
-        """An uninitialised tensor of ``shape`` (its dim 1 the rows), from a free pooled buffer when one
-        fits (the smallest), else from a new one."""
-        L, rows, *rest = shape
+        """An uninitialised tensor of ``shape`` (its dim ``rows_dim`` the rows: 1 for ``[L, rows, H, D]``,
+        2 for a head-major ``[L, H, rows, D]``), from a free pooled buffer when one fits (the smallest),
+        else from a new one with room for a multiple of :data:`ROW_QUANTUM` rows."""
+        rows = shape[rows_dim]
+        fixed = [s for i, s in enumerate(shape) if i != rows_dim]
         nbytes = torch.empty((), dtype=dtype).element_size()
         for s in shape:
             nbytes *= s
@@ -58,23 +64,24 @@ class BufferPool:
                 for b in self._bufs
                 if b.is_inference() == inference  # an inference tensor cannot be written outside that mode
                 and b.dtype == dtype
-                and b.shape[0] == L
-                and list(b.shape[2:]) == rest
-                and b.shape[1] >= rows
+                and b.dim() == len(shape)
+                and [n for i, n in enumerate(b.shape) if i != rows_dim] == fixed
+                and b.shape[rows_dim] >= rows
                 and self._free(b)
             ]
             if fits:
-                buf = min(fits, key=lambda b: b.shape[1])
+                buf = min(fits, key=lambda b: b.shape[rows_dim])
                 self._drop(buf)
                 self._bufs.append(buf)  # most recently used last
                 self.reused += 1
-                return buf[:, :rows]
-            cap = -(-rows // ROW_QUANTUM) * ROW_QUANTUM
-            buf = torch.empty((L, cap, *rest), dtype=dtype, device=device)
+                return buf.narrow(rows_dim, 0, rows)
+            big = list(shape)
+            big[rows_dim] = -(-rows // ROW_QUANTUM) * ROW_QUANTUM
+            buf = torch.empty(big, dtype=dtype, device=device)
             self._bufs.append(buf)
             self.allocated += 1
             self._trim()
-            return buf[:, :rows]
+            return buf.narrow(rows_dim, 0, rows)
 
     def _trim(self) -> None:
         total = sum(b.numel() * b.element_size() for b in self._bufs)

@@ -76,8 +76,8 @@ class DenseKVCache(KVCache):
         #: per layer: its sliding window (None: full causal)
         self.windows = layer_windows(sliding_window, num_layers)
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self._k = KV_BUFFERS.empty(shape, dtype, device)  # reused memory (ragkv/attention/buffers.py)
-        self._v = KV_BUFFERS.empty(shape, dtype, device)
+        self._k = KV_BUFFERS.empty(shape, dtype, device, rows_dim=2)  # reused memory (attention/buffers.py)
+        self._v = KV_BUFFERS.empty(shape, dtype, device, rows_dim=2)
         self._pos = torch.empty(num_layers, capacity, dtype=torch.long, device=device)
         self._len = [0] * num_layers
         #: per layer: the largest position written (a query at or past it sees every row: no mask)
@@ -96,7 +96,7 @@ class DenseKVCache(KVCache):
         new = max(need, 2 * cap)
         for name in ("_k", "_v"):
             old = getattr(self, name)
-            t = KV_BUFFERS.empty((*old.shape[:2], new, old.shape[3]), old.dtype, old.device)
+            t = KV_BUFFERS.empty((*old.shape[:2], new, old.shape[3]), old.dtype, old.device, rows_dim=2)
             t[:, :, :cap] = old
             setattr(self, name, t)
         pos = torch.empty(self.num_layers, new, dtype=torch.long, device=self._pos.device)

@@ -92,3 +92,19 @@ def test_buffers_made_in_inference_mode_go_only_to_inference_mode():
         c = pool.empty(SHAPE, torch.float32)
         c.fill_(0.0)
     assert pool.reused == 1
+
+
+def test_head_major_buffers_round_their_rows_not_their_heads():
+    """A decode cache is head-major ``[L, Hkv, rows, D]``: the rows (dim 2) are rounded up, the heads kept,
+    and a longer prompt of the same shape gets the same memory back."""
+    pool = BufferPool()
+    a = pool.empty((30, 3, 1000, 64), torch.float32, rows_dim=2)
+    assert a.shape == (30, 3, 1000, 64)
+    assert a.untyped_storage().nbytes() == 30 * 3 * ROW_QUANTUM * 2 * 64 * 4
+    ptr = a.untyped_storage().data_ptr()
+    del a
+    b = pool.empty((30, 3, 1010, 64), torch.float32, rows_dim=2)
+    assert (pool.allocated, pool.reused) == (1, 1) and b.untyped_storage().data_ptr() == ptr
+    assert (
+        pool.empty((30, 1010, 3, 64), torch.float32).untyped_storage().data_ptr() != ptr
+    )  # row-major: its own

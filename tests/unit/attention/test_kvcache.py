@@ -16,7 +16,9 @@ def _rows(g, n, h=3, d=16):
 @pytest.mark.parametrize("window", [None, 5])
 def test_attend_equals_reference_attention_for_decode_and_hidden_rows(window):
     g = torch.Generator().manual_seed(0)
-    cache = DenseKVCache(num_layers=2, num_kv_heads=3, head_dim=16, scale=0.25, capacity=4, sliding_window=window)
+    cache = DenseKVCache(
+        num_layers=2, num_kv_heads=3, head_dim=16, scale=0.25, capacity=4, sliding_window=window
+    )
     # a blend-like prompt: positions out of order, then decode rows (the cache grows past its capacity)
     pos = torch.tensor([0, 1, 2, 7, 8, 3, 4, 5, 6, 9])
     k, v = _rows(g, len(pos))
