@@ -34,8 +34,9 @@ mode, no ratio), **full** (``mode="full"``), and **llama.cpp** (``llama-cpp-pyth
 file, ``--threads`` threads, one ``Llama`` object per workload pass so its prompt cache, the longest
 common prefix with what it holds, applies as in llama-server or Ollama; fed the token ids ragkv
 prefilled; TTFT to its first generated token). The arms run interleaved, request by request (turn
-by turn in chat), so each pair is measured under the same load (full reuses nothing; what it could
-leave in a cache is the prompt the default arm has just run). Each library pass starts from a fresh
+by turn in chat), default and full in alternating order (:func:`arm_order`), so each pair is measured
+under the same load (full reuses nothing; what it could leave in a cache is the prompt the default arm
+has just run). Each library pass starts from a fresh
 state: a fresh copy of the data folder as ingest left it, a fresh ``RAG`` (process memory), a reset
 ``Llama``; a question without passages warms each arm up first (untimed). ``--repeats`` passes; a
 request's TTFT is its median over the passes. In chat each repeat is its own set of sessions: the
@@ -257,6 +258,13 @@ def burst_windows(n_ranked: int, k: int, burst_len: int) -> list[list[int]]:
         start = min(j, n_ranked - 1)
         out.append(list(range(start, min(start + k, n_ranked))))
     return out
+
+
+def arm_order(i: int) -> tuple[str, str]:
+    """The order of the paired arms at step ``i``: default first on even steps, full first on odd ones,
+    so neither arm always runs right after the other's (what a request leaves running, a store write
+    or freed memory, falls on both alike)."""
+    return ("default", "full") if i % 2 == 0 else ("full", "default")
 
 
 def chat_turns(conversation: int, max_turns: int = 5) -> int:
@@ -756,7 +764,8 @@ class Bench:
                 # the arms interleaved request by request (paired under the same load); full reuses
                 # nothing, and what it could leave behind is the same prompt default just ran
                 for i, (text, coll, chunks) in enumerate(reqs):
-                    for arm, mode in (("default", None), ("full", "full")):
+                    for arm in arm_order(i):
+                        mode = "full" if arm == "full" else None
                         kw = {"mode": mode} if mode else {}
                         ans = rag.answer(text, chunks=chunks, collection=coll, params=params, **kw)
                         cached, src = cached_of(ans.stats)
@@ -937,7 +946,7 @@ class Bench:
                         prev: dict[str, int | None] = {"default": None, "full": None}
                         alive = {"default": True, "full": True}
                         for t in range(1, chat_turns(c) + 1):
-                            for arm in ("default", "full"):
+                            for arm in arm_order(c + t):
                                 if not alive[arm]:
                                     continue
                                 if t > 1:
@@ -992,7 +1001,7 @@ class Bench:
                     {"role": "system", "content": f"{SYSTEM} (session {rep})"},
                     {"role": "user", "content": text},
                 ]
-                for arm in ("default", "full"):
+                for arm in arm_order(i):
                     r = self.chat_call(client, model, msgs, arm == "full", coll, retrieve=True)
                     recs.append(self.rec_of("zipf-1-service", arm, i, rep, r))
                     if arm == "default" and self.llama is not None and r["prompt_ids"]:
