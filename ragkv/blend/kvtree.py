@@ -39,7 +39,7 @@ log = logging.getLogger("ragkv.blend.kvtree")
 #: tokens of a store page (the unit written to and read from the store tier)
 PAGE_TOKENS = 32
 #: bump when the exact computation changes (tile sizes, padding): older pages then never match
-EXACT_VERSION = 2
+EXACT_VERSION = 3
 POLICIES = ("pgdsf", "lru")
 
 
@@ -66,6 +66,10 @@ def _tree_root(model) -> str:
         str(getattr(model, "dtype", "")),
         str(torch.get_num_threads()),
         str(torch.backends.cpu.get_cpu_capability()),
+        # the GEMM prefill runs on, and the instruction sets oneDNN and MKL were capped at (other bits)
+        str(getattr(model, "gemm", "")),
+        os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
         hashlib.sha256(template.encode()).hexdigest()[:16],
         str(len(tok)) if tok is not None else "-",
     ]

@@ -16,6 +16,7 @@ from ragkv.model.chat import tokenizer_adds_bos
 from ragkv.model.config import ModelConfig
 from ragkv.model.forward import CapturePreRope, CausalKV, run_layers, window_attention
 from ragkv.model.lowbit import fused_finish, fused_qkv
+from ragkv.model.packed import PackedWeight, linear
 from ragkv.model.rope import Rotary, rope_frequencies
 
 
@@ -46,6 +47,9 @@ class LayerWeights:
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
         #: the same linear layers on the GGUF file's low-bit blocks (decode steps only; None: float32)
         self.qkv_q = self.o_q = self.gate_up_q = self.down_q = None
+        #: the float32 weights packed for prefill's GEMMs (:mod:`ragkv.model.packed`; None: plain)
+        self.qkv_p, self.o_p = PackedWeight(self.qkv_w), PackedWeight(self.o_w)
+        self.gate_up_p, self.down_p = PackedWeight(self.gate_up_w), PackedWeight(self.down_w)
 
 
 class DecodeModel:
@@ -98,6 +102,9 @@ class Model:
         self.final_norm = w["norm.weight"]
         lm = w.get("lm_head.weight")
         self.lm_head_w = self.embed_w if (lm is None or config.tie_word_embeddings) else lm
+        #: the GEMM prefill's linear layers run on (results differ in the last bits: the KV tree's root
+        #: names it): "onednn-packed" or "aten"
+        self.gemm = "onednn-packed" if self.layers and self.layers[0].qkv_p.packed is not None else "aten"
         inv, scaling = rope_frequencies(config.hf_config, config.head_dim)
         self.rotary = Rotary(inv.to(self.device), scaling)
         self.scale = config.head_dim**-0.5
@@ -181,7 +188,7 @@ class Model:
             if out is None:
                 out = lw.qkv_q(rms_norm(h, lw.in_norm, c.rms_norm_eps), lw.qkv_b).to(h.dtype)
         if out is None:
-            out = F.linear(rms_norm(h, lw.in_norm, c.rms_norm_eps), lw.qkv_w, lw.qkv_b)
+            out = linear(rms_norm(h, lw.in_norm, c.rms_norm_eps), lw.qkv_w, lw.qkv_p, lw.qkv_b)
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = out[:, :nq].view(-1, c.num_heads, c.head_dim)
         k = out[:, nq : nq + nk].view(-1, c.num_kv_heads, c.head_dim)
@@ -196,10 +203,10 @@ class Model:
         lw = self.layers[layer]
         if lowbit:
             return self._finish_lowbit(lw, h, attn_out)
-        h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw.o_w, lw.o_b)
+        h = h + linear(attn_out.reshape(h.shape[0], -1), lw.o_w, lw.o_p, lw.o_b)
         x = rms_norm(h, lw.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(x, lw.gate_up_w).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, lw.down_w)
+        gate, up = linear(x, lw.gate_up_w, lw.gate_up_p).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, lw.down_w, lw.down_p)
 
     def _finish_lowbit(self, lw: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         eps = self.config.rms_norm_eps
