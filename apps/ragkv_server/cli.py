@@ -127,6 +127,7 @@ def _ingest_ray(args: argparse.Namespace, s: Settings) -> int:
             collection=args.collection,
             address=args.address,
             kv_actors=args.kv_actors,
+            commit_every=args.commit_every,
             show_progress=not args.quiet,
         )
     finally:
@@ -306,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     i.add_argument(
         "--kv-actors", type=int, default=1, help="with --ray: chunk-KV actors (the model once each)"
+    )
+    i.add_argument(
+        "--commit-every", type=int, default=64, help="with --ray: documents per index commit (acknowledged)"
     )
     i.add_argument("-q", "--quiet", action="store_true")
     i.set_defaults(func=_ingest)
