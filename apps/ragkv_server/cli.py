@@ -80,6 +80,9 @@ def _ingest(args: argparse.Namespace) -> int:
     pipeline with ``--ray``)."""
     s = settings(args, chunk_tokens=args.chunk_tokens)
     if args.ray:
+        if args.url:
+            print("error: --ray ingests into the data folder itself; leave out --url", file=sys.stderr)
+            return 2
         return _ingest_ray(args, s)
     docs = []
     for p in args.paths:

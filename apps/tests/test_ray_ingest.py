@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -114,13 +113,15 @@ def test_a_killed_driver_restarted_finishes_the_rest(tmp_path, ray_address):
     cmd = _cli(data, store, str(f), "--ray", "--address", ray_address, "-q", "--commit-every", "4")
     log = (tmp_path / "first.log").open("w")
     proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline and _committed(data) < 4:
-        time.sleep(0.1)
-    assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-    os.kill(proc.pid, signal.SIGKILL)  # the driver, mid-run: its workers go with it
-    proc.wait(30)
-    log.close()
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and _committed(data) < 4:
+            time.sleep(0.1)
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        proc.kill()  # SIGKILL to the driver, mid-run: its workers go with its job
+        proc.wait(30)
+        log.close()
     acked = _committed(data)
     assert 0 < acked < len(docs)
     stored = {p.name for p in (tmp_path / "kv").glob("??/*.kvb")}  # chunk KV (tree pages: kv/tree/)

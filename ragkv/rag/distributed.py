@@ -502,8 +502,8 @@ class _Collector:
             if len(doc["rows"]) >= r.n_chunks:
                 del self.open[key]
                 self._close(doc)
-        if len(self.ready) >= self.commit_every:
-            self.commit()
+                if len(self.ready) >= self.commit_every:
+                    self.commit()
 
     def _close(self, doc: dict) -> None:
         r = doc["row"]
@@ -609,7 +609,8 @@ def ingest_dataset(
         ctx.enable_progress_bars = False  # the driver's bar counts documents; Ray's count blocks
         head, _ = rag.answers.prompt_parts("?")  # the head does not depend on the question
         light = {"num_cpus": 0.1}
-        retried = {"max_restarts": -1, "max_task_retries": -1}
+        # a dead actor is restarted and its batch retried: Ray Data's default for actor pools
+        # (max_restarts=-1, max_task_retries=-1); tasks are retried too (max_retries)
         docs = read_documents(data, light)
         chunks = docs.map_batches(
             Split,
@@ -626,7 +627,6 @@ def ingest_dataset(
             ),
             compute=_pool(1),
             **light,
-            **retried,
         )
         embedded = chunks.map_batches(
             Embed,
@@ -635,7 +635,6 @@ def ingest_dataset(
             fn_constructor_kwargs={"embedder": spec.embedder},
             compute=_pool(embed_actors),
             num_cpus=0.25,
-            **retried,
         )
         computed = embedded.map_batches(
             ChunkKV,
@@ -644,7 +643,6 @@ def ingest_dataset(
             fn_constructor_kwargs={"spec": spec, "head": head, "first_level": rag.first_level},
             compute=_pool(kv_actors),
             num_cpus=kv_cpus,
-            **retried,
         )
         from tqdm.auto import tqdm
 

@@ -29,7 +29,7 @@ from ragkv.rag.distributed import (
 )
 from ragkv.rag.first_level import first_level_stored
 from ragkv.store import store_from_url
-from ragkv.testing import musique_docs, stories_model
+from ragkv.testing import descendants_named, fill_index_disk, free_index_disk, musique_docs, stories_model
 
 ray = pytest.importorskip("ray")
 
@@ -191,30 +191,6 @@ def test_pipeline_takes_any_ray_dataset(tmp_path, local_ray, one_thread, embedde
     rag.close()
 
 
-def _descendants_named(word: str) -> list[int]:
-    """Pids of this process's descendants whose command line contains ``word`` (Ray's workers of the
-    local Ray this test started)."""
-    parents = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    me, out = os.getpid(), []
-    for pid in parents:
-        q = pid
-        while q in parents and q not in (0, 1, me):
-            q = parents[q]
-        if q == me:
-            try:
-                if word in (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace"):
-                    out.append(pid)
-            except OSError:
-                continue
-    return out
-
-
 def _run_in_thread(fn):
     out: dict = {}
 
@@ -239,7 +215,7 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost(tmp_path, local_ray, on
     killed = None
     deadline = time.monotonic() + 300
     while t.is_alive() and time.monotonic() < deadline and killed is None:
-        pids = _descendants_named("ChunkKV")
+        pids = descendants_named("ChunkKV")
         if pids and len(rag.store.keys()) >= 5:  # the actor is computing: kill it mid-run
             killed = pids[0]
             os.kill(killed, signal.SIGKILL)
@@ -294,4 +270,26 @@ def test_redis_restarted_mid_run_serves_nothing_half_written(
     # what the restart lost is recomputed when used, never wrong: every answer works
     ans = rag.answer("Where was the author educated?", mode="prefix", max_new_tokens=2)
     assert ans.stats["num_tokens"] > 0
+    rag.close()
+
+
+@pytest.mark.slow  # a local Ray
+def test_a_full_index_disk_is_each_documents_error_and_a_rerun_commits_them(
+    tmp_path, local_ray, one_thread, embedder
+):
+    """Documents are acknowledged only once committed: a commit that meets a full disk makes each of
+    its documents an error (nothing indexed); once space is freed a re-run commits them and computes no
+    chunk KV again (the workers stored it)."""
+    docs = musique_docs(1, chars=200)
+    ids = sorted(d["id"] for d in docs)
+    rag = _rag(tmp_path / "data", embedder)
+    fill_index_disk(rag.index)
+    rep = ingest_dataset(docs, rag, show_progress=False)
+    assert rep.documents_added == 0 and rep.doc_ids == [] and rag.list_documents() == []
+    assert sorted(e["doc_id"] for e in rep.errors) == ids
+    assert all("not committed" in e["error"] and "disk is full" in e["error"] for e in rep.errors)
+    free_index_disk(rag.index)
+    again = ingest_dataset(docs, rag, show_progress=False)
+    assert sorted(again.doc_ids) == ids == rag.list_documents() and not again.errors
+    assert again.kv_computed == 0 and again.kv_already_stored == again.chunks_added > 0
     rag.close()
