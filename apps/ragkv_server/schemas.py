@@ -87,6 +87,15 @@ class GarbageReport(BaseModel):
     bytes_freed: int
 
 
+class ReloadReport(BaseModel):
+    """What a reload took in from the other writers of the data folder."""
+
+    added: int = Field(description="chunk vectors other writers committed since this service looked")
+    removed: int = Field(description="chunk vectors other writers deleted since")
+    documents: int = Field(description="documents the service serves now")
+    chunks: int = Field(description="chunks the service serves now")
+
+
 class QuotaLimits(BaseModel):
     """The ingest quotas in force (null: unlimited)."""
 

@@ -773,7 +773,7 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
 
     Files it creates are private (umask 077: data 0600, folders 0700). The store authenticates blobs
     with ``store_hmac_key`` when set and refuses KV whose geometry is not the model's. ``writer``
-    (``serve``, ``ingest``): take the data folder's writer lock first (:func:`lock_data_dir`).
+    (``serve``, ``ingest``): register as a writer of the data folder first (:func:`lock_data_dir`).
     ``collect_garbage``: delete unreferenced stored KV on open (default: a writer of the default store
     under ``data_dir``, which is this index's alone)."""
     from ragkv.llm import LLM
@@ -821,30 +821,17 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
 
 
 class DataDirLocked(ConfigError):
-    """Another process (``serve`` or ``ingest``) is writing to this data folder (a ``ValueError``, so
-    the command line prints its message)."""
+    """Another process holds this data folder alone (``ragkv-server gc``) (a ``ValueError``, so the
+    command line prints its message)."""
 
 
 def lock_data_dir(data_dir: Path):
-    """Take the data folder's writer lock (``<data_dir>/.writer.lock``, ``flock``): one writer per
-    folder, so two processes never append to one index and store. Returns the open lock file (the
-    lock lasts while it is open); :class:`DataDirLocked` with the holder's pid when taken."""
-    import fcntl
+    """Register this process as a writer of the data folder (:class:`ragkv.rag.writers.WriterLock`,
+    shared: several services and ingests may write one folder, by that module's protocol); returns the
+    lock (held until closed). :class:`DataDirLocked` while another process holds the folder alone (gc)."""
+    from ragkv.rag.writers import DataDirBusy, WriterLock
 
-    path = data_dir / ".writer.lock"
-    f = open(path, "a+")  # noqa: SIM115 - kept open: the lock lives as long as the file
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise DataDirLocked(
-            f"{data_dir} is in use by another ragkv writer (pid {holder}); stop it, use another data_dir, "
-            "or ingest through the running service: ragkv-server ingest --url http://HOST:PORT FILES"
-        ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
-    return f
+        return WriterLock(data_dir)
+    except DataDirBusy as e:
+        raise DataDirLocked(str(e)) from None

@@ -13,7 +13,8 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from tqdm.auto import tqdm
 from ragkv.blend.locate import ChunkLocator
 from ragkv.blend.resolver import ChunkResolver, WarnThrottle
 from ragkv.kv.chunk import ChunkKV, chunk_key
+from ragkv.rag import writers
 from ragkv.rag.collections import collection_name
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
 from ragkv.rag.index import ChunkIndex, PendingDocument, text_sha
@@ -154,9 +156,15 @@ class Corpus:
         self.resolver.locator = self.chunk_locator
         if hasattr(store, "pinned"):  # a size bound evicts KV no chunk references first
             store.pinned = self.index.references
+        # several writers on one data folder (ragkv.rag.writers): this process's intents carry its token
+        if (lock := writers.held(self.data_dir)) is not None:
+            self.index.owner = lock.owner
         self._settle()  # KV left unreferenced by a crash (an uncommitted ingest, an unfinished delete)
         if collect_garbage_on_open:
-            self.collect_garbage()
+            try:
+                self.collect_garbage()
+            except writers.DataDirBusy as e:  # other writers' KV before their commits: not garbage
+                log.info("no garbage collection on open: %s", e)
 
     # ---- ingest --------------------------------------------------------------------------------
     def ingest(
@@ -254,16 +262,46 @@ class Corpus:
             pending[doc.id] = PendingDocument(doc.id, sha, doc.metadata, rows, vectors, coll)
         step()
         if pending:
-            with self._kv_lock:
-                _, freed = self.index.commit(list(pending.values()))
-                if (loc := self._corpus.locator) is not None:
-                    loc.remove(freed)
-                    loc.add((key, toks) for p in pending.values() for (_, _, toks, key) in p.chunks)
+            self._commit(list(pending.values()))
             rep.documents_added = len(pending)
             rep.chunks_added = sum(len(p.chunks) for p in pending.values())
         rep.seconds = time.perf_counter() - t0
         log.info("ingest: %s", rep)
         return rep
+
+    def _commit(self, pending: list[PendingDocument]) -> None:
+        """Index ``pending`` (one transaction: all or none) and keep the chunk locator in step."""
+        with self._kv_lock:
+            _, freed = self.index.commit(pending)
+            if (loc := self._corpus.locator) is not None:
+                loc.remove(freed)
+                loc.add((key, toks) for p in pending for (_, _, toks, key) in p.chunks)
+
+    def commit_documents(self, pending: list[PendingDocument]) -> None:
+        """Commit documents whose chunk KV another process computed and stored (the Ray pipeline,
+        :mod:`ragkv.rag.distributed`): indexed together, or none; KV of replaced chunks no chunk uses any
+        more is deleted after. Once this returns, the documents are acknowledged (SQLite, durable)."""
+        with self._ingest_lock:
+            try:
+                self._commit(pending)
+            finally:
+                self._settle()
+
+    def committed_shas(self, collection: str | None = None) -> dict[str, str]:
+        """``{doc_id: text hash}`` of ``collection``'s committed documents (what a re-run skips)."""
+        return self.index.document_shas(collection_name(collection))
+
+    def refresh(self) -> dict:
+        """See what other writers of this data folder committed or deleted since this process looked
+        (several processes on one index: :mod:`ragkv.rag.writers`): the in-memory FAISS index, collection
+        members and counts are reconciled with SQLite, and the chunk locator is rebuilt on next use.
+        Returns ``{"added": vectors added, "removed": vectors removed}``; queries go on meanwhile."""
+        with self._ingest_lock:
+            got = self.index.refresh()
+            if got["added"] or got["removed"]:
+                with self._kv_lock:
+                    self._corpus.locator = None
+        return got
 
     def _check_collection(self, coll: str, planned: dict) -> None:
         """Refuse (:class:`QuotaExceededError`) an ingest of ``planned`` documents that would take the
@@ -336,7 +374,29 @@ class Corpus:
     def collect_garbage(self, dry_run: bool = False) -> dict:
         """Delete every stored blob no chunk of this index references (KV of deleted documents, of
         crashed ingests, caches written by other paths). Only for a store this index owns: KV that
-        another index sharing the store uses would be deleted too. Returns counts and bytes."""
+        another index sharing the store uses would be deleted too. Returns counts and bytes.
+        With other writers on the data folder (:mod:`ragkv.rag.writers`) it is refused
+        (:class:`~ragkv.rag.writers.DataDirBusy`): their KV stored before their commits is not garbage."""
+        with self._alone() as alone:
+            if not alone:
+                raise writers.DataDirBusy(
+                    f"{self.data_dir} has other writers now (services, ingests): garbage collection deletes "
+                    "KV they stored before committing, so it runs only when this process writes alone"
+                )
+            return self._collect_garbage(dry_run)
+
+    @contextmanager
+    def _alone(self) -> Iterator[bool]:
+        """Whether this process is the data folder's only writer, held so for the block (a process that
+        holds no writer lock is alone by its caller's word: a library RAG)."""
+        lock = writers.held(self.data_dir)
+        if lock is None:
+            yield True
+            return
+        with lock.alone() as alone:
+            yield alone
+
+    def _collect_garbage(self, dry_run: bool) -> dict:
         with self._ingest_lock, self._kv_lock:
             keys = self.store.keys()
             pending = set(self.index.intents())  # an ingest's KV before its commit (settled apart)
@@ -357,9 +417,9 @@ class Corpus:
 
     def _settle(self) -> None:
         """Delete stored KV that the write-ahead record lists and no chunk references."""
-        with self._kv_lock:
-            try:
-                n = self.index.settle_intents(self.store.delete)
+        with self._alone() as alone, self._kv_lock:
+            try:  # alone: every writer's intents (those of writers that died too); else this one's
+                n = self.index.settle_intents(self.store.delete, alone)
             except (OSError, sqlite3.Error) as e:  # a full disk: after a commit that succeeded, not an error
                 self._warn.warning("settle", "unreferenced KV not deleted now (retried later): %s", e)
                 return

@@ -109,7 +109,8 @@ _SCHEMA = (
 CREATE INDEX IF NOT EXISTS chunks_kv ON chunks(kv_key, collection);
 CREATE INDEX IF NOT EXISTS documents_sha ON documents(text_sha);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS kv_intents (kv_key TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS kv_intents (
+  kv_key TEXT NOT NULL, owner TEXT NOT NULL DEFAULT '', PRIMARY KEY (kv_key, owner));
 """
 )
 
@@ -154,7 +155,10 @@ class ChunkIndex:
         if cols and "vector" not in cols:  # an index written before vectors moved into SQLite
             self.db.execute("ALTER TABLE chunks ADD COLUMN vector BLOB")
         self._migrate_collections()
+        self._migrate_intents()
         self.db.executescript(_SCHEMA)
+        #: the writer whose intents this process records (:mod:`ragkv.rag.writers`; "": no owner named)
+        self.owner = ""
         want = json.dumps({"dim": dim, "metric": metric, "identity": identity}, sort_keys=True)
         row = self.db.execute("SELECT v FROM meta WHERE k='index'").fetchone()
         if row and row[0] != want:
@@ -227,6 +231,21 @@ class ChunkIndex:
                 self.db.execute("DELETE FROM sqlite_sequence WHERE name='chunks'")
                 self.db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('chunks', ?)", (row[0],))
 
+    def _migrate_intents(self) -> None:
+        """Intents from before several writers (``kv_key`` only): kept, owned by no named writer (settled
+        by the next writer alone on the folder)."""
+        cols = {r[1] for r in self.db.execute("PRAGMA table_info(kv_intents)")}
+        if not cols or "owner" in cols:
+            return
+        with self._transaction():
+            self.db.execute("ALTER TABLE kv_intents RENAME TO kv_intents_v1")
+            self.db.execute(
+                "CREATE TABLE kv_intents (kv_key TEXT NOT NULL, owner TEXT NOT NULL DEFAULT '', "
+                "PRIMARY KEY (kv_key, owner))"
+            )
+            self.db.execute("INSERT INTO kv_intents (kv_key, owner) SELECT kv_key, '' FROM kv_intents_v1")
+            self.db.execute("DROP TABLE kv_intents_v1")
+
     def _empty(self):
         import faiss
 
@@ -254,24 +273,49 @@ class ChunkIndex:
             index = self._empty()
         snap_ids = set(faiss.vector_to_array(index.id_map).tolist()) if index.ntotal else set()
         self._migrate_vectors(index, snap_ids)
+        db_ids, added, removed = self._reconcile(index, snap_ids)
+        if added or removed:
+            log.info(
+                "index %s: snapshot reconciled with the chunk table (+%d, -%d vectors)",
+                self.dir,
+                added,
+                removed,
+            )
+        self._dirty = added + removed
+        return index, db_ids
+
+    def _reconcile(self, index, have: set[int]) -> tuple[set[int], int, int]:
+        """Make ``index`` (holding the ids ``have``) hold exactly the chunk table's vectors: returns the
+        table's ids and how many vectors were added and removed (the chunk table wins)."""
         db_ids = {r[0] for r in self.db.execute("SELECT chunk_id FROM chunks")}
-        stale = snap_ids - db_ids
+        stale = have - db_ids
         if stale:
             index.remove_ids(np.fromiter(stale, dtype=np.int64))
-        missing = sorted(db_ids - snap_ids)
+        missing = sorted(db_ids - have)
         sql = "SELECT chunk_id, vector FROM chunks WHERE chunk_id IN ({marks})"
         for rows in self._select_in(sql, missing, size=4096):
             vecs = np.stack([np.frombuffer(v, dtype=np.float32) for _, v in rows])
             index.add_with_ids(vecs, np.asarray([r[0] for r in rows], dtype=np.int64))
-        if stale or missing:
-            log.info(
-                "index %s: snapshot reconciled with the chunk table (+%d, -%d vectors)",
-                self.dir,
-                len(missing),
-                len(stale),
-            )
-        self._dirty = len(stale) + len(missing)
-        return index, db_ids
+        return db_ids, len(missing), len(stale)
+
+    def refresh(self) -> dict:
+        """Take in what other processes committed to this index (several writers on one data folder,
+        :mod:`ragkv.rag.writers`): vectors added or deleted there, the collections' members, the counts.
+        Returns ``{"added": n, "removed": n}`` (vectors). Searches wait for it (O(chunks) ids read)."""
+        with self._lock:
+            self._ids, added, removed = self._reconcile(self.vectors, self._ids)
+            if added or removed:
+                self._members = {}
+                for cid, coll in self.db.execute("SELECT chunk_id, collection FROM chunks"):
+                    self._members.setdefault(coll, set()).add(int(cid))
+                self._usage.clear()  # counted again on first use
+                self._n_docs = int(self.db.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
+                self._n_chunks = len(self._ids)
+                self._dirty += added + removed
+        if added or removed:
+            log.info("index %s: refreshed from the chunk table (+%d, -%d vectors)", self.dir, added, removed)
+            self._maybe_snapshot()
+        return {"added": added, "removed": removed}
 
     def _migrate_vectors(self, index, snap_ids: set[int]) -> None:
         """Chunks without a stored vector (an index from before vectors moved into SQLite): take the
@@ -307,6 +351,10 @@ class ChunkIndex:
             "SELECT text_sha FROM documents WHERE collection=? AND doc_id=?", (collection, doc_id)
         )
         return rows[0][0] if rows else None
+
+    def document_shas(self, collection: str = DEFAULT_COLLECTION) -> dict[str, str]:
+        """``{doc_id: text hash}`` of ``collection``'s committed documents."""
+        return dict(self._query("SELECT doc_id, text_sha FROM documents WHERE collection=?", (collection,)))
 
     def has_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> bool:
         return self.document_sha(doc_id, collection) is not None
@@ -503,7 +551,10 @@ class ChunkIndex:
             yield self.db.execute(sql.format(marks=",".join("?" * len(part))), (*args, *part)).fetchall()
 
     def _set_intents(self, add, drop) -> None:
-        self.db.executemany("INSERT OR IGNORE INTO kv_intents VALUES (?)", [(k,) for k in add])
+        """Record ``add`` as this writer's intents; forget every writer's intents on ``drop`` (now referenced)."""
+        self.db.executemany(
+            "INSERT OR IGNORE INTO kv_intents (kv_key, owner) VALUES (?, ?)", [(k, self.owner) for k in add]
+        )
         self.db.executemany("DELETE FROM kv_intents WHERE kv_key=?", [(k,) for k in drop])
 
     def _apply(self, removed: list[int], added: list[tuple[list[int], np.ndarray]]) -> None:
@@ -543,18 +594,31 @@ class ChunkIndex:
             with self._lock, self._transaction():
                 self._set_intents(keys, ())
 
-    def intents(self) -> list[str]:
-        return [r[0] for r in self._query("SELECT kv_key FROM kv_intents ORDER BY kv_key")]
+    def intents(self, owner: str | None = None) -> list[str]:
+        """The keys of every writer's intents (``owner``: of that writer's only)."""
+        if owner is None:
+            return [r[0] for r in self._query("SELECT DISTINCT kv_key FROM kv_intents ORDER BY kv_key")]
+        return [
+            r[0] for r in self._query("SELECT kv_key FROM kv_intents WHERE owner=? ORDER BY kv_key", (owner,))
+        ]
 
-    def settle_intents(self, delete) -> int:
-        """Call ``delete(key)`` for every intent no chunk references, then forget all intents."""
+    def settle_intents(self, delete, everyone: bool = True) -> int:
+        """Call ``delete(key)`` for every intent no chunk references, then forget those intents: every
+        writer's (``everyone``: the caller is alone on the folder, :mod:`ragkv.rag.writers`), or only this
+        writer's (``self.owner``), keeping KV another writer's intent still covers."""
         n = 0
-        for key in self.intents():
-            if not self.references(key):
+        for key in self.intents(None if everyone else self.owner):
+            with self._lock:
+                rows = self.db.execute("SELECT owner FROM kv_intents WHERE kv_key=?", (key,)).fetchall()
+            others = not everyone and any(o != self.owner for (o,) in rows)
+            if not others and not self.references(key):
                 delete(key)
                 n += 1
             with self._lock:
-                self.db.execute("DELETE FROM kv_intents WHERE kv_key=?", (key,))
+                if everyone:
+                    self.db.execute("DELETE FROM kv_intents WHERE kv_key=?", (key,))
+                else:
+                    self.db.execute("DELETE FROM kv_intents WHERE kv_key=? AND owner=?", (key, self.owner))
         return n
 
     def repair_document(self, doc_id: str, collection: str = DEFAULT_COLLECTION) -> bool:

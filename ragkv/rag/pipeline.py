@@ -13,18 +13,15 @@ import copy
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from ragkv.blend.controller import LoadingController
-from ragkv.blend.exact import exact_prefill
 from ragkv.blend.kvtree import tree_store
 from ragkv.blend.resolver import WarnThrottle
 from ragkv.llm import LLM
-from ragkv.model.forward import exact_supported
 from ragkv.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION
 from ragkv.rag.answering import Answerer, RagAnswer, RagPrompt
 from ragkv.rag.corpus import Corpus, Document, IngestCancelled, IngestReport
 from ragkv.rag.embedder import DEFAULT_EMBEDDER, Embedder
+from ragkv.rag.first_level import precompute_first_level
 from ragkv.rag.generation import Generator
 from ragkv.rag.quotas import Quotas
 
@@ -142,14 +139,9 @@ class RAG:
 
     def _precompute_first_level(self, token_ids: list[int]) -> None:
         """The chunk's exact KV after this RAG's prompt head, into the KV tree (pages to the store)."""
-        if not self.first_level or not exact_supported(self.model):
-            return
-        head, _ = self.answers.prompt_parts("?")  # the head does not depend on the question
-        ids = head + [int(t) for t in token_ids]
-        if len(ids) > self.model.config.max_position:
-            return
-        with torch.inference_mode():
-            exact_prefill(self.model, ids, self.kv_tree, boundaries=[len(head)], wait=True)
+        if self.first_level:
+            head, _ = self.answers.prompt_parts("?")  # the head does not depend on the question
+            precompute_first_level(self.model, self.kv_tree, head, token_ids)
 
     def using(self, generator: Generator) -> RAG:
         """A view of this RAG that generates with ``generator``: e.g. one RAG answering both in process

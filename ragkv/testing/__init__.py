@@ -435,3 +435,28 @@ class SlowStore:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def descendants_named(word: str) -> list[int]:
+    """Pids of this process's descendants whose command line contains ``word`` (e.g. the workers of a
+    local Ray this process started, by the step they run: ``descendants_named("ChunkKV")``), to kill
+    one in a fault test. Linux (``/proc``)."""
+    parents: dict[int, int] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    me, out = os.getpid(), []
+    for pid in parents:
+        q = pid
+        while q in parents and q not in (0, 1, me):
+            q = parents[q]
+        if q == me:
+            try:
+                if word in (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(pid)
+            except OSError:
+                continue
+    return out

@@ -139,6 +139,24 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
         collection, so a key limited to collections gets 403."""
         return await svc.run_ingest(lambda cancel: svc.rag.collect_garbage(), request.is_disconnected)
 
+    @r.post(
+        "/v1/admin/reload",
+        response_model=sc.ReloadReport,
+        responses=ERRORS,
+        summary="Take in documents other writers of the data folder committed (no restart)",
+        dependencies=auth.admin,
+    )
+    async def reload(request: Request, svc: ServiceDep):
+        """See what other processes writing this data folder (another service, ``ragkv-server ingest
+        [--ray]``) committed or deleted since: the in-memory index is reconciled with the chunk table
+        (ragkv.rag.writers). Runs in the ingest queue; queries go on meanwhile."""
+
+        def refresh(cancel) -> dict:
+            got = svc.rag.corpus.refresh()
+            return {**got, "documents": svc.rag.index.num_documents, "chunks": len(svc.rag.index)}
+
+        return await svc.run_ingest(refresh, request.is_disconnected)
+
     return r
 
 
