@@ -19,16 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.adapter.shipped import check_kv_source, kv_model, resolve_adapter
-from ragkv.blend import (
-    MODES,
-    BlendSchedule,
-    ChunkResolver,
-    KVTree,
-    UnknownModeError,
-    prefill,
-    tree_store,
-)
+from ragkv.blend import ChunkResolver, KVTree, prefill, tree_store
 from ragkv.blend.plan import BlendPlan, BlendPlanError
+from ragkv.defaults import DEFAULT_ADAPTER, Mode
 from ragkv.engine import joint
 from ragkv.engine.block_manager import OutOfBlocksError
 from ragkv.engine.metrics import EngineMetrics, FusionStats
@@ -36,8 +29,7 @@ from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step,
 from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
-from ragkv.fidelity import parse_fidelity
-from ragkv.fidelity.plan import plan_blend
+from ragkv.fidelity.plan import Planner, RequestSettings
 from ragkv.fusion.bff import FusionConfig
 from ragkv.generate import Detokenizer, SamplingParams
 from ragkv.model.forward import decode_weights_of
@@ -52,14 +44,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_bytes: int = 256 << 20
-    mode: str = "blend"
-    #: None: ``blend`` runs at the fidelity gate's operating point (``fidelity``); a number is explicit
-    ratio: float | None = None
-    schedule: BlendSchedule | None = None
-    fidelity: str | float | None = None  # ragkv.fidelity's setting (None: "floor")
-    #: the KV adapter reused chunk KV is read through: "auto" (the shipped one, where the gate chooses
-    #: it), None, or a file (used wherever chunk KV is reused); see ragkv.LLM's ``adapter``
-    adapter: object | None = "auto"
+    #: every request's defaults (:class:`~ragkv.fidelity.plan.RequestSettings`: mode, ratio, schedule,
+    #: fidelity; unset ratio: ``blend`` runs at the fidelity gate's point) and the KV adapter reused
+    #: chunk KV is read through (unset: "auto"; see ragkv.LLM's ``adapter``)
+    settings: RequestSettings = field(default_factory=RequestSettings)
     attention: str = "fp16"  # "fp16" (dense, model dtype) or "hack" (2-bit, HACK attention)
     #: HackConfig options over HACK's defaults (``hack_cache.DEFAULTS``, partition = block_size)
     hack: dict = field(default_factory=dict)
@@ -70,11 +58,8 @@ class EngineConfig:
     compute_missing: bool = True
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise UnknownModeError(f"unknown prefill mode {self.mode!r}; use one of {MODES}")
-        if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
-        self.fidelity = parse_fidelity(self.fidelity)
+        if not isinstance(self.settings, RequestSettings):
+            raise TypeError("EngineConfig.settings must be a ragkv.RequestSettings")
         if self.attention not in ("fp16", "dense", "hack"):
             raise ValueError(f"unknown attention {self.attention!r}; use 'fp16' or 'hack'")
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
@@ -98,7 +83,9 @@ class Engine:
             model = load_model(model)
         self.model = model
         self.config = cfg = config or EngineConfig()
-        self.adapter, self.adapter_explicit = resolve_adapter(model, cfg.adapter)
+        self.adapter, explicit = resolve_adapter(model, cfg.settings.adapter or DEFAULT_ADAPTER)
+        #: turns a request's settings into the plan that runs (the config's settings as defaults)
+        self.planner = Planner(model, cfg.settings, self.adapter, explicit)
         #: the model that writes and names chunk KV: the model itself, or with a chunk-KV writer on
         self.kv_model = kv_model(model, self.adapter)
         c = model.config
@@ -164,24 +151,16 @@ class Engine:
         """Validate and tokenize a request (strings via the model's tokenizer; BOS starts a text prefix).
 
         ``plan``: what the prefill runs, resolved by the caller (:class:`~ragkv.blend.plan.BlendPlan`);
-        else ``mode``/``ratio``/``fidelity`` are resolved here with the config's as defaults
-        (:func:`ragkv.fidelity.plan.plan_blend`: ``blend`` with no ratio and no config schedule runs at
-        the fidelity gate's point; a ratio with the config's gradual schedule is refused, never
-        overridden). The point is in the prefill stats."""
+        else ``mode``/``ratio``/``fidelity`` (the edge: parsed once into a
+        :class:`~ragkv.fidelity.plan.RequestSettings`) are planned here with the config's settings as
+        defaults (:attr:`planner`: ``blend`` with no ratio and no config schedule runs at the fidelity
+        gate's point; a ratio with the config's gradual schedule is refused, never overridden). The
+        point is in the prefill stats."""
+        schedule = self.config.settings.schedule
         if plan is None:
-            plan = plan_blend(
-                self.model,
-                mode,
-                ratio,
-                fidelity=self.config.fidelity if fidelity is None else fidelity,
-                default_mode=self.config.mode,
-                default_ratio=self.config.ratio,
-                owner_schedule=self.config.schedule,
-                adapter=self.adapter,
-                adapter_outside_gate=self.adapter_explicit,
-            )
-        elif plan.mode == "blend" and plan.schedule is None and self.config.schedule is not None:
-            plan = plan.on(self.config.schedule)  # the engine's blend options at the plan's ratio
+            plan = self.planner.plan(RequestSettings(mode, ratio, fidelity=fidelity))
+        elif plan.mode == Mode.BLEND and plan.schedule is None and schedule is not None:
+            plan = plan.on(schedule)  # the engine's blend options at the plan's ratio
         if plan.auto:
             raise BlendPlanError("ratio 'auto' (the RAG's loading controller) is not served by the engine")
         params = params or SamplingParams(**sampling)
