@@ -97,18 +97,18 @@ class Answerer:
 
     @property
     def mode(self) -> Mode:
-        """The prefill mode of a request that names none."""
-        return self.settings.mode or self.llm.settings.mode or DEFAULT_MODE
+        """The prefill mode of a request that names none (this side's, else the LLM's, else the default)."""
+        return self.planner.settings.mode or DEFAULT_MODE
 
     @property
     def ratio(self) -> float | str | None:
         """The recompute ratio of a request that names none (None: the fidelity gate's point)."""
-        return self.settings.ratio
+        return self.planner.settings.ratio
 
     @property
     def fidelity(self) -> str | None:
-        """This side's fidelity setting (None: the LLM's, see :attr:`planner`)."""
-        return self.settings.fidelity
+        """The fidelity setting of a request that names none (None: the gate's default)."""
+        return self.planner.settings.fidelity
 
     # ---- retrieve ------------------------------------------------------------------------------
     def retrieve(
