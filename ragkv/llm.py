@@ -132,6 +132,24 @@ class LLM:
         view.resolver = resolver
         return view
 
+    def with_settings(self, settings: RequestSettings) -> LLM:
+        """A view of this LLM (same model, adapter, resolver and KV tree) whose requests default to
+        ``settings`` over this LLM's (an engine's config); ``settings.adapter`` must be unset."""
+        if settings.adapter is not None:
+            raise ValueError(
+                "a view keeps its LLM's KV adapter (it names the chunk KV): give it to LLM(adapter=...)"
+            )
+        view = copy.copy(self)
+        view.settings = settings.over(self.settings)
+        view.planner = self.planner.under(settings)
+        return view
+
+    def with_kv_tree(self, kv_tree: KVTree) -> LLM:
+        """A view of this LLM whose exact prefills reuse ``kv_tree`` (an owner's: one tree per model)."""
+        view = copy.copy(self)
+        view.kv_tree = kv_tree
+        return view
+
     @property
     def gate(self) -> GateReport | None:
         """The blending self-check's report (None until it has run)."""

@@ -745,10 +745,10 @@ def build_generator(s: Settings, rag: RAG):
         from ragkv.engine import Engine, EngineConfig, SchedulerConfig
 
         cfg = EngineConfig(
-            settings=rag.llm.settings,  # the service's request settings (the engine serves RAG plans)
             scheduler=SchedulerConfig(max_num_seqs=s.engine_max_seqs, max_queue=max(1, s.max_queue)),
         )
-        return EngineGenerator(Engine(rag.model, cfg, resolver=rag.resolver, kv_tree=rag.llm.kv_tree))
+        # the RAG's LLM: its model, settings, KV adapter, chunk resolver (the corpus's) and KV tree
+        return EngineGenerator(Engine(rag.llm, cfg))
     from ragkv.remote.client import VllmClient, VllmGenerator
 
     if rag.resolver.model is not rag.model:  # a chunk-KV writer: the connector writes chunk KV itself

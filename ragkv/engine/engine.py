@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.adapter.shipped import check_kv_source, kv_model, resolve_adapter
-from ragkv.blend import ChunkResolver, KVTree, prefill, tree_store
+from ragkv.blend import ChunkResolver, KVTree, prefill
 from ragkv.blend.plan import BlendPlan, BlendPlanError
-from ragkv.defaults import DEFAULT_ADAPTER, Mode
+from ragkv.defaults import Mode
 from ragkv.engine import joint
 from ragkv.engine.block_manager import OutOfBlocksError
 from ragkv.engine.metrics import EngineMetrics, FusionStats
@@ -29,9 +28,10 @@ from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step,
 from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
-from ragkv.fidelity.plan import Planner, RequestSettings
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.fusion.bff import FusionConfig
 from ragkv.generate import Detokenizer, SamplingParams
+from ragkv.llm import LLM
 from ragkv.model.forward import decode_weights_of
 
 log = logging.getLogger("ragkv.engine")
@@ -71,23 +71,32 @@ class Engine:
 
     def __init__(
         self,
-        model,
+        llm,
         config: EngineConfig | None = None,
         store=None,
         resolver: ChunkResolver | None = None,
         kv_tree: KVTree | None = None,
     ):
-        if isinstance(model, str):
-            from ragkv.model import load_model
-
-            model = load_model(model)
-        self.model = model
         self.config = cfg = config or EngineConfig()
-        self.adapter, explicit = resolve_adapter(model, cfg.settings.adapter or DEFAULT_ADAPTER)
-        #: turns a request's settings into the plan that runs (the config's settings as defaults)
-        self.planner = Planner(model, cfg.settings, self.adapter, explicit)
-        #: the model that writes and names chunk KV: the model itself, or with a chunk-KV writer on
-        self.kv_model = kv_model(model, self.adapter)
+        if not isinstance(llm, LLM):  # a model or its name: served by an LLM of its own over ``store``
+            llm = LLM(llm, store=store, settings=cfg.settings, self_check_on_load=False)
+        else:  # the config's request settings over the LLM's (its KV adapter stays the LLM's)
+            llm = llm.with_settings(cfg.settings)
+        if resolver is not None:  # an owner's (a RAG's writes back only what its index holds)
+            llm = llm.with_resolver(resolver)
+        if kv_tree is not None:  # an owner's (a RAG's: one tree per model for every route)
+            llm = llm.with_kv_tree(kv_tree)
+        #: the LLM this engine serves: its model, request planner (settings and KV adapter), chunk
+        #: resolver and exact KV tree are the engine's (``resolver`` / ``kv_tree``: an owner's instead)
+        self.llm = llm
+        #: the LLM's (not copies): how a request is planned (settings, KV adapter), where chunk KV comes from
+        self.planner, self.resolver, self.kv_tree, self.adapter = (
+            llm.planner,
+            llm.resolver,
+            llm.kv_tree,
+            llm.adapter,
+        )
+        self.model = model = llm.model
         c = model.config
         hack_cfg = None
         if cfg.attention == "hack":
@@ -103,13 +112,7 @@ class Engine:
         num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // block)
         self.pool = KVPool.for_model(model, num_blocks, cfg.block_size, hack_cfg)
         self.scheduler = Scheduler(cfg.scheduler, self.pool.manager, cfg.block_size, c.num_layers)
-        #: chunk KV: the owner's resolver (a RAG's writes back only what its index holds), else one
-        #: over ``store`` that stores what it computes
-        self.resolver = resolver or ChunkResolver(self.kv_model, store)
-        check_kv_source(self.resolver, self.kv_model)
         self.fetcher = KVFetcher(self.resolver, cfg.compute_missing)
-        #: the exact KV tree (an LLM's or a RAG's when given: one tree per model for every route)
-        self.kv_tree = kv_tree if kv_tree is not None else KVTree(256 << 20, tree_store(store))
         self.bff_stats, self.cff_stats = FusionStats("bff"), FusionStats("cff")
         self._salt = f"{model.fingerprint}|{cfg.attention}"
         self._lock = threading.RLock()  # held by step(): the engine state is single-threaded
@@ -156,7 +159,7 @@ class Engine:
         defaults (:attr:`planner`: ``blend`` with no ratio and no config schedule runs at the fidelity
         gate's point; a ratio with the config's gradual schedule is refused, never overridden). The
         point is in the prefill stats."""
-        schedule = self.config.settings.schedule
+        schedule = self.planner.settings.schedule
         if plan is None:
             plan = self.planner.plan(RequestSettings(mode, ratio, fidelity=fidelity))
         elif plan.mode == Mode.BLEND and plan.schedule is None and schedule is not None:

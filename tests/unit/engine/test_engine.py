@@ -843,3 +843,27 @@ def test_cache_aware_admission_and_twins_run_one_after_the_other(model, chunks):
     for r, o in ((cold, outs[0]), (warm, outs[1])):
         ref = dict(r, chunks=[], mode="full", params=SamplingParams(max_new_tokens=3))
         assert o.token_ids == _reference(model, ref)
+
+
+def test_the_engine_serves_an_llm_with_no_copies_of_its_parts():
+    """Issue 55: the engine plans, resolves chunk KV and reuses exact prefixes with its LLM's planner,
+    resolver and KV tree (the objects themselves); the config's settings are request defaults over the
+    LLM's, and its KV adapter stays the LLM's."""
+    from ragkv import LLM
+
+    model = stories_model()
+    llm = LLM(model, store=MemoryStore(), self_check_on_load=False)
+    with Engine(llm, EngineConfig(num_blocks=64, settings=RequestSettings("full"))) as eng:
+        assert eng.resolver is llm.resolver and eng.kv_tree is llm.kv_tree and eng.model is model
+        assert eng.make_request([1, 5], [[6, 7, 8]], [9]).plan.mode == "full"  # the config's default
+        assert eng.make_request([1, 5], [[6, 7, 8]], [9], mode="reuse").plan.mode == "reuse"
+    assert llm.plan().mode != "full"  # the LLM itself is unchanged
+    with pytest.raises(ValueError, match="adapter"):
+        Engine(llm, EngineConfig(settings=RequestSettings(adapter="off")))
+    alone = Engine(model, EngineConfig(num_blocks=64), store=MemoryStore())  # an LLM of its own
+    assert (
+        isinstance(alone.llm, LLM)
+        and alone.resolver is alone.llm.resolver
+        and alone.resolver.store is not None
+    )
+    alone.shutdown()
