@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from eval.prompts import DATA_DIR
-from ragkv import LLM
+from ragkv import LLM, RequestSettings
 from ragkv.blend.locate import Located
 from ragkv.generate import SamplingParams
 from ragkv.model.chat import chat_parts
@@ -149,9 +149,11 @@ def main(argv: list[str] | None = None) -> int:
             ids_flat = sum(llm.tokenize_prompt("", [], flat)[::2], [])  # the template around the flat text
             ids_explicit, spans = explicit_prompt(llm, recs, head, tail)
             out = {
-                "full": run(rag, rag.job(ids_flat, [], "full", params=params)),
-                "flat": run(rag, rag.job(ids_flat, [], "blend", params=params)),
-                "explicit": run(rag, rag.job(ids_explicit, spans, "blend", params=params, locate=False)),
+                "full": run(rag, rag.job(ids_flat, [], RequestSettings("full"), params=params)),
+                "flat": run(rag, rag.job(ids_flat, [], RequestSettings("blend"), params=params)),
+                "explicit": run(
+                    rag, rag.job(ids_explicit, spans, RequestSettings("blend"), params=params, locate=False)
+                ),
             }
             chunk_tokens = sum(len(r.token_ids) for r in recs)
             ids = ids_flat

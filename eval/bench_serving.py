@@ -48,6 +48,7 @@ from ragkv.blend import DEFAULT_RATIO, ChunkResolver, PrefixCache, prefill
 from ragkv.blend.gate import ensure_gate
 from ragkv.engine import Engine, EngineBusyError, EngineConfig, SchedulerConfig, percentile
 from ragkv.engine.paged_cache import batched_decode_step
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.fusion import FusionConfig
 from ragkv.generate import SamplingParams
 from ragkv.kv import compute_chunk_kv
@@ -104,7 +105,9 @@ def fusion_skip(num_layers: int) -> int:
 # ---- part 1: BFF on the trained model ----------------------------------------------------------------
 def story_chunks(model, n: int, length: int, seed: int) -> list[list[int]]:
     """In-distribution chunks: text the trained model writes itself after BOS (temperature 1), batched."""
-    with Engine(model, EngineConfig(mode="full", num_blocks=n * model.config.num_layers * 8)) as eng:
+    with Engine(
+        model, EngineConfig(settings=RequestSettings("full"), num_blocks=n * model.config.num_layers * 8)
+    ) as eng:
         reqs = [
             dict(
                 prefix=[model.config.bos_token_id],
@@ -177,8 +180,7 @@ def bff_run(
         20, math.ceil((longest + 8) / 16) + 2
     )  # blocks per layer (20: the tiny model's ~250 tokens)
     cfg = EngineConfig(
-        mode="blend",
-        ratio=ratio,
+        settings=RequestSettings("blend", ratio),
         attention=attention,
         hack=dict(hack or {}),
         num_blocks=n * model.config.num_layers * per_seq,
@@ -500,21 +502,23 @@ def part2(args, threshold: float, multi_match: str) -> dict:
     # the same position (near-identical KV), so its compression here is not the trained model's.
     bff = FusionConfig(threshold=threshold, every=8, skip_first=skip, skip_last=skip, multi_match=multi_match)
     modes = {
-        "full": EngineConfig(mode="full"),
-        "prefix": EngineConfig(mode="prefix"),
+        "full": EngineConfig(settings=RequestSettings("full")),
+        "prefix": EngineConfig(settings=RequestSettings("prefix")),
         # blending at an explicit ratio: with none the fidelity gate chooses, and on the default model its
         # point is exact prefill (the figures then compare full with full)
-        "blend": EngineConfig(mode="blend", ratio=args.ratio),
-        "blend+bff": EngineConfig(mode="blend", ratio=args.ratio, bff=bff),
+        "blend": EngineConfig(settings=RequestSettings("blend", args.ratio)),
+        "blend+bff": EngineConfig(settings=RequestSettings("blend", args.ratio), bff=bff),
         "blend+bff+hack": EngineConfig(
-            mode="blend", ratio=args.ratio, bff=bff, attention="hack", hack=hack_options(args)
+            settings=RequestSettings("blend", args.ratio), bff=bff, attention="hack", hack=hack_options(args)
         ),
     }
     modes = {k: v for k, v in modes.items() if k in args.modes}
     for cfg in modes.values():
         cfg.kv_memory_bytes = budget
         cfg.scheduler = sched
-    serve(model, store, reqs[:2], [0.0, 0.0], EngineConfig(mode="full", scheduler=sched), 2)  # warm-up
+    serve(
+        model, store, reqs[:2], [0.0, 0.0], EngineConfig(settings=RequestSettings("full"), scheduler=sched), 2
+    )  # warm-up
     ensure_gate(model)  # blending's one-time self-check of the model, not inside blend's first timed run
     results: dict[str, dict] = {m: {} for m in modes}
     sat: dict[str, list] = {m: [] for m in modes}

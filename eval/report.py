@@ -14,9 +14,9 @@ import statistics
 from collections.abc import Iterable
 from pathlib import Path
 
+from ragkv.defaults import MODES as PREFILL_MODES
 from ragkv.metrics import percentile
 
-PREFILL_MODES = ("full", "prefix", "reuse", "blend")
 METRICS = (
     "f1",
     "em",

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.blend.locate import Located
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.rag import RAG, ChunkRecord
 from ragkv.rag.generation import Generated
 
@@ -278,7 +279,8 @@ def explicit_generation(rag: RAG, llm: Any, text: str, recs: Sequence[ChunkRecor
     defaults = llm.call_defaults()
     ids, spans, used = explicit_text(rag.model, text, recs)
     params = make_params({k: defaults.get(k) for k in SAMPLING_KEYS})
-    job = rag.job(ids, spans, defaults.get("mode"), defaults.get("ratio"), params, locate=False)
+    settings = RequestSettings(defaults.get("mode"), defaults.get("ratio"))
+    job = rag.job(ids, spans, settings, params, locate=False)
     done = [x for x in rag.generate(job) if isinstance(x, Generated)]
     return done[-1], job, used
 

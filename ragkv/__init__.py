@@ -2,6 +2,8 @@
 
 from ragkv.blend import BlendSchedule, KVTree, PrefixCache, prefill
 from ragkv.constrain import ConstraintError, JsonConstraint, json_constraint
+from ragkv.defaults import Mode
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.generate import SamplingParams
 from ragkv.kv import ChunkKV, KVMismatchError, compute_chunk_kv
 from ragkv.llm import LLM, Answer
@@ -19,9 +21,11 @@ __all__ = [
     "JsonConstraint",
     "KVMismatchError",
     "KVTree",
+    "Mode",
     "Model",
     "PrefixCache",
     "PromptTooLongError",
+    "RequestSettings",
     "SamplingParams",
     "compute_chunk_kv",
     "json_constraint",

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+from ragkv.defaults import DEFAULT_FIDELITY, DEFAULT_MAX_NEW_TOKENS
 from ragkv.kv.calibrate import DEMO_CORPUS
 from ragkv.model.registry import DEFAULT_MODEL, ModelFetchError
 from ragkv.store.codecs import DEFAULT_CODEC
@@ -195,7 +195,7 @@ def _print_fidelity(llm, op, png: Path) -> None:
     if op is None:
         return
     print(f"fidelity gate: {op.describe()}")
-    report = GATE.report(llm.model.fingerprint, llm.schedule)
+    report = GATE.report(llm.model.fingerprint, llm.settings.schedule)
     if report is None:
         return
     print(
@@ -406,8 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--fidelity",
-        default="floor",
-        help="where blend runs without --ratio: floor (default), exact, fast, fast:X or a same-answer rate",
+        default=DEFAULT_FIDELITY,
+        help="where blend runs without --ratio: floor, exact, fast, fast:X or a same-answer rate "
+        f"(default {DEFAULT_FIDELITY})",
     )
     d.add_argument("--repeats", type=int, default=1, help="timed runs per question and mode (median)")
     d.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)

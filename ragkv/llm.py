@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -10,13 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.adapter.shipped import AUTO_ADAPTER, check_kv_source, kv_model, resolve_adapter
+from ragkv.adapter.shipped import check_kv_source, kv_model, resolve_adapter
 from ragkv.blend.core import BlendSchedule, PrefillResult
 from ragkv.blend.gate import GateReport, ensure_gate, gate_report
 from ragkv.blend.kvtree import KVTree, tree_store
 from ragkv.blend.resolver import ChunkResolver
-from ragkv.fidelity import OperatingPoint, parse_fidelity
-from ragkv.fidelity.plan import BlendPlan, plan_blend
+from ragkv.defaults import DEFAULT_ADAPTER
+from ragkv.fidelity import OperatingPoint
+from ragkv.fidelity.plan import BlendPlan, Planner, RequestSettings
 from ragkv.generate import SamplingParams, TokenEvent, generate, stream
 from ragkv.kv.chunk import ChunkKV
 from ragkv.model.llama import Model
@@ -63,6 +65,11 @@ class LLM:
     ``decode_weights``: what decode steps read when ``model`` is loaded here (``load_model``; None:
     ``$RAGKV_DECODE_WEIGHTS``, else ``"auto"``: the GGUF file's own low-bit blocks where the model is
     one); a :class:`Model` passed in decodes on whatever it was loaded with. Prefill never changes.
+
+    ``schedule``, ``fidelity`` and ``adapter`` are parsed once into :attr:`settings` (a
+    :class:`~ragkv.fidelity.plan.RequestSettings`: every request's defaults); ``settings`` may be
+    given whole instead. Each call's ``mode``/``ratio``/``fidelity`` keywords are parsed the same way,
+    and everything below runs the :class:`~ragkv.fidelity.plan.BlendPlan` they resolve to (:meth:`plan`).
     """
 
     def __init__(
@@ -78,10 +85,12 @@ class LLM:
         schedule: BlendSchedule | None = None,
         fidelity: str | float | None = None,
         resolver: ChunkResolver | None = None,
-        adapter=AUTO_ADAPTER,
+        adapter=DEFAULT_ADAPTER,
         decode_weights: str | None = None,
+        settings: RequestSettings | None = None,
     ):
-        self.fidelity = parse_fidelity(fidelity)
+        if settings is None:  # the edge: loose keywords parsed once (None adapter: "off", as before)
+            settings = RequestSettings(schedule=schedule, fidelity=fidelity, adapter=adapter or "off")
         if isinstance(model, Model):
             if decode_weights not in (None, "auto", model.decode_weights):
                 raise ValueError(
@@ -91,11 +100,14 @@ class LLM:
             self.model = model
         else:
             self.model = load_model(model, dtype=dtype, device=device, decode_weights=decode_weights)
-        self.adapter, self.adapter_explicit = resolve_adapter(self.model, adapter)
+        #: this LLM's request settings (every request's defaults; ``adapter`` is read here, once)
+        self.settings = settings
+        self.adapter, explicit = resolve_adapter(self.model, settings.adapter or DEFAULT_ADAPTER)
+        #: turns a request's settings into the plan that runs (this LLM's model, settings and adapter)
+        self.planner = Planner(self.model, settings, self.adapter, explicit)
         #: the model that writes and names chunk KV: the model itself, or with a chunk-KV writer on
         self.kv_model = kv_model(self.model, self.adapter)
         self.attention = attention
-        self.schedule = schedule
         #: the exact KV tree every exact prefill of this model reuses (RAM, then ``store``'s pages)
         self.kv_tree = kv_tree if kv_tree is not None else KVTree(cache_bytes // 2, tree_store(store))
         #: where chunk KV comes from (passed in, or one over ``store``); a :class:`ragkv.RAG` answers
@@ -120,34 +132,39 @@ class LLM:
         view.resolver = resolver
         return view
 
+    def with_settings(self, settings: RequestSettings) -> LLM:
+        """A view of this LLM (same model, adapter, resolver and KV tree) whose requests default to
+        ``settings`` over this LLM's (an engine's config); ``settings.adapter`` must be unset."""
+        if settings.adapter is not None:
+            raise ValueError(
+                "a view keeps its LLM's KV adapter (it names the chunk KV): give it to LLM(adapter=...)"
+            )
+        view = copy.copy(self)
+        view.settings = settings.over(self.settings)
+        view.planner = self.planner.under(settings)
+        return view
+
+    def with_kv_tree(self, kv_tree: KVTree) -> LLM:
+        """A view of this LLM whose exact prefills reuse ``kv_tree`` (an owner's: one tree per model)."""
+        view = copy.copy(self)
+        view.kv_tree = kv_tree
+        return view
+
     @property
     def gate(self) -> GateReport | None:
         """The blending self-check's report (None until it has run)."""
         return gate_report(self.model)
 
     def operating_point(self, fidelity: str | float | None = None) -> OperatingPoint:
-        """Where ``mode="blend"`` without a ratio runs for ``fidelity`` (None: this LLM's setting)."""
-        return self.plan("blend", None, fidelity).point
+        """Where ``mode="blend"`` without a ratio runs for ``fidelity`` (None: this LLM's setting),
+        whatever mode and ratio this LLM's settings default to."""
+        gate = dataclasses.replace(self.planner, settings=self.settings.changed(mode=None, ratio=None))
+        return gate.plan(RequestSettings(mode="blend", fidelity=fidelity)).point
 
-    def plan(
-        self,
-        mode: str | None = "blend",
-        ratio: float | None = None,
-        fidelity: str | float | None = None,
-        schedule: BlendSchedule | None = None,
-    ) -> BlendPlan:
-        """A request's (mode, ratio, fidelity, schedule) as the :class:`BlendPlan` that runs, with this
-        LLM's fidelity setting and schedule as defaults (:func:`ragkv.fidelity.plan.plan_blend`)."""
-        return plan_blend(
-            self.model,
-            mode,
-            ratio,
-            schedule=schedule,
-            fidelity=self.fidelity if fidelity is None else parse_fidelity(fidelity),
-            owner_schedule=self.schedule,
-            adapter=self.adapter,
-            adapter_outside_gate=self.adapter_explicit,
-        )
+    def plan(self, request: RequestSettings | None = None) -> BlendPlan:
+        """A request's settings as the :class:`BlendPlan` that runs, this LLM's settings filling what
+        it leaves unset (:class:`~ragkv.fidelity.plan.Planner`)."""
+        return self.planner.plan(request)
 
     # ---- tokens ---------------------------------------------------------------------------
     def tokenize_prompt(self, prefix, chunks, question, chat: bool | None = None, system: str | None = None):
@@ -171,20 +188,34 @@ class LLM:
         prefix,
         chunks,
         question,
-        mode: str = "blend",
+        mode: str | None = None,
         ratio: float | None = None,
         probe_suffix: bool = False,
         chat: bool | None = None,
         system: str | None = None,
         fidelity: str | float | None = None,
     ) -> PrefillResult:
-        """Prefill ``prefix + chunks + question`` in ``mode``; the prefix's KV is cached and reused by
-        every mode but ``full`` (the baseline that computes everything). With no ``chunks`` (a flat
-        prompt, as frameworks format documents), ``reuse``/``blend`` find the stored chunks inside it
-        (:meth:`ChunkResolver.locate`, when a corpus is known, e.g. a RAG's) and reuse their KV.
-        ``ratio``: the share recomputed (None with ``blend``: the fidelity gate's operating point,
-        :meth:`plan`); the point used is in ``stats["fidelity"]``."""
-        plan = self.plan(mode, ratio, fidelity)
+        """Prefill ``prefix + chunks + question`` in ``mode`` (None: this LLM's, else ``blend``); the
+        prefix's KV is cached and reused by every mode but ``full`` (the baseline that computes
+        everything). With no ``chunks`` (a flat prompt, as frameworks format documents),
+        ``reuse``/``blend`` find the stored chunks inside it (:meth:`ChunkResolver.locate`, when a
+        corpus is known, e.g. a RAG's) and reuse their KV. ``ratio``: the share recomputed (None with
+        ``blend``: the fidelity gate's operating point, :meth:`plan`); the point used is in
+        ``stats["fidelity"]``."""
+        plan = self.plan(RequestSettings(mode, ratio, fidelity=fidelity))
+        return self.prefill_plan(prefix, chunks, question, plan, probe_suffix, chat, system)
+
+    def prefill_plan(
+        self,
+        prefix,
+        chunks,
+        question,
+        plan: BlendPlan,
+        probe_suffix: bool = False,
+        chat: bool | None = None,
+        system: str | None = None,
+    ) -> PrefillResult:
+        """:meth:`prefill` of a planned request (:meth:`plan`)."""
         pre, chs, q = self.tokenize_prompt(prefix, chunks, question, chat, system)
         items = self.resolver.items(chs) if plan.reuses else chs
         located = None
@@ -203,7 +234,7 @@ class LLM:
         prefix: str | Sequence[int],
         chunks: Sequence[str | Sequence[int]],
         question: str | Sequence[int],
-        mode: str = "blend",
+        mode: str | None = None,
         ratio: float | None = None,
         params: SamplingParams | None = None,
         chat: bool | None = None,
@@ -219,7 +250,8 @@ class LLM:
         """
         params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
-        res = self.prefill(prefix, chunks, question, mode, ratio, chat=chat, system=system, fidelity=fidelity)
+        plan = self.plan(RequestSettings(mode, ratio, fidelity=fidelity))
+        res = self.prefill_plan(prefix, chunks, question, plan, chat=chat, system=system)
         ttft = time.perf_counter() - t0
         gen = generate(self.model, res, params, attention=self.attention)
         return Answer(
@@ -237,7 +269,7 @@ class LLM:
         prefix,
         chunks,
         question,
-        mode: str = "blend",
+        mode: str | None = None,
         ratio: float | None = None,
         params: SamplingParams | None = None,
         chat: bool | None = None,
@@ -247,5 +279,6 @@ class LLM:
     ) -> Iterator[TokenEvent]:
         """Like :meth:`generate` but yields tokens as they are produced."""
         params = params or SamplingParams(**sampling)
-        res = self.prefill(prefix, chunks, question, mode, ratio, chat=chat, system=system, fidelity=fidelity)
+        plan = self.plan(RequestSettings(mode, ratio, fidelity=fidelity))
+        res = self.prefill_plan(prefix, chunks, question, plan, chat=chat, system=system)
         yield from stream(self.model, res, params, attention=self.attention)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ragkv.cli import configure_logging, run_command, set_threads
+from ragkv.defaults import MODES
 from ragkv.kv.calibrate import DEMO_CORPUS
 from ragkv_server.config import Settings, load_settings
 from ragkv_server.service import build_rag
@@ -334,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("question")
     add_settings_flags(a)
-    a.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"], default=None)
+    a.add_argument("--mode", choices=MODES, default=None)
     a.add_argument("--ratio", type=float, default=None)
     a.add_argument("--top-k", type=int, default=None)
     a.add_argument("--chunk-ids", type=int, nargs="+", default=None)

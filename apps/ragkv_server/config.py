@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
-from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+from ragkv.defaults import DEFAULT_ADAPTER, DEFAULT_FIDELITY, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, MODES
 from ragkv.fidelity import parse_fidelity
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.rag.collections import COLLECTION_PATTERN
 from ragkv.rag.quotas import DEFAULT_MAX_DOCUMENT_TOKENS, Quotas
 from ragkv.store.codecs import DEFAULT_CODEC
@@ -119,7 +120,7 @@ class Settings(BaseSettings):
         description="JSON with the RAG prompt settings (instruction, question_template, system, examples: "
         "few-shot [user, answer] turns), e.g. the demo corpus ragkv/demo/corpus.json; None: ragkv's defaults",
     )
-    mode: Literal["full", "prefix", "reuse", "blend"] = "blend"
+    mode: Literal[MODES] = DEFAULT_MODE.value  # type: ignore[valid-type]
     ratio: float | None = Field(
         None,
         ge=0.0,
@@ -127,13 +128,13 @@ class Settings(BaseSettings):
         description="blend recompute ratio; None (default): the fidelity gate's operating point for `fidelity`",
     )
     fidelity: str = Field(
-        "floor",
+        DEFAULT_FIDELITY,
         description="how blend without a ratio runs (ragkv.fidelity): floor (default: changes no more answers "
         "than a dtype change, per the model's fidelity report), exact, fast, fast:X (TTFT speed-up >= X) or a "
         "same-answer rate in (0, 1]",
     )
     adapter: str = Field(
-        "auto",
+        DEFAULT_ADAPTER,
         description="KV adapter (ragkv.adapter): auto (default: the package's adapter for the model, where "
         "the fidelity gate chooses it), off, or a file: a KV adapter, or a chunk-KV writer (ingest writes "
         "chunk KV through it, keyed as its own; not with generation 'vllm')",
@@ -282,6 +283,11 @@ class Settings(BaseSettings):
     @classmethod
     def _fidelity(cls, v: str) -> str:
         return parse_fidelity(v)
+
+    def request_settings(self) -> RequestSettings:
+        """The service's request settings (mode, ratio, fidelity, KV adapter): every request's
+        defaults, parsed once and passed whole to the LLM and the engine."""
+        return RequestSettings(self.mode, self.ratio, fidelity=self.fidelity, adapter=self.adapter)
 
     @field_validator("store_codec")
     @classmethod

@@ -33,7 +33,8 @@ from pydantic_core import PydanticCustomError
 from ragkv.blend.locate import Located
 from ragkv.blend.spans import SpanError, expect_model, request_spans
 from ragkv.constrain import ConstraintError, JsonConstraint, json_constraint, token_bytes
-from ragkv.defaults import COMPLETIONS_MAX_TOKENS, COMPLETIONS_TEMPERATURE
+from ragkv.defaults import COMPLETIONS_MAX_TOKENS, COMPLETIONS_TEMPERATURE, Mode
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.generate import SamplingParams, TokenEvent, request_params
 from ragkv.rag.generation import Generated
 from ragkv.remote.wire import BlendParams, KVParamsError
@@ -248,16 +249,8 @@ def completion_events(
     if blend is None:  # no chunks named: the stored ones inside the prompt, the service's mode
         job = rag.job(ids, [], params=params, write_back=False, kv_collection=collection)
     else:
-        job = rag.job(
-            ids,
-            found,
-            blend.mode if found else "full",
-            params=params,
-            locate=False,
-            schedule=blend.schedule(question_pass=True) if found else None,
-            write_back=False,
-            save=blend.save,
-        )
+        settings = blend.request_settings() if found else RequestSettings(Mode.FULL)
+        job = rag.job(ids, found, settings, params, locate=False, write_back=False, save=blend.save)
     events: list[TokenEvent] = []  # kept for the response's logprobs
     for item in rag.generate(job):
         if not isinstance(item, Generated):

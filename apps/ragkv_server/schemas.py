@@ -8,10 +8,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from ragkv.defaults import MODES
 from ragkv.fidelity import parse_fidelity
+from ragkv.fidelity.plan import RequestSettings
 from ragkv_server.config import Settings
 
-Mode = Literal["full", "prefix", "reuse", "blend"]
+#: a prefill mode's name (the modes: ragkv.defaults.Mode)
+ModeName = Literal[MODES]  # type: ignore[valid-type]
 #: a fidelity setting (ragkv.fidelity): a name or a same-answer rate, checked and made canonical
 Fidelity = Annotated[
     Annotated[str, Field(max_length=32)] | Annotated[float, Field(gt=0.0, le=1.0)],
@@ -371,7 +374,7 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         chunk_ids: list[Annotated[int, Field(ge=0, le=MAX_ID)]] | None = Field(
             None, max_length=s.max_chunk_ids, description="answer over these chunks instead of retrieving"
         )
-        mode: Mode | None = Field(None, description=f"prefill mode (default {s.mode})")
+        mode: ModeName | None = Field(None, description=f"prefill mode (default {s.mode})")
         ratio: float | None = Field(
             None,
             ge=0.0,
@@ -395,6 +398,10 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         @classmethod
         def _q(cls, v: str) -> str:
             return _not_blank(v)
+
+        def request_settings(self) -> RequestSettings:
+            """The request's prefill settings as one value (unset: the service's)."""
+            return RequestSettings(self.mode, self.ratio, fidelity=self.fidelity)
 
     # a message is bounded by the request body (max_body_bytes, 413) and its tokens by the model's
     # context (400 context_length_exceeded), not by a character count: the bound stated here is the
@@ -441,9 +448,13 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         top_k: int | None = Field(
             None, ge=1, le=s.max_top_k, description="chunks to retrieve (with retrieve)"
         )
-        mode: Mode | None = None
+        mode: ModeName | None = None
         ratio: float | None = Field(None, ge=0.0, le=1.0)
         fidelity: Fidelity | None = Field(None, description=FIDELITY_HELP)
+
+        def request_settings(self) -> RequestSettings:
+            """The request's prefill settings as one value (unset: the service's)."""
+            return RequestSettings(self.mode, self.ratio, fidelity=self.fidelity)
 
     class StreamOptions(BaseModel):
         model_config = ConfigDict(strict=True)

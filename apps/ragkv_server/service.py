@@ -29,6 +29,7 @@ from typing import Any
 from ragkv.aio import ThreadItems
 from ragkv.blend.gate import gate_state
 from ragkv.blend.spans import SearchCancelled, cancel_scope, expect_model
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.rag import RAG, ChunkRecord, Document, IngestCancelled, RagAnswer
 from ragkv.rag.collections import DEFAULT_COLLECTION
@@ -132,19 +133,18 @@ class QuerySpec:
     RAG prompt. ``messages``: an OpenAI chat to complete as sent instead (``{"role", "content",
     "name"?}``, rendered by the model's chat template as vLLM renders it, tokenized in the worker;
     ``question``, ``chunk_ids`` and ``retrieve`` are then unused): the stored chunks inside it are
-    reused, nothing is retrieved. ``mode`` / ``ratio`` None: the RAG's defaults (:meth:`RAG.job`)."""
+    reused, nothing is retrieved. ``settings``: the request's prefill settings (mode, ratio,
+    fidelity), parsed once by its route; what they leave unset is the service's (:meth:`RAG.job`)."""
 
     question: str
     chunk_ids: list[int] | None = None
     retrieve: bool = True
     top_k: int | None = None
-    mode: str | None = None
-    ratio: float | None = None
+    settings: RequestSettings | None = None
     params: SamplingParams | None = None
     collection: str = DEFAULT_COLLECTION
     conversation: list[tuple[str, str]] | None = None
     messages: list[dict] | None = None
-    fidelity: str | None = None  # ragkv.fidelity's setting (None: the service's)
 
 
 class _Gate:
@@ -464,13 +464,11 @@ class Service:
         items = rag.answer_stream(
             spec.question,
             k=spec.top_k,
-            mode=spec.mode,
-            ratio=spec.ratio,
             params=params,
             chunks=recs,
             collection=spec.collection,
             conversation=spec.conversation,
-            fidelity=spec.fidelity,
+            settings=spec.settings,
         )
         yield from self._finals(items, queue_s)
 
@@ -483,8 +481,8 @@ class Service:
             ids = chat_prompt_ids(self.rag.model, spec.messages)
         except ChatTemplateError as e:
             raise InvalidRequestError(str(e)) from None
-        # mode / ratio None: the RAG's default operating point, decided in RAG.job
-        return self.rag.stream_ids(ids, spec.mode, spec.ratio, params, spec.collection, spec.fidelity)
+        # what the settings leave unset: the RAG's (the service's) defaults, decided in RAG.job
+        return self.rag.stream_ids(ids, params=params, collection=spec.collection, settings=spec.settings)
 
     def _finals(self, items: Iterator, queue_s: float) -> Iterator[TokenEvent | Final]:
         """Token events, then the :class:`Final` of the :class:`RagAnswer` that ends ``items``."""
@@ -669,7 +667,7 @@ class Service:
         )
 
         def fidelity() -> dict:
-            op = self.rag.llm.operating_point(self.rag.fidelity)
+            op = self.rag.llm.operating_point(self.rag.planner.settings.fidelity)
             labels = (op.target, op.point, op.mode)
             return {(*labels, "same_as_full"): op.same or 0.0, (*labels, "speedup"): op.speedup or 1.0}
 
@@ -747,13 +745,10 @@ def build_generator(s: Settings, rag: RAG):
         from ragkv.engine import Engine, EngineConfig, SchedulerConfig
 
         cfg = EngineConfig(
-            mode=s.mode,
-            ratio=s.ratio,
-            fidelity=s.fidelity,
-            adapter=s.adapter,
             scheduler=SchedulerConfig(max_num_seqs=s.engine_max_seqs, max_queue=max(1, s.max_queue)),
         )
-        return EngineGenerator(Engine(rag.model, cfg, resolver=rag.resolver, kv_tree=rag.llm.kv_tree))
+        # the RAG's LLM: its model, settings, KV adapter, chunk resolver (the corpus's) and KV tree
+        return EngineGenerator(Engine(rag.llm, cfg))
     from ragkv.remote.client import VllmClient, VllmGenerator
 
     if rag.resolver.model is not rag.model:  # a chunk-KV writer: the connector writes chunk KV itself
@@ -788,9 +783,8 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
         s.model,
         dtype=s.dtype,
         device=s.device,
-        fidelity=s.fidelity,
-        adapter=s.adapter,
         decode_weights=s.decode_weights,
+        settings=s.request_settings(),  # parsed once: every request's defaults (the RAG reads them too)
     )
     prompt = prompt_options(s.prompt_file)  # the same prompt settings `ragkv demo` reads from its corpus
     prefix, suffix = prompt_parts(llm.model, "?", **prompt)
@@ -807,9 +801,6 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
         chunk_tokens=s.chunk_tokens_for(llm.model.config.max_position, len(prefix) + len(suffix)),
         overlap=s.overlap,
         top_k=s.top_k,
-        mode=s.mode,
-        ratio=s.ratio,
-        fidelity=s.fidelity,
         ingest_batch=s.ingest_batch_chunks,
         quotas=s.quotas(),
         **prompt,

@@ -112,7 +112,7 @@ def explicit_answer(rag, ids: list[int], texts: list[str]) -> tuple[str, int]:
         for r in index.chunks_of(doc, "default")
     ]
     spans = explicit_spans(ids, recs)
-    job = rag.job(ids, spans, None, None, SamplingParams(max_new_tokens=NEW), locate=False)
+    job = rag.job(ids, spans, None, SamplingParams(max_new_tokens=NEW), locate=False)
     done = [x for x in rag.generate(job) if isinstance(x, Generated)][-1]
     return done.text, sum(s.hi - s.lo for s in spans)
 

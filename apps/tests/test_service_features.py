@@ -14,6 +14,7 @@ from ragkv import LLM
 from ragkv.adapter.writer import WriterLoRA
 from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.spans import ChunkRef
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.fidelity.report import cache_path, save_report
 from ragkv.generate import SamplingParams
 from ragkv.rag import RAG, EngineGenerator, ThreadGenerator
@@ -134,7 +135,8 @@ def test_service_in_engine_mode_goes_through_the_rag_query_path(rag, tmp_path):
         local = rag.answer("What did Tom fly?", max_new_tokens=10)
         assert text == local.text and final.answer.stats["kv_hits"] == 3
         assert [r.chunk_id for r in final.answer.sources] == [r.chunk_id for r in local.sources]
-        bad = QuerySpec(question="What did Tom fly?", ratio="auto", params=SamplingParams(max_new_tokens=2))
+        auto = RequestSettings(ratio="auto")
+        bad = QuerySpec(question="What did Tom fly?", settings=auto, params=SamplingParams(max_new_tokens=2))
         with pytest.raises(Exception, match="auto") as e:
             asyncio.run(svc.answer(bad))
         assert getattr(e.value, "status", None) == 422  # an invalid request, as on every path

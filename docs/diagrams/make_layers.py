@@ -21,7 +21,7 @@ OUT = Path(__file__).resolve().parent / "layers.png"
 
 #: one line per ragkv unit (a unit not listed here is drawn with its name only)
 DESCRIBE = {
-    "defaults": "generation defaults of every surface (imports nothing)",
+    "defaults": "the prefill modes and every default of every surface (imports nothing)",
     "metrics": "F1 / EM, first-token KL, attention deviation",
     "attention": "dense / paged attention, KV caches, HACK",
     "constrain": "structured output: JSON-schema token masks",
@@ -35,7 +35,7 @@ DESCRIBE = {
     "fidelity": "fidelity report and gate: the point blend runs at",
     "adapter": "KV adapters: a learned correction of reused chunk KV, and its training",
     "llm": "ragkv.LLM: one model, any prefill mode",
-    "engine": "continuous batching over paged KV",
+    "engine": "continuous batching over paged KV, serving an LLM",
     "rag": "ingest, index, retrieve, answer: one query path",
     "demo": "the demo corpus",
     "__init__": "the public API (import ragkv)",

@@ -16,12 +16,14 @@ from ragkv.adapter.kv_adapter import AdapterError, KVAdapter, adapter_format
 from ragkv.adapter.links import FORMAT as LINK_FORMAT
 from ragkv.adapter.writer import FORMAT as WRITER_FORMAT
 from ragkv.adapter.writer import WriterLoRA
+from ragkv.defaults import DEFAULT_ADAPTER
 
 log = logging.getLogger(__name__)
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 #: an owner's default ``adapter=`` setting: the shipped adapter, where the fidelity gate chooses it
-AUTO_ADAPTER = "auto"
+#: the owner setting that takes the package's adapter for the model (the default: ragkv.defaults)
+AUTO_ADAPTER = DEFAULT_ADAPTER
 MANIFEST = SHIPPED_DIR / "manifest.json"
 
 

@@ -16,13 +16,11 @@ from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, PrefillResu
 from ragkv.blend.exact import exact_prefill
 from ragkv.blend.kvtree import KVTree
 from ragkv.blend.source import ChunkKVAdapter, LayerSource
-from ragkv.defaults import DEFAULT_RATIO
+from ragkv.defaults import DEFAULT_MODE, MODES, Mode
 from ragkv.kv.chunk import ChunkKV
 from ragkv.model.forward import exact_supported
 
 log = logging.getLogger("ragkv.blend")
-
-MODES = ("full", "prefix", "reuse", "blend")
 
 
 class UnknownModeError(ValueError):
@@ -49,8 +47,7 @@ def assemble(
     prefix_ids: Sequence[int],
     chunks: Sequence,
     suffix_ids: Sequence[int],
-    mode: str = "blend",
-    ratio: float = DEFAULT_RATIO,
+    mode: str = DEFAULT_MODE,
     *,
     schedule: BlendSchedule | None = None,
     prefix_cache: KVTree | None = None,
@@ -61,7 +58,8 @@ def assemble(
     offset_oracle: Callable | None = None,
     adapter: ChunkKVAdapter | None = None,
 ) -> PrefillResult:
-    """Prefill the assembled prompt in ``mode`` (no gate: see :func:`ragkv.blend.prefill.prefill`).
+    """Prefill the assembled prompt in ``mode`` (no gate: see :func:`ragkv.blend.prefill.prefill`);
+    ``blend`` runs ``schedule`` (None: the default one).
 
     ``chunks`` items are :class:`ChunkKV` (stored KV available), plain token-id lists (no stored
     KV: computed), or any object with ``token_ids``, ``num_tokens`` and ``layer_kv(l)`` (a store
@@ -78,7 +76,7 @@ def assemble(
     t0 = time.perf_counter()
     cfg = model.config
     fallback = None
-    if mode in ("reuse", "blend") and model.blend_ok is False:
+    if Mode(mode).reuses and model.blend_ok is False:
         fallback = "model failed the blending self-check; using full prefill"
         log.warning("%s (%s)", fallback, model.name)
         mode = "full"
@@ -158,7 +156,7 @@ def assemble(
     assert len(classes) == len(all_ids)
 
     if mode == "blend":
-        schedule = schedule or BlendSchedule.single(ratio)
+        schedule = schedule or BlendSchedule()  # the default schedule (its ratio: DEFAULT_RATIO)
     else:
         schedule = None
     source = None

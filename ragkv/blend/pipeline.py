@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ragkv.blend.plan import BlendPlan
 from ragkv.blend.source import LayerSource, apply_transform
 from ragkv.kv.chunk import ChunkKV
 
@@ -264,20 +265,20 @@ def prefill_with_recovery(
     prefix,
     items: list,
     suffix,
-    mode: str,
-    ratio: float,
+    plan: BlendPlan,
     recompute: Callable[[list[int]], ChunkKV],
     on_load_error: Callable[[ChunkLoadError], None] | None = None,
     **prefill_kw,
 ):
-    """:func:`ragkv.blend.prefill` that never uses KV it could not read: a chunk whose stored KV fails
-    to load mid-way (corrupt segment, store down) is replaced in ``items`` by ``recompute(its tokens)``
-    and the prefill is retried; each chunk fails at most once, so this ends."""
+    """:func:`ragkv.blend.prefill` of ``plan`` that never uses KV it could not read: a chunk whose
+    stored KV fails to load mid-way (corrupt segment, store down) is replaced in ``items`` by
+    ``recompute(its tokens)`` and the prefill is retried; each chunk fails at most once, so this ends."""
     from ragkv.blend.prefill import prefill
 
+    args = plan.prefill_args()
     for _ in range(len(items) + 1):
         try:
-            return prefill(model, prefix, items, suffix, mode, ratio, **prefill_kw)
+            return prefill(model, prefix, items, suffix, **args, **prefill_kw)
         except ChunkLoadError as e:
             if on_load_error is not None:
                 on_load_error(e)

@@ -11,21 +11,26 @@
 from __future__ import annotations
 
 from ragkv.blend.assemble import MODES, UnknownModeError, assemble
-from ragkv.blend.core import DEFAULT_RATIO, PrefillResult
+from ragkv.blend.core import BlendSchedule, PrefillResult
 from ragkv.blend.gate import ensure_gate
+from ragkv.defaults import DEFAULT_MODE, DEFAULT_RATIO, Mode
 
 __all__ = ["MODES", "UnknownModeError", "prefill"]
 
 
 def prefill(
-    model, prefix_ids, chunks, suffix_ids, mode="blend", ratio=DEFAULT_RATIO, **options
+    model, prefix_ids, chunks, suffix_ids, mode=DEFAULT_MODE, ratio=DEFAULT_RATIO, **options
 ) -> PrefillResult:
-    """Prefill the assembled prompt in ``mode``; see the module docstring.
+    """Prefill the assembled prompt in ``mode``; see the module docstring. The public primitive (a
+    request's :class:`~ragkv.blend.plan.BlendPlan` passes its ``prefill_args()``): ``blend`` runs the
+    ``schedule`` option, else the default schedule at ``ratio``.
 
     Before a model's first ``reuse`` or ``blend`` the blending gate runs (:func:`ragkv.blend.gate.ensure_gate`;
     a model that fails it prefills in full, with a warning). ``chunks`` and ``options`` (``schedule``,
     ``prefix_cache``, ``source_factory``, ``probe_suffix``...): :func:`ragkv.blend.assemble.assemble`.
     """
-    if mode in ("reuse", "blend") and model.blend_ok is None:
+    if mode in (Mode.REUSE, Mode.BLEND) and model.blend_ok is None:
         ensure_gate(model)
-    return assemble(model, prefix_ids, chunks, suffix_ids, mode, ratio, **options)
+    if mode == Mode.BLEND and options.get("schedule") is None:
+        options["schedule"] = BlendSchedule.single(ratio)
+    return assemble(model, prefix_ids, chunks, suffix_ids, mode, **options)

@@ -313,17 +313,14 @@ class ChunkResolver:
 
         if self.pipelined and "source_factory" not in prefill_kw:
             prefill_kw["source_factory"] = pipelined_factory(self.model)
-        args = plan.prefill_args()
         return prefill_with_recovery(
             self.prompt_model,
             prefix,
             items,
             suffix,
-            args.pop("mode"),
-            args.pop("ratio"),
+            plan,
             recompute=recompute,
             on_load_error=bad,
-            **args,
             **prefill_kw,
         )
 

@@ -18,17 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.adapter.shipped import check_kv_source, kv_model, resolve_adapter
-from ragkv.blend import (
-    MODES,
-    BlendSchedule,
-    ChunkResolver,
-    KVTree,
-    UnknownModeError,
-    prefill,
-    tree_store,
-)
+from ragkv.blend import ChunkResolver, KVTree, prefill
 from ragkv.blend.plan import BlendPlan, BlendPlanError
+from ragkv.defaults import Mode
 from ragkv.engine import joint
 from ragkv.engine.block_manager import OutOfBlocksError
 from ragkv.engine.metrics import EngineMetrics, FusionStats
@@ -36,10 +28,10 @@ from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step,
 from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
-from ragkv.fidelity import parse_fidelity
-from ragkv.fidelity.plan import plan_blend
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.fusion.bff import FusionConfig
 from ragkv.generate import Detokenizer, SamplingParams
+from ragkv.llm import LLM
 from ragkv.model.forward import decode_weights_of
 
 log = logging.getLogger("ragkv.engine")
@@ -52,14 +44,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_bytes: int = 256 << 20
-    mode: str = "blend"
-    #: None: ``blend`` runs at the fidelity gate's operating point (``fidelity``); a number is explicit
-    ratio: float | None = None
-    schedule: BlendSchedule | None = None
-    fidelity: str | float | None = None  # ragkv.fidelity's setting (None: "floor")
-    #: the KV adapter reused chunk KV is read through: "auto" (the shipped one, where the gate chooses
-    #: it), None, or a file (used wherever chunk KV is reused); see ragkv.LLM's ``adapter``
-    adapter: object | None = "auto"
+    #: every request's defaults (:class:`~ragkv.fidelity.plan.RequestSettings`: mode, ratio, schedule,
+    #: fidelity; unset ratio: ``blend`` runs at the fidelity gate's point) and the KV adapter reused
+    #: chunk KV is read through (unset: "auto"; see ragkv.LLM's ``adapter``)
+    settings: RequestSettings = field(default_factory=RequestSettings)
     attention: str = "fp16"  # "fp16" (dense, model dtype) or "hack" (2-bit, HACK attention)
     #: HackConfig options over HACK's defaults (``hack_cache.DEFAULTS``, partition = block_size)
     hack: dict = field(default_factory=dict)
@@ -70,11 +58,8 @@ class EngineConfig:
     compute_missing: bool = True
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise UnknownModeError(f"unknown prefill mode {self.mode!r}; use one of {MODES}")
-        if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
-        self.fidelity = parse_fidelity(self.fidelity)
+        if not isinstance(self.settings, RequestSettings):
+            raise TypeError("EngineConfig.settings must be a ragkv.RequestSettings")
         if self.attention not in ("fp16", "dense", "hack"):
             raise ValueError(f"unknown attention {self.attention!r}; use 'fp16' or 'hack'")
         if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
@@ -86,21 +71,32 @@ class Engine:
 
     def __init__(
         self,
-        model,
+        llm,
         config: EngineConfig | None = None,
         store=None,
         resolver: ChunkResolver | None = None,
         kv_tree: KVTree | None = None,
     ):
-        if isinstance(model, str):
-            from ragkv.model import load_model
-
-            model = load_model(model)
-        self.model = model
         self.config = cfg = config or EngineConfig()
-        self.adapter, self.adapter_explicit = resolve_adapter(model, cfg.adapter)
-        #: the model that writes and names chunk KV: the model itself, or with a chunk-KV writer on
-        self.kv_model = kv_model(model, self.adapter)
+        if not isinstance(llm, LLM):  # a model or its name: served by an LLM of its own over ``store``
+            llm = LLM(llm, store=store, settings=cfg.settings, self_check_on_load=False)
+        else:  # the config's request settings over the LLM's (its KV adapter stays the LLM's)
+            llm = llm.with_settings(cfg.settings)
+        if resolver is not None:  # an owner's (a RAG's writes back only what its index holds)
+            llm = llm.with_resolver(resolver)
+        if kv_tree is not None:  # an owner's (a RAG's: one tree per model for every route)
+            llm = llm.with_kv_tree(kv_tree)
+        #: the LLM this engine serves: its model, request planner (settings and KV adapter), chunk
+        #: resolver and exact KV tree are the engine's (``resolver`` / ``kv_tree``: an owner's instead)
+        self.llm = llm
+        #: the LLM's (not copies): how a request is planned (settings, KV adapter), where chunk KV comes from
+        self.planner, self.resolver, self.kv_tree, self.adapter = (
+            llm.planner,
+            llm.resolver,
+            llm.kv_tree,
+            llm.adapter,
+        )
+        self.model = model = llm.model
         c = model.config
         hack_cfg = None
         if cfg.attention == "hack":
@@ -116,13 +112,7 @@ class Engine:
         num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // block)
         self.pool = KVPool.for_model(model, num_blocks, cfg.block_size, hack_cfg)
         self.scheduler = Scheduler(cfg.scheduler, self.pool.manager, cfg.block_size, c.num_layers)
-        #: chunk KV: the owner's resolver (a RAG's writes back only what its index holds), else one
-        #: over ``store`` that stores what it computes
-        self.resolver = resolver or ChunkResolver(self.kv_model, store)
-        check_kv_source(self.resolver, self.kv_model)
         self.fetcher = KVFetcher(self.resolver, cfg.compute_missing)
-        #: the exact KV tree (an LLM's or a RAG's when given: one tree per model for every route)
-        self.kv_tree = kv_tree if kv_tree is not None else KVTree(256 << 20, tree_store(store))
         self.bff_stats, self.cff_stats = FusionStats("bff"), FusionStats("cff")
         self._salt = f"{model.fingerprint}|{cfg.attention}"
         self._lock = threading.RLock()  # held by step(): the engine state is single-threaded
@@ -164,24 +154,16 @@ class Engine:
         """Validate and tokenize a request (strings via the model's tokenizer; BOS starts a text prefix).
 
         ``plan``: what the prefill runs, resolved by the caller (:class:`~ragkv.blend.plan.BlendPlan`);
-        else ``mode``/``ratio``/``fidelity`` are resolved here with the config's as defaults
-        (:func:`ragkv.fidelity.plan.plan_blend`: ``blend`` with no ratio and no config schedule runs at
-        the fidelity gate's point; a ratio with the config's gradual schedule is refused, never
-        overridden). The point is in the prefill stats."""
+        else ``mode``/``ratio``/``fidelity`` (the edge: parsed once into a
+        :class:`~ragkv.fidelity.plan.RequestSettings`) are planned here with the config's settings as
+        defaults (:attr:`planner`: ``blend`` with no ratio and no config schedule runs at the fidelity
+        gate's point; a ratio with the config's gradual schedule is refused, never overridden). The
+        point is in the prefill stats."""
+        schedule = self.planner.settings.schedule
         if plan is None:
-            plan = plan_blend(
-                self.model,
-                mode,
-                ratio,
-                fidelity=self.config.fidelity if fidelity is None else fidelity,
-                default_mode=self.config.mode,
-                default_ratio=self.config.ratio,
-                owner_schedule=self.config.schedule,
-                adapter=self.adapter,
-                adapter_outside_gate=self.adapter_explicit,
-            )
-        elif plan.mode == "blend" and plan.schedule is None and self.config.schedule is not None:
-            plan = plan.on(self.config.schedule)  # the engine's blend options at the plan's ratio
+            plan = self.planner.plan(RequestSettings(mode, ratio, fidelity=fidelity))
+        elif plan.mode == Mode.BLEND and plan.schedule is None and schedule is not None:
+            plan = plan.on(schedule)  # the engine's blend options at the plan's ratio
         if plan.auto:
             raise BlendPlanError("ratio 'auto' (the RAG's loading controller) is not served by the engine")
         params = params or SamplingParams(**sampling)

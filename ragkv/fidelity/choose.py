@@ -25,11 +25,11 @@ import threading
 from dataclasses import dataclass
 
 from ragkv.blend.core import BlendSchedule
+from ragkv.defaults import DEFAULT_FIDELITY
 from ragkv.fidelity.report import FidelityReport, PointStats, load_report
 
 log = logging.getLogger("ragkv.fidelity")
 
-DEFAULT_FIDELITY = "floor"
 DEFAULT_FAST_SPEEDUP = 2.5
 #: gold recall a point may lose against full prefill and still meet "floor" (the issue's 0.03)
 RECALL_SLACK = 0.03

@@ -51,6 +51,10 @@ class Point:
     ratio: float | None = None
 
 
+#: full prefill: the reference every point is measured against
+FULL = Point("full", "full")
+
+
 def ladder_points(ladder: tuple[float, ...] = LADDER) -> list[Point]:
     return [Point("exact", "prefix"), Point("reuse", "reuse", 0.0)] + [
         Point(f"blend@{r:g}", "blend", r) for r in ladder
@@ -97,13 +101,13 @@ class Measurer:
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         self.prefix_cache = KVTree(max_bytes=1 << 28)
 
-    def _timed(self, prefix, items, suffix, mode: str, ratio: float | None):
-        kw: dict = {}
+    def _timed(self, prefix, items, suffix, point: Point):
+        mode, kw = point.mode, {}
         if mode != "full":  # the instruction head is cached (exact) for every mode but full, as in serving
             # nothing is inserted: a prompt's own chunks cached as an exact prefix would flatter its later points
             kw.update(prefix_cache=self.prefix_cache, prefix_cache_insert=False)
         if mode == "blend":
-            kw["schedule"] = BlendSchedule(**{**self.schedule.__dict__, "ratios": (float(ratio),)})
+            kw["schedule"] = BlendSchedule(**{**self.schedule.__dict__, "ratios": (float(point.ratio),)})
         if mode in ("reuse", "blend") and self.adapter is not None:
             kw["adapter"] = self.adapter
         t0 = time.perf_counter()
@@ -130,7 +134,7 @@ class Measurer:
         self.prefix_cache.release(warm)
         if warm.tokens < len(prefix):
             prefill(m, prefix, [], [], "prefix", prefix_cache=self.prefix_cache)
-        full, t_full = self._timed(prefix, chunks, suffix, "full", None)
+        full, t_full = self._timed(prefix, chunks, suffix, FULL)
         full_text = generate(m, full, self.params).text
         golds = q["answers"]
         base = {"id": q["id"], "split": q["split"], "full_output": full_text, "ttft_full_s": t_full}
@@ -141,7 +145,7 @@ class Measurer:
             text = generate(self.bf16, bf, self.params).text
             out.append(self._record(base, "full-bf16", bf, text, full, golds, t_full))
         for p in points:
-            res, t = self._timed(prefix, chunks if p.mode == "prefix" else kvs, suffix, p.mode, p.ratio)
+            res, t = self._timed(prefix, chunks if p.mode == "prefix" else kvs, suffix, p)
             out.append(self._record(base, p.name, res, generate(m, res, self.params).text, full, golds, t))
         return out
 
@@ -160,9 +164,7 @@ class Measurer:
         )
 
 
-def point_stats(
-    name: str, mode: str, ratio: float | None, recs: list[dict], floor: list[dict] | None
-) -> PointStats:
+def point_stats(point: Point, recs: list[dict], floor: list[dict] | None) -> PointStats:
     """Summary of one point's records (``floor``: bf16's records in the same question order)."""
     col = lambda k: [float(r[k]) for r in recs]  # noqa: E731
     speed = [r["ttft_full_s"] / r["ttft_s"] for r in recs]
@@ -177,9 +179,9 @@ def point_stats(
         }
     diff = [a["same"] - b["same"] for a, b in zip(recs, floor, strict=True)] if floor else [0.0]
     return PointStats(
-        name=name,
-        mode=mode,
-        ratio=ratio,
+        name=point.name,
+        mode=point.mode,
+        ratio=point.ratio,
         n=len(recs),
         same=round(statistics.fmean(col("same")), 4),
         same_ci=bootstrap_ci(col("same")),
@@ -228,8 +230,8 @@ def summarize(
     if not ids:
         raise ValueError("no question finished every point: nothing to report")
     floor_recs = [by[i]["full-bf16"] for i in ids]
-    floor = point_stats("full-bf16", "full", None, floor_recs, None)
-    stats = [point_stats(p.name, p.mode, p.ratio, [by[i][p.name] for i in ids], floor_recs) for p in points]
+    floor = point_stats(Point("full-bf16", "full"), floor_recs, None)
+    stats = [point_stats(p, [by[i][p.name] for i in ids], floor_recs) for p in points]
     ladder = [s for s in stats if s.mode in ("reuse", "blend")]
     full_recall = round(statistics.fmean(by[i]["full-bf16"]["full_recall"] for i in ids), 4)
     meets = [

@@ -1,11 +1,13 @@
-"""The blend plan: what one request's prefill runs, resolved once at the edge by :func:`plan_blend`.
+"""One request's settings and the blend plan they resolve to, by one rule (:func:`plan_blend`).
 
 A request says how much to blend in up to three ways: a prefill ``mode``, a recompute ``ratio`` (or a
 whole :class:`~ragkv.blend.core.BlendSchedule`), and a ``fidelity`` target for the gate
-(:mod:`ragkv.fidelity.choose`). Its owner (an ``LLM``, a ``RAG``, an ``Engine``) may have defaults for
-each, and its own schedule (the blend options beyond a ratio). :func:`plan_blend` turns all of that
-into one :class:`BlendPlan` by one rule, and everything below (generators, the engine, the resolver's
-prefill) takes the plan instead of a ``ratio`` beside a ``schedule``:
+(:mod:`ragkv.fidelity.choose`). Every surface (the Python API's keywords, the service's schemas and
+settings, the CLIs, the framework options) parses them once into a frozen :class:`RequestSettings`;
+its owner (an ``LLM``, a ``RAG``, an ``Engine``) holds one too, of defaults, with its KV ``adapter``.
+A :class:`Planner` (the owner's model, settings and resolved adapter) turns a request's settings into
+one :class:`BlendPlan` (:func:`plan_blend`, called nowhere else), and everything below (generators,
+the engine, the resolver's prefill) takes the plan instead of a ``ratio`` beside a ``schedule``:
 
 1. The request's own values win over the owner's defaults; a default fills only what is not set.
 2. ``blend`` with neither a ratio nor a schedule (the request's or the owner's) runs at the
@@ -30,47 +32,103 @@ The default ratio (:data:`ragkv.defaults.DEFAULT_RATIO`) is the one of the defau
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.plan import AUTO, BlendPlan, BlendPlanError, rebase
-from ragkv.blend.prefill import MODES, UnknownModeError
+from ragkv.blend.prefill import UnknownModeError
 from ragkv.blend.source import ChunkKVAdapter
-from ragkv.fidelity.choose import GATE, explicit_point, operating_point
+from ragkv.defaults import DEFAULT_MODE, MODES, Mode
+from ragkv.fidelity.choose import GATE, explicit_point, operating_point, parse_fidelity
 
-__all__ = ["AUTO", "BlendPlan", "BlendPlanError", "plan_blend"]
+__all__ = ["AUTO", "BlendPlan", "BlendPlanError", "Planner", "RequestSettings", "plan_blend"]
 
 
 def _ratio(value: float | str | None) -> float | str | None:
-    """A ratio as given on any surface: None, ``"auto"``, or a number (also as text)."""
+    """A ratio as given on any surface: None, ``"auto"``, or a number in [0, 1] (also as text)."""
     if value is None or value == AUTO:
         return value
     if isinstance(value, bool):
         raise BlendPlanError(f"ratio must be a number in [0, 1] or 'auto', got {value!r}")
     try:
-        return float(value)
+        ratio = float(value)
     except (TypeError, ValueError):
         raise BlendPlanError(f"ratio must be a number in [0, 1] or 'auto', got {value!r}") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise BlendPlanError(f"ratio must be in [0, 1], got {ratio}")
+    return ratio
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """What one request (or, as defaults, its owner) asks of the prefill; parsed once at the edge.
+
+    Every field is optional: None is "not set" (the owner's setting, then :mod:`ragkv.defaults`).
+    ``mode``: a :class:`~ragkv.defaults.Mode` (or its name); ``ratio``: the share of reused rows
+    recomputed, in [0, 1], or ``"auto"`` (the RAG's loading controller chooses); ``schedule``: the
+    blend options beyond a ratio (:class:`~ragkv.blend.core.BlendSchedule`); ``fidelity``: where
+    ``blend`` without a ratio runs (:func:`ragkv.fidelity.choose.parse_fidelity`'s canonical form);
+    ``adapter``: an owner's KV adapter setting (``"auto"``, ``"off"``, a file or an adapter; read
+    when the owner is built, :func:`ragkv.adapter.shipped.resolve_adapter`, never per request).
+    Bad values raise ``ValueError`` (:class:`UnknownModeError`, :class:`BlendPlanError`).
+    """
+
+    mode: Mode | None = None
+    ratio: float | str | None = None
+    schedule: BlendSchedule | None = None
+    fidelity: str | None = None
+    adapter: object | None = None
+
+    def __post_init__(self):
+        if self.mode is not None:
+            if self.mode not in MODES:
+                raise UnknownModeError(f"unknown mode {self.mode!r}; use one of {MODES}")
+            object.__setattr__(self, "mode", Mode(self.mode))
+        object.__setattr__(self, "ratio", _ratio(self.ratio))
+        if self.schedule is not None and not isinstance(self.schedule, BlendSchedule):
+            raise BlendPlanError(f"schedule must be a BlendSchedule, got {type(self.schedule).__name__}")
+        if self.fidelity is not None:
+            object.__setattr__(self, "fidelity", parse_fidelity(self.fidelity))
+
+    @classmethod
+    def parse(cls, settings: RequestSettings | None = None, **loose) -> RequestSettings:
+        """A public call's loose keywords (``mode=``, ``ratio=``...) parsed over its ``settings``
+        value (either may be absent): the one parse of an edge that takes both."""
+        mine = cls(**loose)
+        return mine if settings is None else mine.over(settings)
+
+    def over(self, defaults: RequestSettings) -> RequestSettings:
+        """These settings with what they leave unset taken from ``defaults`` (a RAG's over its LLM's)."""
+        return RequestSettings(
+            *(
+                mine if mine is not None else getattr(defaults, f.name)
+                for f in dataclasses.fields(self)
+                for mine in (getattr(self, f.name),)
+            )
+        )
+
+    def changed(self, **fields) -> RequestSettings:
+        """These settings with ``fields`` replaced (parsed again)."""
+        return dataclasses.replace(self, **fields)
 
 
 def plan_blend(
     model,
-    mode: str | None = None,
-    ratio: float | str | None = None,
-    *,
-    schedule: BlendSchedule | None = None,
-    fidelity: str | float | None = None,
-    default_mode: str = "blend",
-    default_ratio: float | str | None = None,
-    owner_schedule: BlendSchedule | None = None,
+    request: RequestSettings,
+    owner: RequestSettings | None = None,
     adapter: ChunkKVAdapter | None = None,
     adapter_outside_gate: bool = False,
 ) -> BlendPlan:
-    """The one resolution of a request's (mode, ratio, schedule, fidelity) into a :class:`BlendPlan`.
+    """The one resolution of a request's settings into a :class:`BlendPlan` (called by :class:`Planner`).
 
-    ``mode``/``ratio``/``schedule``/``fidelity``: the request's (None: not set); ``default_mode``,
-    ``default_ratio``, ``owner_schedule``: its owner's defaults (``fidelity`` None: the gate's default
-    setting, ``"floor"``); ``adapter``: the owner's KV adapter (rule 6). The rule is the module docstring's."""
-    plan = _plan(model, mode, ratio, schedule, fidelity, default_mode, default_ratio, owner_schedule, adapter)
+    ``request``: the request's settings (None fields: not set); ``owner``: its owner's defaults
+    (``mode`` unset: :data:`~ragkv.defaults.DEFAULT_MODE`; ``fidelity`` unset: the gate's default
+    setting; ``schedule``: the owner's blend options); ``adapter``: the owner's resolved KV adapter
+    (rule 6). The rule is the module docstring's."""
+    owner = owner or RequestSettings()
+    if request.adapter is not None:
+        raise BlendPlanError("the KV adapter is its owner's setting (it names the chunk KV), not a request's")
+    plan = _plan(model, request, owner, adapter)
     if (
         adapter is not None
         and plan.adapter is None
@@ -80,25 +138,21 @@ def plan_blend(
     return plan
 
 
-def _plan(
-    model, mode, ratio, schedule, fidelity, default_mode, default_ratio, owner_schedule, adapter
-) -> BlendPlan:
+def _plan(model, request: RequestSettings, owner: RequestSettings, adapter) -> BlendPlan:
     """:func:`plan_blend` without the adapter of explicit plans."""
-    mode = mode or default_mode
-    if mode not in MODES:
-        raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
-    ratio = _ratio(ratio)
+    mode = str(request.mode or owner.mode or DEFAULT_MODE)
+    ratio, schedule, owner_schedule = request.ratio, request.schedule, owner.schedule
     if schedule is not None:
         if ratio not in (None, AUTO) and ratio != schedule.target_ratio:
             raise BlendPlanError(
                 f"ratio {ratio} contradicts the blend schedule's ratio {schedule.target_ratio}; send one"
             )
-        if mode != "blend":
+        if mode != Mode.BLEND:
             raise BlendPlanError(f"a blend schedule needs mode 'blend', not {mode!r}")
         return BlendPlan(mode, schedule.target_ratio, schedule, explicit_point(mode, schedule.target_ratio))
     if ratio is None:
-        ratio = _ratio(default_ratio)
-    if mode != "blend":
+        ratio = owner.ratio
+    if mode != Mode.BLEND:
         return BlendPlan(mode, 0.0, None, explicit_point(mode, ratio if ratio != AUTO else None))
     if ratio == AUTO:
         return BlendPlan(mode, AUTO, owner_schedule, explicit_point(mode, None))
@@ -108,6 +162,7 @@ def _plan(
     if owner_schedule is not None:  # the owner's own schedule: its ratios are theirs
         r = owner_schedule.target_ratio
         return BlendPlan(mode, r, owner_schedule, explicit_point(mode, r))
+    fidelity = request.fidelity or owner.fidelity
     op = operating_point(model, fidelity)
     use = None
     if adapter is not None:
@@ -115,6 +170,27 @@ def _plan(
         # a chunk-KV writer's KV is all that is stored: the pair's report alone says where to run
         if adapter.writes_kv or GATE.adapter_wins(model.name, op, with_adapter, adapter.identity):
             op, use = with_adapter, adapter
-    if op.mode == "blend":
-        return BlendPlan("blend", float(op.ratio), None, op, use)
+    if op.mode == Mode.BLEND:
+        return BlendPlan(Mode.BLEND.value, float(op.ratio), None, op, use)
     return BlendPlan(op.mode, 0.0, None, op, use)
+
+
+@dataclass(frozen=True)
+class Planner:
+    """An owner's planning of its requests: its model, its settings (every request's defaults) and
+    its resolved KV adapter (``adapter_explicit``: asked for, so used outside the gate too)."""
+
+    model: object
+    settings: RequestSettings = RequestSettings()
+    adapter: ChunkKVAdapter | None = None
+    adapter_explicit: bool = False
+
+    def plan(self, request: RequestSettings | None = None) -> BlendPlan:
+        """``request``'s :class:`BlendPlan`, this owner's settings filling what it does not set."""
+        return plan_blend(
+            self.model, request or RequestSettings(), self.settings, self.adapter, self.adapter_explicit
+        )
+
+    def under(self, defaults: RequestSettings) -> Planner:
+        """This planner with ``defaults`` over its settings (a RAG's mode and ratio over its LLM's)."""
+        return dataclasses.replace(self, settings=defaults.over(self.settings))

@@ -1,8 +1,9 @@
 """The answering side of a RAG: retrieve, build the prompt, answer and stream over a corpus.
 
-Every entry point builds one :class:`~ragkv.rag.generation.PromptJob` whose
-:class:`~ragkv.blend.plan.BlendPlan` is resolved once here (:meth:`Answerer.job`, with this side's
-mode, ratio and fidelity as defaults) and hands it to the generator. It reads the corpus
+Every entry point parses its ``mode``/``ratio``/``fidelity`` keywords once into a
+:class:`~ragkv.fidelity.plan.RequestSettings` and builds one :class:`~ragkv.rag.generation.PromptJob`
+whose :class:`~ragkv.blend.plan.BlendPlan` is resolved once here (:meth:`Answerer.job`, this side's
+settings over its LLM's as defaults: :attr:`Answerer.planner`) and hands it to the generator. It reads the corpus
 (:mod:`ragkv.rag.corpus`: index, embedder, locator) and takes its chunk resolver, passed in.
 """
 
@@ -17,10 +18,9 @@ from dataclasses import dataclass, field, replace
 
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.locate import Located, append_chunks
-from ragkv.blend.prefill import MODES, UnknownModeError
 from ragkv.blend.resolver import ChunkResolver
-from ragkv.fidelity import parse_fidelity
-from ragkv.fidelity.plan import BlendPlan, plan_blend
+from ragkv.defaults import DEFAULT_MODE, Mode
+from ragkv.fidelity.plan import Planner, RequestSettings
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.llm import LLM
 from ragkv.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION, prompt_parts
@@ -66,9 +66,7 @@ class Answerer:
         resolver: ChunkResolver,
         top_k: int = 6,
         order: str = "score",
-        mode: str = "blend",
-        ratio: float | str | None = None,
-        fidelity: str | float | None = None,
+        settings: RequestSettings | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
         question_template: str = DEFAULT_QUESTION,
         system: str | None = None,
@@ -79,14 +77,11 @@ class Answerer:
     ):
         if order not in ("score", "random"):
             raise ValueError("order must be 'score' or 'random'")
-        if mode not in MODES:
-            raise UnknownModeError(f"unknown mode {mode!r}; use one of {MODES}")
         self.llm, self.corpus, self.resolver = llm, corpus, resolver
         self.model = llm.model
         self.top_k, self.order, self.seed = top_k, order, seed
-        self.mode, self.ratio = mode, ratio
-        #: how ``blend`` without a ratio runs (``ragkv.fidelity``; None: the LLM's setting)
-        self.fidelity = None if fidelity is None else parse_fidelity(fidelity)
+        #: this side's request settings (mode, ratio, fidelity): every request's defaults, over the LLM's
+        self.settings = settings or RequestSettings()
         self.instruction, self.question_template = instruction, question_template
         self.system = system
         self.examples = [(str(u), str(a)) for u, a in examples]
@@ -94,6 +89,26 @@ class Answerer:
         #: what generates once a prompt is built (:mod:`ragkv.rag.generation`): threads by default
         self.generator: Generator = generator or ThreadGenerator()
         self.store, self.index = resolver.store, corpus.index  # what generators and retrieval read
+
+    @property
+    def planner(self) -> Planner:
+        """Plans this side's requests: its settings over its LLM's (:class:`~ragkv.fidelity.plan.Planner`)."""
+        return self.llm.planner.under(self.settings)
+
+    @property
+    def mode(self) -> Mode:
+        """The prefill mode of a request that names none (this side's, else the LLM's, else the default)."""
+        return self.planner.settings.mode or DEFAULT_MODE
+
+    @property
+    def ratio(self) -> float | str | None:
+        """The recompute ratio of a request that names none (None: the fidelity gate's point)."""
+        return self.planner.settings.ratio
+
+    @property
+    def fidelity(self) -> str | None:
+        """The fidelity setting of a request that names none (None: the gate's default)."""
+        return self.planner.settings.fidelity
 
     # ---- retrieve ------------------------------------------------------------------------------
     def retrieve(
@@ -183,6 +198,7 @@ class Answerer:
         collection: str | None = None,
         conversation: Sequence[tuple[str, str]] | None = None,
         fidelity: str | float | None = None,
+        settings: RequestSettings | None = None,
         **sampling,
     ) -> Iterator:
         """Yield ``TokenEvent``s as they are generated, then the final :class:`RagAnswer`. Retrieval
@@ -190,7 +206,8 @@ class Answerer:
         default collection; :meth:`kv_visible`). ``conversation``: a chat's ``(role, text)`` turns
         before the question, kept as turns around the RAG prompt (:meth:`prompt_parts`). ``fidelity``:
         where ``blend`` without a ratio runs (``ragkv.fidelity``; None: this RAG's setting); the point
-        used is in ``stats["fidelity"]``."""
+        used is in ``stats["fidelity"]``. ``settings``: the request's settings as one value (the
+        loose keywords win over it)."""
         coll = collection_name(collection)
         params = params or SamplingParams(**sampling)
         t0 = time.perf_counter()
@@ -198,7 +215,8 @@ class Answerer:
         ids = list(rp.prefix)
         found = append_chunks(ids, ((r.kv_key, r.token_ids) for r in rp.chunks))
         ids += rp.suffix
-        job = self.job(ids, found, mode, ratio, params, kv_collection=coll, fidelity=fidelity)
+        request = RequestSettings.parse(settings, mode=mode, ratio=ratio, fidelity=fidelity)
+        job = self.job(ids, found, request, params, kv_collection=coll)
         yield from self._answer(job, rp.chunks, t0, rp.seconds)
 
     def stream_ids(
@@ -209,12 +227,14 @@ class Answerer:
         params: SamplingParams | None = None,
         collection: str | None = None,
         fidelity: str | float | None = None,
+        settings: RequestSettings | None = None,
     ) -> Iterator:
         """Complete ``prompt_ids`` exactly as given (an OpenAI client's rendered messages): token
         events, then a :class:`RagAnswer` without sources. In the modes that reuse KV the stored
         chunks found inside the ids are reused (:meth:`job`, ``collection``'s; None: any); the ids
         never change, so ``mode="full"`` prefills the same ids in full."""
-        return self.stream_parts(prompt_ids, [], [], mode, ratio, params, fidelity, collection)
+        request = RequestSettings.parse(settings, mode=mode, ratio=ratio, fidelity=fidelity)
+        yield from self._stream_parts(prompt_ids, [], [], request, params, collection)
 
     def stream_parts(
         self,
@@ -226,17 +246,23 @@ class Answerer:
         params: SamplingParams | None = None,
         fidelity: str | float | None = None,
         collection: str | None = None,
+        settings: RequestSettings | None = None,
     ) -> Iterator:
         """Complete token-id ``prefix + chunks + suffix`` (a framework's prompt): token events, then a
         :class:`RagAnswer` without sources. Chunk KV is found by content; stored chunks inside the
         rest of the prompt are located (transparent reuse of a flat prompt, :meth:`job`; only
         ``collection``'s, None: any)."""
+        request = RequestSettings.parse(settings, mode=mode, ratio=ratio, fidelity=fidelity)
+        yield from self._stream_parts(prefix, chunks, suffix, request, params, collection)
+
+    def _stream_parts(self, prefix, chunks, suffix, request: RequestSettings, params, collection) -> Iterator:
+        """:meth:`stream_parts` of a parsed request."""
         params = params or SamplingParams()
         t0 = time.perf_counter()
         ids = [int(t) for t in prefix]
         found = append_chunks(ids, ((self.resolver.key(c), c) for c in chunks))
         ids += [int(t) for t in suffix]
-        job = self.job(ids, found, mode, ratio, params, kv_collection=collection, fidelity=fidelity)
+        job = self.job(ids, found, request, params, kv_collection=collection)
         yield from self._answer(job, [], t0, 0.0)
 
     def stream_text(
@@ -249,6 +275,7 @@ class Answerer:
         params: SamplingParams | None = None,
         collection: str | None = None,
         fidelity: str | float | None = None,
+        settings: RequestSettings | None = None,
     ) -> Iterator:
         """Complete a framework's prompt given as text, ``prefix + chunks + question`` (``chunks``
         may be empty: one flat prompt): token events, then a :class:`RagAnswer` without sources.
@@ -260,8 +287,8 @@ class Answerer:
         each part is tokenized as a whole."""
         t0 = time.perf_counter()
         params = params or SamplingParams()
-        mode = mode or self.mode
-        reuse = mode in ("reuse", "blend")
+        request = RequestSettings.parse(settings, mode=mode, ratio=ratio, fidelity=fidelity)
+        reuse = Mode(request.mode or self.mode).reuses
         m = self.model
 
         def part(text: str, add_bos: bool) -> tuple[list[int], list[Located]]:
@@ -277,7 +304,7 @@ class Answerer:
         ids += tail
         if not chunks and not tail and len(ids) <= 1:
             raise ValueError("empty prompt")
-        job = self.job(ids, found, mode, ratio, params, kv_collection=collection, fidelity=fidelity)
+        job = self.job(ids, found, request, params, kv_collection=collection)
         yield from self._answer(job, [], t0, 0.0)
 
     def segment_text(
@@ -336,17 +363,14 @@ class Answerer:
         self,
         prompt_ids: Sequence[int],
         chunks: Sequence[Located],
-        mode: str | None = None,
-        ratio: float | str | None = None,
+        settings: RequestSettings | None = None,
         params: SamplingParams | None = None,
         locate: bool = True,
         kv_collection: str | None = None,
-        fidelity: str | float | None = None,
-        schedule=None,
         **options,
     ) -> PromptJob:
-        """A checked :class:`PromptJob`, its :class:`BlendPlan` resolved here once
-        (:meth:`plan`: this side's mode, ratio and fidelity fill what the request does not set).
+        """A checked :class:`PromptJob`, its :class:`BlendPlan` resolved here once from the request's
+        ``settings`` (:attr:`planner`: this side's and the LLM's settings fill what they leave unset).
 
         ``locate``: in modes that reuse KV, stored chunks found in the prompt's rows outside
         ``chunks`` (a document pasted into a question, a framework's own context format) are reused
@@ -354,7 +378,7 @@ class Answerer:
         ``kv_collection``: only that collection's stored chunks are located (:meth:`Corpus.kv_visible`;
         None: any). ``ratio="auto"``: the loading controller chooses it from the prompt's length and
         the rows that come from chunk KV (its decision is in the answer's stats)."""
-        plan = self.plan(mode, ratio, fidelity, schedule)
+        plan = self.planner.plan(settings)
         params = params or SamplingParams()
         ids = [int(t) for t in prompt_ids]
         if not ids:
@@ -369,30 +393,6 @@ class Answerer:
             decision = self.controller.choose_ratio(len(ids), n_cached, self._store_name())
             plan = plan.with_ratio(decision.ratio)
         return PromptJob(ids, chunks, plan, params, decision=decision, **options)
-
-    def plan(
-        self,
-        mode: str | None = None,
-        ratio: float | str | None = None,
-        fidelity: str | float | None = None,
-        schedule=None,
-    ) -> BlendPlan:
-        """A request's blend settings as the :class:`BlendPlan` that runs (:func:`plan_blend`), this
-        side's mode, ratio and fidelity and the LLM's schedule and fidelity as the defaults."""
-        if fidelity is None:
-            fidelity = self.fidelity if self.fidelity is not None else self.llm.fidelity
-        return plan_blend(
-            self.model,
-            mode,
-            ratio,
-            schedule=schedule,
-            fidelity=fidelity,
-            default_mode=self.mode,
-            default_ratio=self.ratio if schedule is None else None,
-            owner_schedule=self.llm.schedule,
-            adapter=getattr(self.llm, "adapter", None),
-            adapter_outside_gate=getattr(self.llm, "adapter_explicit", False),
-        )
 
     def using(self, generator: Generator) -> Answerer:
         """A copy of this side that generates with ``generator`` (same corpus, resolver and settings)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.kvtree import tree_store
 from ragkv.blend.resolver import WarnThrottle
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.llm import LLM
 from ragkv.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION
 from ragkv.rag.answering import Answerer, RagAnswer, RagPrompt
@@ -45,9 +46,9 @@ CORPUS_NAMES = (
 ).split()
 #: names ``RAG`` forwards to its answering side (read and assigned)
 ANSWER_NAMES = (
-    "llm model resolver generator mode ratio fidelity top_k order seed instruction question_template "
-    "system examples controller retrieve chunks_by_id fit_chunks prompt_parts prompt answer answer_stream "
-    "stream_ids stream_parts stream_text segment_text job plan generate counters"
+    "llm model resolver generator settings planner mode ratio fidelity top_k order seed instruction "
+    "question_template system examples controller retrieve chunks_by_id fit_chunks prompt_parts prompt "
+    "answer answer_stream stream_ids stream_parts stream_text segment_text job generate counters"
 ).split()
 
 
@@ -63,7 +64,10 @@ def _forward(side: str, name: str) -> property:
 class RAG:
     """Ingest -> retrieve -> answer with reused chunk KV; everything persists under ``data_dir``.
 
-    A facade: ``rag.corpus`` (:class:`Corpus`) and ``rag.answers`` (:class:`Answerer`) do the work."""
+    A facade: ``rag.corpus`` (:class:`Corpus`) and ``rag.answers`` (:class:`Answerer`) do the work.
+    ``mode``, ``ratio`` and ``fidelity`` are parsed once into ``rag.settings`` (a
+    :class:`~ragkv.fidelity.plan.RequestSettings`, every request's defaults over the LLM's);
+    ``settings`` may be given whole instead."""
 
     def __init__(
         self,
@@ -75,7 +79,7 @@ class RAG:
         overlap: int = 0,
         top_k: int = 6,
         order: str = "score",
-        mode: str = "blend",
+        mode: str | None = None,
         ratio: float | str | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
         question_template: str = DEFAULT_QUESTION,
@@ -91,7 +95,10 @@ class RAG:
         quotas: Quotas | None = None,
         fidelity: str | float | None = None,
         first_level: bool = True,
+        settings: RequestSettings | None = None,
     ):
+        if settings is None:  # the edge: loose keywords parsed once
+            settings = RequestSettings(mode, ratio, fidelity=fidelity)
         llm = llm if isinstance(llm, LLM) else LLM(llm)
         self.corpus = Corpus(
             llm.kv_model,  # chunk KV is written (and keyed) by the LLM's KV writer: its model, or a writer
@@ -113,9 +120,7 @@ class RAG:
             resolver,
             top_k=top_k,
             order=order,
-            mode=mode,
-            ratio=ratio,
-            fidelity=fidelity,
+            settings=settings,
             instruction=instruction,
             question_template=question_template,
             system=system,

@@ -30,16 +30,15 @@ from dataclasses import dataclass, field
 import httpx
 from httpx_sse import EventSource, SSEError
 
-from ragkv.blend import DEFAULT_RATIO
 from ragkv.blend.spans import ChunkRef
-from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
+from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MODES, Mode
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.remote.wire import BlendParams
 
 _SAMPLING = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
-#: prefill modes a served request can ask for: blend / reuse via the connector; full and prefix send no
-#: ragkv parameters (prefix caching is then vLLM's own, which is exact)
-SERVED_MODES = ("full", "prefix", "reuse", "blend")
+#: prefill modes a served request can ask for (every one): blend / reuse via the connector; full and
+#: prefix send no ragkv parameters (prefix caching is then vLLM's own, which is exact)
+SERVED_MODES = MODES
 
 
 class VllmServerError(RuntimeError):
@@ -79,12 +78,11 @@ def build_prompt(
     prefix_ids: Sequence[int],
     chunks: Sequence[tuple[str, Sequence[int]]],
     suffix_ids: Sequence[int],
-    mode: str = "blend",
-    ratio: float = DEFAULT_RATIO,
-    check_layers: Sequence[int] = (1,),
-    save: bool = True,
+    **options,
 ) -> tuple[list[int], dict]:
-    """``(prompt token ids, kv_transfer_params)`` for ``chunks`` given as ``(store key, token ids)``."""
+    """``(prompt token ids, kv_transfer_params)`` for ``chunks`` given as ``(store key, token ids)``;
+    ``options``: :class:`~ragkv.remote.wire.BlendParams` fields (``mode``, ``ratio``, ``check_layers``,
+    ``save``...; their defaults are its own)."""
     prompt = [int(t) for t in prefix_ids]
     refs = []
     for key, toks in chunks:
@@ -96,7 +94,9 @@ def build_prompt(
     prompt += [int(t) for t in suffix_ids]
     if not prompt:
         raise ValueError("empty prompt")
-    params = BlendParams(tuple(refs), mode=mode, ratio=ratio, check_layers=tuple(check_layers), save=save)
+    if "check_layers" in options:
+        options["check_layers"] = tuple(options["check_layers"])
+    params = BlendParams(tuple(refs), **options)
     return prompt, params.to_kv_transfer_params()
 
 
@@ -395,7 +395,7 @@ class VllmGenerator:
         locate them itself)."""
         from ragkv.rag.generation import OptionNotServedError
 
-        if job.mode not in ("reuse", "blend"):
+        if not Mode(job.mode).reuses:
             return BlendParams((), save=False).to_kv_transfer_params()
         whole = [c for c in job.chunks if c.lo == 0 and c.hi == len(c.token_ids)]
         if not whole:

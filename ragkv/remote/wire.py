@@ -18,10 +18,13 @@ from dataclasses import dataclass
 
 from ragkv.blend import DEFAULT_RATIO, BlendSchedule
 from ragkv.blend.spans import ChunkRef
+from ragkv.defaults import Mode
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.store.base import check_key
 
 PARAMS_KEY = "ragkv"
-MODES = ("blend", "reuse")
+#: the modes the connector serves: those that read stored chunk KV
+MODES = tuple(m.value for m in reversed(Mode) if m.reuses)  # ("blend", "reuse")
 DEVIATIONS = ("k", "v", "kv")
 #: most chunk references one request may carry (the receivers use at most ragkv.blend.spans.MAX_CHUNK_REFS)
 MAX_CHUNKS = 4096
@@ -93,6 +96,11 @@ class BlendParams:
         if question_pass and keeps_defaults:
             return BlendSchedule.single(float(self.ratio))
         return self._check_layer_schedule()
+
+    def request_settings(self) -> RequestSettings:
+        """What an in-process receiver (the ragkv service) runs for these parameters: their mode and
+        the blend schedule of :meth:`schedule` (question pass)."""
+        return RequestSettings(self.mode, schedule=self.schedule(question_pass=True))
 
     def to_kv_transfer_params(self) -> dict:
         """``{"ragkv": {...}}``: JSON-safe, for the OpenAI server's ``kv_transfer_params`` field."""

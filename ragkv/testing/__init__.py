@@ -97,15 +97,17 @@ def structured_schemas() -> list[dict]:
     return json.loads((data_dir() / "structured_schemas.json").read_text())
 
 
-def fidelity_point(
-    name: str, same: float, charged: float, speedup: float, recall: float = 0.5, ratio=None
-) -> PointStats:
-    """One operating point of a synthetic fidelity report (``exact``, ``reuse`` or ``blend@R``)."""
+#: the ratio a synthetic report states for its points that are no ``blend@R``
+FIXED_RATIOS = {"exact": None, "reuse": 0.0, "full-bf16": 1.0}
+
+
+def fidelity_point(name: str, same: float, charged: float, speedup: float, recall: float = 0.5) -> PointStats:
+    """One operating point of a synthetic fidelity report (``exact``, ``reuse``, ``blend@R`` or the
+    floor, ``full-bf16``); its mode and ratio follow from its name."""
     from ragkv.fidelity.report import PointStats
 
     mode = "prefix" if name == "exact" else "reuse" if name == "reuse" else "blend"
-    if mode == "blend" and ratio is None:
-        ratio = float(name.split("@")[1])
+    ratio = FIXED_RATIOS[name] if name in FIXED_RATIOS else float(name.split("@")[1])
     ci = (max(0.0, same - 0.1), min(1.0, same + 0.1))
     return PointStats(
         name, mode, ratio, 40, same, ci, same, ci, 0.1, (0.0, 0.2), recall, ci, charged, speedup, ci
@@ -129,7 +131,7 @@ def fidelity_report(
         max_new_tokens=24,
         full_recall=full_recall,
         full_ttft_s=0.5,
-        floor=fidelity_point("full-bf16", floor_same, 1.0, 1.0, ratio=1.0),
+        floor=fidelity_point("full-bf16", floor_same, 1.0, 1.0),
         points=points,
         monotone_ok=True,
         monotone_violations=[],
@@ -144,7 +146,7 @@ def fidelity_ladder() -> list[PointStats]:
     0.8 the gate picks blend@0.8."""
     return [
         fidelity_point("exact", 1.0, 0.82, 1.1),
-        fidelity_point("reuse", 0.1, 0.1, 5.0, ratio=0.0),
+        fidelity_point("reuse", 0.1, 0.1, 5.0),
         fidelity_point("blend@0.3", 0.3, 0.38, 2.6),
         fidelity_point("blend@0.5", 0.85, 0.55, 1.8),  # a lucky point below a dip: not trusted
         fidelity_point("blend@0.7", 0.75, 0.71, 1.4),

@@ -408,7 +408,7 @@ def test_the_shipped_kv_adapter_verifies_and_the_gate_uses_it_only_where_its_rep
         assert pair.point("reuse").same > alone.point("reuse").same
         floor = real_llm.plan()
         assert floor.adapter is None and floor.point.point == real_llm.plan().point.point
-        fast = real_llm.plan(fidelity="fast")
+        fast = real_llm.plan(ragkv.RequestSettings(fidelity="fast"))
         assert fast.mode == "reuse" and fast.adapter is real_llm.adapter
         assert fast.point.adapter == ad.identity and fast.point.same == pair.point("reuse").same
         chunks, q = ["Lily had a red ball."], "What color was the ball?"

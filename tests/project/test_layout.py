@@ -1,9 +1,9 @@
 """The layout holds: the card's top level (the core ``ragkv`` and its distributions: ``apps/`` and
 ``integrations/*``), imports inside ``ragkv`` run one way, and the library never reaches the edges.
 
-attention <- model <- kv <- store <- blend <- engine <- rag <- integrations <- apps (docs/ARCHITECTURE.md, "The layers");
+attention <- model <- kv <- store <- blend <- llm <- engine <- rag <- integrations <- apps (docs/ARCHITECTURE.md, "The layers");
 ``defaults`` sits below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits
-on attention, ``generate`` and ``llm`` between blend and rag. ``remote`` (the kv_transfer_params wire format
+on attention, ``generate`` and ``llm`` between blend and the engine. ``remote`` (the kv_transfer_params wire format
 and the HTTP generator) and ``aio`` (the one thread-to-async bridge) are the core's because more than one edge uses them. Lazy imports inside functions
 count too.
 """
@@ -41,7 +41,7 @@ RANK = {
     "fidelity": 5.5,  # the fidelity report and gate: on blend and generate, below every surface
     "adapter": 5.7,  # KV adapters: the file, applying one (prefill takes it duck-typed), training one
     "llm": 6,
-    "engine": 6,
+    "engine": 6.5,  # continuous batching over an LLM's model, planner, chunk resolver and KV tree
     "rag": 7,
     "demo": 8,
     "__init__": 9,

@@ -214,7 +214,8 @@ def test_one_blend_plan():
                 homes.append(f.relative_to(REPO).as_posix())
     assert homes == ["ragkv/defaults.py"]
     callers = {f for f, _, _ in _calls({"plan_blend"})}
-    assert callers == {"ragkv/llm.py", "ragkv/rag/answering.py", "ragkv/engine/engine.py"}, callers
+    assert callers == {"ragkv/fidelity/plan.py"}, callers  # Planner.plan: every owner plans through one
+    assert "plan_blend" in _method_calls("ragkv/fidelity/plan.py", "Planner", "plan")
     assert not _calls({"choose_ratio"}) or {f for f, _, _ in _calls({"choose_ratio"})} == {
         "ragkv/rag/answering.py"
     }, "only the answering side asks the loading controller (no generator calls back into the RAG)"
@@ -238,3 +239,36 @@ def test_thread_to_async_bridges_only_where_listed():
                 ]
     bad = [f"{f}:{n}" for f, n, _ in calls if f not in BRIDGES]
     assert not bad, f"a new hand-written thread-to-async bridge: use the core's ({sorted(BRIDGES)})\n{bad}"
+
+
+def test_request_settings_travel_as_one_value_below_the_edge():
+    """Issue 55: a request's ``fidelity``, ``ratio`` and ``mode`` are parsed once at the edge into a
+    ``RequestSettings``; below it at most 8 function signatures each take the loose name (the count of
+    ``scripts/count_settings_params.py``; ``schedule``, a ``BlendSchedule`` value the blend and the
+    fidelity report pass on, is held where it is)."""
+    import runpy
+
+    counts = runpy.run_path(str(REPO / "scripts" / "count_settings_params.py"))["counts"](REPO)
+    assert counts["fidelity"] <= 8 and counts["ratio"] <= 8 and counts["mode"] <= 8, counts
+    assert counts["schedule"] <= 19, counts
+
+
+def test_one_definition_of_the_prefill_modes():
+    """The four mode names are listed once (``ragkv.defaults.Mode``): no tuple, list or ``Literal`` of
+    them anywhere else in the core, the service or the integrations."""
+    from ragkv.defaults import MODES
+
+    names = set(MODES)
+    bad = []
+    for top in ("ragkv", "apps", "integrations"):
+        for f in sorted((REPO / top).rglob("*.py")):
+            rel = f.relative_to(REPO).as_posix()
+            if "/tests/" in rel or rel == "ragkv/defaults.py":
+                continue
+            for node in ast.walk(ast.parse(f.read_text())):
+                elts = node.elts if isinstance(node, ast.Tuple | ast.List) else None
+                if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple):
+                    elts = node.slice.elts
+                if elts and {e.value for e in elts if isinstance(e, ast.Constant)} >= names:
+                    bad.append(f"{rel}:{node.lineno}")
+    assert not bad, bad

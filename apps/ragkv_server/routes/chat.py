@@ -167,9 +167,7 @@ def chat_spec(req, o, use_rag: bool, params: SamplingParams, collection: str) ->
         )
     if not retrieve and o.chunk_ids is None:
         messages = [m.template_message() for m in req.messages]
-        return QuerySpec(
-            "", None, False, None, o.mode, o.ratio, params, collection, messages=messages, fidelity=o.fidelity
-        )
+        return QuerySpec("", None, False, None, o.request_settings(), params, collection, messages=messages)
     *earlier, last = req.messages
     if last.role != "user" or not last.text().strip():
         raise oc.invalid_value(
@@ -183,10 +181,8 @@ def chat_spec(req, o, use_rag: bool, params: SamplingParams, collection: str) ->
         o.chunk_ids,
         retrieve,
         o.top_k,
-        o.mode,
-        o.ratio,
+        o.request_settings(),
         params,
         collection,
         conversation,
-        fidelity=o.fidelity,
     )

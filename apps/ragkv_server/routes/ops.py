@@ -58,7 +58,7 @@ def router(auth: Auth) -> APIRouter:
             "running": svc.queries.running,
             "queued": svc.queries.queued,
             "blend_gate": gate_state(rag.model),
-            "fidelity": rag.llm.operating_point(rag.fidelity).as_stats(),
+            "fidelity": rag.llm.operating_point(rag.planner.settings.fidelity).as_stats(),
         }
 
     @r.get(

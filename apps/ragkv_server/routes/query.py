@@ -61,11 +61,9 @@ def router(S: SimpleNamespace, auth: Auth) -> APIRouter:
             req.chunk_ids,
             True,
             req.top_k,
-            req.mode,
-            req.ratio,
+            req.request_settings(),
             sampling(settings, req.max_tokens, req.temperature, req.top_p, req.seed, req.stop),
             collection,
-            fidelity=req.fidelity,
         )
         rid = "q-" + uuid.uuid4().hex[:16]
         if not req.stream:

@@ -42,6 +42,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 from ragkv.constrain import JsonConstraint, json_constraint
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS
 from ragkv.fidelity import parse_fidelity
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.generate import SamplingParams, TokenEvent, request_params
 from ragkv.rag import RAG, ChunkRecord, Document, RagAnswer
 from ragkv.rag.collections import collection_name
@@ -229,6 +230,10 @@ class RagkvOptions(BaseModel):
             return override
         m = self.rag.model
         return str(getattr(m, "name", "") or m.fingerprint[:16])
+
+    def request_settings(self) -> RequestSettings:
+        """This model's ``mode``, ``ratio`` and ``fidelity`` as one value (unset: the RAG's)."""
+        return RequestSettings(self.mode, self.ratio, fidelity=self.fidelity)
 
     def call_defaults(self) -> dict:
         """The per-call option defaults this model carries."""
@@ -420,25 +425,17 @@ class RagkvRunner:
         self,
         question: str,
         records: list[ChunkRecord] | None,
-        mode: str | None = None,
-        ratio: float | None = None,
+        settings: RequestSettings | None = None,
         k: int | None = None,
         ingested: list[str] | None = None,
-        fidelity: str | float | None = None,
         **sampling,
     ) -> Iterator[TokenEvent | Completion]:
-        """Answer ``question`` over ``records`` (None: retrieve ``k``) with ragkv's RAG prompt."""
+        """Answer ``question`` over ``records`` (None: retrieve ``k``) with ragkv's RAG prompt and the
+        call's ``settings`` (None: the RAG's)."""
         params = make_params(sampling)
         n, reason = 0, None
         for item in self.rag.answer_stream(
-            question,
-            k=k,
-            mode=mode,
-            ratio=ratio,
-            params=params,
-            chunks=records,
-            collection=self.coll,
-            fidelity=fidelity,
+            question, k=k, params=params, chunks=records, collection=self.coll, settings=settings
         ):
             if isinstance(item, RagAnswer):
                 yield Completion(
@@ -457,25 +454,18 @@ class RagkvRunner:
                 yield item
 
     def stream_prompt(
-        self,
-        prompt: str,
-        mode: str | None = None,
-        ratio: float | None = None,
-        fidelity: str | float | None = None,
-        **sampling,
+        self, prompt: str, settings: RequestSettings | None = None, **sampling
     ) -> Iterator[TokenEvent | Completion]:
         """Complete a flattened prompt; text between :data:`CHUNK_SEPARATOR` markers becomes chunks."""
         prefix, chunk_texts, question = split_prompt(prompt)
-        return self.stream_parts(prefix, chunk_texts, question, mode, ratio, fidelity, **sampling)
+        return self.stream_parts(prefix, chunk_texts, question, settings, **sampling)
 
     def stream_parts(
         self,
         prefix: str,
         chunk_texts: list[str],
         question: str,
-        mode: str | None = None,
-        ratio: float | None = None,
-        fidelity: str | float | None = None,
+        settings: RequestSettings | None = None,
         **sampling,
     ) -> Iterator[TokenEvent | Completion]:
         """Complete ``prefix + chunks + question`` (text); chunk KV is looked up by content, stored after
@@ -484,7 +474,7 @@ class RagkvRunner:
         prompt is the same job as the same text with those chunks given explicitly."""
         params = make_params(sampling)
         items = self.rag.stream_text(
-            prefix, chunk_texts, question, mode, ratio, params, self.collection, fidelity
+            prefix, chunk_texts, question, params=params, collection=self.collection, settings=settings
         )
         n, reason = 0, None
         for item in items:
@@ -606,21 +596,12 @@ def call_events(
     constraint = format_constraint(opts.get("response_format"))
     if constraint is not None:  # a generator that cannot serve it (vLLM) refuses it: OptionNotServedError
         sampling["constraint"] = constraint
+    settings = RequestSettings(o["mode"], o["ratio"], fidelity=o["fidelity"])  # parsed once, here
     runner = RagkvRunner(rag, o["collection"])
     chunks, chunk_ids = opts.get("chunks"), opts.get("chunk_ids")
     if chunks is not None or chunk_ids is not None:
         records, ingested = runner.resolve(chunks, chunk_ids)
-        return runner.stream_answer(
-            question or prompt,
-            records,
-            o["mode"],
-            o["ratio"],
-            ingested=ingested,
-            fidelity=o["fidelity"],
-            **sampling,
-        )
+        return runner.stream_answer(question or prompt, records, settings, ingested=ingested, **sampling)
     if o["retrieve"]:
-        return runner.stream_answer(
-            question or prompt, None, o["mode"], o["ratio"], k=o["k"], fidelity=o["fidelity"], **sampling
-        )
-    return runner.stream_prompt(prompt, o["mode"], o["ratio"], o["fidelity"], **sampling)
+        return runner.stream_answer(question or prompt, None, settings, k=o["k"], **sampling)
+    return runner.stream_prompt(prompt, settings, **sampling)

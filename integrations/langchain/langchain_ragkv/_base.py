@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from langchain_core.language_models import LangSmithParams
 
+from ragkv.defaults import DEFAULT_FIDELITY, DEFAULT_MODE
 from ragkv.generate import TokenEvent
 from ragkv_frameworks import Completion, RagkvOptions, call_events
 
@@ -65,12 +66,13 @@ class RagkvParams(RagkvOptions):
         return params
 
     def _params(self) -> dict:
+        s = self.request_settings().over(self.rag.planner.settings)  # this model's over the RAG's
         return {
             "model": self.model_label(),
             "generation": self.rag.generator.name,
-            "mode": self.mode or self.rag.mode,
-            "ratio": self.ratio if self.ratio is not None else self.rag.ratio,
-            "fidelity": self.fidelity or self.rag.fidelity or self.rag.llm.fidelity,
+            "mode": str(s.mode or DEFAULT_MODE),
+            "ratio": s.ratio,
+            "fidelity": s.fidelity or DEFAULT_FIDELITY,
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -11,6 +11,7 @@ from ragkv.adapter.data import Item
 from ragkv.adapter.kv_adapter import AdapterError, KVAdapter
 from ragkv.adapter.train import TrainConfig, kl_loss, student_logp, teacher_example, train
 from ragkv.blend import prefill
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
 from tests.helpers import stories_model
@@ -247,7 +248,7 @@ def _pair_reports(model, adapter):
     def ladder(reuse_same: float, blend_same: float) -> list:
         return [
             _point("exact", 1.0, 0.82, 1.1),
-            _point("reuse", reuse_same, 0.1, 5.0, ratio=0.0),
+            _point("reuse", reuse_same, 0.1, 5.0),
             _point("blend@0.5", blend_same, 0.55, 1.8),
             _point("blend@0.9", 0.9, 0.85, 1.05),
         ]
@@ -276,11 +277,11 @@ def test_the_gate_uses_an_adapter_only_where_its_own_report_wins(fidelity_cache,
         assert with_file.plan().adapter is None
     assert sum("KV adapter" in r.message and "is off" in r.message for r in caplog.records) == 1
     # explicit ratios use the adapter the caller gave, outside the gate
-    p = with_file.plan("blend", 0.3)
+    p = with_file.plan(RequestSettings("blend", 0.3))
     assert (
         p.adapter is with_file.adapter and p.outside_gate and p.prefill_args()["adapter"] is with_file.adapter
     )
-    assert with_file.plan("full").adapter is None  # nothing stored is read in full prefill
+    assert with_file.plan(RequestSettings("full")).adapter is None  # nothing stored is read in full prefill
     _pair_reports(m, with_file.adapter)
     from ragkv.fidelity import GATE
 
@@ -289,7 +290,9 @@ def test_the_gate_uses_an_adapter_only_where_its_own_report_wins(fidelity_cache,
     assert (floor.mode, floor.ratio) == ("blend", 0.5) and floor.adapter is with_file.adapter
     assert floor.stats()["adapter"] == with_file.adapter.identity and not floor.outside_gate
     assert llm.plan().mode == "prefix"  # without the adapter the gate keeps exact prefill
-    fast = with_file.plan(fidelity="fast")  # same speed, more answers kept: the adapter's reuse
+    fast = with_file.plan(
+        RequestSettings(fidelity="fast")
+    )  # same speed, more answers kept: the adapter's reuse
     assert fast.mode == "reuse" and fast.adapter is with_file.adapter
     # an answer through the LLM says which adapter its prefill read through
     res = with_file.prefill("", ["Lily had a red ball.", "Tom ran to the park."], "What did Lily have?")

@@ -7,6 +7,7 @@ from ragkv.adapter.kv_adapter import AdapterError, KVAdapter
 from ragkv.adapter.train import TrainConfig, kl_loss, student_logp, teacher_example, train
 from ragkv.adapter.writer import WriterLoRA
 from ragkv.blend import prefill
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
 from ragkv.testing import random_writer as _randomized
@@ -268,7 +269,7 @@ def test_an_llm_with_a_writer_writes_reads_and_keys_only_the_writers_kv(tmp_path
     with pytest.raises(ValueError, match="another model's"):
         base.with_resolver(with_w.resolver)
     with pytest.raises(ValueError, match="another model's"):
-        Engine(m, EngineConfig(adapter=str(path)), resolver=base.resolver)
+        Engine(m, EngineConfig(settings=RequestSettings(adapter=str(path))), resolver=base.resolver)
     for mode in ("full", "prefix"):  # modes that read no stored KV run with the writer's KV stored
         assert with_w.prefill(*PROMPT, mode=mode).stats["adapter"] is None
     with pytest.raises(AdapterError, match="being trained"):  # its KV could not be named
@@ -276,7 +277,7 @@ def test_an_llm_with_a_writer_writes_reads_and_keys_only_the_writers_kv(tmp_path
 
 
 def test_the_engine_serves_a_writer_as_the_blend_reads_its_kv(tmp_path):
-    """``Engine`` with a writer (``EngineConfig(adapter=WRITER_FILE)``): the chunk KV it computes is the
+    """``Engine`` with a writer (``EngineConfig(settings=RequestSettings(adapter=WRITER_FILE))``): the chunk KV it computes is the
     writer's, and its greedy tokens are those of the blend over that KV on the unchanged model."""
     from ragkv.engine import Engine, EngineConfig
     from ragkv.generate import SamplingParams, generate
@@ -285,7 +286,7 @@ def test_the_engine_serves_a_writer_as_the_blend_reads_its_kv(tmp_path):
     w = WriterLoRA.load(path, m)
     bos, chunks, q = [m.config.bos_token_id], [m.encode(t) for t in PROMPT[1]], m.encode(PROMPT[2])
     params = SamplingParams(max_new_tokens=6)
-    with Engine(m, EngineConfig(num_blocks=200, adapter=str(path))) as eng:
+    with Engine(m, EngineConfig(num_blocks=200, settings=RequestSettings(adapter=str(path)))) as eng:
         (out,) = eng.generate([dict(prefix=bos, chunks=chunks, question=q, mode="reuse", params=params)])
         assert {kv.fingerprint for kv in map(eng.resolver.kv, chunks)} == {w.kv_fingerprint(m)}
     res = prefill(m, bos, [compute_chunk_kv(w.model(m), c) for c in chunks], q, "reuse", adapter=w)
@@ -304,7 +305,7 @@ def test_the_gate_runs_a_writer_at_its_own_reports_point_and_reads_through_it(tm
     floor = llm.plan()  # the tiny model and its writer have no report: exact prefill
     assert floor.mode == "prefix" and floor.adapter is None
     for mode, ratio in (("reuse", None), ("blend", 0.3)):
-        p = llm.plan(mode, ratio)
+        p = llm.plan(RequestSettings(mode, ratio))
         assert p.adapter is llm.adapter and p.prefill_args()["adapter"] is llm.adapter
     from ragkv.kv.chunk import KVMismatchError
 

@@ -13,6 +13,7 @@ from ragkv.blend import (
 )
 from ragkv.blend.locate import ChunkLocator, LocateCounts, Located
 from ragkv.blend.spans import ANCHOR_TOKENS
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.generate import SamplingParams
 from ragkv.rag import RAG
 from ragkv.rag.embedder import Embedder
@@ -207,8 +208,8 @@ def test_a_flat_prompt_is_the_job_of_its_explicit_chunk_spans(rag):
         ids += r.token_ids
     ids += m.encode("\n\nWhat did Tom buy?")
     params = SamplingParams(max_new_tokens=8)
-    flat = rag.job(ids, [], "blend", params=params)
-    explicit = rag.job(ids, spans, "blend", params=params, locate=False)
+    flat = rag.job(ids, [], RequestSettings("blend"), params=params)
+    explicit = rag.job(ids, spans, RequestSettings("blend"), params=params, locate=False)
     assert [(c.key, c.start, c.lo, c.hi) for c in flat.chunks] == [
         (c.key, c.start, c.lo, c.hi) for c in spans
     ]
@@ -231,7 +232,9 @@ def test_a_flat_prompt_text_is_segmented_into_its_explicit_form(rag):
     assert (ids, [(s.key, s.start) for s in spans]) == (want_ids, [(s.key, s.start) for s in want])
     params = SamplingParams(max_new_tokens=8)
     flat = list(rag.stream_text("", [], text, params=params))[-1]
-    explicit = list(rag.generate(rag.job(want_ids, want, "blend", params=params, locate=False)))[-1]
+    explicit = list(
+        rag.generate(rag.job(want_ids, want, RequestSettings("blend"), params=params, locate=False))
+    )[-1]
     assert flat.text == explicit.text and flat.stats["num_reused_rows"] == sum(len(r.token_ids) for r in recs)
     # a chunk whose first characters the text lost: the rows found there, the rest tokenized apart
     rec = max(recs, key=lambda r: len(r.token_ids))

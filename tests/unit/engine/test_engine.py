@@ -27,6 +27,7 @@ from ragkv.engine import (
     SchedulerConfig,
     batched_decode_step,
 )
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.fusion import FusionConfig
 from ragkv.generate import SamplingParams, generate, stream
 from ragkv.kv import compute_chunk_kv
@@ -107,7 +108,7 @@ def test_paged_sequence_is_a_kv_cache(model):
 @pytest.mark.parametrize("mode", ["full", "blend"])
 def test_batched_greedy_decode_matches_single_request(model, chunks, mode):
     reqs = _reqs(model, chunks, 5, mode)
-    with Engine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO)) as eng:
+    with Engine(model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))) as eng:
         outs = eng.generate(reqs)
         assert eng.metrics().decode_steps >= 15 and eng.pool.manager.num_used == 0
     for o, r in zip(outs, reqs, strict=True):
@@ -123,7 +124,9 @@ def test_fetching_request_does_not_delay_local_one(model, chunks, fetch_aware):
     for c in chunks[:3]:
         store.put(compute_chunk_kv(model, c))
     cfg = EngineConfig(
-        num_blocks=600, scheduler=SchedulerConfig(fetch_aware=fetch_aware), ratio=DEFAULT_RATIO
+        num_blocks=600,
+        scheduler=SchedulerConfig(fetch_aware=fetch_aware),
+        settings=RequestSettings(ratio=DEFAULT_RATIO),
     )
     with Engine(model, cfg, store=store) as eng:
         fetching = eng.submit(
@@ -159,7 +162,9 @@ def test_fetching_request_does_not_delay_local_one(model, chunks, fetch_aware):
 
 def test_missing_chunks_are_computed_and_stored_and_refs_resolve(model, chunks):
     store = MemoryStore()
-    with Engine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO), store=store) as eng:
+    with Engine(
+        model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO)), store=store
+    ) as eng:
         a = eng.submit(prefix=[1], chunks=chunks[:2], question=[5], mode="blend", max_new_tokens=3).result()
         keys = [compute_chunk_kv(model, c).key for c in chunks[:2]]
         assert all(store.contains(k) for k in keys)
@@ -177,7 +182,9 @@ def test_missing_chunks_are_computed_and_stored_and_refs_resolve(model, chunks):
 
 # ---- front ends: backpressure, cancellation, streaming, metrics, async -------------------------------------
 def test_backpressure_cancellation_streaming_and_metrics(model, chunks):
-    cfg = EngineConfig(num_blocks=600, scheduler=SchedulerConfig(max_queue=2), ratio=DEFAULT_RATIO)
+    cfg = EngineConfig(
+        num_blocks=600, scheduler=SchedulerConfig(max_queue=2), settings=RequestSettings(ratio=DEFAULT_RATIO)
+    )
     with Engine(model, cfg) as eng:
         reqs = _reqs(model, chunks, 3, max_new=20)
         h1, h2 = eng.submit(**reqs[0]), eng.submit(**reqs[1])
@@ -203,7 +210,7 @@ def test_backpressure_cancellation_streaming_and_metrics(model, chunks):
 
 
 def test_bad_requests_raise_clear_errors_and_queue_nothing(model):
-    with Engine(model, EngineConfig(num_blocks=20, ratio=DEFAULT_RATIO)) as eng:
+    with Engine(model, EngineConfig(num_blocks=20, settings=RequestSettings(ratio=DEFAULT_RATIO))) as eng:
         with pytest.raises(PromptTooLongError):
             eng.submit(prefix=list(range(3, 500)), max_new_tokens=100)
         with pytest.raises(RequestTooLargeError):
@@ -221,7 +228,9 @@ def test_async_front_end_streams_concurrently(model, chunks):
     reqs = _reqs(model, chunks, 3, max_new=8)
 
     async def main():
-        async with AsyncEngine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO)) as eng:
+        async with AsyncEngine(
+            model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))
+        ) as eng:
             handles = [await eng.submit(**r) for r in reqs]
 
             async def collect(h):
@@ -239,10 +248,12 @@ def test_async_front_end_streams_concurrently(model, chunks):
 # ---- BFF / CFF in the engine ---------------------------------------------------------------------------------
 def test_bff_threshold_above_one_is_identical_to_unfused(model, chunks):
     reqs = _reqs(model, chunks, 4)
-    with Engine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO)) as plain:
+    with Engine(model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))) as plain:
         base = plain.generate(reqs)
     cfg = EngineConfig(
-        num_blocks=600, bff=FusionConfig(threshold=1.01, every=4, **FUSE_MIDDLE), ratio=DEFAULT_RATIO
+        num_blocks=600,
+        bff=FusionConfig(threshold=1.01, every=4, **FUSE_MIDDLE),
+        settings=RequestSettings(ratio=DEFAULT_RATIO),
     )
     with Engine(model, cfg) as eng:
         outs = eng.generate(reqs)
@@ -256,7 +267,7 @@ def test_identical_blocks_across_requests_always_fuse_and_memory_is_freed(model,
         num_blocks=600,
         share_prefix_blocks=False,
         bff=FusionConfig(threshold=0.999, every=3, **FUSE_MIDDLE),
-        ratio=DEFAULT_RATIO,
+        settings=RequestSettings(ratio=DEFAULT_RATIO),
     )
     with Engine(model, cfg) as eng:
         hs = [eng.submit(**req) for _ in range(3)]
@@ -280,7 +291,7 @@ def test_bff_fuses_similar_blocks_norm_equals_replicate(model, chunks):
         cfg = EngineConfig(
             num_blocks=600,
             bff=FusionConfig(threshold=0.95, every=4, attention=attn, **FUSE_MIDDLE),
-            ratio=DEFAULT_RATIO,
+            settings=RequestSettings(ratio=DEFAULT_RATIO),
         )
         with Engine(model, cfg) as eng:
             hs = [eng.submit(**r) for r in reqs]
@@ -321,7 +332,9 @@ def test_cff_fuses_chunks_of_one_prompt(model, chunks):
     ref = _reference(model, req)
     for thr in (1.01, 0.9):
         cff = FusionConfig(threshold=thr, every=4, chunk_tokens=32, **FUSE_MIDDLE)
-        with Engine(model, EngineConfig(num_blocks=600, cff=cff, ratio=DEFAULT_RATIO)) as eng:
+        with Engine(
+            model, EngineConfig(num_blocks=600, cff=cff, settings=RequestSettings(ratio=DEFAULT_RATIO))
+        ) as eng:
             h = eng.submit(**req)
             eng.step()  # prefill + CFF
             used = eng.pool.manager.num_used
@@ -341,7 +354,7 @@ def test_prefix_blocks_are_shared_between_requests(model, chunks):
         dict(prefix=prefix, question=model.encode(q), mode="full", params=SamplingParams(max_new_tokens=5))
         for q in ("Lily", "Tom ran")
     ]
-    with Engine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO)) as eng:
+    with Engine(model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))) as eng:
         hs = [eng.submit(**r) for r in reqs]
         eng.step()  # both prefilled in one step
         assert hs[1].request.metrics.blocks_shared_at_load == 5 * (41 // 16)
@@ -358,7 +371,7 @@ def test_blended_blocks_are_never_shared(model, chunks):
     blend = dict(base, chunks=kvs, mode="blend")
     exact = dict(base, chunks=chunks[:2], mode="full")
     head_blocks = 5 * (len(prefix) // 16)
-    with Engine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO)) as eng:
+    with Engine(model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))) as eng:
         first = eng.submit(**blend)
         eng.step()  # the blended prompt's blocks are live (and its head registered) from here on
         assert first.request.seq is not None and first.request.finish_reason is None
@@ -384,18 +397,21 @@ def test_hack_engine_matches_hack_cache_and_fuses_quantized_blocks(model, chunks
         )
     paper = {"preset": "paper"}  # HACK's own scheme (HackConfig()'s)
     with Engine(
-        model, EngineConfig(num_blocks=600, attention="hack", hack=paper, ratio=DEFAULT_RATIO)
+        model,
+        EngineConfig(
+            num_blocks=600, attention="hack", hack=paper, settings=RequestSettings(ratio=DEFAULT_RATIO)
+        ),
     ) as eng:
         assert [o.token_ids for o in eng.generate(reqs)] == refs
         hack_peak = eng.metrics().kv_bytes_peak
-    with Engine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO)) as dense:
+    with Engine(model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))) as dense:
         dense.generate(reqs)
         assert hack_peak < dense.metrics().kv_bytes_peak / 4
     cfg = EngineConfig(
         num_blocks=600,
         attention="hack",
         bff=FusionConfig(threshold=0.95, every=3, **FUSE_MIDDLE),
-        ratio=DEFAULT_RATIO,
+        settings=RequestSettings(ratio=DEFAULT_RATIO),
     )
     with Engine(model, cfg) as eng:
         hs = [eng.submit(**r) for r in reqs]
@@ -554,14 +570,24 @@ def test_hack_engine_with_the_rope_preset_resolves_key_plans(model, chunks, tmp_
     reqs = _reqs(model, chunks, 3, max_new=3)
     assert _first_step_kl_cfg(model, reqs, HackConfig.preset("rope", partition=16, k_bits=4)) < 0.02
     with Engine(
-        model, EngineConfig(attention="hack", hack={"preset": "rope", "k_bits": 4}, ratio=DEFAULT_RATIO)
+        model,
+        EngineConfig(
+            attention="hack",
+            hack={"preset": "rope", "k_bits": 4},
+            settings=RequestSettings(ratio=DEFAULT_RATIO),
+        ),
     ) as eng:
         hp = eng.pool.hack
         assert hp.k_order.shape == (model.config.num_layers, model.config.num_kv_heads, 8)
         assert hp.layout.key_bits == (4,) and cal.energy_path(model.fingerprint).is_file()
         assert len(eng.submit(**reqs[0]).result().token_ids) == 3
     with pytest.raises(HackError, match="cannot average 3 bits"):  # head_dim 8: one partition
-        Engine(model, EngineConfig(attention="hack", hack={"preset": "rope"}, ratio=DEFAULT_RATIO))
+        Engine(
+            model,
+            EngineConfig(
+                attention="hack", hack={"preset": "rope"}, settings=RequestSettings(ratio=DEFAULT_RATIO)
+            ),
+        )
 
 
 def test_engine_hack_defaults_to_rope_keys_where_the_head_allows(model, tmp_path, monkeypatch):
@@ -574,19 +600,29 @@ def test_engine_hack_defaults_to_rope_keys_where_the_head_allows(model, tmp_path
         "llama", seed=2, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, vocab_size=64, max_position_embeddings=256,
     )  # fmt: skip
-    with Engine(wide, EngineConfig(attention="hack", num_blocks=32, ratio=DEFAULT_RATIO)) as eng:
+    with Engine(
+        wide, EngineConfig(attention="hack", num_blocks=32, settings=RequestSettings(ratio=DEFAULT_RATIO))
+    ) as eng:
         hp = eng.pool.hack
         assert hp.cfg.k_plan == "rope" and hp.layout.key_bits == (4, 2) and hp.k_order.shape == (2, 1, 64)
         assert hp.cfg.recent_window == 32 and hp.cfg.k_smooth == "mean_scale"
         out = eng.submit(prefix=[1, 5, 7, 9] * 10, max_new_tokens=2).result()
         assert len(out.token_ids) == 2
     for m, hack in ((wide, {"bits": 4}), (model, {})):  # code widths asked for; a head of 8 channels
-        with Engine(m, EngineConfig(attention="hack", hack=hack, num_blocks=32, ratio=DEFAULT_RATIO)) as eng:
+        with Engine(
+            m,
+            EngineConfig(
+                attention="hack", hack=hack, num_blocks=32, settings=RequestSettings(ratio=DEFAULT_RATIO)
+            ),
+        ) as eng:
             hp = eng.pool.hack
             assert hp.cfg.k_plan == "uniform" and hp.k_order is None and hp.cfg.recent_window == 32
     # keys wider than values in model order (no plan): 4-bit key pages over 2-bit values
     with Engine(
-        wide, EngineConfig(attention="hack", hack={"k_bits": 4}, num_blocks=32, ratio=DEFAULT_RATIO)
+        wide,
+        EngineConfig(
+            attention="hack", hack={"k_bits": 4}, num_blocks=32, settings=RequestSettings(ratio=DEFAULT_RATIO)
+        ),
     ) as eng:
         assert eng.pool.hack.layout.key_bits == (4,) and eng.pool.hack.k_order is None
         assert len(eng.submit(prefix=[1, 5, 7, 9] * 10, max_new_tokens=2).result().token_ids) == 2
@@ -677,7 +713,7 @@ def test_block_accounting_never_leaks_or_double_frees(ops, thr, attn):
         scheduler=SchedulerConfig(max_queue=6, max_num_seqs=4, max_prefill_tokens=64),
         bff=FusionConfig(threshold=thr, every=2, attention=attn, skip_first=1, skip_last=1),
         cff=FusionConfig(threshold=thr, every=2, chunk_tokens=8, attention=attn, skip_first=1, skip_last=1),
-        ratio=DEFAULT_RATIO,
+        settings=RequestSettings(ratio=DEFAULT_RATIO),
     )
     eng = Engine(m, cfg)
     handles = []
@@ -727,7 +763,12 @@ def test_blocks_running_out_preempt_the_newest_request_which_is_recomputed(model
         for c, q in zip(chunks, ("Lily saw", "Tom ran", "The dog"), strict=False)
     ]
     # 5 layers x 2 prompt blocks each: all three are admitted, then they grow past the 40 blocks
-    cfg = EngineConfig(num_blocks=40, attention=attention, hack={"preset": "paper"}, ratio=DEFAULT_RATIO)
+    cfg = EngineConfig(
+        num_blocks=40,
+        attention=attention,
+        hack={"preset": "paper"},
+        settings=RequestSettings(ratio=DEFAULT_RATIO),
+    )
     with Engine(model, cfg) as eng:
         hs = [eng.submit(**r) for r in reqs]
         while eng.has_unfinished():
@@ -748,7 +789,7 @@ def test_blocks_running_out_preempt_the_newest_request_which_is_recomputed(model
 # ---- stop strings ---------------------------------------------------------------------------------------
 def test_engine_stop_strings_never_leak_and_finish_reason_is_the_detokenizers(model, chunks):
     req = dict(prefix=[model.config.bos_token_id], chunks=chunks[:2], question=model.encode("Lily saw"))
-    with Engine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO)) as eng:
+    with Engine(model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))) as eng:
 
         def run(**params) -> tuple[list, object]:
             h = eng.submit(**req, mode="blend", params=SamplingParams(**params))
@@ -808,7 +849,7 @@ def test_a_finished_answer_is_committed_so_the_next_turn_reuses_it(model, chunks
     """The engine route of a chat: the answer's KV reaches the KV tree when the request ends (as in
     ``generate.stream``), so a follow-up whose prompt repeats prompt + answer computes only what it adds."""
     prompt = [1] + chunks[0][:40] + model.encode("Lily saw")
-    with Engine(model, EngineConfig(num_blocks=600, ratio=DEFAULT_RATIO)) as eng:
+    with Engine(model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))) as eng:
         first = eng.submit(prefix=prompt, mode="prefix", params=SamplingParams(max_new_tokens=6)).result()
         answer = first.token_ids
         assert answer
@@ -819,3 +860,27 @@ def test_a_finished_answer_is_committed_so_the_next_turn_reuses_it(model, chunks
     assert second.token_ids == _reference(
         model, dict(prefix=turn, chunks=[], question=[], mode="full", params=SamplingParams(max_new_tokens=5))
     )
+
+
+def test_the_engine_serves_an_llm_with_no_copies_of_its_parts():
+    """Issue 55: the engine plans, resolves chunk KV and reuses exact prefixes with its LLM's planner,
+    resolver and KV tree (the objects themselves); the config's settings are request defaults over the
+    LLM's, and its KV adapter stays the LLM's."""
+    from ragkv import LLM
+
+    model = stories_model()
+    llm = LLM(model, store=MemoryStore(), self_check_on_load=False)
+    with Engine(llm, EngineConfig(num_blocks=64, settings=RequestSettings("full"))) as eng:
+        assert eng.resolver is llm.resolver and eng.kv_tree is llm.kv_tree and eng.model is model
+        assert eng.make_request([1, 5], [[6, 7, 8]], [9]).plan.mode == "full"  # the config's default
+        assert eng.make_request([1, 5], [[6, 7, 8]], [9], mode="reuse").plan.mode == "reuse"
+    assert llm.plan().mode != "full"  # the LLM itself is unchanged
+    with pytest.raises(ValueError, match="adapter"):
+        Engine(llm, EngineConfig(settings=RequestSettings(adapter="off")))
+    alone = Engine(model, EngineConfig(num_blocks=64), store=MemoryStore())  # an LLM of its own
+    assert (
+        isinstance(alone.llm, LLM)
+        and alone.resolver is alone.llm.resolver
+        and alone.resolver.store is not None
+    )
+    alone.shutdown()

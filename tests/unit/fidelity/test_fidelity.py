@@ -13,6 +13,7 @@ import torch
 from ragkv import LLM, SamplingParams
 from ragkv.fidelity import GATE, choose, parse_fidelity, schedule_key
 from ragkv.fidelity.measure import Point, load_calibration_set, measure, monotone_violations, summarize
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.fidelity.report import (
     CALIBRATION_SET,
     SHIPPED_DIR,
@@ -276,11 +277,11 @@ def test_the_engine_runs_blend_at_the_gates_point(fidelity_cache):
     assert explicit.prefill_stats["mode"] == "blend" and explicit.prefill_stats["fidelity"]["outside_gate"]
     save_report(_report(m, LADDER), cache_path(m.fingerprint))
     GATE.forget()
-    with Engine(m, EngineConfig(num_blocks=200, fidelity="fast")) as eng:
+    with Engine(m, EngineConfig(num_blocks=200, settings=RequestSettings(fidelity="fast"))) as eng:
         fast = eng.submit(pre, chs, q, SamplingParams(max_new_tokens=2)).result()
     assert fast.prefill_stats["ratio"] == 0.3 and fast.prefill_stats["fidelity"]["point"] == "blend@0.3"
     with pytest.raises(ValueError, match="fidelity"):
-        EngineConfig(fidelity="often")
+        EngineConfig(settings=RequestSettings(fidelity="often"))
 
 
 def _tiny_calibration_set(tmp_path):

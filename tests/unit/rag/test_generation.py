@@ -16,6 +16,7 @@ from ragkv.blend.locate import Located
 from ragkv.blend.plan import BlendPlan
 from ragkv.blend.spans import SearchCancelled, cancel_scope
 from ragkv.engine import Engine, EngineConfig
+from ragkv.fidelity.plan import RequestSettings
 from ragkv.generate import SamplingParams
 from ragkv.rag import RAG, EngineGenerator, OptionNotServedError, RagAnswer
 from ragkv.rag.embedder import Embedder
@@ -47,7 +48,11 @@ def rag(tmp_path_factory):
 def engine_rag(rag):
     view = rag.using(
         EngineGenerator(
-            Engine(rag.model, EngineConfig(num_blocks=400, ratio=DEFAULT_RATIO), resolver=rag.resolver)
+            Engine(
+                rag.model,
+                EngineConfig(num_blocks=400, settings=RequestSettings(ratio=DEFAULT_RATIO)),
+                resolver=rag.resolver,
+            )
         )
     )
     yield view
@@ -95,7 +100,12 @@ def test_engine_refuses_what_it_cannot_honour(rag, engine_rag):
     """Options the engine has no equivalent for are refused, never silently dropped."""
     with pytest.raises(OptionNotServedError, match="auto"):
         list(engine_rag.answer_stream("What did Tom fly?", ratio="auto", max_new_tokens=2))
-    job = rag.job(rag.model.encode("Tom", add_bos=True), [], "blend", params=SamplingParams(max_new_tokens=2))
+    job = rag.job(
+        rag.model.encode("Tom", add_bos=True),
+        [],
+        RequestSettings("blend"),
+        params=SamplingParams(max_new_tokens=2),
+    )
     job.plan = _plan(BlendSchedule((1, 3), (0.3, 0.2), selector="kdev"))
     with pytest.raises(OptionNotServedError, match="check_layers"):
         list(engine_rag.generate(job))
@@ -111,7 +121,12 @@ def test_vllm_generator_refuses_ape_tempering(rag):
     from ragkv.remote.client import VllmClient, VllmGenerator
 
     ids = rag.model.encode("Tom flew a kite.", add_bos=True)
-    job = rag.job(ids, [Located("k", tuple(ids[1:]), 1, 0, len(ids) - 1)], "blend", params=SamplingParams())
+    job = rag.job(
+        ids,
+        [Located("k", tuple(ids[1:]), 1, 0, len(ids) - 1)],
+        RequestSettings("blend"),
+        params=SamplingParams(),
+    )
     gen = VllmGenerator(VllmClient("http://127.0.0.1:9", model="m"))
     job.plan = _plan(BlendSchedule.single(0.3, selector="kdev"))
     assert gen.kv_transfer_params(job)["ragkv"]["chunks"]
