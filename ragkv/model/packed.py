@@ -77,7 +77,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, slot: PackedWeight | None, b: torch
     (no autograd through it: a tensor that needs gradients takes the plain path)."""
     if slot is None or x.dim() != 2 or x.shape[0] == 0 or x.requires_grad or x.dtype != torch.float32:
         return F.linear(x, w, b)
-    packed = slot.get(w)
+    # a compiled graph takes the packed copy as it is (the version check is Python state it cannot trace)
+    packed = slot.packed if torch.compiler.is_compiling() else slot.get(w)
     if packed is None:
         return F.linear(x, w, b)
     _, pointwise = _ops()
