@@ -377,14 +377,21 @@ def generate(
 
 
 def collect(events: Iterator[TokenEvent]) -> Iterator[TokenEvent | tuple[str, list[int], str]]:
-    """Pass a generation's events through, then one ``(text, token ids, finish reason)``."""
+    """Pass a generation's events through, then one ``(text, token ids, finish reason)``: as soon as the
+    closing event is out, before the events' own end, where the decode loop may still commit the answer's
+    KV (``PrefillResult.on_finish``). A consumer that iterates on runs that work after it has the answer."""
     parts: list[str] = []
     ids: list[int] = []
     reason = "length"
+    summarized = False
     for ev in events:
         if ev.is_token:
             ids.append(ev.token_id)
         parts.append(ev.text)
         reason = ev.finish_reason or reason
         yield ev
-    yield "".join(parts), ids, reason
+        if ev.finish_reason is not None and not summarized:
+            summarized = True
+            yield "".join(parts), ids, reason
+    if not summarized:
+        yield "".join(parts), ids, reason

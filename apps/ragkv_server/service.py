@@ -335,16 +335,24 @@ class Service:
         self, spec: QuerySpec, disconnected: Disconnected | None = None
     ) -> AsyncIterator[TokenEvent | Final]:
         """Token events then a :class:`Final`: ``RAG.answer_stream`` in a worker thread (its generator
-        computes in that thread, in the batching engine or on a vLLM server)."""
-        async for item in self.run_stream(lambda wait: self._answer_iter(spec, wait), disconnected):
+        computes in that thread, in the batching engine or on a vLLM server). The stream ends at the
+        Final: what the worker does after it (committing the answer's KV to the KV tree for the next
+        turn) runs after the response is out, the worker held until it is done."""
+        async for item in self.run_stream(lambda wait: self._answer_iter(spec, wait), disconnected, Final):
             yield item
+            if isinstance(item, Final):
+                return
 
     async def run_stream(
-        self, make_iter: Callable[[float], Iterator[Any]], disconnected: Disconnected | None = None
+        self,
+        make_iter: Callable[[float], Iterator[Any]],
+        disconnected: Disconnected | None = None,
+        last: type | None = None,
     ) -> AsyncIterator[Any]:
         """The items of ``make_iter(queue seconds)``, produced in a worker thread under the query gate
         (admission, queue deadline enforced while waiting, cancellation when the consumer stops, the
-        client goes away or the server stops)."""
+        client goes away or the server stops). A consumer that stops after an item of type ``last``
+        (the answer) does not cancel the worker: it finishes what follows (the answer's KV commit)."""
         if self._closed:
             raise UnavailableError("server is shutting down")
         try:
@@ -389,6 +397,7 @@ class Service:
             self.queries.finished(False)
             raise UnavailableError("server is shutting down") from e
         deadline = t_in + self.settings.queue_timeout_s
+        answered = False
         try:
             while True:
                 try:
@@ -408,9 +417,11 @@ class Service:
                         ticket.drop()
                         raise ClientGoneError("client went away") from None
                     continue
+                answered = last is not None and isinstance(item, last)
                 yield item
         finally:
-            cancel.set()
+            if not answered:
+                cancel.set()
             items.close()
 
     @contextmanager

@@ -236,3 +236,22 @@ def test_request_params_is_the_one_conversion():
     assert q == SamplingParams(12, 1.0, 0.5, 0, 7, ("END",), (2, 9))
     assert request_params(stop=["a", "b"], default_max_tokens=16).stop == ("a", "b")
     assert request_params(stop=None).stop_token_ids is None  # the model's EOS
+
+
+def test_the_answer_is_out_before_the_decode_loop_commits_its_kv():
+    """``collect`` hands over the whole answer as soon as the closing event is out; the prefill's
+    ``on_finish`` (the KV tree's commit) runs only when the consumer iterates on, so a service sends its
+    response first and does that work after (its worker held until it is done)."""
+    from ragkv.generate import collect
+
+    m = stories_model()
+    res = prefill(m, [], [], m.encode("Once upon a time"), "full")
+    calls: list[list[int]] = []
+    res.on_finish = lambda answer, wait=True: calls.append(list(answer))
+    it = collect(stream(m, res, SamplingParams(max_new_tokens=6, stop_token_ids=())))
+    for item in it:
+        if isinstance(item, tuple):
+            text, ids, reason = item
+            break
+    assert reason == "length" and len(ids) == 6 and calls == []  # the answer is out, nothing committed yet
+    assert list(it) == [] and calls == [ids]  # iterating on ends the loop: the answer committed once
