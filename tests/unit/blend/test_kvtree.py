@@ -171,7 +171,12 @@ def test_pages_that_straddle_nodes_are_stored_with_the_rows_of_full_prefill(tmp_
     ids = _ids(m, 4 * PAGE_TOKENS + 7)
     url = str(tmp_path / "kv")
     a = KVTree(store=store_from_url(url))
-    for cut in (PAGE_TOKENS // 2 + 3, 2 * PAGE_TOKENS - 5, 3 * PAGE_TOKENS + 1, len(ids)):  # nodes off the pages
+    for cut in (
+        PAGE_TOKENS // 2 + 3,
+        2 * PAGE_TOKENS - 5,
+        3 * PAGE_TOKENS + 1,
+        len(ids),
+    ):  # nodes off the pages
         prefill(m, ids[:cut], [], [], "prefix", prefix_cache=a)
     assert a.flush() and a.stats()["store_pages_written"] == 4
     match = a.match(m, ids, len(ids) - 1)
