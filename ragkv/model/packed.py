@@ -52,12 +52,20 @@ class PackedWeight:
     __slots__ = ("source", "version", "packed")
 
     def __init__(self, w: torch.Tensor):
-        self.source, self.version, self.packed = w, w._version, pack(w)
+        self.source, self.version, self.packed = w, _version(w), pack(w)
 
     def get(self, w: torch.Tensor) -> torch.Tensor | None:
-        if w is not self.source or w._version != self.version:
-            self.source, self.version, self.packed = w, w._version, pack(w)
+        if w is not self.source or _version(w) != self.version:
+            self.source, self.version, self.packed = w, _version(w), pack(w)
         return self.packed
+
+
+def _version(w: torch.Tensor) -> int | None:
+    """``w``'s in-place version counter (None for an inference-mode tensor, which keeps none)."""
+    try:
+        return w._version
+    except RuntimeError:
+        return None
 
 
 def pack(w: torch.Tensor) -> torch.Tensor | None:
@@ -74,8 +82,15 @@ def pack(w: torch.Tensor) -> torch.Tensor | None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, slot: PackedWeight | None, b: torch.Tensor | None = None):
     """``F.linear(x, w, b)`` of rows ``x [n, in]``, on ``w``'s packed copy in ``slot`` when there is one
-    (no autograd through it: a tensor that needs gradients takes the plain path)."""
-    if slot is None or x.dim() != 2 or x.shape[0] == 0 or x.requires_grad or x.dtype != torch.float32:
+    (no autograd through it: an input or weight that needs gradients takes the plain path)."""
+    if (
+        slot is None
+        or x.dim() != 2
+        or x.shape[0] == 0
+        or x.requires_grad
+        or w.requires_grad
+        or x.dtype != torch.float32
+    ):
         return F.linear(x, w, b)
     # a compiled graph takes the packed copy as it is (the version check is Python state it cannot trace)
     packed = slot.packed if torch.compiler.is_compiling() else slot.get(w)

@@ -60,3 +60,18 @@ def test_the_tree_root_names_the_gemm(monkeypatch):
     plain = random_model("llama", seed=1)
     assert (packed.gemm, plain.gemm) == ("onednn-packed", "aten")
     assert packed.fingerprint == plain.fingerprint and tree_root(packed) != tree_root(plain)
+
+
+@needs_packing
+def test_weights_made_in_inference_mode_or_needing_gradients():
+    """An inference-mode weight keeps no version counter: it is packed all the same; a weight or input
+    that needs gradients takes the plain path (no autograd through the packed op)."""
+    with torch.inference_mode():
+        w = torch.randn(64, 32)
+        slot = PackedWeight(w)
+        x = torch.randn(8, 32)
+        torch.testing.assert_close(linear(x, w, slot), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    wg = torch.randn(64, 32, requires_grad=True)
+    out = linear(torch.randn(8, 32), wg, PackedWeight(wg.detach()))
+    out.sum().backward()
+    assert wg.grad is not None
