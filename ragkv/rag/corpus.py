@@ -63,7 +63,7 @@ class Document:
 
 @dataclass
 class IngestReport:
-    doc_ids: list[str]
+    doc_ids: list[str] = field(default_factory=list)
     documents_added: int = 0
     documents_unchanged: int = 0
     chunks_added: int = 0

@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ragkv.rag.collections import collection_name
+from ragkv.rag.corpus import IngestReport
 from ragkv.rag.index import IndexFullError, PendingDocument, text_sha
 
 if TYPE_CHECKING:
@@ -442,25 +443,17 @@ def _pool(size: int | tuple[int, int]):
 
 # ---- the driver -----------------------------------------------------------------------------------------
 @dataclass
-class DatasetIngestReport:
-    """What a pipeline run did. ``doc_ids``: the documents committed by this run (acknowledged);
-    ``errors``: ``{"doc_id", "source", "error"}`` of every document not ingested, the rest went on."""
+class DatasetIngestReport(IngestReport):
+    """What a pipeline run did: the single-process :class:`IngestReport`'s counts (``doc_ids``: the
+    documents committed by this run, acknowledged), and ``errors``: ``{"doc_id", "source", "error"}`` of
+    every document not ingested (the rest went on)."""
 
-    doc_ids: list[str] = field(default_factory=list)
     documents: int = 0
-    documents_added: int = 0
-    documents_unchanged: int = 0
-    chunks_added: int = 0
-    kv_computed: int = 0
-    kv_already_stored: int = 0
-    #: computed but not stored (store down or full): indexed and answerable, recomputed when used
-    kv_not_stored: int = 0
     first_level_computed: int = 0
     first_level_stored: int = 0
     first_level_not_stored: int = 0
     errors: list[dict] = field(default_factory=list)
     workers: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
