@@ -153,6 +153,22 @@ def wait_for_server(
     raise RuntimeError(f"server did not start within {timeout_s:g} s:\n{log_path.read_text()[-3000:]}")
 
 
+def wait_until_idle(base: str, timeout_s: float = 120) -> None:
+    """Return once the server at ``base`` runs and queues no query (``/healthz``): a response ends at
+    the answer and its worker then commits the answer's KV, so another process on the same store
+    finds it only after that. TimeoutError if still busy after ``timeout_s``."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        h = httpx.get(base + "/healthz", timeout=10).json()
+        if not h["running"] and not h["queued"]:
+            return
+        if time.time() > deadline:
+            raise TimeoutError(f"server {base} still busy after {timeout_s:g} s: {h}")
+        time.sleep(0.05)
+
+
 def launch_server(
     env: dict[str, str], log_path: Path, timeout_s: float = 300, fork: bool = False, cwd: Path | None = None
 ) -> tuple[subprocess.Popen | ForkedProcess, str]:

@@ -18,7 +18,7 @@ import pytest
 from helpers_service import LIMITS
 
 from ragkv.testing import musique_docs
-from ragkv_server.testing import launch_server, stop_server
+from ragkv_server.testing import launch_server, stop_server, wait_until_idle
 
 ray = pytest.importorskip("ray")
 
@@ -81,6 +81,7 @@ def test_two_services_serve_what_the_ray_pipeline_ingested_after_a_reload(
         assert on_a["sources"][0]["doc_id"] in {d["id"] for d in docs}
         # the first retrieved chunk's exact KV after the prompt head was precomputed by the Ray workers
         assert on_a["stats"]["store_tokens"] > 0, on_a["stats"]
+        wait_until_idle(servers[0][1])  # a's worker commits the prompt's KV after the response
         on_b = b.post("/v1/query", json=question).json()
         assert on_b["answer"] == on_a["answer"] and on_b["sources"] == on_a["sources"]
         assert on_b["stats"]["cached_tokens"] >= 0.9 * on_b["stats"]["num_tokens"], on_b["stats"]
