@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ragkv.aio import ThreadItems
+from ragkv.attention.buffers import KV_BUFFERS
 from ragkv.blend.gate import gate_state
 from ragkv.blend.spans import SearchCancelled, cancel_scope, expect_model
 from ragkv.fidelity.plan import RequestSettings
@@ -664,6 +665,19 @@ class Service:
                 "chunk store counters (hits, misses, puts, bytes read/written ...)",
                 lambda: {(k,): v for k, v in self.rag.store.stats().items() if isinstance(v, (int, float))},
                 ("op",),
+            )
+        )
+        r.add(
+            Gauge(
+                "ragkv_kv_buffers",
+                "the process's pool of KV buffers (exact passes, decode caches): bytes held, and buffers "
+                "handed out again (reused) or newly allocated (each new one page-faults on first use)",
+                lambda: {
+                    ("bytes",): KV_BUFFERS.nbytes(),
+                    ("reused",): KV_BUFFERS.reused,
+                    ("allocated",): KV_BUFFERS.allocated,
+                },
+                ("figure",),
             )
         )
         r.add(

@@ -12,12 +12,14 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ragkv.attention.buffers import KV_BUFFERS
 from ragkv.blend.core import PrefillResult, PromptKV
-from ragkv.blend.kvtree import KVTree, TreeMatch
-from ragkv.model.forward import exact_forward
+from ragkv.blend.kvtree import KVTree, TreeMatch, tree_root
+from ragkv.model.forward import exact_forward, exact_pass_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,55 @@ def _split_invariant(model) -> bool:
     return True
 
 
+@dataclass(frozen=True, eq=False)
+class KeptRows:
+    """What a kept pass buffer holds (:meth:`ragkv.attention.buffers.BufferPool.keep`): the exact K/V of
+    ``ids`` for one model object under one tree root. The next pass over a longer prompt that starts
+    with these ids (a chat's next turn) writes after them in place instead of copying its cached prefix
+    out of the tree's nodes; the tree still decides what is cached (these rows are bit-identical to its
+    nodes', both exact passes over the same ids)."""
+
+    root: str
+    model: int
+    ids: tuple[int, ...]
+
+    def shared(self, root: str, model: int, ids: tuple[int, ...], limit: int) -> int:
+        """Leading ids (at most ``limit``) these rows hold for a pass over ``ids``; 0 for another model."""
+        if root != self.root or model != self.model:
+            return 0
+        limit = min(limit, len(ids), len(self.ids))
+        if self.ids[:limit] == ids[:limit]:
+            return limit
+        lo, hi = 0, limit  # the longest equal prefix (tuple comparison runs in C)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.ids[:mid] == ids[:mid] else (lo, mid - 1)
+        return lo
+
+
+def _claim_kept(
+    model, root: str, ids: tuple[int, ...], m: int
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Free pass buffers that hold the first rows of ``ids`` (at most ``m``: what the tree matched; at
+    least half of them), with room for this pass: ``(k, v, rows kept)``, or None."""
+    cfg = model.config
+    shape = (cfg.num_layers, exact_pass_rows(model, len(ids), m), cfg.num_kv_heads, cfg.head_dim)
+
+    def score(tag: object) -> int:  # another conversation's rows (a short shared head) are not taken
+        shared = tag.shared(root, id(model), ids, m) if isinstance(tag, KeptRows) else 0
+        return shared if 2 * shared >= m else 0
+
+    got = KV_BUFFERS.claim(
+        score,
+        {"k": shape, "v": shape},
+        model.dtype,
+    )
+    if got is None:
+        return None
+    tag, bufs = got
+    return bufs["k"], bufs["v"], tag.shared(root, id(model), ids, m)
+
+
 def exact_prefill(
     model,
     ids: Sequence[int],
@@ -75,6 +126,7 @@ def exact_prefill(
     reuse: bool = True,
     wait: bool = False,
     commit_answer: bool = True,
+    kept: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> PrefillResult:
     """Prefill ``ids`` exactly, reusing ``tree``'s longest cached prefix (``reuse``) and inserting the
     computed rows (``insert``, nodes ending at ``boundaries``). ``stats``: ``cached_tokens`` (exact rows
@@ -83,7 +135,10 @@ def exact_prefill(
     for the store (ingest) instead of dropping them when the writer is behind (requests).
     ``commit_answer``: the result's ``on_finish(answer, wait=True)`` commits the generated answer's KV
     (:func:`commit`); with ``wait`` it first waits (``tree.persist_wait_s`` at most) for the prompt's
-    pages to reach the store (the batching engine does not: other requests share its step)."""
+    pages to reach the store (the batching engine does not: other requests share its step).
+    ``kept``: ``(k, v, rows)`` buffers whose first rows hold an earlier exact pass over these ids (the
+    prompt's own, when its answer is committed); without it, a free kept buffer is looked for
+    (:class:`KeptRows`). Either way the pass appends in place instead of copying the cached prefix."""
     t0 = time.perf_counter()
     ids = [int(t) for t in ids]
     n = len(ids)
@@ -98,14 +153,20 @@ def exact_prefill(
     match: TreeMatch | None = tree.match(model, ids, limit) if (tree is not None and reuse) else None
     try:
         m = match.tokens if match is not None else 0
+        root = tree_root(model) if tree is not None else ""
+        if m and kept is None:
+            kept = _claim_kept(model, root, tuple(ids), m)
         t_pass = time.perf_counter()
-        ep = exact_forward(model, ids, match.parts if m else (), probe_rows=probe_rows)
+        ep = exact_forward(
+            model, ids, match.parts if m else (), probe_rows=probe_rows, buffers=kept if m else None
+        )
         seconds = time.perf_counter() - t_pass
         queued: list[str] = []
         if tree is not None:
             tree.cost.observe(n - m, m, seconds)
             if insert:
                 queued = tree.insert(model, ids, m, ep.k[:, m:], ep.v[:, m:], boundaries, wait=wait)
+                KV_BUFFERS.keep({"k": ep.k, "v": ep.v}, KeptRows(root, id(model), tuple(ids)))
     finally:
         if match is not None:
             tree.release(match)
@@ -136,19 +197,28 @@ def exact_prefill(
         def finish(answer: list[int], wait: bool = True) -> None:
             if wait:
                 tree.wait_persisted(queued)  # the prompt's pages in the store before the request ends
-            if commits:
-                commit(model, tree, ids, answer)
+            if commits:  # after the prompt's rows, in its own buffers (the decode has its own copy)
+                whole_k, whole_v = KV_BUFFERS.whole(ep.k), KV_BUFFERS.whole(ep.v)
+                rows = (whole_k, whole_v, n) if whole_k is not None and whole_v is not None else None
+                commit(model, tree, ids, answer, rows)
 
         res.on_finish = finish
     return res
 
 
-def commit(model, tree: KVTree, prompt: Sequence[int], answer: Sequence[int]) -> None:
+def commit(
+    model,
+    tree: KVTree,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    kept: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+) -> None:
     """Put the exact KV of ``prompt + answer`` (the prompt already in the tree) into the tree: the next
     turn of a chat, whose prompt repeats both, then computes only what it adds. The answer's rows are
-    computed again by an exact pass (decode computes them one at a time, another order)."""
+    computed again by an exact pass (decode computes them one at a time, another order). ``kept``: the
+    prompt's pass buffers (:func:`exact_prefill`), appended to in place."""
     ids = [int(t) for t in prompt] + [int(t) for t in answer]
     if len(ids) > model.config.max_position or not answer:
         return
     with torch.inference_mode():
-        exact_prefill(model, ids, tree, commit_answer=False)
+        exact_prefill(model, ids, tree, commit_answer=False, kept=kept)

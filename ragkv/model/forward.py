@@ -390,6 +390,7 @@ def exact_forward(
     token_ids,
     cached: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     probe_rows: torch.Tensor | None = None,
+    buffers: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> ExactPass:
     """Prefill ``token_ids`` after an exact cached prefix, bit-identical to a pass with nothing cached:
     every row's result depends on its position and the tokens up to it only. ``cached``: post-RoPE
@@ -399,7 +400,10 @@ def exact_forward(
     Passes shorter than :data:`EXACT_MIN_ROWS`, or not a multiple of :func:`exact_row_multiple` rows, are
     padded with dummy rows after the prompt (causally invisible to it). Sliding-window layers are not split-invariant: callers check
     :func:`exact_supported` first. ``probe_rows``: computed positions whose attention probabilities
-    are kept (diagnostics).
+    are kept (diagnostics). ``buffers``: ``(k, v, have)``, buffers ``[L, rows, Hkv, D]`` whose first
+    ``have`` rows already hold the first rows of ``cached`` (an earlier pass over the same ids, e.g. the
+    previous chat turn's): the pass writes into them and copies only the cached rows after ``have``
+    (used when they have room for the pass and their last kept row equals ``cached``'s).
     """
     ids = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids, dtype=torch.long)
     ids = ids.flatten().cpu()
@@ -411,18 +415,24 @@ def exact_forward(
     if hasattr(model, "check_length"):
         model.check_length(n)
     new = n - m
-    unit = exact_row_multiple(model)
-    pad = max(EXACT_MIN_ROWS, -(-new // unit) * unit) - new
+    total = exact_pass_rows(model, n, m)
+    pad = total - n
     run_ids = torch.cat([ids[m:], ids[-1:].repeat(pad)]) if pad else ids[m:]
-    total = n + pad
     shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
-    k = KV_BUFFERS.empty(shape, model.dtype, dev)  # reused memory: no page faults per turn
-    v = KV_BUFFERS.empty(shape, model.dtype, dev)
+    have = _kept_rows(buffers, cached, shape, m, model.dtype)
+    if have:
+        k, v = buffers[0][:, :total], buffers[1][:, :total]
+    else:
+        k = KV_BUFFERS.empty(shape, model.dtype, dev)  # reused memory: no page faults per turn
+        v = KV_BUFFERS.empty(shape, model.dtype, dev)
     at = 0
     for ck, cv in cached:
-        k[:, at : at + ck.shape[1]] = ck
-        v[:, at : at + cv.shape[1]] = cv
-        at += int(ck.shape[1])
+        rows = int(ck.shape[1])
+        if at + rows > have:  # the rows not already in place
+            skip = max(0, have - at)
+            k[:, at + skip : at + rows] = ck[:, skip:]
+            v[:, at + skip : at + rows] = cv[:, skip:]
+        at += rows
     h = model.embed(run_ids.to(dev))
     positions = torch.arange(m, total, device=dev)
     if probe_rows is not None and bool((probe_rows < m).any() | (probe_rows >= n).any()):
@@ -432,6 +442,44 @@ def exact_forward(
     logits = model.logits(h[new - 1 : new])[0].float()
     probes = [p[..., :n] for p in kv.probes] if probe_rows is not None else None
     return ExactPass(logits, k[:, :n], v[:, :n], m, probes)
+
+
+def exact_pass_rows(model: LayerModel, n: int, m: int) -> int:
+    """Rows of the K/V buffers an exact pass over ``n`` ids after ``m`` cached ones fills: the prompt and
+    the dummy rows that pad the computed ones (:data:`EXACT_MIN_ROWS`, :func:`exact_row_multiple`)."""
+    new = n - m
+    unit = exact_row_multiple(model)
+    return m + max(EXACT_MIN_ROWS, -(-new // unit) * unit)
+
+
+def _kept_rows(
+    buffers: tuple[torch.Tensor, torch.Tensor, int] | None,
+    cached: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    shape: tuple[int, ...],
+    m: int,
+    dtype: torch.dtype,
+) -> int:
+    """How many leading rows of ``buffers`` a pass of ``shape`` after ``m`` cached rows can keep: 0 when
+    none are given, they have no room, or their first or last kept row is not ``cached``'s (a guard
+    against a buffer written since it was kept; the rows are an earlier exact pass's, bit-identical to
+    the tree's)."""
+    if buffers is None:
+        return 0
+    bk, bv, have = buffers
+    have = min(int(have), m)
+    fits = bk.shape[1] >= shape[1] and bv.shape[1] >= shape[1] and tuple(bk.shape[2:]) == shape[2:]
+    if have <= 0 or not fits or bk.dtype != dtype or bv.dtype != dtype or not cached:
+        return 0
+    if not (torch.equal(bk[:, 0], cached[0][0][:, 0]) and torch.equal(bv[:, 0], cached[0][1][:, 0])):
+        return 0
+    at = 0
+    for ck, cv in cached:  # the cached run that holds row have - 1
+        if at + ck.shape[1] >= have:
+            r = have - 1 - at
+            same = torch.equal(bk[:, have - 1], ck[:, r]) and torch.equal(bv[:, have - 1], cv[:, r])
+            return have if same else 0
+        at += int(ck.shape[1])
+    return 0
 
 
 def exact_supported(model: LayerModel) -> bool:

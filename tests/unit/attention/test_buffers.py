@@ -108,3 +108,29 @@ def test_head_major_buffers_round_their_rows_not_their_heads():
     assert (
         pool.empty((30, 1010, 3, 64), torch.float32).untyped_storage().data_ptr() != ptr
     )  # row-major: its own
+
+
+def test_kept_buffers_are_handed_out_last_and_claimed_by_their_tag():
+    pool = BufferPool()
+    k, v = pool.empty(SHAPE, torch.float32), pool.empty(SHAPE, torch.float32)
+    tag = object()
+    pool.keep({"k": k, "v": v}, tag)
+    ptrs = {k.data_ptr(), v.data_ptr()}
+    other = pool.empty(SHAPE, torch.float32)  # both kept ones are in use still: a new buffer
+    del k, v
+    spare = pool.empty(SHAPE, torch.float32)  # `other` is in use; a free untagged one is preferred ...
+    assert spare.data_ptr() in ptrs  # ... but there is none: a kept one, which loses its tag
+    del spare, other
+    assert pool.claim(lambda t: 1, {"k": SHAPE, "v": SHAPE}, torch.float32) is None  # its pair is broken
+    a, b = pool.empty(SHAPE, torch.float32), pool.empty(SHAPE, torch.float32)
+    pool.keep({"k": a, "v": b}, tag)
+    held = a
+    del a, b
+    assert pool.claim(lambda t: 1, {"k": SHAPE, "v": SHAPE}, torch.float32) is None  # `k` still viewed
+    del held
+    assert pool.claim(lambda t: 0, {"k": SHAPE, "v": SHAPE}, torch.float32) is None  # scored out
+    got = pool.claim(lambda t: 5 if t is tag else 0, {"k": (30, 900, 3, 64), "v": SHAPE}, torch.float32)
+    assert got is not None and got[0] is tag and got[1]["k"].shape == (30, 900, 3, 64)
+    assert pool.claimed == 2
+    del got
+    assert pool.claim(lambda t: 1, {"k": SHAPE, "v": SHAPE}, torch.float32) is None  # claimed: untagged

@@ -366,3 +366,55 @@ def test_a_request_ends_with_its_prompt_in_the_store_for_the_next_process(tmp_pa
     keys = c.insert(m, ids, 0, ep.k, ep.v)
     assert len(keys) == 4 and not c.wait_persisted(keys)  # 0.1 s: not yet
     assert c.flush() and c.wait_persisted(keys)
+
+
+def _pooled(monkeypatch):
+    """Pool the tiny model's pass buffers too (the default model's are pooled from ~350 tokens)."""
+    from ragkv.attention import buffers
+
+    monkeypatch.setattr(buffers, "MIN_POOLED_BYTES", 0)
+    return buffers.KV_BUFFERS
+
+
+def test_a_chat_turn_appends_to_the_previous_turns_rows_in_place(monkeypatch):
+    """The answer's commit extends the prompt's own pass buffer and the next turn claims it back: no copy
+    of the cached prefix out of the tree, and still full prefill's bits."""
+    from ragkv.generate import SamplingParams, generate
+
+    pool = _pooled(monkeypatch)
+    m = _model()
+    tree = KVTree()
+    prompt = _ids(m, 70)
+    res = exact_prefill(m, prompt, tree)
+    address = res.kv.k.data_ptr()
+    gen = generate(m, res, SamplingParams(max_new_tokens=6, stop_token_ids=()))
+    del res  # the request is over: its buffers are free, and keep the prompt + answer rows
+    claimed = pool.claimed
+    turn2 = prompt + gen.token_ids + _ids(m, 20, seed=4)
+    got = exact_prefill(m, turn2, tree)
+    assert pool.claimed == claimed + 2 and got.kv.k.data_ptr() == address  # K and V found again
+    assert got.stats["cached_tokens"] == len(prompt) + 6
+    full = exact_prefill(m, turn2)
+    assert torch.equal(got.logits, full.logits)
+    assert torch.equal(got.kv.k, full.kv.k) and torch.equal(got.kv.v, full.kv.v)
+
+
+def test_kept_rows_in_use_or_written_since_are_not_used(monkeypatch):
+    """A buffer another request still views is not claimed (the rows it reads stay as they were); one
+    whose kept rows were written since is claimed but not used (the guard): full prefill's bits."""
+    pool = _pooled(monkeypatch)
+    m = _model()
+    tree = KVTree()
+    ids = _ids(m, 120)
+    first = exact_prefill(m, ids[:80], tree)
+    before = first.kv.k.clone()
+    claimed = pool.claimed
+    second = exact_prefill(m, ids[:100], tree)  # `first` still views its buffer: not claimed
+    assert pool.claimed == claimed and torch.equal(first.kv.k, before)
+    assert torch.equal(second.logits, exact_prefill(m, ids[:100]).logits)
+    pool.whole(second.kv.k)[:, 0] += 1.0  # a writer that broke the contract
+    del first, second
+    third = exact_prefill(m, ids, tree)
+    assert pool.claimed == claimed + 2  # found by its tag, then refused by the guard
+    full = exact_prefill(m, ids)
+    assert torch.equal(third.logits, full.logits) and torch.equal(third.kv.k, full.kv.k)
