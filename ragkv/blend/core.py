@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -136,6 +136,11 @@ class BlendSchedule:
     @property
     def target_ratio(self) -> float:
         return self.ratios[-1]
+
+    def options_key(self) -> str:
+        """These blend options with the ratio left out: what a fidelity report's ladder (which varies
+        the ratio alone) depends on, and so part of the report's identity."""
+        return repr(replace(self, ratios=(1.0,)))
 
 
 @dataclass
