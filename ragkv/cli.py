@@ -189,13 +189,13 @@ def _demo(args) -> int:
 
 def _print_fidelity(llm, op, png: Path) -> None:
     """The operating point blend runs at, and the model's fidelity curve (a short table and a plot)."""
-    from ragkv.fidelity import GATE
+    from ragkv.fidelity import GATE, ReportKey
     from ragkv.fidelity.plot import plot_report
 
     if op is None:
         return
     print(f"fidelity gate: {op.describe()}")
-    report = GATE.report(llm.model.fingerprint, llm.settings.schedule)
+    report = GATE.report(ReportKey(llm.model.fingerprint))  # the report the gate chose ``op`` from
     if report is None:
         return
     print(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -136,6 +136,24 @@ class BlendSchedule:
     @property
     def target_ratio(self) -> float:
         return self.ratios[-1]
+
+    def question_pass_costs_more(self, row_class: torch.Tensor) -> bool:
+        """Whether a question pass over the prompt of ``row_class`` costs at least a full recompute of
+        its reused rows: ``n_question >= (1 - ratio) * n_reused`` (short chunks beside a long question).
+        Counted on the question's rows (after the last reused row) only, not on an uncached head's, so
+        a query blends the same way whether the prefix cache is warm or not. Never at ratio 0, which
+        stays plain reuse."""
+        ratio = self.target_ratio
+        reused = (row_class == REUSED).nonzero().flatten()
+        if ratio <= 0.0 or reused.numel() == 0:
+            return False
+        n_question = int((row_class[int(reused[-1]) + 1 :] == COMPUTED).sum())
+        return n_question >= (1.0 - ratio) * reused.numel()
+
+    def options_key(self) -> str:
+        """These blend options with the ratio left out: what a fidelity report's ladder (which varies
+        the ratio alone) depends on, and so part of the report's identity."""
+        return repr(replace(self, ratios=(1.0,)))
 
 
 @dataclass
@@ -597,14 +615,19 @@ class HeldLayers:
         self.source.close()
 
 
-def question_pass_selection(
+def qpass_rows(
     model, token_ids, row_class, source, schedule: BlendSchedule
 ) -> tuple[torch.Tensor, list[int]]:
-    """ProphetKV / InfoFlow: the question alone over the reused KV; the reused rows it attends to most.
+    """The ``qpass`` selector's choice, for serving and for training alike: ``(reused rows to recompute
+    on every layer, rows the question pass computed per layer)``.
 
-    Returns ``(rows to recompute on every layer, rows computed per layer by the pass)``. Rows are
-    ranked by the question's attention mass averaged over ``schedule.score_layers``; seam rows first.
+    ProphetKV / InfoFlow: the question alone over the reused KV; the reused rows it attends to most,
+    ranked by the question's attention mass averaged over ``schedule.score_layers``, seam rows first.
+    Every reused row, and no pass, when the pass would cost more than that
+    (:meth:`BlendSchedule.question_pass_costs_more`: exact, and cheaper).
     """
+    if schedule.question_pass_costs_more(row_class):
+        return (row_class == REUSED).nonzero().flatten(), []
     reused = (row_class == REUSED).to(model.device)
     kv = BlendKV(
         model, row_class, None, stored=source, stored_rows=(row_class != COMPUTED).nonzero().flatten()
@@ -622,30 +645,6 @@ def question_pass_selection(
         chosen &= torch.cumsum(chosen.long(), 0) <= keep_n
     chosen |= _top(score[cand], chosen, keep_n - int(chosen.sum()))
     return cand[chosen], kv.recomputed
-
-
-def _pass_costs_more(row_class: torch.Tensor, schedule: BlendSchedule) -> bool:
-    """Whether the question pass costs at least a full recompute of the reused rows: ``n_question >=
-    (1 - ratio) * n_reused`` (short chunks beside a long question). Counted on the question's rows (after
-    the last reused row) only, not on an uncached head's, so a query blends the same way whether the
-    prefix cache is warm or not. Never at ratio 0, which stays plain reuse."""
-    ratio = schedule.target_ratio
-    reused = (row_class == REUSED).nonzero().flatten()
-    if ratio <= 0.0 or reused.numel() == 0:
-        return False
-    n_question = int((row_class[int(reused[-1]) + 1 :] == COMPUTED).sum())
-    return n_question >= (1.0 - ratio) * reused.numel()
-
-
-def qpass_rows(
-    model, token_ids, row_class, source, schedule: BlendSchedule
-) -> tuple[torch.Tensor, list[int]]:
-    """The ``qpass`` selector's choice, for serving and for training alike: ``(reused rows to recompute
-    on every layer, rows the question pass computed per layer)``. Every reused row, and no pass, when
-    the pass would cost more than that (:func:`_pass_costs_more`: exact, and cheaper)."""
-    if _pass_costs_more(row_class, schedule):
-        return (row_class == REUSED).nonzero().flatten(), []
-    return question_pass_selection(model, token_ids, row_class, source, schedule)
 
 
 @torch.inference_mode()
@@ -688,7 +687,7 @@ def selective_prefill(
     held = None
     blending = schedule is not None and bool((row_class == REUSED).any())
     if blending and schedule.selector == "qpass" and preselected is None:
-        if not _pass_costs_more(row_class, schedule):  # a pass, then the blend: the source read once
+        if not schedule.question_pass_costs_more(row_class):  # a pass, then the blend: the source read once
             held = source = HeldLayers(source)
         try:
             preselected, pass_rows = qpass_rows(model, token_ids, row_class, source, schedule)

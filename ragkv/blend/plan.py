@@ -82,13 +82,6 @@ class BlendPlan:
         sched = rebase(self.schedule, float(ratio)) if self.schedule is not None else None
         return dataclasses.replace(self, ratio=float(ratio), schedule=sched)
 
-    def on(self, schedule: BlendSchedule) -> BlendPlan:
-        """This plan with ``schedule``'s blend options at the plan's ratio (an owner's options for a
-        plan that has none of its own); :class:`BlendPlanError` if ``schedule`` is gradual."""
-        if self.auto:
-            return dataclasses.replace(self, schedule=schedule)
-        return dataclasses.replace(self, schedule=rebase(schedule, float(self.ratio)))
-
     def prefill_args(self) -> dict:
         """``mode``, ``ratio`` and ``schedule`` as :func:`ragkv.blend.prefill` takes them."""
         sched = self.blend_schedule()

@@ -20,7 +20,6 @@ import torch
 
 from ragkv.blend import ChunkResolver, KVTree, prefill
 from ragkv.blend.plan import BlendPlan, BlendPlanError
-from ragkv.defaults import Mode
 from ragkv.engine import joint
 from ragkv.engine.block_manager import OutOfBlocksError
 from ragkv.engine.metrics import EngineMetrics, FusionStats
@@ -159,11 +158,10 @@ class Engine:
         defaults (:attr:`planner`: ``blend`` with no ratio and no config schedule runs at the fidelity
         gate's point; a ratio with the config's gradual schedule is refused, never overridden). The
         point is in the prefill stats."""
-        schedule = self.planner.settings.schedule
         if plan is None:
             plan = self.planner.plan(RequestSettings(mode, ratio, fidelity=fidelity))
-        elif plan.mode == Mode.BLEND and plan.schedule is None and schedule is not None:
-            plan = plan.on(schedule)  # the engine's blend options at the plan's ratio
+        else:
+            plan = self.planner.fill(plan)  # the engine's blend options at the plan's ratio
         if plan.auto:
             raise BlendPlanError("ratio 'auto' (the RAG's loading controller) is not served by the engine")
         params = params or SamplingParams(**sampling)

@@ -10,9 +10,8 @@ from ragkv.fidelity.choose import (
     explicit_point,
     operating_point,
     parse_fidelity,
-    schedule_key,
 )
-from ragkv.fidelity.report import FidelityReport, PointStats, ReportError, load_report
+from ragkv.fidelity.report import FidelityReport, PointStats, ReportError, ReportKey, load_report
 
 __all__ = [
     "DEFAULT_FAST_SPEEDUP",
@@ -22,10 +21,10 @@ __all__ = [
     "OperatingPoint",
     "PointStats",
     "ReportError",
+    "ReportKey",
     "choose",
     "explicit_point",
     "load_report",
     "operating_point",
     "parse_fidelity",
-    "schedule_key",
 ]

@@ -19,14 +19,12 @@ or the model has no trusted report, the request runs exact, and one log line say
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
 
-from ragkv.blend.core import BlendSchedule
 from ragkv.defaults import DEFAULT_FIDELITY
-from ragkv.fidelity.report import FidelityReport, PointStats, load_report
+from ragkv.fidelity.report import FidelityReport, PointStats, ReportKey, load_report
 
 log = logging.getLogger("ragkv.fidelity")
 
@@ -63,11 +61,6 @@ def parse_fidelity(value: str | float | None) -> str:
         raise ValueError(
             f"fidelity must be one of {NAMED}, 'fast:X' (X > 1) or a number in (0, 1]; got {value!r}"
         ) from None
-
-
-def schedule_key(schedule: BlendSchedule | None) -> str:
-    """What a report's ladder depends on: the blend schedule with its ratio left out."""
-    return repr(dataclasses.replace(schedule or BlendSchedule(), ratios=(1.0,)))
 
 
 @dataclass(frozen=True)
@@ -203,23 +196,20 @@ class FidelityGate:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._reports: dict[tuple[str, str, str], FidelityReport | None] = {}
+        self._reports: dict[ReportKey, FidelityReport | None] = {}
         self._logged: set[tuple[str, str, str, str]] = set()
 
-    def report(
-        self, fingerprint: str, schedule: BlendSchedule | None = None, adapter: str = ""
-    ) -> FidelityReport | None:
-        """The trusted report of (model, schedule, KV adapter), read once per process."""
-        key = (fingerprint, schedule_key(schedule), adapter)
+    def report(self, key: ReportKey) -> FidelityReport | None:
+        """The trusted report of ``key`` (model, KV adapter, blend options), read once per process."""
         with self._lock:
             if key not in self._reports:
-                self._reports[key] = load_report(fingerprint, key[1], adapter=adapter)
+                self._reports[key] = load_report(key)
             return self._reports[key]
 
     def forget(self, fingerprint: str | None = None) -> None:
         """Drop cached reports (all, or one model's): the next request reads the files again (and a fallback is said again)."""
         with self._lock:
-            for key in [k for k in self._reports if fingerprint in (None, k[0])]:
+            for key in [k for k in self._reports if fingerprint in (None, k.fingerprint)]:
                 del self._reports[key]
             self._logged = {k for k in self._logged if fingerprint not in (None, k[0])}
 
@@ -228,11 +218,12 @@ class FidelityGate:
         model_name: str,
         fingerprint: str,
         fidelity: str | float | None,
-        schedule: BlendSchedule | None = None,
         adapter: str = "",
     ) -> OperatingPoint:
+        """The point ``fidelity`` runs at on the model, from its (or its pair with the KV adapter of
+        identity ``adapter``'s) report of the default blend options; a fallback is said once."""
         target = parse_fidelity(fidelity)
-        op = choose(self.report(fingerprint, schedule, adapter), target)
+        op = choose(self.report(ReportKey(fingerprint, adapter)), target)
         key = (fingerprint, adapter, target, op.source)
         with self._lock:  # said once, even when a model's first requests arrive together
             first = op.source in ("no-report", "not-met") and key not in self._logged
@@ -299,12 +290,11 @@ class FidelityGate:
 GATE = FidelityGate()
 
 
-def operating_point(
-    model, fidelity: str | float | None = None, schedule: BlendSchedule | None = None, adapter: str = ""
-) -> OperatingPoint:
-    """The point a blend with no explicit ratio runs at on ``model`` (a loaded ``ragkv`` model), with
-    the KV adapter of identity ``adapter`` ("": none): each pair is judged by its own report."""
-    return GATE.point(model.name, model.fingerprint, fidelity, schedule, adapter)
+def operating_point(model, fidelity: str | float | None = None, adapter: str = "") -> OperatingPoint:
+    """The point a blend with no explicit ratio (and no blend schedule: the default one's report)
+    runs at on ``model`` (a loaded ``ragkv`` model), with the KV adapter of identity ``adapter``
+    ("": none): each pair is judged by its own report."""
+    return GATE.point(model.name, model.fingerprint, fidelity, adapter)
 
 
 def explicit_point(mode: str, ratio: float | None) -> OperatingPoint:

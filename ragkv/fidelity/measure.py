@@ -25,11 +25,12 @@ import torch
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.kvtree import KVTree
 from ragkv.blend.prefill import prefill
-from ragkv.fidelity.choose import RECALL_SLACK, schedule_key
+from ragkv.fidelity.choose import RECALL_SLACK
 from ragkv.fidelity.report import (
     CALIBRATION_SET,
     FidelityReport,
     PointStats,
+    ReportKey,
     cache_path,
     calibration_set_digest,
 )
@@ -214,14 +215,14 @@ def monotone_violations(ladder: list[PointStats]) -> list[str]:
 
 def summarize(
     model,
-    schedule,
+    key: ReportKey,
     records: list[dict],
     points: list[Point],
     max_new_tokens: int,
     set_digest: str,
-    adapter: str = "",
 ) -> FidelityReport:
-    """The report from the per-question records (every question that finished every point)."""
+    """The report of ``key`` (model, KV adapter, blend options) from the per-question records (every
+    question that finished every point)."""
     by: dict[str, dict[str, dict]] = {}
     for r in records:
         by.setdefault(r["id"], {})[r["point"]] = r
@@ -241,8 +242,8 @@ def summarize(
     ]
     return FidelityReport(
         model=model.name,
-        fingerprint=model.fingerprint,
-        schedule=schedule_key(schedule),
+        fingerprint=key.fingerprint,
+        schedule=key.schedule,
         calibration_set=set_digest,
         n_questions=len(ids),
         max_new_tokens=max_new_tokens,
@@ -255,7 +256,7 @@ def summarize(
         compute_to_floor=min((s.charged for s in meets), default=None),
         measured_at=datetime.now(UTC).strftime("%Y-%m-%d"),
         machine=f"{platform.machine()} {torch.get_num_threads()} threads, {model.device.type}",
-        adapter=adapter,
+        adapter=key.adapter,
     ).seal()
 
 
@@ -285,12 +286,13 @@ def measure(
     passages, questions = load_calibration_set(set_path)
     questions = questions[:limit] if limit else questions
     points = ladder_points(ladder)
+    adapter_id = adapter.identity if adapter is not None else ""
+    report_key = ReportKey(model.fingerprint, adapter_id, (schedule or BlendSchedule()).options_key())
     key = {
-        "schedule": schedule_key(schedule),
+        "schedule": report_key.schedule,
         "set": calibration_set_digest(set_path),
         "max_new_tokens": max_new_tokens,
     }
-    adapter_id = adapter.identity if adapter is not None else ""
     records_path = records_path or cache_path(model.fingerprint, adapter=adapter_id).with_suffix(
         ".records.jsonl"
     )
@@ -319,7 +321,7 @@ def measure(
                 records.append(r)
                 f.write(json.dumps(r) + "\n")
             f.flush()
-    report = summarize(model, schedule, records, points, max_new_tokens, key["set"], adapter_id)
+    report = summarize(model, report_key, records, points, max_new_tokens, key["set"])
     return report  # newest record wins
 
 

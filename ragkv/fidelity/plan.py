@@ -191,6 +191,16 @@ class Planner:
             self.model, request or RequestSettings(), self.settings, self.adapter, self.adapter_explicit
         )
 
+    def fill(self, plan: BlendPlan) -> BlendPlan:
+        """A plan resolved elsewhere (a caller's) with this owner's blend schedule where a blend has
+        none of its own, at the plan's ratio (:class:`BlendPlanError` for a gradual schedule beside
+        a ratio, as in :func:`plan_blend`); any other plan as it is."""
+        owner = self.settings.schedule
+        if plan.mode != Mode.BLEND or plan.schedule is not None or owner is None:
+            return plan
+        sched = owner if plan.auto else rebase(owner, float(plan.ratio))
+        return dataclasses.replace(plan, schedule=sched)
+
     def under(self, defaults: RequestSettings) -> Planner:
         """This planner with ``defaults`` over its settings (a RAG's mode and ratio over its LLM's)."""
         return dataclasses.replace(self, settings=defaults.over(self.settings))

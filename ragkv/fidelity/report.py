@@ -15,6 +15,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ragkv.blend.core import BlendSchedule
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION
 from ragkv.model.gguf import fingerprint_file, write_json_atomic
 
@@ -28,6 +29,18 @@ CALIBRATION_SET = Path(__file__).resolve().parent / "calibration_set.json"
 
 class ReportError(ValueError):
     """A report that cannot be trusted: corrupt, edited, or from another model, convention or set."""
+
+
+@dataclass(frozen=True)
+class ReportKey:
+    """What a fidelity report is measured for, and so what a trusted one must match: the model's
+    ``fingerprint``, the KV ``adapter``'s identity ("": none) and the blend options its ladder ran
+    (``schedule``: :meth:`~ragkv.blend.core.BlendSchedule.options_key`; the default schedule's, the
+    one the fidelity gate plans with, unless set)."""
+
+    fingerprint: str
+    adapter: str = ""
+    schedule: str = BlendSchedule().options_key()
 
 
 @dataclass
@@ -156,19 +169,18 @@ def save_report(report: FidelityReport, path: Path) -> None:
     write_json_atomic(path, json.loads(report.seal().to_json()), indent=1)
 
 
-def check_report(
-    report: FidelityReport, fingerprint: str, schedule: str, set_digest: str, adapter: str = ""
-) -> None:
-    """``ReportError`` unless ``report`` was measured for this model, adapter, convention, schedule and set."""
+def check_report(report: FidelityReport, key: ReportKey, set_digest: str) -> None:
+    """``ReportError`` unless ``report`` was measured for ``key`` (model, adapter, schedule), this
+    chunk convention and report version, and the calibration set of digest ``set_digest``."""
     wrong = [
         what
         for what, have, want in (
             ("report version", report.version, REPORT_VERSION),
-            ("model fingerprint", report.fingerprint, fingerprint),
+            ("model fingerprint", report.fingerprint, key.fingerprint),
             ("chunk convention", report.convention, CHUNK_CONVENTION_VERSION),
-            ("blend schedule", report.schedule, schedule),
+            ("blend schedule", report.schedule, key.schedule),
             ("calibration set", report.calibration_set, set_digest),
-            ("KV adapter", report.adapter, adapter),
+            ("KV adapter", report.adapter, key.adapter),
         )
         if have != want
     ]
@@ -176,21 +188,22 @@ def check_report(
         raise ReportError(f"fidelity report of another {', '.join(wrong)}")
 
 
-def load_report(
-    fingerprint: str, schedule: str, directory: Path | None = None, adapter: str = ""
-) -> FidelityReport | None:
-    """The model's trusted report: the measured one in the cache, else the shipped one, else None.
+def load_report(key: ReportKey, directory: Path | None = None) -> FidelityReport | None:
+    """The trusted report of ``key``: the measured one in the cache, else the shipped one, else None.
 
     A file that fails verification is logged and skipped (never trusted): the gate then falls back
     to exact prefill until ``ragkv calibrate`` measures the model again.
     """
     set_digest = calibration_set_digest()
-    for path in (cache_path(fingerprint, directory, adapter), shipped_path(fingerprint, adapter)):
+    for path in (
+        cache_path(key.fingerprint, directory, key.adapter),
+        shipped_path(key.fingerprint, key.adapter),
+    ):
         if not path.is_file():
             continue
         try:
             report = FidelityReport.from_json(path.read_text())
-            check_report(report, fingerprint, schedule, set_digest, adapter)
+            check_report(report, key, set_digest)
             return report
         except (ReportError, OSError, UnicodeDecodeError) as e:
             log.warning("ignoring fidelity report %s: %s", path, e)

@@ -119,13 +119,12 @@ def fidelity_report(
 ) -> FidelityReport:
     """A sealed fidelity report of ``model`` with these points (what ``ragkv calibrate`` would save), for
     tests of the surfaces that show the gate's operating point."""
-    from ragkv.fidelity import schedule_key
-    from ragkv.fidelity.report import FidelityReport, calibration_set_digest
+    from ragkv.fidelity.report import FidelityReport, ReportKey, calibration_set_digest
 
     return FidelityReport(
         model=model.name,
         fingerprint=model.fingerprint,
-        schedule=schedule_key(None),
+        schedule=ReportKey(model.fingerprint).schedule,
         calibration_set=calibration_set_digest(),
         n_questions=40,
         max_new_tokens=24,

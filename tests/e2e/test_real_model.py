@@ -365,14 +365,13 @@ def test_the_default_models_fidelity_report_ships_and_sets_the_default(real_llm,
     """The shipped report verifies for the real model (no cache needed) and the default setting runs
     at a point that changes no more answers than bf16 full prefill does on the calibration set."""
     from ragkv.fidelity import GATE
-    from ragkv.fidelity.choose import schedule_key
-    from ragkv.fidelity.report import load_report
+    from ragkv.fidelity.report import ReportKey, load_report
 
     monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))  # the shipped copy alone
     GATE.forget()
     try:
         m = real_llm.model
-        rep = load_report(m.fingerprint, schedule_key(None))
+        rep = load_report(ReportKey(m.fingerprint))
         assert rep is not None and rep.n_questions >= 48 and rep.monotone_ok
         assert 0.6 <= rep.floor.same < 1.0  # a dtype change alone changes some answers
         op = real_llm.operating_point()
@@ -393,8 +392,7 @@ def test_the_shipped_kv_adapter_verifies_and_the_gate_uses_it_only_where_its_rep
     keeps more answers and is used; with the adapter off nothing changes."""
     from ragkv.adapter.shipped import shipped_adapter
     from ragkv.fidelity import GATE
-    from ragkv.fidelity.choose import schedule_key
-    from ragkv.fidelity.report import load_report
+    from ragkv.fidelity.report import ReportKey, load_report
 
     monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))  # the shipped copies alone
     GATE.forget()
@@ -402,8 +400,8 @@ def test_the_shipped_kv_adapter_verifies_and_the_gate_uses_it_only_where_its_rep
         m = real_llm.model
         ad = shipped_adapter(m)
         assert ad is not None and real_llm.adapter is not None and real_llm.adapter.identity == ad.identity
-        pair = load_report(m.fingerprint, schedule_key(None), adapter=ad.identity)
-        alone = load_report(m.fingerprint, schedule_key(None))
+        pair = load_report(ReportKey(m.fingerprint, ad.identity))
+        alone = load_report(ReportKey(m.fingerprint))
         assert pair is not None and pair.adapter == ad.identity and pair.monotone_ok
         assert pair.point("reuse").same > alone.point("reuse").same
         floor = real_llm.plan()

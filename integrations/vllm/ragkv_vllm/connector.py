@@ -533,7 +533,7 @@ class RagkvConnector(KVConnectorBase_V1):
             kv[ob, :, oo] = torch.cat([k, v], dim=-1).to(kv.dtype)
 
         ids = torch.tensor(spec.token_ids, dtype=torch.long)
-        return blend_rows(model, ids, plan, source, exact_kv, spec.params().schedule(), write)
+        return blend_rows(model, ids, plan, source, exact_kv, spec.params(), write)
 
     def _source(self, spec: LoadSpec, plan: RowPlan, model) -> PipelinedSource | None:
         """The stored chunks' KV, layer by layer (prefetched on a thread)."""
@@ -573,7 +573,7 @@ class RagkvConnector(KVConnectorBase_V1):
             write_rows(caches[layer].cache, caches[layer].tails, out_slots, k, v)
 
         ids = torch.tensor(spec.token_ids, dtype=torch.long)
-        return blend_rows(model, ids, plan, source, exact_kv, spec.params().schedule(), write)
+        return blend_rows(model, ids, plan, source, exact_kv, spec.params(), write)
 
     def _save_chunk(self, toks: list[int]) -> None:
         key = chunk_key(toks, self.fingerprint)

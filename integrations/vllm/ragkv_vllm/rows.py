@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV, BlendSchedule, blend_layers
+from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV, blend_layers
 from ragkv.blend.spans import ChunkSpan, SpanError, check_spans
+from ragkv.remote.wire import BlendParams
 
 
 # ---- row plan -------------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def blend_rows(
     plan: RowPlan,
     reused_source,
     exact_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
-    schedule: BlendSchedule | None,
+    params: BlendParams,
     write: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None],
 ) -> dict:
     """Fill rows ``[num_exact, num_rows)`` of every layer with blended KV through ``write``.
@@ -143,8 +144,9 @@ def blend_rows(
     :func:`ragkv.blend.core.blend_layers`) over a :class:`~ragkv.model.forward.LayerModel`.
     ``reused_source.layer(l)``: pre-RoPE K/V of the REUSED rows in order (closed here).
     ``exact_kv(l)``: post-RoPE K and V of rows ``[0, num_exact)`` (read from the engine's cache).
-    ``write(l, rows, k_post, v)`` receives rows ``[num_exact, num_rows)``. ``schedule`` None means
-    full reuse (no recompute).
+    ``write(l, rows, k_post, v)`` receives rows ``[num_exact, num_rows)``. ``params``: the request's
+    settings (its ``kv_transfer_params``), run as :meth:`BlendParams.schedule` (the vLLM hook's: no
+    question pass; mode ``reuse``: no recompute).
     """
     t0 = time.perf_counter()
     n, n_exact = plan.num_rows, plan.num_exact
@@ -158,7 +160,7 @@ def blend_rows(
     kv = BlendKV(
         model,
         plan.row_class,
-        schedule,
+        params.schedule(),
         stored=reused_source,
         stored_rows=plan.reused_rows(),
         posted=exact_kv,

@@ -177,7 +177,7 @@ def _reference(model, prefix, chunks, suffix, gap, schedule, n_exact):
     return ids, res, spans, kvs, k_full, v_full
 
 
-def _run_blend(model, ids, spans, kvs, n_exact, k_full, v_full, schedule):
+def _run_blend(model, ids, spans, kvs, n_exact, k_full, v_full, params):
     plan = plan_rows(len(ids), spans, n_exact)
     pieces = [PieceSlice(kvs[p.span.index], p.src_start, p.src_start + p.num_tokens) for p in plan.pieces]
     pos = torch.arange(n_exact)
@@ -193,7 +193,7 @@ def _run_blend(model, ids, spans, kvs, n_exact, k_full, v_full, schedule):
         got_k[layer, rows], got_v[layer, rows] = k, v
 
     stats = blend_rows(
-        model, ids, plan, LayerSource(pieces, model.device, model.dtype), exact_kv, schedule, write
+        model, ids, plan, LayerSource(pieces, model.device, model.dtype), exact_kv, params, write
     )
     return plan, got_k, got_v, stats
 
@@ -210,9 +210,11 @@ def test_blend_rows_matches_selective_prefill(ratio, fresh, n_exact):
     model = stories_model()
     prefix, chunks, suffix = _prompt(model)
     gap = model.encode(" And then:")
-    sched = BlendParams((), ratio=ratio, fresh_check_kv=fresh).schedule()
-    ids, res, spans, kvs, k_full, v_full = _reference(model, prefix, chunks, suffix, gap, sched, n_exact)
-    plan, got_k, got_v, stats = _run_blend(model, ids, spans, kvs, n_exact, k_full, v_full, sched)
+    params = BlendParams((), ratio=ratio, fresh_check_kv=fresh)
+    ids, res, spans, kvs, k_full, v_full = _reference(
+        model, prefix, chunks, suffix, gap, params.schedule(), n_exact
+    )
+    plan, got_k, got_v, stats = _run_blend(model, ids, spans, kvs, n_exact, k_full, v_full, params)
     assert plan.num_rows == spans[-1].stop < len(ids)
     rows = slice(n_exact, plan.num_rows)
     torch.testing.assert_close(got_k[:, rows], res.kv.k[:, rows], atol=2e-5, rtol=1e-4)
@@ -234,11 +236,14 @@ def test_blend_rows_matches_selective_prefill(ratio, fresh, n_exact):
 
 
 def test_blend_rows_reuse_mode_copies_stored_kv():
-    """Full reuse (schedule None): REUSED rows are exactly the stored KV rotated to their positions."""
+    """Full reuse (mode ``reuse``: no schedule): REUSED rows are exactly the stored KV rotated to their
+    positions."""
     model = stories_model()
     prefix, chunks, suffix = _prompt(model)
     ids, res, spans, kvs, k_full, v_full = _reference(model, prefix, chunks, suffix, [], None, 0)
-    plan, got_k, got_v, stats = _run_blend(model, ids, spans, kvs, 0, k_full, v_full, None)
+    reuse = BlendParams((), mode="reuse")
+    assert reuse.schedule() is None
+    plan, got_k, got_v, stats = _run_blend(model, ids, spans, kvs, 0, k_full, v_full, reuse)
     s = spans[1]
     pos = torch.arange(s.start, s.stop)
     for layer in (0, model.config.num_layers - 1):

@@ -150,6 +150,22 @@ def test_a_question_pass_dearer_than_recomputing_the_chunks_gives_way_to_an_exac
     assert res.stats["question_pass_rows"] > 0
 
 
+def test_the_question_pass_cost_rule_counts_the_question_rows_after_the_chunks_only():
+    """``BlendSchedule.question_pass_costs_more``: ``n_question >= (1 - ratio) * n_reused``, an
+    uncached head not counted, never at ratio 0."""
+
+    def rows(head: int, reused: int, question: int, head_class: int = EXACT) -> torch.Tensor:
+        return torch.tensor([head_class] * head + [REUSED] * reused + [COMPUTED] * question)
+
+    at = BlendSchedule.single
+    assert at(0.2).question_pass_costs_more(rows(6, 12, 10))  # 10 >= 0.8 * 12
+    assert not at(0.2).question_pass_costs_more(rows(6, 12, 9))
+    assert not at(0.2).question_pass_costs_more(rows(30, 12, 9, COMPUTED))  # a cold head: the same
+    assert not at(0.0).question_pass_costs_more(rows(6, 12, 40)) and not at(0.5).question_pass_costs_more(
+        rows(6, 0, 40)
+    )
+
+
 def test_question_attention_selector_ranks_by_the_question_rows_attention():
     m = random_model(seed=6, init_std=0.1, num_hidden_layers=3)
     pre, chunks, suf = _prompt(m, seed=3)

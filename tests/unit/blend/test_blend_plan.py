@@ -109,6 +109,19 @@ def test_auto_is_chosen_before_prefill():
     )
 
 
+def test_an_owner_fills_a_callers_plan_with_its_blend_options():
+    """``Planner.fill``: a plan resolved elsewhere gets the owner's schedule at the plan's own ratio
+    (or as it is for ``auto``), keeps a schedule of its own, and is refused beside a gradual one."""
+    owner = Planner(None, R(schedule=KDEV))
+    assert owner.fill(BlendPlan("blend", 0.5)).schedule == BlendSchedule.single(0.5, selector="kdev")
+    assert owner.fill(BlendPlan("blend", AUTO)).schedule == KDEV
+    own = BlendPlan("blend", 0.2, BlendSchedule.single(0.2))
+    assert owner.fill(own) is own and owner.fill(BlendPlan("reuse")) == BlendPlan("reuse")
+    assert Planner(None).fill(BlendPlan("blend", 0.5)) == BlendPlan("blend", 0.5)
+    with pytest.raises(BlendPlanError, match="ratios"):
+        Planner(None, R(schedule=GRADUAL)).fill(BlendPlan("blend", 0.5))
+
+
 def test_bad_ratios_are_refused():
     for bad in (1.5, -0.1, True, "lots"):
         with pytest.raises(BlendPlanError):
@@ -126,8 +139,13 @@ def test_the_engine_refuses_a_ratio_its_gradual_schedule_cannot_take():
     req = eng.make_request([1, 5], [[6, 7, 8]], [9], mode="blend", ratio=0.5)
     assert req.plan.blend_schedule() == BlendSchedule.single(0.5, selector="kdev")
     assert eng.make_request([1, 5], [[6, 7, 8]], [9], mode="blend").plan.schedule == KDEV
+    # a caller's plan (the RAG's) runs with the engine's blend options at the plan's ratio
+    given = eng.make_request([1, 5], [[6, 7, 8]], [9], plan=BlendPlan("blend", 0.5)).plan
+    assert given.blend_schedule() == BlendSchedule.single(0.5, selector="kdev")
     gradual = Engine(model, EngineConfig(num_blocks=64, settings=R(schedule=GRADUAL)))
     with pytest.raises(BlendPlanError):
         gradual.make_request([1, 5], [[6, 7, 8]], [9], mode="blend", ratio=0.5)
+    with pytest.raises(BlendPlanError):
+        gradual.make_request([1, 5], [[6, 7, 8]], [9], plan=BlendPlan("blend", 0.5))
     with pytest.raises(BlendPlanError, match="auto"):
         eng.make_request([1, 5], [[6, 7, 8]], [9], mode="blend", ratio=AUTO)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ragkv import LLM, SamplingParams
-from ragkv.fidelity import GATE, choose, parse_fidelity, schedule_key
+from ragkv.fidelity import GATE, ReportKey, choose, parse_fidelity
 from ragkv.fidelity.measure import Point, load_calibration_set, measure, monotone_violations, summarize
 from ragkv.fidelity.plan import RequestSettings
 from ragkv.fidelity.report import (
@@ -21,6 +21,7 @@ from ragkv.fidelity.report import (
     ReportError,
     cache_path,
     calibration_set_digest,
+    check_report,
     load_report,
     report_id,
     save_report,
@@ -146,7 +147,7 @@ def test_a_report_of_another_model_convention_schedule_or_set_is_not_trusted(fid
     setattr(rep, *change)
     save_report(rep, cache_path(m.fingerprint))  # sealed: only the content disagrees
     caplog.set_level(logging.WARNING, "ragkv.fidelity")
-    assert load_report(m.fingerprint, schedule_key(None)) is None
+    assert load_report(ReportKey(m.fingerprint)) is None
     assert any("ignoring fidelity report" in r.getMessage() for r in caplog.records)
     assert choose(None, "floor").source == "no-report"
 
@@ -155,17 +156,17 @@ def test_a_hand_edited_or_corrupt_report_is_not_trusted(fidelity_cache):
     m = stories_model()
     path = cache_path(m.fingerprint)
     save_report(_report(m, LADDER), path)
-    assert load_report(m.fingerprint, schedule_key(None)) is not None
+    assert load_report(ReportKey(m.fingerprint)) is not None
     doc = json.loads(path.read_text())
     doc["points"][3]["same"] = 0.99  # a better-looking point, digest left as it was
     path.write_text(json.dumps(doc))
     with pytest.raises(ReportError, match="digest"):
         FidelityReport.from_json(path.read_text())
-    assert load_report(m.fingerprint, schedule_key(None)) is None
+    assert load_report(ReportKey(m.fingerprint)) is None
     path.write_text(path.read_text()[:100])  # truncated
-    assert load_report(m.fingerprint, schedule_key(None)) is None
+    assert load_report(ReportKey(m.fingerprint)) is None
     path.write_bytes(b"\xff\xfe not json")
-    assert load_report(m.fingerprint, schedule_key(None)) is None
+    assert load_report(ReportKey(m.fingerprint)) is None
 
 
 def test_monotonicity_defects_are_reported():
@@ -196,6 +197,19 @@ def test_shipped_reports_verify():
         rep = FidelityReport.from_json(f.read_text())
         assert rep.convention == CHUNK_CONVENTION_VERSION and rep.calibration_set == calibration_set_digest()
         assert rep.n_questions >= 48 and f.stem == report_id(rep.fingerprint, rep.adapter)
+        # the key the gate looks it up by (the default blend options) is the one it was measured for
+        check_report(rep, ReportKey(rep.fingerprint, rep.adapter), rep.calibration_set)
+
+
+def test_a_reports_key_holds_the_blend_options_without_the_ratio():
+    """A report's ladder varies the ratio alone: a schedule at another ratio is the same report, one
+    with other options (a selector) another; the key's default is the default schedule's."""
+    from ragkv.blend.core import BlendSchedule
+
+    default = ReportKey("f" * 64)
+    assert default.schedule == BlendSchedule().options_key() == BlendSchedule.single(0.7).options_key()
+    assert BlendSchedule.single(0.3, selector="kdev").options_key() != default.schedule
+    assert "ratios=(1.0,)" in default.schedule
 
 
 def test_measure_resumes_and_reports_every_point(fidelity_cache, tmp_path):
@@ -243,7 +257,7 @@ def test_measure_resumes_and_reports_every_point(fidelity_cache, tmp_path):
     assert all(v == {"full-bf16", "exact", "reuse", "blend@0.5"} for v in by_id.values())
     rebuilt = summarize(
         m,
-        None,
+        ReportKey(m.fingerprint),
         [json.loads(x) for x in lines],
         [Point("exact", "prefix"), Point("reuse", "reuse", 0.0), Point("blend@0.5", "blend", 0.5)],
         4,
@@ -331,20 +345,23 @@ def test_a_kv_adapter_gets_its_own_report_reusing_what_it_cannot_change(fidelity
         rep.point("reuse").same == base.point("reuse").same
         and rep.point("reuse").kl == base.point("reuse").kl
     )
-    sched = base.schedule
+    key, pair = (
+        ReportKey(m.fingerprint, "", base.schedule),
+        ReportKey(m.fingerprint, ad.identity, base.schedule),
+    )
     save_report(base, cache_path(m.fingerprint))
     save_report(rep, cache_path(m.fingerprint, adapter=ad.identity))
     # the shipped calibration set is what load_report trusts; these were measured on a test set
-    assert load_report(m.fingerprint, sched) is None
-    assert load_report(m.fingerprint, sched, adapter=ad.identity) is None
+    assert load_report(key) is None
+    assert load_report(pair) is None
     from ragkv.fidelity.report import FidelityReport, ReportError, check_report
 
     both = FidelityReport.from_json(cache_path(m.fingerprint, adapter=ad.identity).read_text())
-    check_report(both, m.fingerprint, sched, rep.calibration_set, ad.identity)
+    check_report(both, pair, rep.calibration_set)
     with pytest.raises(ReportError, match="KV adapter"):
-        check_report(both, m.fingerprint, sched, rep.calibration_set)
+        check_report(both, key, rep.calibration_set)
     with pytest.raises(ReportError, match="KV adapter"):
-        check_report(base, m.fingerprint, sched, base.calibration_set, ad.identity)
+        check_report(base, pair, base.calibration_set)
 
 
 def test_a_chunk_kv_writer_gets_its_own_report_with_the_kv_it_writes(fidelity_cache, tmp_path):
