@@ -84,6 +84,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eval.harness import service_processes
 from eval.prompts import TINY_MODEL, get_spec, load_samples
 from ragkv.metrics import percentile
 
@@ -869,6 +870,10 @@ class Bench:
             if ch.usage is not None:
                 usage = ch.usage
         total = time.perf_counter() - t0
+        # the response ends at the answer; the service's worker then commits the answer's KV and writes
+        # the prompt's pages: wait for that, so the next timed request (any arm, llama.cpp's in this
+        # process, or another service process on the same store) starts on an idle machine
+        service_processes.wait_until_idle(str(client.base_url).rstrip("/").removesuffix("/v1"))
         details = getattr(usage, "prompt_tokens_details", None) if usage else None
         return {
             "ttft_s": first if first is not None else total,
