@@ -150,6 +150,8 @@ def exact_prefill(
     limit = n - 1  # the last row is always computed: its hidden state gives the first logits
     if probe_rows is not None and probe_rows.numel():
         limit = min(limit, int(probe_rows.min()))
+    if tree is not None and reuse:
+        tree.wait_commits(model, ids)  # a commit under way of this prompt's next rows (a back-to-back turn)
     match: TreeMatch | None = tree.match(model, ids, limit) if (tree is not None and reuse) else None
     try:
         m = match.tokens if match is not None else 0
@@ -220,5 +222,5 @@ def commit(
     ids = [int(t) for t in prompt] + [int(t) for t in answer]
     if len(ids) > model.config.max_position or not answer:
         return
-    with torch.inference_mode():
+    with torch.inference_mode(), tree.committing(model, ids):
         exact_prefill(model, ids, tree, commit_answer=False, kept=kept)

@@ -23,13 +23,14 @@ split-invariant, so the logits are full prefill's bit for bit). Design: docs/EXA
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -276,6 +277,10 @@ class KVTree:
         self._written = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         self._write_queue = write_queue
+        #: answers being committed now: (root, ids) -> done event (:meth:`committing`)
+        self._commits: dict[int, tuple[str, tuple[int, ...], threading.Event]] = {}
+        #: how long a request waits for a commit under way that holds its next rows (:meth:`wait_commits`)
+        self.commit_wait_s = 2.0
         self.counters = dict.fromkeys(
             "requests hit_requests tokens_requested tokens_matched store_tokens store_pages_read "
             "store_pages_written store_pages_rejected store_errors evictions evicted_bytes".split(),
@@ -304,6 +309,46 @@ class KVTree:
             c["tokens_matched"] += m.tokens
             c["store_tokens"] += m.store_tokens
         return m
+
+    @contextlib.contextmanager
+    def committing(self, model, ids: Sequence[int]) -> Iterator[None]:
+        """Mark the exact pass that inserts ``ids`` (a chat answer's commit) as under way, so that a
+        request whose prompt extends ``ids`` waits for it (:meth:`wait_commits`) instead of computing the
+        same rows beside it: a turn sent back to back on another worker."""
+        event = threading.Event()
+        with self._lock:
+            self._commits[id(event)] = (tree_root(model), tuple(int(t) for t in ids), event)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._commits.pop(id(event), None)
+            event.set()
+
+    def wait_commits(self, model, ids: Sequence[int], timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``, default :attr:`commit_wait_s`) for the commits under way whose ids
+        ``ids`` starts with and that hold more of them than the RAM tier does now; whether any was waited
+        for. The exact rows come out the same either way: this saves computing them twice, side by side."""
+        if not self._commits:
+            return False
+        root = tree_root(model)
+        ids = tuple(int(t) for t in ids)
+        with self._lock:
+            found = [
+                (len(c), ev)
+                for r, c, ev in self._commits.values()
+                if r == root and len(c) < len(ids) and ids[: len(c)] == c
+            ]
+        if not found:
+            return False
+        have = self.peek(model, ids)
+        events = [ev for n, ev in found if n > have]
+        if not events:
+            return False
+        deadline = time.monotonic() + (self.commit_wait_s if timeout is None else timeout)
+        for ev in events:
+            ev.wait(max(0.0, deadline - time.monotonic()))
+        return True
 
     def peek(self, model, ids: Sequence[int]) -> int:
         """How many leading tokens of ``ids`` the RAM tier holds now (no pin, no statistics): what a

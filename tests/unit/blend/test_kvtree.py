@@ -418,3 +418,41 @@ def test_kept_rows_in_use_or_written_since_are_not_used(monkeypatch):
     assert pool.claimed == claimed + 2  # found by its tag, then refused by the guard
     full = exact_prefill(m, ids)
     assert torch.equal(third.logits, full.logits) and torch.equal(third.kv.k, full.kv.k)
+
+
+def test_a_turn_sent_during_the_previous_answers_commit_waits_for_it(monkeypatch):
+    """Back to back on two workers: the next turn starts while the answer's commit is under way; it
+    waits for that pass and reuses its rows instead of computing them beside it (same bits either way)."""
+    import threading
+
+    from ragkv.blend import exact
+
+    m = _model()
+    tree = KVTree()
+    prompt, answer = _ids(m, 60), _ids(m, 12, seed=5)
+    exact_prefill(m, prompt, tree)
+    started, proceed = threading.Event(), threading.Event()
+    real = exact.exact_forward
+
+    def gated(model, ids, *a, **kw):  # the commit's pass pauses until the next turn is waiting
+        if len(ids) == len(prompt) + len(answer):
+            started.set()
+            assert proceed.wait(30)
+        return real(model, ids, *a, **kw)
+
+    monkeypatch.setattr(exact, "exact_forward", gated)
+    committer = threading.Thread(target=exact.commit, args=(m, tree, prompt, answer))
+    committer.start()
+    assert started.wait(30)
+    turn2 = prompt + answer + _ids(m, 9, seed=6)
+    got: dict = {}
+    follower = threading.Thread(target=lambda: got.setdefault("r", exact_prefill(m, turn2, tree)))
+    follower.start()
+    follower.join(0.5)
+    assert follower.is_alive()  # waiting for the commit, not computing beside it
+    proceed.set()
+    committer.join(30)
+    follower.join(30)
+    res = got["r"]
+    assert res.stats["cached_tokens"] == len(prompt) + len(answer)
+    assert torch.equal(res.logits, exact_prefill(m, turn2).logits)
