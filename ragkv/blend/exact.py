@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 #: boundary, short and long tails (the tile is 128 keys; passes of under 16 rows are padded)
 CHECK_SPLITS = (5, 17, 130, 283)
 _CHECKED: dict[tuple, bool] = {}
+#: a kept pass buffer is claimed for at least this many rows in place (fewer cost little to copy, and
+#: claiming would take the buffer from the conversation it holds)
+KEPT_MIN_ROWS = 64
 _CHECK_LOCK = threading.Lock()
 
 
@@ -97,13 +100,14 @@ def _claim_kept(
     model, root: str, ids: tuple[int, ...], m: int
 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """Free pass buffers that hold the first rows of ``ids`` (at most ``m``: what the tree matched; at
-    least half of them), with room for this pass: ``(k, v, rows kept)``, or None."""
+    least half of them and :data:`KEPT_MIN_ROWS`), with room for this pass: ``(k, v, rows kept)``, or
+    None."""
     cfg = model.config
     shape = (cfg.num_layers, exact_pass_rows(model, len(ids), m), cfg.num_kv_heads, cfg.head_dim)
 
     def score(tag: object) -> int:  # another conversation's rows (a short shared head) are not taken
         shared = tag.shared(root, id(model), ids, m) if isinstance(tag, KeptRows) else 0
-        return shared if 2 * shared >= m else 0
+        return shared if shared >= KEPT_MIN_ROWS and 2 * shared >= m else 0
 
     got = KV_BUFFERS.claim(
         score,
