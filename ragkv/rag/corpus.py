@@ -280,12 +280,27 @@ class Corpus:
     def commit_documents(self, pending: list[PendingDocument]) -> None:
         """Commit documents whose chunk KV another process computed and stored (the Ray pipeline,
         :mod:`ragkv.rag.distributed`): indexed together, or none; KV of replaced chunks no chunk uses any
-        more is deleted after. Once this returns, the documents are acknowledged (SQLite, durable)."""
+        more is deleted after. Once this returns, the documents are acknowledged (SQLite, durable).
+        The collection quotas hold here as in :meth:`ingest` (:class:`QuotaExceededError`, nothing
+        committed); the document quota was checked where the documents were split."""
         with self._ingest_lock:
             try:
+                for coll in dict.fromkeys(p.collection for p in pending):
+                    self._check_pending(coll, [p for p in pending if p.collection == coll])
                 self._commit(pending)
+            except QuotaExceededError as e:
+                self.quota_refusals[e.limit] = self.quota_refusals.get(e.limit, 0) + 1
+                raise
             finally:
                 self._settle()
+
+    def _check_pending(self, coll: str, pending: list[PendingDocument]) -> None:
+        """:meth:`_check_collection` for documents already split (their chunks' keys and token counts)."""
+        if not self.quotas.limits_collections or not pending:
+            return
+        chunks = [(key, len(toks)) for p in pending for (_, _, toks, key) in p.chunks]
+        after = self.index.usage_after(coll, [p.doc_id for p in pending], chunks)
+        check_collection(self.quotas, self.usage(coll), self._usage_of(coll, after))
 
     def committed_shas(self, collection: str | None = None) -> dict[str, str]:
         """``{doc_id: text hash}`` of ``collection``'s committed documents (what a re-run skips)."""

@@ -42,6 +42,7 @@ import numpy as np
 from ragkv.rag.collections import collection_name
 from ragkv.rag.corpus import IngestReport
 from ragkv.rag.index import IndexFullError, PendingDocument, text_sha
+from ragkv.rag.quotas import QuotaExceededError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -542,6 +543,13 @@ class _Collector:
         docs = [p for p, _ in batch]
         try:
             self.rag.corpus.commit_documents(docs)
+        except QuotaExceededError as e:  # the batch would take its collection over a quota: one by one
+            if len(batch) == 1:
+                return self.error(batch[0][0].doc_id, batch[0][1], f"not committed: {e}")
+            for one in batch:
+                self.ready = [one]
+                self.commit()
+            return
         except (IndexFullError, OSError) as e:  # a full disk: these documents are not ingested, say so
             for p, source in batch:
                 self.error(p.doc_id, source, f"not committed: {e}")

@@ -176,6 +176,31 @@ def test_pipeline_reports_bad_input_and_ingests_the_rest(tmp_path, local_ray, on
     rag.close()
 
 
+@pytest.mark.slow  # a local Ray
+def test_pipeline_holds_the_collection_quota_document_by_document(tmp_path, local_ray, one_thread, embedder):
+    """A collection token quota that fits some of the documents: those are committed, each of the others
+    is a per-document refusal in the report (the single-process ingest's limit, on the Ray path too)."""
+    from ragkv.rag import split_tokens
+
+    docs = musique_docs(2, chars=200)
+    probe = _rag(tmp_path / "probe", embedder)
+    tokens = {
+        d["id"]: sum(len(c.token_ids) for c in split_tokens(probe.model.tokenizer, d["text"], 64, 0))
+        for d in docs
+    }
+    probe.close()
+    cap = sum(tokens.values()) // 2
+    rag = _rag(tmp_path / "data", embedder, quotas=Quotas(max_collection_tokens=cap))
+    ds = ray.data.from_items([{"id": d["id"], "text": d["text"]} for d in docs])
+    rep = ingest_dataset(ds, rag, show_progress=False)
+    refused = {e["doc_id"] for e in rep.errors}
+    assert refused and all("quota exceeded" in e["error"] for e in rep.errors)
+    assert sorted(rep.doc_ids) == rag.list_documents() and set(rep.doc_ids) | refused == set(tokens)
+    assert sum(tokens[i] for i in rep.doc_ids) <= cap < sum(tokens.values())
+    assert rag.usage().tokens <= cap and rag.quota_refusals.get("max_collection_tokens")
+    rag.close()
+
+
 @pytest.mark.slow  # a local Ray, and a Dataset given
 def test_pipeline_takes_any_ray_dataset(tmp_path, local_ray, one_thread, embedder):
     docs = musique_docs(1, chars=200)
