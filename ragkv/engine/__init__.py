@@ -1,6 +1,5 @@
 """Serving engine: paged KV with shared blocks, fetching-aware continuous batching, BFF/CFF, HACK decode."""
 
-from ragkv.engine.async_engine import AsyncEngine, AsyncRequestHandle
 from ragkv.engine.block_manager import BlockAccountingError, BlockManager, OutOfBlocksError
 from ragkv.engine.engine import Engine, EngineConfig
 from ragkv.engine.metrics import EngineMetrics, FusionStats, RequestMetrics
@@ -17,8 +16,6 @@ from ragkv.engine.scheduler import EngineBusyError, RequestTooLargeError, Schedu
 from ragkv.metrics import percentile
 
 __all__ = [
-    "AsyncEngine",
-    "AsyncRequestHandle",
     "BlockAccountingError",
     "BlockManager",
     "ChunkNotFoundError",

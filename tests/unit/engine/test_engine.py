@@ -7,13 +7,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ragkv.aio import iterate_in_thread
 from ragkv.blend import (
     DEFAULT_RATIO,  # tests of blending mechanics: an explicit ratio (outside the fidelity gate)
     UnknownModeError,
     prefill,
 )
 from ragkv.engine import (
-    AsyncEngine,
     BlockAccountingError,
     BlockManager,
     ChunkRef,
@@ -224,25 +224,36 @@ def test_bad_requests_raise_clear_errors_and_queue_nothing(model):
         assert not eng.has_unfinished()
 
 
-def test_async_front_end_streams_concurrently(model, chunks):
+def test_async_callers_stream_through_the_one_bridge(model, chunks):
+    """asyncio callers read a background engine's handles through ``ragkv.aio.iterate_in_thread``
+    (the core's one thread-to-async bridge): streams run concurrently, an early stop cancels its request."""
     reqs = _reqs(model, chunks, 3, max_new=8)
 
     async def main():
-        async with AsyncEngine(
+        with Engine(
             model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))
         ) as eng:
-            handles = [await eng.submit(**r) for r in reqs]
+            eng.start()
+            handles = [eng.submit(**r) for r in reqs]
 
             async def collect(h):
-                return [ev.token_id async for ev in h]
+                return [ev.token_id async for ev in iterate_in_thread(h.stream)]
 
             toks = await asyncio.gather(*(collect(h) for h in handles))
-            early = [ev async for ev in eng.stream(**reqs[0])][:2]
-            return toks, early, eng.metrics()
+            h = eng.submit(**reqs[0])
+            early = []
+            async for ev in iterate_in_thread(h.stream):
+                early.append(ev)
+                if len(early) == 2:
+                    break
+            h.cancel()
+            assert await asyncio.to_thread(h.request.done.wait, 30)
+            return toks, early, h.request.output(), eng.metrics()
 
-    toks, early, m = asyncio.run(main())
+    toks, early, out, m = asyncio.run(main())
     assert toks == [_reference(model, r) for r in reqs] and len(early) == 2
-    assert m.requests_finished == 4 and m.kv_blocks_used == 0
+    assert out.finish_reason in ("cancelled", "length")
+    assert m.requests_finished + m.requests_cancelled == 4 and m.kv_blocks_used == 0
 
 
 # ---- BFF / CFF in the engine ---------------------------------------------------------------------------------
