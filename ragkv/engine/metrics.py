@@ -64,46 +64,6 @@ class RequestMetrics:
 
 
 @dataclass
-class FusionStats:
-    """What BFF/CFF did so far, per layer: blocks considered and representatives kept."""
-
-    kind: str
-    runs: int = 0
-    time_s: float = 0.0
-    blocks_before: dict[int, int] = field(default_factory=dict)
-    blocks_after: dict[int, int] = field(default_factory=dict)
-    blocks_freed: int = 0
-    thresholds: list[float] = field(default_factory=list)
-
-    def add_layer(self, layer: int, before: int, after: int) -> None:
-        self.blocks_before[layer] = self.blocks_before.get(layer, 0) + before
-        self.blocks_after[layer] = self.blocks_after.get(layer, 0) + after
-
-    def cr_per_layer(self) -> dict[int, float]:
-        return {
-            layer: self.blocks_before[layer] / max(1, self.blocks_after[layer])
-            for layer in sorted(self.blocks_before)
-        }
-
-    @property
-    def cr(self) -> float:
-        """Blocks considered / representatives, over all fused layers."""
-        before = sum(self.blocks_before.values())
-        return before / max(1, sum(self.blocks_after.values())) if before else 1.0
-
-    def as_dict(self) -> dict:
-        return {
-            "kind": self.kind,
-            "runs": self.runs,
-            "time_s": self.time_s,
-            "cr": self.cr,
-            "cr_per_layer": self.cr_per_layer(),
-            "blocks_freed": self.blocks_freed,
-            "thresholds": self.thresholds[-8:],
-        }
-
-
-@dataclass
 class EngineMetrics:
     """A snapshot of the engine: throughput, queue sizes, KV blocks and compression."""
 
