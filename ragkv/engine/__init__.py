@@ -4,7 +4,6 @@ and block fusion (BFF/CFF) behind one interface each."""
 from ragkv.engine.backend import KVBackend
 from ragkv.engine.block_manager import BlockAccountingError, BlockManager, OutOfBlocksError
 from ragkv.engine.engine import Engine, EngineConfig
-from ragkv.engine.metrics import EngineMetrics, RequestMetrics
 from ragkv.engine.paged_cache import DenseBlocks, KVPool, PagedCacheError, PagedSequence, batched_decode_step
 from ragkv.engine.provider import ChunkNotFoundError, ChunkRef, KVFetcher
 from ragkv.engine.request import (
@@ -17,6 +16,7 @@ from ragkv.engine.request import (
 from ragkv.engine.scheduler import EngineBusyError, RequestTooLargeError, Scheduler, SchedulerConfig
 from ragkv.fusion.paged import BlockFusion, FusionStats
 from ragkv.metrics import percentile
+from ragkv.metrics.serving import EngineMetrics, RequestMetrics
 
 __all__ = [
     "BlockAccountingError",

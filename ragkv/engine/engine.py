@@ -21,7 +21,6 @@ import torch
 from ragkv.blend import ChunkResolver, KVTree, prefill
 from ragkv.blend.plan import BlendPlan, BlendPlanError
 from ragkv.engine.block_manager import OutOfBlocksError
-from ragkv.engine.metrics import EngineMetrics
 from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step, block_keys
 from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
@@ -31,6 +30,7 @@ from ragkv.fusion.bff import FusionConfig
 from ragkv.fusion.paged import BlockFusion
 from ragkv.generate import Detokenizer, SamplingParams
 from ragkv.llm import LLM
+from ragkv.metrics.serving import EngineMetrics
 from ragkv.model.forward import decode_weights_of
 
 log = logging.getLogger("ragkv.engine")

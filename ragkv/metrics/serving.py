@@ -1,4 +1,5 @@
-"""Per-request timings (queue, fetch, TTFT, TPOT) and engine-wide counters (throughput, KV blocks)."""
+"""The engine's serving metrics: per-request timings (queue, fetch, TTFT, TPOT) and engine-wide counters
+(throughput, KV blocks); plain values, filled by `ragkv.engine`."""
 
 from __future__ import annotations
 
