@@ -70,3 +70,13 @@ def paged_attention(
     if mask is None:
         mask = decode_mask(lengths, tables.shape[1] * k_pool.shape[1], sliding_window)
     return attend_blocks(q, k, v, mask, scale)
+
+
+def batch_tables(seqs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A batch's (``PagedSequence``s) block tables ``[L, B, NB]`` (padded with block 0: masked by length) and, when some
+    entry is fused, its norms ``[2, L, B, NB]`` (else None); stacked once per step."""
+    nb = max(s.num_blocks for s in seqs)
+    tables = torch.stack([F.pad(s.table, (0, nb - s.num_blocks)) for s in seqs], 1)
+    if not any(f for s in seqs for f in s.fused):
+        return tables, None
+    return tables, torch.stack([F.pad(s.norms, (0, nb - s.num_blocks), value=1.0) for s in seqs], 2)

@@ -1,10 +1,10 @@
-"""Serving engine: paged KV with shared blocks, fetching-aware continuous batching, BFF/CFF, HACK decode."""
+"""Serving engine: paged KV with shared blocks, fetching-aware continuous batching; KV backends (dense, HACK)
+and block fusion (BFF/CFF) behind one interface each."""
 
-from ragkv.engine.async_engine import AsyncEngine, AsyncRequestHandle
+from ragkv.engine.backend import KVBackend
 from ragkv.engine.block_manager import BlockAccountingError, BlockManager, OutOfBlocksError
 from ragkv.engine.engine import Engine, EngineConfig
-from ragkv.engine.metrics import EngineMetrics, FusionStats, RequestMetrics
-from ragkv.engine.paged_cache import KVPool, PagedCacheError, PagedSequence, batched_decode_step
+from ragkv.engine.paged_cache import DenseBlocks, KVPool, PagedCacheError, PagedSequence, batched_decode_step
 from ragkv.engine.provider import ChunkNotFoundError, ChunkRef, KVFetcher
 from ragkv.engine.request import (
     Request,
@@ -14,20 +14,23 @@ from ragkv.engine.request import (
     RequestStatus,
 )
 from ragkv.engine.scheduler import EngineBusyError, RequestTooLargeError, Scheduler, SchedulerConfig
+from ragkv.fusion.paged import BlockFusion, FusionStats
 from ragkv.metrics import percentile
+from ragkv.metrics.serving import EngineMetrics, RequestMetrics
 
 __all__ = [
-    "AsyncEngine",
-    "AsyncRequestHandle",
     "BlockAccountingError",
+    "BlockFusion",
     "BlockManager",
     "ChunkNotFoundError",
     "ChunkRef",
+    "DenseBlocks",
     "Engine",
     "EngineBusyError",
     "EngineConfig",
     "EngineMetrics",
     "FusionStats",
+    "KVBackend",
     "KVFetcher",
     "KVPool",
     "OutOfBlocksError",

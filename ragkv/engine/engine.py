@@ -20,17 +20,17 @@ import torch
 
 from ragkv.blend import ChunkResolver, KVTree, prefill
 from ragkv.blend.plan import BlendPlan, BlendPlanError
-from ragkv.engine import joint
 from ragkv.engine.block_manager import OutOfBlocksError
-from ragkv.engine.metrics import EngineMetrics, FusionStats
 from ragkv.engine.paged_cache import KVPool, PagedSequence, batched_decode_step, block_keys
 from ragkv.engine.provider import KVFetcher, as_tokens, normalize_item
 from ragkv.engine.request import Request, RequestHandle, RequestOutput, RequestStatus
 from ragkv.engine.scheduler import EngineBusyError, Scheduler, SchedulerConfig
 from ragkv.fidelity.plan import RequestSettings
 from ragkv.fusion.bff import FusionConfig
+from ragkv.fusion.paged import BlockFusion
 from ragkv.generate import Detokenizer, SamplingParams
 from ragkv.llm import LLM
+from ragkv.metrics.serving import EngineMetrics
 from ragkv.model.forward import decode_weights_of
 
 log = logging.getLogger("ragkv.engine")
@@ -97,22 +97,19 @@ class Engine:
         )
         self.model = model = llm.model
         c = model.config
-        hack_cfg = None
+        hack_cfg = None  # the pool's KV backend: dense blocks, or HACK's pages (a byte budget buys more)
         if cfg.attention == "hack":
-            from ragkv.attention.hack_cache import default_config
-            from ragkv.attention.hack_paged import PagedLayout
+            from ragkv.attention.hack_seq import HackKV
 
-            # V partition = block size; a preset that names no K partition keeps the pages' 64
-            hack_cfg = default_config(cfg.hack, c.head_dim, cfg.block_size, preset_k_partition=64)
-            # a byte budget buys more blocks stored 2-bit (a page each)
-            block = PagedLayout.for_config(hack_cfg, cfg.block_size, c.num_kv_heads, c.head_dim).page_bytes
-        else:
-            block = 2 * cfg.block_size * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
+            hack_cfg = HackKV.engine_config(cfg.hack, c.head_dim, cfg.block_size)
+        block = KVPool.block_bytes_for(model, cfg.block_size, hack_cfg)
         num_blocks = cfg.num_blocks or max(1, cfg.kv_memory_bytes // block)
         self.pool = KVPool.for_model(model, num_blocks, cfg.block_size, hack_cfg)
         self.scheduler = Scheduler(cfg.scheduler, self.pool.manager, cfg.block_size, c.num_layers)
         self.fetcher = KVFetcher(self.resolver, cfg.compute_missing)
-        self.bff_stats, self.cff_stats = FusionStats("bff"), FusionStats("cff")
+        #: the block-sharing policy (BFF/CFF; a no-op unless configured) and its stats
+        self.fusion = BlockFusion(cfg.bff, cfg.cff)
+        self.bff_stats, self.cff_stats = self.fusion.bff_stats, self.fusion.cff_stats
         self._salt = f"{model.fingerprint}|{cfg.attention}"
         self._lock = threading.RLock()  # held by step(): the engine state is single-threaded
         self._inbox_lock = threading.Lock()  # guards what other threads touch: inbox, cancels, fetches, live
@@ -120,7 +117,6 @@ class Engine:
         self._cancels: set[str] = set()
         self._fetch_done: deque[tuple[Request, Future, float]] = deque()
         self._live: dict[str, Request] = {}  # submitted and not finished
-        self._group: list[Request] = []  # prefilled since the last BFF
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._t0: float | None = None
@@ -348,7 +344,7 @@ class Engine:
         return n, self.scheduler.blocks_needed(n) - shared
 
     def _prefill(self, r: Request) -> None:
-        cfg, recompute = self.config, r.detok is not None  # recompute: a preempted request comes back
+        recompute = r.detok is not None  # recompute: a preempted request comes back
         try:
             if r.error is not None:
                 raise r.error
@@ -382,11 +378,10 @@ class Engine:
                 if r.plan.point is not None:
                     r.prefill_stats["fidelity"] = r.plan.stats()
                 self._counts["prompt_tokens"] += n
-            if cfg.cff is not None:
-                joint.cff(self.pool, r.seq, cfg.cff, self.cff_stats)
+            self.fusion.prefilled(self.pool, r.seq)
             self._accept(r, res.logits)
-            if r.finish_reason is None and cfg.bff is not None:
-                self._group.append(r)
+            if r.finish_reason is None:
+                self.fusion.decoding(r.seq)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine
             log.warning(
                 "request %s failed in prefill: %s: %s", r.request_id, type(e).__name__, e, exc_info=True
@@ -422,8 +417,6 @@ class Engine:
         r = self.scheduler.running[-1]
         r.seq.release()
         r.seq, r.next_token = None, None
-        if r in self._group:
-            self._group.remove(r)
         self.scheduler.preempt(r)
         self._counts["preemptions"] += 1
         return True
@@ -444,16 +437,9 @@ class Engine:
                 log.warning("request %s failed in decode: %s: %s", r.request_id, type(e).__name__, e)
                 self._fail(r, e)
 
-    # ---- fusion -------------------------------------------------------------------------------------
     def _maybe_fuse(self, transition: bool) -> None:
-        bff = self.config.bff
-        if bff is None or not self._group:
-            return
-        self._group = [r for r in self._group if r.finish_reason is None]
         idle = self.scheduler.num_queued == 0 and not self._inbox
-        if len(self._group) >= bff.every or (transition and idle and len(self._group) >= bff.min_group):
-            joint.bff(self.pool, [r.seq for r in self._group], bff, self.bff_stats)
-            self._group = []
+        self.fusion.step(self.pool, transition, idle)
 
     # ---- ending requests ----------------------------------------------------------------------------
     def _finish(self, r: Request, reason: str) -> None:
@@ -463,8 +449,6 @@ class Engine:
         if r.seq is not None:
             r.seq.release()
         self.scheduler.remove(r)
-        if r in self._group:
-            self._group.remove(r)
         r.metrics.finished = self._t_last = time.perf_counter()
         self._counts["requests_" + {"cancelled": "cancelled", "error": "failed"}.get(reason, "finished")] += 1
         with self._inbox_lock:
@@ -567,8 +551,7 @@ class Engine:
     def kv_bytes_used(self) -> int:
         """Bytes of KV held now: used blocks (dense blocks, or HACK pages) + HACK's fp16 staging in use."""
         pool = self.pool
-        staging = pool.hack.staging_bytes_in_use() if pool.hack is not None else 0
-        return pool.manager.num_used * pool.block_bytes + staging
+        return pool.manager.num_used * pool.block_bytes + pool.backend.staging_bytes_in_use()
 
     def kv_physical_bytes(self) -> int:
         """Bytes the KV storage occupies physically (every block, and HACK's staging capacity)."""
@@ -576,7 +559,7 @@ class Engine:
 
     def _track_peak(self) -> None:
         """Peak KV bytes: exact for dense blocks (the allocator's peak); sampled at step ends for HACK."""
-        if self.pool.hack is None:
+        if not self.pool.backend.staged:
             self._peak_bytes = self.pool.manager.peak_used * self.pool.block_bytes
         else:
             self._peak_bytes = max(self._peak_bytes, self.kv_bytes_used())

@@ -3,8 +3,9 @@
 A block is ``block_size`` rows ``[Hkv, D]`` of K and V of one layer, held by one or more sequences.
 A sequence's tables are one tensor ``table [L, nb]`` (BFF/CFF may fuse different blocks per layer),
 with per-entry norms ``[2, L, nb]`` that rescale a fused representative for this member (1 otherwise).
-Tables live across steps; a decode step stacks the batch's once (:func:`batch_tables`). HACK pools
-hold quantized pages instead of fp16 blocks (``hack_blocks``, ``hack_seq``).
+Tables live across steps; a decode step stacks the batch's once (:func:`batch_tables`). Where blocks
+live and how rows are written and read is the pool's :class:`~ragkv.engine.backend.KVBackend`:
+:class:`DenseBlocks` (the default), or HACK's quantized pages (``ragkv.attention.hack_seq.HackKV``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import torch
 
 from ragkv.attention.dense import layer_windows
 from ragkv.attention.kvcache import KVCache, cache_geometry
-from ragkv.attention.paged import decode_mask, paged_attention
-from ragkv.engine import hack_seq
+from ragkv.attention.paged import batch_tables, decode_mask, paged_attention
+from ragkv.engine.backend import KVBackend
 from ragkv.engine.block_manager import BlockManager
-from ragkv.engine.tables import batch_tables
 from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
 from ragkv.kv.calibrate import key_plans_for
 from ragkv.model.forward import decoder, run_layers
@@ -30,8 +30,82 @@ class PagedCacheError(ValueError):
     """Bad use of a paged sequence (non-contiguous positions, wrong shapes, a released sequence)."""
 
 
+class DenseBlocks:
+    """The default KV backend: blocks ``[num_blocks, block_size, Hkv, D]`` of K and V in the model's dtype."""
+
+    staged = False  # nothing beside the blocks: the allocator's peak is the KV peak
+    scaled_representatives = False  # a fused representative is stored as the unit direction
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device):
+        self.dtype, self.block_size = dtype, block_size
+        self.k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.block_bytes = self.bytes_per_block(block_size, num_kv_heads, head_dim, dtype)
+
+    @staticmethod
+    def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def staging_bytes_in_use(self) -> int:
+        return 0
+
+    def sealed_rows(self, num_tokens: int) -> int:
+        return num_tokens
+
+    def put(self, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows ``k, v [..., Hkv, D]`` into row ``offsets`` of ``blocks`` (same leading shape)."""
+        self.k[blocks, offsets] = k.to(self.dtype)
+        self.v[blocks, offsets] = v.to(self.dtype)
+
+    def read_blocks(self, phys: torch.Tensor, layers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[phys], self.v[phys]
+
+    def write_blocks(self, phys, layers, k: torch.Tensor, v: torch.Tensor, first) -> None:
+        self.k[phys], self.v[phys] = k.to(self.dtype), v.to(self.dtype)
+
+    def new_state(self) -> None:
+        return None
+
+    def load_prompt(self, seq: PagedSequence, k: torch.Tensor, v: torch.Tensor, js: list[int]) -> None:
+        """One scatter of every row that is not in a shared block (layer ``l``'s first ``js[l]``)."""
+        pool, (L, n) = seq.pool, k.shape[:2]
+        rows = torch.arange(n, device=pool.device)
+        own = rows[None] >= torch.tensor(js, device=pool.device)[:, None] * self.block_size
+        blk, off = seq.table[:, rows // self.block_size], (rows % self.block_size).expand(L, n)
+        k, v = k.to(pool.device), v.to(pool.device)
+        if bool(own.all()):
+            self.put(blk, off, k, v)
+        else:
+            self.put(blk[own], off[own], k[own], v[own])
+
+    def attend(self, seq: PagedSequence, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        p, idx = seq.pool, seq.table[layer]
+        k_pos = torch.arange(idx.numel() * p.block_size, device=p.device)
+        k_pos = torch.where(k_pos < seq._len[layer], k_pos, -1)
+        kn, vn = seq.norms[:, layer]
+        return norm_aware_attention(
+            q, self.k[idx], self.v[idx], kn, vn, q_pos.to(p.device), k_pos, p.scale, p.windows[layer]
+        )
+
+    def seq_bytes(self, seq: PagedSequence) -> int:
+        return 0
+
+    def fusable_blocks(self, seq: PagedSequence, layer: int) -> int:
+        """Full blocks."""
+        return seq._len[layer] // self.block_size
+
+    def release(self, seq: PagedSequence) -> None:
+        pass
+
+    def decode_kv(self, seqs, pos: torch.Tensor, tables: torch.Tensor, norms) -> PagedBatchKV:
+        return PagedBatchKV(seqs, pos, tables, norms)
+
+
 class KVPool:
-    """Physical K/V blocks ``[num_blocks, block_size, Hkv, D]`` plus the allocator that owns them."""
+    """Physical KV blocks (its :attr:`backend`'s) plus the allocator that owns them."""
 
     def __init__(
         self,
@@ -53,12 +127,13 @@ class KVPool:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.windows = layer_windows(sliding_window, num_layers)  # per layer (None: full causal)
         self.device = torch.device(device)
+        self.backend: KVBackend
+        #: HACK's backend (its pages, staging and smoothing statistics) when ``hack_config`` is given
         self.hack = None
         if hack_config is not None:
-            from ragkv.engine.hack_blocks import HackPages
+            from ragkv.attention.hack_seq import HackKV
 
-            dtype = torch.float16  # HACK keeps its unquantized rows in fp16, as HackKVCache does
-            self.hack = HackPages(
+            self.backend = self.hack = HackKV(
                 num_blocks,
                 block_size,
                 num_layers,
@@ -68,10 +143,9 @@ class KVPool:
                 self.device,
                 key_plans,
             )
-        self.dtype = dtype
-        shape = (0 if self.hack else num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # HACK: empty (no fp16 blocks)
-        self.v = torch.zeros_like(self.k)
+        else:
+            self.backend = DenseBlocks(num_blocks, block_size, num_kv_heads, head_dim, dtype, self.device)
+        self.dtype = self.backend.dtype
         self.manager = BlockManager(num_blocks)
 
     @classmethod
@@ -87,38 +161,36 @@ class KVPool:
             key_plans=plans,
         )
 
+    @staticmethod
+    def block_bytes_for(model, block_size: int, hack_config=None) -> int:
+        """Bytes of one block of ``model``'s pool: dense K and V, or one HACK page."""
+        c = model.config
+        if hack_config is None:
+            return DenseBlocks.bytes_per_block(block_size, c.num_kv_heads, c.head_dim, model.dtype)
+        from ragkv.attention.hack_seq import HackKV
+
+        return HackKV.page_bytes_for(hack_config, block_size, c.num_kv_heads, c.head_dim)
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block: dense K and V, or one HACK page."""
-        if self.hack is not None:
-            return self.hack.page_bytes
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.k.element_size()
+        return self.backend.block_bytes
 
     def nbytes(self) -> int:
         """Physical bytes of the pool's KV storage (HACK: pages, staging capacity, smoothing stats)."""
-        return self.hack.nbytes() if self.hack is not None else self.k.nbytes + self.v.nbytes
-
-    def put(self, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Dense rows ``k, v [..., Hkv, D]`` into row ``offsets`` of ``blocks`` (same leading shape)."""
-        self.k[blocks, offsets] = k.to(self.dtype)
-        self.v[blocks, offsets] = v.to(self.dtype)
+        return self.backend.nbytes()
 
     def read_blocks(self, phys: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of blocks ``phys`` of ``layer``: ``[n, bs, Hkv, D]`` (HACK: dequantized sealed pages)."""
-        if self.hack is None:
-            return self.k[phys], self.v[phys]
-        return self.hack.read_blocks(phys, torch.full_like(phys, layer))
+        return self.backend.read_blocks(phys, torch.full_like(phys, layer))
 
     def write_blocks(self, phys: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Overwrite whole blocks ``phys`` of ``layer`` with ``k, v [n, bs, Hkv, D]`` (HACK: quantized)."""
-        if self.hack is None:
-            self.k[phys], self.v[phys] = k.to(self.dtype), v.to(self.dtype)
-        else:
-            self.hack.write_blocks(phys, torch.full_like(phys, layer), k, v, torch.zeros_like(phys).bool())
+        self.backend.write_blocks(phys, torch.full_like(phys, layer), k, v, torch.zeros_like(phys).bool())
 
     def sealed_blocks(self, num_tokens: int) -> int:
         """Leading blocks of a ``num_tokens``-row sequence that are final (HACK: quantized, sealed)."""
-        return (num_tokens if self.hack is None else max(0, num_tokens - self.hack.window)) // self.block_size
+        return self.backend.sealed_rows(num_tokens) // self.block_size
 
     def shared_blocks(self, keys: list[str], num_tokens: int) -> list[list[int]]:
         """Per layer, the live blocks registered under ``keys`` (a shared prompt head) up to the first
@@ -164,7 +236,7 @@ class PagedSequence(KVCache):
         self.norms = torch.ones(2, pool.num_layers, 0, device=pool.device)
         self.fused: list[set[int]] = [set() for _ in range(self.num_layers)]  # never fused again
         self._len = [0] * self.num_layers
-        self.hack_state = hack_seq.HackSeqState() if pool.hack is not None else None
+        self.state = pool.backend.new_state()  # the backend's per-sequence state (dense: None)
         self.released = False
 
     @property
@@ -182,30 +254,22 @@ class PagedSequence(KVCache):
 
     # ---- KVCache ---------------------------------------------------------------------------------
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append rows at the next positions of ``layer`` (dense pools only: HACK rows enter through
-        :meth:`load_prompt` and :func:`batched_decode_step`, all layers alike)."""
+        """Append rows at the next positions of ``layer`` (dense pools only: other backends' rows enter
+        through :meth:`load_prompt` and :func:`batched_decode_step`, all layers alike)."""
         start, n = self._len[layer], int(k.shape[0])
         rows = torch.arange(start, start + n)
-        if self.pool.hack is not None or self.released or not torch.equal(positions.cpu().long(), rows):
+        dense = isinstance(self.pool.backend, DenseBlocks)
+        if not dense or self.released or not torch.equal(positions.cpu().long(), rows):
             raise PagedCacheError(f"rows of a live dense paged sequence are appended at {start}..")
         while self.num_blocks * self.pool.block_size < start + n:
             self.grow()
         rows = rows.to(self.pool.device)
         bs = self.pool.block_size
-        self.pool.put(self.table[layer, rows // bs], rows % bs, k, v)
+        self.pool.backend.put(self.table[layer, rows // bs], rows % bs, k, v)
         self._len[layer] = start + n
 
     def attend(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-        p, n = self.pool, self._len[layer]
-        if p.hack is not None:
-            return hack_seq.attend_one(self, layer, q, q_pos)
-        idx = self.table[layer]
-        k_pos = torch.arange(idx.numel() * p.block_size, device=p.device)
-        k_pos = torch.where(k_pos < n, k_pos, -1)
-        kn, vn = self.norms[:, layer]
-        return norm_aware_attention(
-            q, p.k[idx], p.v[idx], kn, vn, q_pos.to(p.device), k_pos, p.scale, p.windows[layer]
-        )
+        return self.pool.backend.attend(self, layer, q, q_pos)
 
     @property
     def length(self) -> int:
@@ -216,7 +280,7 @@ class PagedSequence(KVCache):
         (HACK: plus its fp16 staging and sink slots)."""
         ref = self.pool.manager.ref_count
         total = sum(self.pool.block_bytes / ref(b) for b in self.table.flatten().tolist())
-        return int(total + (hack_seq.staging_bytes(self) if self.hack_state is not None else 0))
+        return int(total + self.pool.backend.seq_bytes(self))
 
     # ---- prompt loading, fusion bookkeeping, release -----------------------------------------------
     def load_prompt(self, k: torch.Tensor, v: torch.Tensor, keys: list[str] | None = None) -> int:
@@ -238,17 +302,7 @@ class PagedSequence(KVCache):
         for b in itertools.chain(*shared):
             mgr.incref(b)
         self._append(torch.tensor([s + [next(fresh) for _ in range(nblk - len(s))] for s in shared]))
-        if self.hack_state is not None:
-            hack_seq.load_prompt(self, k, v, js)
-        else:  # one scatter of every row that is not in a shared block
-            rows = torch.arange(n, device=pool.device)
-            own = rows[None] >= torch.tensor(js, device=pool.device)[:, None] * bs
-            blk, off = self.table[:, rows // bs], (rows % bs).expand(L, n)
-            k, v = k.to(pool.device), v.to(pool.device)
-            if bool(own.all()):
-                pool.put(blk, off, k, v)
-            else:
-                pool.put(blk[own], off[own], k[own], v[own])
+        pool.backend.load_prompt(self, k, v, js)
         self._len = [n] * L
         tab = self.table.tolist()
         for layer, j in itertools.product(range(L), range(min(len(keys), pool.sealed_blocks(n)))):
@@ -262,9 +316,7 @@ class PagedSequence(KVCache):
 
     def fusable_blocks(self, layer: int) -> int:
         """Leading blocks BFF/CFF may fuse: full ones (HACK: sealed ones, quantized in their pages)."""
-        if self.hack_state is not None:
-            return self.hack_state.sealed
-        return self._len[layer] // self.pool.block_size
+        return self.pool.backend.fusable_blocks(self, layer)
 
     def references(self) -> Counter:
         """How many times this sequence references each physical block (all layers)."""
@@ -274,8 +326,7 @@ class PagedSequence(KVCache):
         """Drop every block reference (idempotent)."""
         if self.released:
             return
-        if self.hack_state is not None:
-            hack_seq.release(self)
+        self.pool.backend.release(self)
         for b in self.table.flatten().tolist():
             self.pool.manager.free(b)
         self.table, self.norms = self.table[:, :0], self.norms[:, :, :0]
@@ -289,6 +340,7 @@ class PagedBatchKV:
 
     def __init__(self, seqs: list[PagedSequence], pos: torch.Tensor, tables: torch.Tensor, norms):
         pool = self.pool = seqs[0].pool
+        self.k, self.v = pool.backend.k, pool.backend.v
         bs = pool.block_size
         self.tables, self.norms, self.lengths = tables, norms, pos + 1
         self.cur = tables[:, torch.arange(len(seqs), device=pos.device), pos // bs]  # [L, B]
@@ -297,14 +349,14 @@ class PagedBatchKV:
         self.fused = {layer for s in seqs for layer, f in enumerate(s.fused) if f}
 
     def write(self, layer, positions, k, v) -> None:
-        self.pool.put(self.cur[layer], self.slot, k, v)
+        self.pool.backend.put(self.cur[layer], self.slot, k, v)
 
     def attend(self, layer, q, q_pos) -> torch.Tensor:
         p, tab, mask = self.pool, self.tables[layer], self.masks[self.pool.windows[layer]]
         if layer not in self.fused:  # plain paged attention unless a sequence holds fused blocks here
-            return paged_attention(q, p.k, p.v, tab, self.lengths, p.scale, mask=mask)
+            return paged_attention(q, self.k, self.v, tab, self.lengths, p.scale, mask=mask)
         kn, vn = self.norms[:, layer]
-        return paged_norm_attention(q, p.k, p.v, tab, kn, vn, self.lengths, p.scale, mask=mask)
+        return paged_norm_attention(q, self.k, self.v, tab, kn, vn, self.lengths, p.scale, mask=mask)
 
     def finish(self) -> None:
         pass
@@ -317,7 +369,7 @@ def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) 
     Rows run stacked through the projections and MLP (:func:`ragkv.model.forward.run_layers`); RoPE
     is applied at each sequence's own position; attention is one padded batch over the stacked block
     tables (:class:`PagedBatchKV`), or one HACK batch over quantized pages
-    (:class:`~ragkv.engine.hack_seq.HackStep`). Greedy tokens match
+    (the backend's ``decode_kv``: :class:`~ragkv.attention.hack_seq.HackStep` for HACK). Greedy tokens match
     :func:`ragkv.generate.decode_step` on each sequence alone.
     """
     if not seqs:
@@ -329,8 +381,7 @@ def batched_decode_step(model, seqs: list[PagedSequence], token_ids: list[int]) 
             s.grow()
     tables, norms = batch_tables(seqs)
     pos = torch.tensor(positions, dtype=torch.long, device=pool.device)
-    step = PagedBatchKV if pool.hack is None else hack_seq.HackStep
-    kv = step(seqs, pos, tables, norms)
+    kv = pool.backend.decode_kv(seqs, pos, tables, norms)
     ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
     m = decoder(model)  # the model's decode weights
     h, _ = run_layers(m, m.embed(ids), pos.to(dev), kv)

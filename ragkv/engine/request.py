@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragkv.blend.plan import BlendPlan
-from ragkv.engine.metrics import RequestMetrics
 from ragkv.generate import Detokenizer, SamplingParams, TokenEvent
+from ragkv.metrics.serving import RequestMetrics
 
 if TYPE_CHECKING:
     from ragkv.engine.paged_cache import PagedSequence

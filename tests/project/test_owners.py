@@ -222,8 +222,8 @@ def test_one_blend_plan():
 
 
 #: where a thread hands items to an event loop by hand (``call_soon_threadsafe``): only the core's one
-#: bridge (``ragkv/aio.py``), which the service, the framework integrations and the engine's
-#: ``AsyncEngine`` (its scheduler thread's per-token sink) all use
+#: bridge (``ragkv/aio.py``), which the service, the framework integrations and asyncio readers of
+#: an engine handle's stream all use
 BRIDGES = {"ragkv/aio.py"}
 
 

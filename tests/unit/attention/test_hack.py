@@ -655,7 +655,7 @@ def test_key_plan_validation_and_the_engine_needs_plans_for_mixed_keys():
         KeyPlan(torch.arange(64)[None], (5, 1))
     with pytest.raises(HackConfigError, match="permutation"):
         KeyPlan(torch.arange(64).clamp(max=62)[None], (4, 2))
-    from ragkv.engine.hack_blocks import HackPages
+    from ragkv.attention.hack_blocks import HackPages
 
     with pytest.raises(HackConfigError, match="KeyPlan per layer"):
         HackPages(4, 16, 2, 2, 64, dataclasses.replace(cfg, partition=16), torch.device("cpu"))

@@ -7,13 +7,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ragkv.aio import iterate_in_thread
 from ragkv.blend import (
     DEFAULT_RATIO,  # tests of blending mechanics: an explicit ratio (outside the fidelity gate)
     UnknownModeError,
     prefill,
 )
 from ragkv.engine import (
-    AsyncEngine,
     BlockAccountingError,
     BlockManager,
     ChunkRef,
@@ -224,25 +224,36 @@ def test_bad_requests_raise_clear_errors_and_queue_nothing(model):
         assert not eng.has_unfinished()
 
 
-def test_async_front_end_streams_concurrently(model, chunks):
+def test_async_callers_stream_through_the_one_bridge(model, chunks):
+    """asyncio callers read a background engine's handles through ``ragkv.aio.iterate_in_thread``
+    (the core's one thread-to-async bridge): streams run concurrently, an early stop cancels its request."""
     reqs = _reqs(model, chunks, 3, max_new=8)
 
     async def main():
-        async with AsyncEngine(
+        with Engine(
             model, EngineConfig(num_blocks=600, settings=RequestSettings(ratio=DEFAULT_RATIO))
         ) as eng:
-            handles = [await eng.submit(**r) for r in reqs]
+            eng.start()
+            handles = [eng.submit(**r) for r in reqs]
 
             async def collect(h):
-                return [ev.token_id async for ev in h]
+                return [ev.token_id async for ev in iterate_in_thread(h.stream)]
 
             toks = await asyncio.gather(*(collect(h) for h in handles))
-            early = [ev async for ev in eng.stream(**reqs[0])][:2]
-            return toks, early, eng.metrics()
+            h = eng.submit(**reqs[0])
+            early = []
+            async for ev in iterate_in_thread(h.stream):
+                early.append(ev)
+                if len(early) == 2:
+                    break
+            h.cancel()
+            assert await asyncio.to_thread(h.request.done.wait, 30)
+            return toks, early, h.request.output(), eng.metrics()
 
-    toks, early, m = asyncio.run(main())
+    toks, early, out, m = asyncio.run(main())
     assert toks == [_reference(model, r) for r in reqs] and len(early) == 2
-    assert m.requests_finished == 4 and m.kv_blocks_used == 0
+    assert out.finish_reason in ("cancelled", "length")
+    assert m.requests_finished + m.requests_cancelled == 4 and m.kv_blocks_used == 0
 
 
 # ---- BFF / CFF in the engine ---------------------------------------------------------------------------------
@@ -417,10 +428,10 @@ def test_hack_engine_matches_hack_cache_and_fuses_quantized_blocks(model, chunks
         hs = [eng.submit(**r) for r in reqs]
         while eng.bff_stats.runs == 0:
             eng.step()
-        assert eng.pool.k.numel() == 0  # no fp16 blocks: fusion read and wrote quantized pages
+        assert not hasattr(eng.pool.backend, "k")  # no fp16 blocks: fusion read and wrote quantized pages
         for r in eng.scheduler.running:  # fused entries are sealed blocks
             s = r.seq
-            assert all(j < s.hack_state.sealed for layer in range(s.num_layers) for j in s.fused[layer])
+            assert all(j < s.state.sealed for layer in range(s.num_layers) for j in s.fused[layer])
         assert eng.bff_stats.blocks_freed > 0
         assert all(h.result().finish_reason == "length" for h in hs)
 
@@ -450,7 +461,7 @@ def test_hack_pages_hold_no_fp16_shadow_and_staging_stays_bounded():
     """Byte accounting: the pool's physical KV is the quantized pages plus bounded fp16 staging."""
     pool = _hack_pool(layers=2, recent_window=32)
     hp = pool.hack
-    assert pool.k.numel() == 0 and pool.v.numel() == 0  # no fp16 copy of any block
+    assert not hasattr(pool.backend, "k") and pool.backend is hp  # no fp16 copy of any block
     assert pool.block_bytes == hp.layout.page_bytes < 0.23 * (2 * 16 * 3 * 64 * 2)
     seqs = []
     for i, n in enumerate((700, 650, 801)):
@@ -458,7 +469,7 @@ def test_hack_pages_hold_no_fp16_shadow_and_staging_stays_bounded():
         s.load_prompt(*_kv(2, n, 3, 64, i))
         seqs.append(s)
         # open blocks: rows [sealed * bs, n) with sealed = (n - W) // bs: at most 47 rows, 3 blocks
-        st = s.hack_state
+        st = s.state
         assert st.kq == n - 32 and st.sealed == (n - 32) // 16 and len(st.open) == -(-n // 16) - st.sealed
     fp16 = sum(s.table.numel() for s in seqs) * 2 * 16 * 3 * 64 * 2
     physical = pool.manager.num_used * pool.block_bytes + hp.staging_nbytes()
@@ -475,7 +486,7 @@ def test_hack_batched_decode_equals_the_per_sequence_reference(rope):
     """One batched call (sinks, window, K smoothing, clip search, RoPE-aware key bits) = hack_attention
     on each sequence's view."""
     from ragkv.attention.hack_ref import HackLayerView, hack_attention
-    from ragkv.engine.hack_seq import HackAttendPlan
+    from ragkv.attention.hack_seq import HackAttendPlan
 
     pool = _hack_pool(layers=1, recent_window=8, rope=rope)
     hp, lay, bs = pool.hack, pool.hack.layout, 16
@@ -486,7 +497,7 @@ def test_hack_batched_decode_equals_the_per_sequence_reference(rope):
         seqs.append(s)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(len(seqs), 9, 64, generator=g)
-    sts = [s.hack_state for s in seqs]
+    sts = [s.state for s in seqs]
     lens = torch.tensor([s.length for s in seqs])
     plan = HackAttendPlan(
         pool,
@@ -546,7 +557,7 @@ def test_rope_key_pages_read_back_in_the_model_order():
         k, v = _kv(2, 160, 3, 64, 3)
         s = PagedSequence(pool)
         s.load_prompt(k, v)
-        sealed = s.hack_state.sealed
+        sealed = s.state.sealed
         kr, vr = pool.read_blocks(s.table[1, :sealed], 1)
         kr, vr = kr.flatten(0, 1)[4:], vr.flatten(0, 1)[4:]  # the 4 sink rows live in fp16 slots
         want = k[1, 4 : sealed * 16]

@@ -1,4 +1,6 @@
-"""Applying BFF/CFF to paged sequences: gather full blocks, fuse (``ragkv.fusion``), rewrite tables.
+"""The engine's block-sharing policy (:class:`BlockFusion`): BFF/CFF applied to paged sequences.
+
+Gather full blocks, fuse (:func:`~ragkv.fusion.bff.fast_fusion`), rewrite the sequences' tables.
 
 Norm mode (default): a fused representative overwrites its home member's block; the other members'
 entries point there (their own blocks freed) and keep their original norms for norm-aware attention.
@@ -9,16 +11,91 @@ Only full blocks held by one sequence and never fused before are eligible (docs/
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from ragkv.engine.metrics import FusionStats
-from ragkv.engine.paged_cache import KVPool, PagedSequence
 from ragkv.fusion.bff import FusionConfig, FusionResult, fast_fusion
 from ragkv.fusion.cff import cff_plan
 
+#: ``pool`` / ``seq`` below: the engine's ``KVPool`` and ``PagedSequence`` (``ragkv.engine.paged_cache``,
+#: a layer above: duck-typed here): a pool's ``manager``, ``read_blocks`` / ``write_blocks`` and
+#: ``backend``; a sequence's ``table [L, nb]``, ``fused``, ``set_norms`` and ``fusable_blocks``
 
-def eligible_blocks(seq: PagedSequence, layer: int, lo: int = 0, hi: int | None = None) -> list[int]:
+
+@dataclass
+class FusionStats:
+    """What BFF/CFF did so far, per layer: blocks considered and representatives kept."""
+
+    kind: str
+    runs: int = 0
+    time_s: float = 0.0
+    blocks_before: dict[int, int] = field(default_factory=dict)
+    blocks_after: dict[int, int] = field(default_factory=dict)
+    blocks_freed: int = 0
+    thresholds: list[float] = field(default_factory=list)
+
+    def add_layer(self, layer: int, before: int, after: int) -> None:
+        self.blocks_before[layer] = self.blocks_before.get(layer, 0) + before
+        self.blocks_after[layer] = self.blocks_after.get(layer, 0) + after
+
+    def cr_per_layer(self) -> dict[int, float]:
+        return {
+            layer: self.blocks_before[layer] / max(1, self.blocks_after[layer])
+            for layer in sorted(self.blocks_before)
+        }
+
+    @property
+    def cr(self) -> float:
+        """Blocks considered / representatives, over all fused layers."""
+        before = sum(self.blocks_before.values())
+        return before / max(1, sum(self.blocks_after.values())) if before else 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "runs": self.runs,
+            "time_s": self.time_s,
+            "cr": self.cr,
+            "cr_per_layer": self.cr_per_layer(),
+            "blocks_freed": self.blocks_freed,
+            "thresholds": self.thresholds[-8:],
+        }
+
+
+class BlockFusion:
+    """The engine's block-sharing policy: CFF inside each prompt once prefilled, BFF across the group
+    of sequences prefilled since the last run (every ``bff.every`` of them, or ``bff.min_group`` when
+    the engine turns to decoding with nothing queued). Neither configured: it does nothing."""
+
+    def __init__(self, bff: FusionConfig | None = None, cff: FusionConfig | None = None):
+        self.bff_config, self.cff_config = bff, cff
+        self.bff_stats, self.cff_stats = FusionStats("bff"), FusionStats("cff")
+        self.group: list = []  # sequences prefilled since the last BFF
+
+    def prefilled(self, pool, seq) -> None:
+        """A prompt is in ``seq``: CFF across its chunks."""
+        if self.cff_config is not None:
+            cff(pool, seq, self.cff_config, self.cff_stats)
+
+    def decoding(self, seq) -> None:
+        """``seq`` decodes on (its first token was not its last): a member of the next BFF group."""
+        if self.bff_config is not None:
+            self.group.append(seq)
+
+    def step(self, pool, transition: bool, idle: bool) -> None:
+        """After a prefill step (``transition`` False) or before a decode step (True; ``idle``: nothing
+        queued): run BFF on the group when it is due. Released (finished, preempted) members leave it."""
+        cfg = self.bff_config
+        if cfg is None or not self.group:
+            return
+        self.group = [s for s in self.group if not s.released]
+        if len(self.group) >= cfg.every or (transition and idle and len(self.group) >= cfg.min_group):
+            bff(pool, self.group, cfg, self.bff_stats)
+            self.group = []
+
+
+def eligible_blocks(seq, layer: int, lo: int = 0, hi: int | None = None) -> list[int]:
     """Table indices in ``[lo, hi)`` of ``layer`` that may be fused (full, unshared, not fused yet)."""
     ref, full = seq.pool.manager.ref_count, seq.fusable_blocks(layer)
     t = seq.table[layer].tolist()
@@ -27,7 +104,7 @@ def eligible_blocks(seq: PagedSequence, layer: int, lo: int = 0, hi: int | None 
 
 
 def fuse_items(
-    pool: KVPool, layer: int, items: list[tuple[PagedSequence, int, int | None]], cfg: FusionConfig, stats
+    pool, layer: int, items: list[tuple[object, int, int | None]], cfg: FusionConfig, stats: FusionStats
 ) -> FusionResult | None:
     """Fuse the eligible blocks of ``items`` (tree leaves: a sequence's table range ``[lo, hi)``) of one
     layer and apply the result; None when fewer than two items have any."""
@@ -49,9 +126,7 @@ def fuse_items(
     return res
 
 
-def apply_fusion(
-    pool: KVPool, layer: int, refs: list[tuple[PagedSequence, int]], res: FusionResult, attention: str
-) -> int:
+def apply_fusion(pool, layer: int, refs: list[tuple[object, int]], res: FusionResult, attention: str) -> int:
     """Rewrite blocks and tables per ``res``; returns how many blocks went back to the free list."""
     shape = (1, pool.block_size, pool.num_kv_heads, pool.head_dim)
     mgr = pool.manager
@@ -60,7 +135,7 @@ def apply_fusion(
     # representatives: written over the home member's block (replicate: over every member's, rescaled).
     # HACK stores a representative as its home member's reconstruction n_home * u (in K's range, which
     # K smoothing and fp16 metadata need); members' norms are then relative to the home's
-    replicate, scaled = attention == "replicate", pool.hack is not None
+    replicate, scaled = attention == "replicate", pool.backend.scaled_representatives
     home, freed = {}, 0
     for i in fused[res.rep_of].nonzero().flatten().tolist():  # original blocks of a fused representative
         s, j = refs[i]
@@ -84,7 +159,7 @@ def apply_fusion(
     return freed
 
 
-def bff(pool: KVPool, seqs: list[PagedSequence], cfg: FusionConfig, stats: FusionStats) -> None:
+def bff(pool, seqs: list, cfg: FusionConfig, stats: FusionStats) -> None:
     """Batch fast fusion across ``seqs`` (tree leaves = sequences, in the given order) on the configured layers."""
     t0 = time.perf_counter()
     for layer in cfg.fused_layers(pool.num_layers):
@@ -93,7 +168,7 @@ def bff(pool: KVPool, seqs: list[PagedSequence], cfg: FusionConfig, stats: Fusio
     stats.time_s += time.perf_counter() - t0
 
 
-def cff(pool: KVPool, seq: PagedSequence, cfg: FusionConfig, stats: FusionStats) -> int:
+def cff(pool, seq, cfg: FusionConfig, stats: FusionStats) -> int:
     """Chunk fast fusion inside one sequence; returns the number of chunk groups fused."""
     t0, groups = time.perf_counter(), 0
     for layer in cfg.fused_layers(pool.num_layers):

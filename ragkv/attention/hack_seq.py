@@ -1,6 +1,8 @@
-"""HACK paged sequences: a prompt into pages, the batched decode step, and the attention batch.
+"""The engine's HACK KV backend (:class:`HackKV`): a prompt into pages, the batched decode step, the attention batch.
 
-A sequence's HACK state is layer-independent (every layer holds the same rows; only tables differ,
+``EngineConfig(attention="hack")`` stores a paged pool's blocks as HACK pages (:mod:`ragkv.attention.hack_blocks`)
+instead of the default dense blocks (``ragkv.engine.paged_cache.DenseBlocks``); both are the engine's
+``KVBackend`` (``ragkv/engine/backend.py``). A sequence's HACK state is layer-independent (every layer holds the same rows; only tables differ,
 after fusion). A decode step (:class:`HackStep`) plans once for the batch, then per layer writes the
 new rows and runs one :func:`ragkv.attention.hack_batch.hack_decode` for the whole batch.
 """
@@ -13,7 +15,10 @@ import torch
 from torch import Tensor
 
 from ragkv.attention.hack_batch import HackDecodeBatch, hack_decode
-from ragkv.engine.tables import batch_tables
+from ragkv.attention.hack_blocks import HackPages
+from ragkv.attention.hack_cache import HackConfig, default_config
+from ragkv.attention.hack_paged import PagedLayout
+from ragkv.attention.paged import batch_tables
 
 
 @dataclass
@@ -30,62 +35,13 @@ def _long(xs, dev) -> Tensor:
     return torch.tensor(xs, dtype=torch.long, device=dev)
 
 
-def load_prompt(seq, k: Tensor, v: Tensor, js: list[int]) -> None:
-    """Write a prompt's ``k, v [L, N, Hkv, D]`` into the sequence's pages (those of layer ``l`` from
-    block ``js[l]`` on: the ones before are shared) and its staging and sink slots."""
-    hp, bs, dev = seq.pool.hack, seq.pool.block_size, seq.pool.device
-    L, n = int(k.shape[0]), int(k.shape[1])
-    st = seq.hack_state
-    hp.fix_stats(k)
-    kq = max(0, n - hp.window)
-    sealed = kq // bs
-    k16, v16 = k.to(dev, torch.float16), v.to(dev, torch.float16)
-    own = [(layer, j) for layer in range(L) for j in range(js[layer], sealed)]
-    if own:  # sealed blocks this sequence stores: quantized whole
-        li, ji = _long([a for a, _ in own], dev), _long([b for _, b in own], dev)
-        kb = k16[:, : sealed * bs].unflatten(1, (sealed, bs))
-        vb = v16[:, : sealed * bs].unflatten(1, (sealed, bs))
-        hp.write_blocks(seq.table[li, ji], li, kb[li, ji], vb[li, ji], ji == 0)
-    for j in range(sealed, -(-n // bs)):  # open blocks: fp16 staging (every layer)
-        slot, rows = hp.stage.take(), min(bs, n - j * bs)
-        hp.stage.k[slot, :, :rows] = k16[:, j * bs : j * bs + rows]
-        hp.stage.v[slot, :, :rows] = v16[:, j * bs : j * bs + rows]
-        st.open.append(slot)
-    if kq > sealed * bs:  # quantized K of open blocks (rows that left the window)
-        r = torch.arange(sealed * bs, kq, device=dev)
-        lr, rr = torch.arange(L, device=dev).repeat_interleave(r.numel()), r.repeat(L)
-        hp.quantize_k(seq.table[lr, rr // bs], rr % bs, lr, k16[lr, rr])
-    if hp.sinks is not None:
-        st.sink = hp.sinks.take()
-        s = min(hp.sink_tokens, n)
-        hp.sinks.k[st.sink, :, :s], hp.sinks.v[st.sink, :, :s] = k16[:, :s], v16[:, :s]
-    st.kq, st.sealed = kq, sealed
-
-
-def release(seq) -> None:
-    """Give the sequence's staging and sink slots back."""
-    hp, st = seq.pool.hack, seq.hack_state
-    for slot in st.open:
-        hp.stage.give(slot)
-    st.open = []
-    if hp.sinks is not None and st.sink >= 0:
-        hp.sinks.give(st.sink)
-        st.sink = -1
-
-
-def staging_bytes(seq) -> int:
-    """fp16 bytes of the sequence's staging and sink slots."""
-    hp = seq.pool.hack
-    return len(seq.hack_state.open) * hp.stage.slot_bytes + (hp.sinks.slot_bytes if hp.sinks else 0)
-
-
 class HackAttendPlan:
     """Layer-independent parts of the attention batch for query rows over HACK sequences."""
 
     def __init__(
         self, pool, seqs, q_pos: Tensor, kq: Tensor, sealed: Tensor, lengths: Tensor, open_slots, tables=None
     ):
-        hp, bs, dev = pool.hack, pool.block_size, pool.device
+        hp, bs, dev = pool.backend, pool.block_size, pool.device
         self.pool, self.hp = pool, hp
         if tables is None:
             tables = batch_tables(seqs)
@@ -97,7 +53,7 @@ class HackAttendPlan:
         self.open_slots = _long([o + [0] * (self.no - len(o)) for o in open_slots], dev).view(
             len(seqs), self.no
         )
-        self.sink_slots = _long([s.hack_state.sink for s in seqs], dev)
+        self.sink_slots = _long([s.state.sink for s in seqs], dev)
         self._masks: dict = {}
 
     def masks(self, window: int | None) -> tuple[Tensor, ...]:
@@ -161,29 +117,18 @@ class HackAttendPlan:
         return hack_decode(q, hp.pages, hp.layout, batch, pool.scale, qp_bits=hp.cfg.qp_bits).to(q.dtype)
 
 
-def attend_one(seq, layer: int, q: Tensor, q_pos: Tensor) -> Tensor:
-    """HACK attention of ``q [n, Hq, D]`` at ``q_pos [n]`` over one sequence's rows."""
-    dev, st, n = seq.pool.device, seq.hack_state, q.shape[0]
-    full = lambda x: torch.full((n,), x, dtype=torch.long, device=dev)  # noqa: E731
-    length = full(seq._len[layer])
-    plan = HackAttendPlan(
-        seq.pool, [seq] * n, q_pos.to(dev, torch.long), full(st.kq), full(st.sealed), length, [st.open] * n
-    )
-    return plan.attend(layer, q)
-
-
 class HackStep:
     """One batched decode step of HACK sequences (a ``LayerKV`` for ``run_layers``); blocks are taken
     by :func:`~ragkv.engine.paged_cache.batched_decode_step`, staging slots here."""
 
     def __init__(self, seqs, pos: Tensor, tables: Tensor, norms: Tensor | None):
         pool = seqs[0].pool
-        hp, bs, dev = pool.hack, pool.block_size, pool.device
+        hp, bs, dev = pool.backend, pool.block_size, pool.device
         self.seqs, self.pool, self.hp, self.tables = seqs, pool, hp, tables
         w, s_tok = hp.window, hp.sink_tokens
         new_slot, q_rows, v_rows = [], [], []
         for i, (s, p) in enumerate(zip(seqs, pos.tolist(), strict=True)):
-            st = s.hack_state
+            st = s.state
             if p % bs == 0:  # a fresh block: its staging slot
                 st.open.append(hp.stage.take())
             new_slot.append(st.open[p // bs - st.sealed])
@@ -203,15 +148,12 @@ class HackStep:
         # (this step still sees it in fp16); W = 0 (HACK's scheme): at once, layer by layer
         self.defer = w > 0
         if self.defer:
-            kq = _long([s.hack_state.kq for s in seqs], dev)
-            sealed = _long([s.hack_state.sealed for s in seqs], dev)
-            opens = [s.hack_state.open for s in seqs]
+            kq = _long([s.state.kq for s in seqs], dev)
+            sealed = _long([s.state.sealed for s in seqs], dev)
+            opens = [s.state.open for s in seqs]
         else:
             kq, sealed = self.kq_after, self.sealed_after
-            opens = [
-                s.hack_state.open[sa - s.hack_state.sealed :]
-                for s, sa in zip(seqs, sealed.tolist(), strict=True)
-            ]
+            opens = [s.state.open[sa - s.state.sealed :] for s, sa in zip(seqs, sealed.tolist(), strict=True)]
         self.plan = HackAttendPlan(pool, seqs, pos, kq, sealed, lengths, opens, (tables, norms))
 
     def write(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> None:
@@ -250,8 +192,108 @@ class HackStep:
         if self.defer:
             self._quantize(self.tables, torch.arange(self.tables.shape[0], device=self.tables.device))
         for s, kq, sa in zip(self.seqs, self.kq_after.tolist(), self.sealed_after.tolist(), strict=True):
-            st = s.hack_state
+            st = s.state
             for slot in st.open[: sa - st.sealed]:
                 hp.stage.give(slot)
             st.open = st.open[sa - st.sealed :]
             st.kq, st.sealed = kq, sa
+
+
+class HackKV(HackPages):
+    """The engine's HACK KV backend: a paged pool's blocks are quantized pages (plus bounded fp16
+    staging); a sequence's rows enter through its prompt and the batched decode step (:class:`HackStep`)."""
+
+    staged = True  # fp16 staging beside the blocks: peak bytes are sampled, not the allocator's
+    scaled_representatives = True  # a fused representative is stored as its home member's reconstruction
+    dtype = torch.float16  # unquantized rows are fp16, as HackKVCache keeps them
+
+    @staticmethod
+    def engine_config(options: dict, head_dim: int, block_size: int) -> HackConfig:
+        """HACK's defaults with ``options`` over them; V partition = block size (a preset that names no
+        K partition keeps the pages' 64)."""
+        return default_config(options, head_dim, block_size, preset_k_partition=64)
+
+    @staticmethod
+    def page_bytes_for(cfg: HackConfig, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one page: a byte budget buys this many more blocks than dense ones."""
+        return PagedLayout.for_config(cfg, block_size, num_kv_heads, head_dim).page_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.page_bytes
+
+    def sealed_rows(self, num_tokens: int) -> int:
+        """Leading rows of a ``num_tokens``-row sequence that are quantized (out of the recent window)."""
+        return max(0, num_tokens - self.window)
+
+    def new_state(self) -> HackSeqState:
+        return HackSeqState()
+
+    def fusable_blocks(self, seq, layer: int) -> int:
+        """Sealed blocks (quantized in their pages)."""
+        return seq.state.sealed
+
+    def decode_kv(self, seqs, pos: Tensor, tables: Tensor, norms: Tensor | None) -> HackStep:
+        return HackStep(seqs, pos, tables, norms)
+
+    def load_prompt(self, seq, k: Tensor, v: Tensor, js: list[int]) -> None:
+        """Write a prompt's ``k, v [L, N, Hkv, D]`` into the sequence's pages (those of layer ``l`` from
+        block ``js[l]`` on: the ones before are shared) and its staging and sink slots."""
+        hp, bs, dev = self, seq.pool.block_size, seq.pool.device
+        L, n = int(k.shape[0]), int(k.shape[1])
+        st = seq.state
+        hp.fix_stats(k)
+        kq = max(0, n - hp.window)
+        sealed = kq // bs
+        k16, v16 = k.to(dev, torch.float16), v.to(dev, torch.float16)
+        own = [(layer, j) for layer in range(L) for j in range(js[layer], sealed)]
+        if own:  # sealed blocks this sequence stores: quantized whole
+            li, ji = _long([a for a, _ in own], dev), _long([b for _, b in own], dev)
+            kb = k16[:, : sealed * bs].unflatten(1, (sealed, bs))
+            vb = v16[:, : sealed * bs].unflatten(1, (sealed, bs))
+            hp.write_blocks(seq.table[li, ji], li, kb[li, ji], vb[li, ji], ji == 0)
+        for j in range(sealed, -(-n // bs)):  # open blocks: fp16 staging (every layer)
+            slot, rows = hp.stage.take(), min(bs, n - j * bs)
+            hp.stage.k[slot, :, :rows] = k16[:, j * bs : j * bs + rows]
+            hp.stage.v[slot, :, :rows] = v16[:, j * bs : j * bs + rows]
+            st.open.append(slot)
+        if kq > sealed * bs:  # quantized K of open blocks (rows that left the window)
+            r = torch.arange(sealed * bs, kq, device=dev)
+            lr, rr = torch.arange(L, device=dev).repeat_interleave(r.numel()), r.repeat(L)
+            hp.quantize_k(seq.table[lr, rr // bs], rr % bs, lr, k16[lr, rr])
+        if hp.sinks is not None:
+            st.sink = hp.sinks.take()
+            s = min(hp.sink_tokens, n)
+            hp.sinks.k[st.sink, :, :s], hp.sinks.v[st.sink, :, :s] = k16[:, :s], v16[:, :s]
+        st.kq, st.sealed = kq, sealed
+
+    def release(self, seq) -> None:
+        """Give the sequence's staging and sink slots back."""
+        hp, st = self, seq.state
+        for slot in st.open:
+            hp.stage.give(slot)
+        st.open = []
+        if hp.sinks is not None and st.sink >= 0:
+            hp.sinks.give(st.sink)
+            st.sink = -1
+
+    def seq_bytes(self, seq) -> int:
+        """fp16 bytes of the sequence's staging and sink slots."""
+        hp = self
+        return len(seq.state.open) * hp.stage.slot_bytes + (hp.sinks.slot_bytes if hp.sinks else 0)
+
+    def attend(self, seq, layer: int, q: Tensor, q_pos: Tensor) -> Tensor:
+        """HACK attention of ``q [n, Hq, D]`` at ``q_pos [n]`` over one sequence's rows."""
+        dev, st, n = seq.pool.device, seq.state, q.shape[0]
+        full = lambda x: torch.full((n,), x, dtype=torch.long, device=dev)  # noqa: E731
+        length = full(seq._len[layer])
+        plan = HackAttendPlan(
+            seq.pool,
+            [seq] * n,
+            q_pos.to(dev, torch.long),
+            full(st.kq),
+            full(st.sealed),
+            length,
+            [st.open] * n,
+        )
+        return plan.attend(layer, q)

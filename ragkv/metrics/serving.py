@@ -1,4 +1,5 @@
-"""Per-request timings (queue, fetch, TTFT, TPOT) and engine-wide counters (throughput, KV blocks)."""
+"""The engine's serving metrics: per-request timings (queue, fetch, TTFT, TPOT) and engine-wide counters
+(throughput, KV blocks); plain values, filled by `ragkv.engine`."""
 
 from __future__ import annotations
 
@@ -61,46 +62,6 @@ class RequestMetrics:
         for name in ("queue_s", "fetch_s", "prefill_s", "ttft_s", "tpot_s", "e2e_s"):
             d[name] = getattr(self, name)
         return d
-
-
-@dataclass
-class FusionStats:
-    """What BFF/CFF did so far, per layer: blocks considered and representatives kept."""
-
-    kind: str
-    runs: int = 0
-    time_s: float = 0.0
-    blocks_before: dict[int, int] = field(default_factory=dict)
-    blocks_after: dict[int, int] = field(default_factory=dict)
-    blocks_freed: int = 0
-    thresholds: list[float] = field(default_factory=list)
-
-    def add_layer(self, layer: int, before: int, after: int) -> None:
-        self.blocks_before[layer] = self.blocks_before.get(layer, 0) + before
-        self.blocks_after[layer] = self.blocks_after.get(layer, 0) + after
-
-    def cr_per_layer(self) -> dict[int, float]:
-        return {
-            layer: self.blocks_before[layer] / max(1, self.blocks_after[layer])
-            for layer in sorted(self.blocks_before)
-        }
-
-    @property
-    def cr(self) -> float:
-        """Blocks considered / representatives, over all fused layers."""
-        before = sum(self.blocks_before.values())
-        return before / max(1, sum(self.blocks_after.values())) if before else 1.0
-
-    def as_dict(self) -> dict:
-        return {
-            "kind": self.kind,
-            "runs": self.runs,
-            "time_s": self.time_s,
-            "cr": self.cr,
-            "cr_per_layer": self.cr_per_layer(),
-            "blocks_freed": self.blocks_freed,
-            "thresholds": self.thresholds[-8:],
-        }
 
 
 @dataclass
