@@ -46,6 +46,12 @@ DEFAULT_FIDELITY = "floor"
 #: the package's adapter for the model, where the fidelity gate chooses it
 DEFAULT_ADAPTER = "auto"
 
+#: the order retrieved chunks go into a RAG prompt: by retrieval score (the default), seeded-random (the
+#: paper's evaluation), or ``cache``: the KV tree's longest cached path first (an opt-in operating point:
+#: the prompt changes, so the answer may; ``eval.bench_order`` measures how often)
+CHUNK_ORDERS = ("score", "random", "cache")
+DEFAULT_CHUNK_ORDER = "score"
+
 #: tokens generated at most when a request names no limit: ``SamplingParams``, ``RAG.answer``, the
 #: LangChain / LlamaIndex wrappers, the vLLM client, the service's query and chat routes, the CLI
 DEFAULT_MAX_NEW_TOKENS = 64

@@ -16,7 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ragkv import DEFAULT_MODEL  # a model name, resolved by ragkv.load_model
-from ragkv.defaults import DEFAULT_ADAPTER, DEFAULT_FIDELITY, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODE, MODES
+from ragkv.defaults import (
+    CHUNK_ORDERS,
+    DEFAULT_ADAPTER,
+    DEFAULT_CHUNK_ORDER,
+    DEFAULT_FIDELITY,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MODE,
+    MODES,
+)
 from ragkv.fidelity import parse_fidelity
 from ragkv.fidelity.plan import RequestSettings
 from ragkv.rag.collections import COLLECTION_PATTERN
@@ -115,6 +123,12 @@ class Settings(BaseSettings):
     )
     overlap: int = Field(0, ge=0)
     top_k: int = Field(6, ge=1)
+    chunk_order: Literal[CHUNK_ORDERS] = Field(  # type: ignore[valid-type]
+        DEFAULT_CHUNK_ORDER,
+        description="order of retrieved chunks in a prompt: 'score' (retrieval order), 'random' (seeded), or "
+        "'cache': the KV tree's longest cached path first (opt-in: the prompt changes, so answers may; "
+        "docs/EXACT_REUSE.md)",
+    )
     prompt_file: Path | None = Field(
         None,
         description="JSON with the RAG prompt settings (instruction, question_template, system, examples: "

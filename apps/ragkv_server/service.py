@@ -826,6 +826,7 @@ def build_rag(s: Settings, writer: bool = False, collect_garbage: bool | None = 
         chunk_tokens=s.chunk_tokens_for(llm.model.config.max_position, len(prefix) + len(suffix)),
         overlap=s.overlap,
         top_k=s.top_k,
+        order=s.chunk_order,
         ingest_batch=s.ingest_batch_chunks,
         quotas=s.quotas(),
         **prompt,

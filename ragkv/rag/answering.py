@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.locate import Located, append_chunks
 from ragkv.blend.resolver import ChunkResolver
-from ragkv.defaults import DEFAULT_MODE, Mode
+from ragkv.defaults import CHUNK_ORDERS, DEFAULT_CHUNK_ORDER, DEFAULT_MODE, Mode
 from ragkv.fidelity.plan import Planner, RequestSettings
 from ragkv.generate import SamplingParams, TokenEvent
 from ragkv.llm import LLM
@@ -65,7 +65,7 @@ class Answerer:
         corpus: Corpus,
         resolver: ChunkResolver,
         top_k: int = 6,
-        order: str = "score",
+        order: str = DEFAULT_CHUNK_ORDER,
         settings: RequestSettings | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
         question_template: str = DEFAULT_QUESTION,
@@ -75,8 +75,8 @@ class Answerer:
         seed: int = 0,
         generator: Generator | None = None,
     ):
-        if order not in ("score", "random"):
-            raise ValueError("order must be 'score' or 'random'")
+        if order not in CHUNK_ORDERS:
+            raise ValueError(f"order must be one of {CHUNK_ORDERS}")
         self.llm, self.corpus, self.resolver = llm, corpus, resolver
         self.model = llm.model
         self.top_k, self.order, self.seed = top_k, order, seed
@@ -185,6 +185,8 @@ class Answerer:
         else:
             recs = self.retrieve(question, k, collection)
             recs = self.fit_chunks(recs, len(prefix) + len(suffix) + max_new_tokens)
+            if self.order == "cache":
+                recs = cache_order(self.model, self.llm.kv_tree, prefix, recs)
         return RagPrompt(prefix, recs, suffix, time.perf_counter() - t0)
 
     def answer_stream(
@@ -416,7 +418,7 @@ class Answerer:
                     "total_s": total,
                     **item.timings,
                 }
-                stats = {**item.stats, "kv_hits": item.stats.get("kv_hits", 0)}
+                stats = {**item.stats, "kv_hits": item.stats.get("kv_hits", 0), "chunk_order": self.order}
                 yield RagAnswer(
                     item.text, sources, item.mode, timings, stats, list(job.prompt_ids), list(item.token_ids)
                 )
@@ -446,6 +448,49 @@ class Answerer:
     def counters(self) -> dict:
         """Chunk-KV counters of every query path: hits, misses, recomputed after a failed load..."""
         return self.resolver.counters
+
+
+#: tree lookups one cache-aware ordering may make (the search over orders stops there)
+CACHE_ORDER_PEEKS = 256
+
+
+def cache_order(model, tree, head: Sequence[int], recs: list[ChunkRecord]) -> list[ChunkRecord]:
+    """``recs`` reordered so that the KV tree's longest cached path comes first: after ``head``, the chunks
+    (in the order the tree holds them) whose tokens make the longest run of cached tokens, then the rest
+    in retrieval order. Retrieval order stays unless the path is two chunks or more and caches more than
+    retrieval order does itself (with the first level precomputed at ingest every chunk is cached right
+    after the head: one chunk is what any order gets). An opt-in operating point
+    (``order="cache"``): the prompt changes, so the answer may (``eval.bench_order`` measures how often);
+    retrieval order is the default."""
+    if tree is None or not recs:
+        return recs
+    toks = [[int(t) for t in r.token_ids] for r in recs]
+    budget = [CACHE_ORDER_PEEKS]  # tree lookups at most: a tree holding many orders costs no more
+
+    def longest(ids: list[int], rest: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+        best: tuple[int, tuple[int, ...]] = (0, ())
+        for i in rest:
+            if budget[0] <= 0:
+                break
+            budget[0] -= 1
+            nxt = ids + toks[i]
+            if tree.peek(model, nxt) < len(nxt):
+                continue
+            n, path = longest(nxt, tuple(j for j in rest if j != i))
+            if len(toks[i]) + n > best[0]:
+                best = (len(toks[i]) + n, (i, *path))
+        return best
+
+    ids = [int(t) for t in head]
+    given = 0  # what retrieval order itself has cached: its first chunk at least, with the first level
+    for t in toks:
+        if tree.peek(model, ids + t) < len(ids) + len(t):
+            break
+        ids, given = ids + t, given + len(t)
+    cached, path = longest([int(t) for t in head], tuple(range(len(recs))))
+    if len(path) < 2 or cached <= given:  # nothing gained over retrieval order: keep it
+        return recs
+    return [recs[i] for i in path] + [r for i, r in enumerate(recs) if i not in path]
 
 
 def _covers(text: str, at: int, end: int, a: int, b: int) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.kvtree import tree_store
 from ragkv.blend.resolver import WarnThrottle
+from ragkv.defaults import DEFAULT_CHUNK_ORDER
 from ragkv.fidelity.plan import RequestSettings
 from ragkv.llm import LLM
 from ragkv.prompt import DEFAULT_INSTRUCTION, DEFAULT_QUESTION
@@ -78,7 +79,7 @@ class RAG:
         chunk_tokens: int = 512,
         overlap: int = 0,
         top_k: int = 6,
-        order: str = "score",
+        order: str = DEFAULT_CHUNK_ORDER,
         mode: str | None = None,
         ratio: float | str | None = None,
         instruction: str = DEFAULT_INSTRUCTION,

@@ -405,3 +405,28 @@ def test_auto_ratio_in_rag(tmp_path, embedder, musique):
     assert st["recomputed_per_layer"][-1] == round(d["ratio"] * n_cached) + st["num_computed_rows"]
     assert m.blend_ok
     rag.close()
+
+
+@pytest.mark.slow  # an ingest with the first level
+def test_cache_order_puts_the_trees_cached_path_first(tmp_path, embedder, musique):
+    """``order="cache"`` (opt-in): the retrieved chunks the KV tree holds after the head come first, in
+    the tree's order, so the prompt is an exact hit up to them; the rest keep retrieval order; the
+    answer says which order ran. ``order="score"`` keeps retrieval order whatever the tree holds."""
+    rag = _rag(tmp_path, embedder, order="cache", mode="prefix", ratio=None, top_k=3)
+    rag.ingest(_docs(musique[:2], per_sample=2))
+    question = musique[0]["question"]
+    given = rag.prompt(question).chunks  # retrieval order (every chunk's first level is cached)
+    assert [r.chunk_id for r in given] == [r.chunk_id for r in rag.retrieve(question)][: len(given)]
+    assert len(given) == 3
+    cached = [given[2], given[0]]  # another request's prompt: these two, in this order
+    rag.answer("What happened?", chunks=cached, max_new_tokens=2)
+    rp = rag.prompt(question)
+    assert [r.chunk_id for r in rp.chunks] == [r.chunk_id for r in (given[2], given[0], given[1])]
+    ans = rag.answer(question, max_new_tokens=2)
+    head = len(rp.prefix) + sum(len(r.token_ids) for r in cached)
+    assert ans.stats["chunk_order"] == "cache" and ans.stats["cached_tokens"] >= head
+    rag.answers.order = "score"
+    assert [r.chunk_id for r in rag.prompt(question).chunks] == [r.chunk_id for r in given]
+    with pytest.raises(ValueError, match="order must be one of"):
+        _rag(tmp_path / "other", embedder, order="tree")
+    rag.close()
