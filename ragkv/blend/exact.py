@@ -27,10 +27,10 @@ log = logging.getLogger(__name__)
 #: boundary, short and long tails (the tile is 128 keys; passes of under 16 rows are padded)
 CHECK_SPLITS = (5, 17, 130, 283)
 _CHECKED: dict[tuple, bool] = {}
+_CHECK_LOCK = threading.Lock()
 #: a kept pass buffer is claimed for at least this many rows in place (fewer cost little to copy, and
 #: claiming would take the buffer from the conversation it holds)
 KEPT_MIN_ROWS = 64
-_CHECK_LOCK = threading.Lock()
 
 
 def exactness_check(model) -> bool:
@@ -109,11 +109,7 @@ def _claim_kept(
         shared = tag.shared(root, id(model), ids, m) if isinstance(tag, KeptRows) else 0
         return shared if shared >= KEPT_MIN_ROWS and 2 * shared >= m else 0
 
-    got = KV_BUFFERS.claim(
-        score,
-        {"k": shape, "v": shape},
-        model.dtype,
-    )
+    got = KV_BUFFERS.claim(score, {"k": shape, "v": shape}, model.dtype)
     if got is None:
         return None
     tag, bufs = got
