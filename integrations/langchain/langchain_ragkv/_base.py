@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
-from langchain_core.language_models import LangSmithParams
+from langchain_core.language_models import BaseChatModel, LangSmithParams
 
 from ragkv.defaults import DEFAULT_FIDELITY, DEFAULT_MODE
 from ragkv.generate import TokenEvent
@@ -49,8 +50,14 @@ class RagkvParams(RagkvOptions):
             lambda: call_events(self.rag, self.call_defaults(), question, prompt, stop, kwargs)
         )
 
-    def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
-        """LangSmith's standard tracing parameters: provider, model, type, temperature, max tokens, stop."""
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        """LangSmith's standard tracing parameters: provider, model, type (chat or llm, as the model's
+        LangChain base class), temperature, max tokens, stop."""
+        model_type = "chat" if isinstance(self, BaseChatModel) else "llm"
         temperature = kwargs.get("temperature", self.temperature)
         max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens))
         params = LangSmithParams(

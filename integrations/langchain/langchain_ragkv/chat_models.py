@@ -19,7 +19,6 @@ from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
@@ -61,13 +60,6 @@ class ChatRagkv(RagkvParams, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "ragkv-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self._params()
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        return self._ls("chat", stop, kwargs)
 
     def chat_prompt(self, messages: list[BaseMessage]) -> str:
         """The flat prompt a chat without chunk options completes: the conversation rendered with the

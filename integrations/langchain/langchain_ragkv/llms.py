@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.llms import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
@@ -35,13 +34,6 @@ class RagkvLLM(RagkvParams, LLM):
     @property
     def _llm_type(self) -> str:
         return "ragkv"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self._params()
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        return self._ls("llm", stop, kwargs)
 
     def _stream(
         self,
