@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 
+from ragkv.aio import iterate_in_thread
 from ragkv.defaults import DEFAULT_FIDELITY, DEFAULT_MODE
 from ragkv.generate import TokenEvent
 from ragkv_frameworks import Completion, RagkvOptions, call_events
@@ -49,6 +50,33 @@ class RagkvParams(RagkvOptions):
         return self.guarded(
             lambda: call_events(self.rag, self.call_defaults(), question, prompt, stop, kwargs)
         )
+
+    @staticmethod
+    def _chunks(events: Iterator, chunk: Callable, last: Callable, run_manager) -> Iterator:
+        """LangChain's chunks of :meth:`_events`: ``chunk(text)`` per token (told to ``run_manager``),
+        then ``last(completion)``."""
+        for ev in events:
+            if isinstance(ev, Completion):
+                yield last(ev)
+                return
+            out = chunk(ev.text)
+            if run_manager:
+                run_manager.on_llm_new_token(ev.text, chunk=out)
+            yield out
+
+    @staticmethod
+    async def _achunks(
+        events: Callable[[], Iterator], chunk: Callable, last: Callable, run_manager
+    ) -> AsyncIterator:
+        """:meth:`_chunks` with an async ``run_manager``; ``events()`` is iterated in a worker thread."""
+        async for ev in iterate_in_thread(events):
+            if isinstance(ev, Completion):
+                yield last(ev)
+                return
+            out = chunk(ev.text)
+            if run_manager:
+                await run_manager.on_llm_new_token(ev.text, chunk=out)
+            yield out
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
