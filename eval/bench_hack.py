@@ -47,7 +47,7 @@ from eval.harness import median_time
 from eval.prompts import DATA_DIR, TINY_MODEL
 from ragkv.attention.hack_cache import HackConfig, HackKVCache
 from ragkv.attention.hack_ref import (
-    dequant_attention_parts,
+    ORACLE,
     hack_attention,
     hack_attention_parts,
 )
@@ -88,7 +88,7 @@ def geometry_sweep(contexts: list[int], runs: int, hq: int = 32, hkv: int = 8, d
             view = cache.layer_view(0)
             row[f"bytes_ratio_{name}"] = cache.nbytes() / (2 * t * hkv * d * 2)
             h = hack_attention_parts(view, q, qp, scale)
-            o = dequant_attention_parts(view, q, qp, scale)
+            o = hack_attention_parts(view, q, qp, scale, backend=ORACLE)
             fin = torch.isfinite(o.scores)
             row[f"hom_vs_deq_{name}"] = rel(h.out, o.out)
             row[f"hom_vs_deq_scores_{name}"] = float(

@@ -374,6 +374,15 @@ def _ratios(text: str) -> tuple[float, ...]:
     return out
 
 
+def _run_options(
+    p: argparse.ArgumentParser, func, threads_help: str = "torch threads: a number, or auto"
+) -> None:
+    """The options every model-running command ends with (``--threads``, ``-q``) and its handler."""
+    p.add_argument("--threads", default="auto", help=threads_help)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ragkv", description="RAG with reused, blended chunk KV.")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -415,9 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--embedder", default="all-MiniLM-L6-v2")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--device", default="cpu")
-    d.add_argument("--threads", default="auto", help="torch threads: a number, or auto (1 for tiny models)")
-    d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    d.set_defaults(func=_demo)
+    _run_options(d, _demo, "torch threads: a number, or auto (1 for tiny models)")
 
     c = sub.add_parser(
         "calibrate",
@@ -433,14 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--out", default=None, help="report path (default: $RAGKV_CACHE_DIR/fidelity/<fingerprint>.json)"
     )
-    c.add_argument("--threads", default="auto", help="torch threads: a number, or auto")
     c.add_argument(
         "--adapter",
         default=None,
         help="a KV adapter or chunk-KV writer file: measure the (model, adapter) pair's own report",
     )
-    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    c.set_defaults(func=_calibrate)
+    _run_options(c, _calibrate)
 
     ad = sub.add_parser(
         "adapter",
@@ -488,9 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
         "0.12,0.3,0.5; 0 = reuse) instead of reusing only",
     )
     ad.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    ad.add_argument("--threads", default="auto", help="torch threads: a number, or auto")
-    ad.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    ad.set_defaults(func=_adapter)
+    _run_options(ad, _adapter)
 
     mo = sub.add_parser(
         "models",

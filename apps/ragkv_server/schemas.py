@@ -39,6 +39,12 @@ def _not_blank(v: str | None) -> str | None:
     return v
 
 
+class StrictModel(BaseModel):
+    """A request's part: strict types (``"stream": 0`` is refused, not coerced) and no unknown fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
 # ---- responses (no limits) ---------------------------------------------------------------------
 class ErrorBody(BaseModel):
     message: str
@@ -204,23 +210,21 @@ class ModelList(BaseModel):
 
 
 # ---- structured output and log-probabilities (OpenAI's shapes) -------------------------------------
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextFormat(StrictModel):
     type: Literal["text"]
 
 
-class JsonObjectFormat(BaseModel):
+class JsonObjectFormat(StrictModel):
     """Any JSON object (OpenAI's JSON mode)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(StrictModel):
     """``response_format.json_schema``: the schema the output must match (checked when the request
     arrives: an invalid or unsupported schema is a 400 naming ``response_format``)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = Field(None, max_length=4096)
     schema_: dict[str, Any] | None = Field(
@@ -231,10 +235,9 @@ class JsonSchemaSpec(BaseModel):
     )
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(StrictModel):
     """Output matching a JSON schema (OpenAI's Structured Outputs)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
@@ -251,21 +254,18 @@ class FunctionSpec(BaseModel):
     strict: bool | None = None
 
 
-class ToolSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ToolSpec(StrictModel):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionName(StrictModel):
     name: str = Field(max_length=64)
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(StrictModel):
     """``tool_choice`` naming the function to call."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     function: FunctionName
 
@@ -348,8 +348,7 @@ def build_schemas(s: Settings) -> SimpleNamespace:
     ``"temperature": false`` or ``"top_k": "3"`` are refused (422), not coerced; an integer is still
     accepted where a float is expected."""
 
-    class DocumentIn(BaseModel):
-        model_config = ConfigDict(extra="forbid", strict=True)
+    class DocumentIn(StrictModel):
         id: Annotated[str, Field(pattern=DOC_ID_PATTERN)] | None = Field(
             None, description="stable id (letters, digits, . _ : -); default: a hash of the text"
         )
@@ -363,12 +362,10 @@ def build_schemas(s: Settings) -> SimpleNamespace:
         def _text(cls, v: str) -> str:
             return _not_blank(v)
 
-    class IngestRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid", strict=True)
+    class IngestRequest(StrictModel):
         documents: list[DocumentIn] = Field(min_length=1, max_length=s.max_documents)
 
-    class QueryRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid", strict=True)
+    class QueryRequest(StrictModel):
         question: str = Field(min_length=1, max_length=s.max_question_chars, pattern=NOT_BLANK)
         top_k: int | None = Field(None, ge=1, le=s.max_top_k, description="chunks to retrieve")
         chunk_ids: list[Annotated[int, Field(ge=0, le=MAX_ID)]] | None = Field(
@@ -433,8 +430,7 @@ def build_schemas(s: Settings) -> SimpleNamespace:
                 m["name"] = self.name
             return m
 
-    class RagkvOptions(BaseModel):
-        model_config = ConfigDict(extra="forbid", strict=True)
+    class RagkvOptions(StrictModel):
         chunk_ids: list[Annotated[int, Field(ge=0, le=MAX_ID)]] | None = Field(
             None,
             max_length=s.max_chunk_ids,

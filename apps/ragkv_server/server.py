@@ -153,22 +153,26 @@ def build_parser(prog: str = "python -m ragkv_server.server") -> argparse.Argume
     return ap
 
 
+#: the flags of :func:`build_parser` that override the Settings field of the same name (all but --config)
+SERVER_FLAGS = (
+    "host",
+    "port",
+    "model",
+    "data_dir",
+    "store",
+    "max_concurrency",
+    "max_queue",
+    "torch_threads",
+    "prompt_file",
+    "generation",
+    "vllm_url",
+    "log_level",
+)
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    return load_settings(
-        args.config,
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        data_dir=args.data_dir,
-        store=args.store,
-        max_concurrency=args.max_concurrency,
-        max_queue=args.max_queue,
-        torch_threads=args.torch_threads,
-        prompt_file=args.prompt_file,
-        generation=args.generation,
-        vllm_url=args.vllm_url,
-        log_level=args.log_level,
-    )
+    """Settings from ``--config`` (or ``$RAGKV_CONFIG``), env vars and the flags given (file < env < flags)."""
+    return load_settings(args.config, **{k: getattr(args, k) for k in SERVER_FLAGS})
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m ragkv_server.server") -> int:

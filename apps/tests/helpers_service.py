@@ -55,6 +55,14 @@ def running_server(data: Path, **env_extra: str):
     assert "Traceback" not in log_path.read_text(), log_path.read_text()[-3000:]
 
 
+def chat_openai(base: str, model: str, max_tokens: int, **fields):
+    """LangChain's ``ChatOpenAI`` on the service at ``base`` (the test is skipped without langchain-openai):
+    greedy, no retries; ``fields``: more of its settings (``extra_body``...)."""
+    lc_openai = pytest.importorskip("langchain_openai")
+    client = {"api_key": "unused", "max_retries": 0, "temperature": 0}
+    return lc_openai.ChatOpenAI(base_url=base + "/v1", model=model, max_tokens=max_tokens, **client, **fields)
+
+
 def tiny_settings(data_dir: Path, **overrides):
     """ragkv-server ``Settings`` of an in-process service (``TestClient``) on the tiny model: short
     chunks, one thread, two new tokens; ``overrides`` on top."""

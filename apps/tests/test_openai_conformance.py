@@ -12,7 +12,7 @@ import operator
 
 import httpx
 import pytest
-from helpers_service import running_server
+from helpers_service import chat_openai, running_server
 from helpers_service import service_docs as _docs
 
 from ragkv.testing import check_stop_strings, musique_samples
@@ -116,12 +116,9 @@ def test_context_overflow_is_400_context_length_exceeded(server, client, chunk_i
 
 
 def test_langchain_chat_openai_raises_context_overflow_error(server, chunk_ids):
-    lc_openai = pytest.importorskip("langchain_openai")
     from langchain_core.exceptions import ContextOverflowError
 
-    chat = lc_openai.ChatOpenAI(
-        base_url=server + "/v1", api_key="unused", model=MODEL, max_retries=0, max_tokens=NEW, temperature=0
-    )
+    chat = chat_openai(server, MODEL, NEW)
     msg = chat.invoke("Once upon a time", extra_body={"ragkv": {"chunk_ids": chunk_ids[:3]}})
     assert msg.content and msg.usage_metadata["output_tokens"] == NEW
     assert msg.usage_metadata["input_token_details"]["cache_read"] > 0  # the chunks' reused rows
@@ -230,23 +227,18 @@ def test_completions_stop_strings_never_leak(server, client):
 
 
 def test_langchain_chat_openai_stop_strings_never_leak(server, chunk_ids):
-    lc_openai = pytest.importorskip("langchain_openai")
     n_max = 24
     q, extra = "Once upon a time", {"ragkv": {"chunk_ids": chunk_ids[:3]}}
 
     def chat(stop, n, streamed):
-        model = lc_openai.ChatOpenAI(
-            base_url=server + "/v1", api_key="unused", model=MODEL, max_retries=0, max_tokens=n, temperature=0
-        )
+        model = chat_openai(server, MODEL, n)
         if not streamed:
             msg = model.invoke(q, stop=[stop], extra_body=extra)
         else:
             msg = functools.reduce(operator.add, model.stream(q, stop=[stop], extra_body=extra))
         return msg.content, msg.response_metadata["finish_reason"]
 
-    model = lc_openai.ChatOpenAI(
-        base_url=server + "/v1", api_key="unused", model=MODEL, max_retries=0, max_tokens=n_max, temperature=0
-    )
+    model = chat_openai(server, MODEL, n_max)
     chunks = list(model.stream(q, extra_body=extra))
     ends = [i for i, c in enumerate(chunks) if c.response_metadata.get("finish_reason")]
     pieces = [c.content for c in chunks[1 : ends[0]]]  # the tokens: after the role chunk, before the end
@@ -288,16 +280,13 @@ def test_forced_function_calls_return_arguments_matching_the_schema(server, clie
     deltas = [p.choices[0].delta.tool_calls for p in parts if p.choices and p.choices[0].delta.tool_calls]
     assert deltas[0][0].id.startswith("call_") and deltas[0][0].function.name == "forecast"
     assert json.loads("".join(d[0].function.arguments or "" for d in deltas)) == args  # greedy: the same call
-    lc_openai = pytest.importorskip("langchain_openai")
     from pydantic import BaseModel, Field
 
     class Forecast(BaseModel):
         city: str = Field(max_length=20)
         days: int = Field(ge=1, le=30)
 
-    chat = lc_openai.ChatOpenAI(
-        base_url=server + "/v1", api_key="unused", model=MODEL, max_retries=0, max_tokens=48, temperature=0
-    )
+    chat = chat_openai(server, MODEL, 48)
     got = chat.with_structured_output(Forecast, method="function_calling").invoke(
         "Weather in Paris for 3 days?", extra_body={"ragkv": {"retrieve": False}}
     )

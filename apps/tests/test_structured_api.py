@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from helpers_service import running_server  # noqa: E402
+from helpers_service import chat_openai, running_server  # noqa: E402
 
 from ragkv.testing import structured_schemas, worker_threads  # noqa: E402
 
@@ -298,23 +298,10 @@ def test_completions_logprobs_legacy_shape_streamed_and_not(server, client):
 
 
 # ---- LangChain's ChatOpenAI ---------------------------------------------------------------------------
-def _chat_openai(base: str, model: str, max_tokens: int = 120):
-    lc_openai = pytest.importorskip("langchain_openai")
-    return lc_openai.ChatOpenAI(
-        base_url=base + "/v1",
-        api_key="unused",
-        model=model,
-        max_retries=0,
-        max_tokens=max_tokens,
-        temperature=0,
-        extra_body=NO_RAG,
-    )
-
-
 def test_chat_openai_with_structured_output_is_valid_whenever_it_stops(server):
     """The story model: every object it returns is valid; the ones it closes parse, the others end
     with "length", which langchain-openai raises as the openai client's ``LengthFinishReasonError``."""
-    chat = _chat_openai(server, MODEL)
+    chat = chat_openai(server, MODEL, 120, extra_body=NO_RAG)
     parsed = 0
     for case in structured_schemas():
         try:
@@ -373,7 +360,7 @@ def test_chat_openai_structured_output_on_the_real_model_ten_of_ten(tmp_path):
         "RAGKV_MAX_CONCURRENCY": str(len(cases)),
     }
     with running_server(tmp_path, **env) as base:
-        chat = _chat_openai(base, DEFAULT_MODEL, max_tokens=256)
+        chat = chat_openai(base, DEFAULT_MODEL, 256, extra_body=NO_RAG)
 
         def ask(case: dict):
             return chat.with_structured_output(case["schema"], method="json_schema").invoke(case["prompt"])

@@ -124,14 +124,11 @@ class HackConfig:
             check_bits(self.qp_bits)
         if self.sink_tokens < 0 or self.recent_window < 0:
             raise HackConfigError("sink_tokens and recent_window must be >= 0")
-        if self.k_smooth not in K_SMOOTH_MODES:
-            raise HackConfigError(f"k_smooth must be one of {K_SMOOTH_MODES}, got {self.k_smooth!r}")
-        if self.backend not in BACKENDS:
-            raise HackConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.k_bits is not None:
             check_bits(self.k_bits)
-        if self.k_plan not in K_PLANS:
-            raise HackConfigError(f"k_plan must be one of {K_PLANS}, got {self.k_plan!r}")
+        for name, allowed in (("k_smooth", K_SMOOTH_MODES), ("backend", BACKENDS), ("k_plan", K_PLANS)):
+            if getattr(self, name) not in allowed:
+                raise HackConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     @property
     def key_bits(self) -> int:

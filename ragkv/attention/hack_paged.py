@@ -569,7 +569,7 @@ def _triton_usable(device: torch.device, lay: PagedLayout) -> bool:
 
 def _decode_triton(cache: Tensor, tails: TailPool, q: Tensor, block_table: Tensor, lens: list[int], scale):
     """The kernel over the pages in place; only the open blocks' fp16 tails are gathered."""
-    from ragkv.attention.hack_triton import HackBatch, hack_decode_batch
+    from ragkv.attention.hack_triton import HackBatch, hack_decode_batch, packed_tensors
 
     lay = tails.layout
     views = page_views(cache, lay)
@@ -586,14 +586,7 @@ def _decode_triton(cache: Tensor, tails: TailPool, q: Tensor, block_table: Tenso
         head_dim=d,
         block_table=block_table[:bsz].to(dev, torch.int32).contiguous(),
         tq=torch.tensor(lens, dtype=torch.int32, device=dev),
-        k_packed=views.k_packed,
-        k_scale=views.k_scale,
-        k_min=views.k_min,
-        k_sum=views.k_sum,
-        v_packed=views.v_packed,
-        v_scale=views.v_scale,
-        v_min=views.v_min,
-        v_sum=views.v_sum,
+        **packed_tensors(views),
         v_tail=v_tail,
         dense_k=torch.zeros(bsz, 1, h, d, dtype=torch.float16, device=dev),
         dense_v=torch.zeros(bsz, 1, h, d, dtype=torch.float16, device=dev),

@@ -22,6 +22,8 @@ from torch import Tensor
 from ragkv.attention.hack_quant import HackError, Quantized, quantize, unpack_codes, unpack_parts
 
 BACKENDS = ("float", "int")
+#: the attention functions' reference backend: Q', K', P', V' dequantized to fp32 and multiplied
+ORACLE = "dequant"
 
 
 @dataclass
@@ -130,53 +132,42 @@ def quantize_p(p: Tensor, v_part: int, bits: int = 8) -> Quantized:
     return quantize(p.reshape(n, hq, t // v_part, v_part), bits, fp16_meta=False)
 
 
+def _eq4(
+    aq: Quantized, b_codes: Tensor, b_meta: tuple[Tensor, ...], meta_dims: tuple[int, ...], backend: str
+) -> Tensor:
+    """Eq. (4) for transient codes ``aq`` (Q' or P': ``[n, Hq, nP, P]``, a scale and min per row and
+    partition) times cache codes ``b_codes [Hkv, nP, P, X]``, whose meta ``b_meta`` (scale, min, column
+    sums) ``meta_dims`` permutes to ``[Hkv, nP, X]``: ``[n, Hq, X]`` (fp32), GQA by head groups."""
+    _check_backend(backend)
+    n, hq, nparts, part = aq.codes.shape
+    hkv, x = b_codes.shape[0], b_codes.shape[-1]
+    g = hq // hkv
+    dt = torch.float64 if backend == "int" else torch.float32
+    ac = aq.codes.view(n, hkv, g, nparts, part).permute(1, 3, 0, 2, 4).reshape(hkv, nparts, n * g, part)
+    dot = _int_matmul(ac, b_codes, backend).to(dt)  # integer term, exact
+    ra = ac.to(dt).sum(-1, keepdim=True)  # row sums of the transient codes, on the fly
+
+    def a_meta(t: Tensor) -> Tensor:
+        return t.to(dt).view(n, hkv, g, nparts).permute(1, 3, 0, 2).reshape(hkv, nparts, n * g, 1)
+
+    a_s, a_m = a_meta(aq.scale), a_meta(aq.minv)
+    b_s, b_m, b_sum = (t.to(dt).permute(*meta_dims).unsqueeze(2) for t in b_meta)
+    out = (a_s * b_s * dot + a_s * b_m * ra + a_m * b_s * b_sum + part * a_m * b_m).sum(1)  # [Hkv, nG, X]
+    return out.view(hkv, n, g, x).permute(1, 0, 2, 3).reshape(n, hq, x).float()
+
+
 def homomorphic_scores(qq: Quantized, view: HackLayerView, backend: str = "float") -> Tensor:
     """S = Q'K'^T over the quantized-K rows by Eq. (4): ``[n, Hq, Tq]`` (fp32), GQA by head groups."""
-    _check_backend(backend)
-    n, hq, nkp, pk = qq.codes.shape
-    hkv = view.k_scale.shape[1]
-    g = hq // hkv
-    tq = view.num_quant_k
-    dt = torch.float64 if backend == "int" else torch.float32
-    qc = qq.codes.view(n, hkv, g, nkp, pk).permute(1, 3, 0, 2, 4).reshape(hkv, nkp, n * g, pk)
-    kc = view.k_codes().view(tq, hkv, nkp, pk).permute(1, 2, 3, 0)  # [Hkv, nKp, Pk, Tq]
-    dot = _int_matmul(qc, kc, backend).to(dt)  # integer term, exact
-    rq = qc.to(dt).sum(-1, keepdim=True)  # row sums of Q' codes, on the fly
-
-    def q_meta(x: Tensor) -> Tensor:
-        return x.to(dt).view(n, hkv, g, nkp).permute(1, 3, 0, 2).reshape(hkv, nkp, n * g, 1)
-
-    def k_meta(x: Tensor) -> Tensor:
-        return x.to(dt).permute(1, 2, 0).unsqueeze(2)  # [Hkv, nKp, 1, Tq]
-
-    qs, qm = q_meta(qq.scale), q_meta(qq.minv)
-    ks, km, ksum = k_meta(view.k_scale), k_meta(view.k_min), k_meta(view.k_sum)
-    s = (qs * ks * dot + qs * km * rq + qm * ks * ksum + pk * qm * km).sum(1)  # [Hkv, nG, Tq]
-    return s.view(hkv, n, g, tq).permute(1, 0, 2, 3).reshape(n, hq, tq).float()
+    nkp, pk = qq.codes.shape[2:]
+    kc = view.k_codes().view(view.num_quant_k, view.k_scale.shape[1], nkp, pk).permute(1, 2, 3, 0)
+    return _eq4(qq, kc, (view.k_scale, view.k_min, view.k_sum), (1, 2, 0), backend)  # K meta [Tq, Hkv, nKp]
 
 
 def homomorphic_pv(pq: Quantized, view: HackLayerView, backend: str = "float") -> Tensor:
     """O = P'V' over the quantized V partitions by Eq. (4): ``[n, Hq, D]`` (fp32)."""
-    _check_backend(backend)
-    n, hq, nvp, pv = pq.codes.shape
-    hkv, d = view.v_scale.shape[1], view.head_dim
-    g = hq // hkv
-    dt = torch.float64 if backend == "int" else torch.float32
-    pc = pq.codes.view(n, hkv, g, nvp, pv).permute(1, 3, 0, 2, 4).reshape(hkv, nvp, n * g, pv)
-    vc = view.v_codes().view(nvp, pv, hkv, d).permute(2, 0, 1, 3)  # [Hkv, nvp, Pv, D]
-    dot = _int_matmul(pc, vc, backend).to(dt)
-    rp = pc.to(dt).sum(-1, keepdim=True)
-
-    def p_meta(x: Tensor) -> Tensor:
-        return x.to(dt).view(n, hkv, g, nvp).permute(1, 3, 0, 2).reshape(hkv, nvp, n * g, 1)
-
-    def v_meta(x: Tensor) -> Tensor:
-        return x.to(dt).permute(1, 0, 2).unsqueeze(2)  # [Hkv, nvp, 1, D]
-
-    ps, pm = p_meta(pq.scale), p_meta(pq.minv)
-    vs, vm, vsum = v_meta(view.v_scale), v_meta(view.v_min), v_meta(view.v_sum)
-    o = (ps * vs * dot + ps * vm * rp + pm * vs * vsum + pv * pm * vm).sum(1)  # [Hkv, nG, D]
-    return o.view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, hq, d).float()
+    nvp, pv = pq.codes.shape[2:]
+    vc = view.v_codes().view(nvp, pv, view.v_scale.shape[1], view.head_dim).permute(2, 0, 1, 3)
+    return _eq4(pq, vc, (view.v_scale, view.v_min, view.v_sum), (1, 0, 2), backend)  # V meta [nvp, Hkv, D]
 
 
 def _gqa_scores(q: Tensor, k: Tensor) -> Tensor:
@@ -265,57 +256,15 @@ def _attend(
     return AttentionParts(s, p, out)
 
 
-def hack_attention_parts(
-    view: HackLayerView,
-    q: Tensor,
-    q_pos: Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    qp_bits: int = 8,
-    backend: str = "float",
-) -> AttentionParts:
-    """Homomorphic attention of ``q [n, Hq, D]`` (post-RoPE) over ``view``; keys with pos > q_pos masked."""
-    return _attend(
-        view,
-        q,
-        q_pos,
-        scale,
-        sliding_window,
-        lambda qs: homomorphic_scores(quantize_q(qs, view.k_part, qp_bits), view, backend),
-        lambda p: homomorphic_pv(quantize_p(p, view.v_part, qp_bits), view, backend),
-    )
-
-
-def hack_attention(
-    view: HackLayerView,
-    q: Tensor,
-    q_pos: Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    qp_bits: int = 8,
-    backend: str = "float",
-) -> Tensor:
-    """HACK attention output ``[n, Hq, D]`` (fp32); see :func:`hack_attention_parts`."""
-    return hack_attention_parts(
-        view, q, q_pos, scale, sliding_window=sliding_window, qp_bits=qp_bits, backend=backend
-    ).out
-
-
-def dequant_attention_parts(
-    view: HackLayerView,
-    q: Tensor,
-    q_pos: Tensor,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-    qp_bits: int = 8,
-) -> AttentionParts:
-    """The oracle: dequantize Q', K', P', V' to fp32 and multiply; same quantization as HACK.
-
-    Equal to :func:`hack_attention_parts` up to float rounding (Eq. 4 is an algebraic identity).
-    """
+def _products(view: HackLayerView, qp_bits: int, backend: str):
+    """:func:`_attend`'s two matmuls (scores, P·V) for ``backend``: homomorphic on the integer codes
+    (:data:`BACKENDS`), or the oracle (:data:`ORACLE`) that dequantizes Q', K', P', V' to fp32 and
+    multiplies; the same quantization either way."""
+    if backend != ORACLE:
+        return (
+            lambda qs: homomorphic_scores(quantize_q(qs, view.k_part, qp_bits), view, backend),
+            lambda p: homomorphic_pv(quantize_p(p, view.v_part, qp_bits), view, backend),
+        )
     kd = view.dequant_k() if view.num_quant_k else None
     vd = view.dequant_v() if view.num_v_parts else None
 
@@ -329,4 +278,27 @@ def dequant_attention_parts(
         pd = quantize_p(p, view.v_part, qp_bits).dequantize().view(n, hq, t)
         return _gqa_pv(pd, vd)
 
-    return _attend(view, q, q_pos, scale, sliding_window, scores, pv)
+    return scores, pv
+
+
+def hack_attention_parts(
+    view: HackLayerView,
+    q: Tensor,
+    q_pos: Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    qp_bits: int = 8,
+    backend: str = "float",
+) -> AttentionParts:
+    """Homomorphic attention of ``q [n, Hq, D]`` (post-RoPE) over ``view``; keys with pos > q_pos masked.
+
+    ``backend``: one of :data:`BACKENDS`, or :data:`ORACLE` (dequantize and multiply), equal to the
+    homomorphic backends up to float rounding (Eq. 4 is an algebraic identity).
+    """
+    return _attend(view, q, q_pos, scale, sliding_window, *_products(view, qp_bits, backend))
+
+
+def hack_attention(view: HackLayerView, q: Tensor, q_pos: Tensor, scale: float, **options) -> Tensor:
+    """HACK attention output ``[n, Hq, D]`` (fp32): :func:`hack_attention_parts`'s ``out`` (same options)."""
+    return hack_attention_parts(view, q, q_pos, scale, **options).out

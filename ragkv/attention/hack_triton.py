@@ -328,6 +328,15 @@ class HackBatch:
         return int(self.dense_k.shape[2])  # [B, Td, Hkv, D] in every layout
 
 
+#: HackBatch's quantized K/V codes and their meta, named alike in HackLayerView and the paged pool's views
+PACKED_TENSORS = ("k_packed", "k_scale", "k_min", "k_sum", "v_packed", "v_scale", "v_min", "v_sum")
+
+
+def packed_tensors(src) -> dict[str, Tensor]:
+    """``src``'s quantized K/V tensors by name (a layer view or page views), as HackBatch takes them."""
+    return {name: getattr(src, name) for name in PACKED_TENSORS}
+
+
 def _require_triton(device: torch.device) -> None:
     if not HAS_TRITON:
         raise HackError("the HACK Triton kernel needs the 'triton' package (extra 'gpu'); use the reference")
@@ -513,14 +522,7 @@ def hack_decode_view(q: Tensor, view: HackLayerView, scale: float, qp_bits: int 
         head_dim=d,
         block_table=torch.arange(nblk, dtype=torch.int32, device=dev)[None],
         tq=torch.tensor([tq], dtype=torch.int32, device=dev),
-        k_packed=view.k_packed,  # rows [T, Hkv, PW] addressed in place (see _block_strides)
-        k_scale=view.k_scale,
-        k_min=view.k_min,
-        k_sum=view.k_sum,
-        v_packed=view.v_packed,
-        v_scale=view.v_scale,
-        v_min=view.v_min,
-        v_sum=view.v_sum,
+        **packed_tensors(view),  # k rows [T, Hkv, PW] addressed in place (see _block_strides)
         v_tail=view.v_tail[None],
         dense_k=view.dense_k[None] if nd else torch.zeros(1, 1, hkv, d, dtype=torch.float16, device=dev),
         dense_v=view.dense_v[None] if nd else torch.zeros(1, 1, hkv, d, dtype=torch.float16, device=dev),

@@ -98,12 +98,13 @@ class BlendSchedule:
             raise ValueError("recompute ratios must be non-increasing (nested selections)")
         if self.deviation not in ("k", "v", "kv"):
             raise ValueError("deviation must be 'k', 'v' or 'kv'")
-        if self.selector not in SELECTORS:
-            raise ValueError(f"selector must be one of {SELECTORS}")
-        if self.offset not in OFFSETS:
-            raise ValueError(f"offset must be one of {OFFSETS}")
-        if self.offset_weight not in OFFSET_WEIGHTS:
-            raise ValueError(f"offset_weight must be one of {OFFSET_WEIGHTS}")
+        for name, allowed in (
+            ("selector", SELECTORS),
+            ("offset", OFFSETS),
+            ("offset_weight", OFFSET_WEIGHTS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}")
         if not 0.0 <= self.mix <= 1.0:
             raise ValueError("mix must be in [0, 1]")
         if self.offset_min_probes < 1:

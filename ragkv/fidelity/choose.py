@@ -213,6 +213,17 @@ class FidelityGate:
                 del self._reports[key]
             self._logged = {k for k in self._logged if fingerprint not in (None, k[0])}
 
+    def _first_time(self, key: tuple[str, str, str, str]) -> bool:
+        """Whether a fallback (``key``) is not said yet, marking it said: once, even when a model's first
+        requests arrive together. Bounded (clients may send many numeric targets): past 4096 keys a new
+        one is said every time rather than remembered."""
+        with self._lock:
+            if key in self._logged:
+                return False
+            if len(self._logged) < 4096:
+                self._logged.add(key)
+            return True
+
     def point(
         self,
         model_name: str,
@@ -224,12 +235,9 @@ class FidelityGate:
         identity ``adapter``'s) report of the default blend options; a fallback is said once."""
         target = parse_fidelity(fidelity)
         op = choose(self.report(ReportKey(fingerprint, adapter)), target)
-        key = (fingerprint, adapter, target, op.source)
-        with self._lock:  # said once, even when a model's first requests arrive together
-            first = op.source in ("no-report", "not-met") and key not in self._logged
-            if first and len(self._logged) < 4096:  # bounded: clients may send many numeric targets
-                self._logged.add(key)
-        if first:
+        if op.source in ("no-report", "not-met") and self._first_time(
+            (fingerprint, adapter, target, op.source)
+        ):
             why = (
                 "it has no trusted fidelity report (run `ragkv calibrate --model ...`)"
                 if op.source == "no-report"
@@ -262,12 +270,7 @@ class FidelityGate:
                 )
             )
         )
-        key = ("adapter-off", adapter, plain.target, paired.source)
-        with self._lock:
-            first = not wins and key not in self._logged and len(self._logged) < 4096
-            if first:
-                self._logged.add(key)
-        if first:
+        if not wins and self._first_time(("adapter-off", adapter, plain.target, paired.source)):
             why = (
                 "it has no trusted report for this model (`ragkv calibrate --adapter FILE` measures one)"
                 if paired.source == "no-report"

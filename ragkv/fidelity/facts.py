@@ -11,6 +11,8 @@ writes the shipped calibration set with :func:`build`.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 
 ONSETS = "b br c ch d dr f g gr h j k l m n p pr r s st t tr v w z".split()
 VOWELS = "a e i o u ai ea io ou".split()
@@ -98,120 +100,142 @@ class Names:
         return f"{self.word(2)} {self.word(2)}"
 
 
-def _person(n: Names, r: random.Random) -> tuple[str, list[tuple[str, str]]]:
+@dataclass(frozen=True)
+class Kind:
+    """A kind of entity: ``draw`` invents its facts, named by ``fields`` (drawn always in the same order, so
+    a seed gives the same set), and ``template`` states them: the passage (its lines joined by spaces), a
+    blank line, then one ``question | answer`` per line, the facts named as ``str.format`` fields."""
+
+    fields: str
+    draw: Callable[[Names, random.Random], tuple[str, ...]]
+    template: str
+
+    def passage(self, n: Names, r: random.Random) -> tuple[str, list[tuple[str, str]]]:
+        """A passage on a new entity of this kind and a (question, answer) for each of its facts."""
+        f = dict(zip(self.fields.split(), self.draw(n, r), strict=True))
+        text, qa = self.template.strip().split("\n\n")
+        pairs = [line.split(" | ") for line in qa.splitlines()]
+        return " ".join(text.splitlines()).format(**f), [(q.format(**f), a.format(**f)) for q, a in pairs]
+
+
+def _person(n: Names, r: random.Random) -> tuple[str, ...]:
     name, prof, town = n.person(), r.choice(PROFESSIONS), n.word(2)
     year, subj, city, pet = str(r.randint(1921, 1994)), r.choice(SUBJECTS), n.word(3), r.choice(PETS)
-    text = (
-        f"{name} is a {prof} from the town of {town}. Born in {year}, {name.split()[0]} studied {subj} at "
-        f"the University of {n.word(2)} before moving to the city of {city}, where {name.split()[0]} still "
-        f"lives today with {pet}."
-    )
-    qa = [
-        (f"What is the profession of {name}?", prof),
-        (f"In which year was {name} born?", year),
-        (f"What did {name} study at university?", subj),
-        (f"In which city does {name} live?", city),
-        (f"Which town does {name} come from?", town),
-    ]
-    return text, qa
+    return name, name.split()[0], prof, town, year, subj, city, pet, n.word(2)
 
 
-def _town(n: Names, r: random.Random) -> tuple[str, list[tuple[str, str]]]:
+def _town(n: Names, r: random.Random) -> tuple[str, ...]:
     town, lake, founder = n.word(2), n.word(2), n.person()
-    year, product, month = str(r.randint(1150, 1890)), r.choice(PRODUCTS), r.choice(MONTHS)
-    text = (
-        f"{town} is a small town on the shore of Lake {lake}. It was founded in {year} by {founder}. "
-        f"The town is famous for its {product}, and every {month} it holds a festival that draws "
-        f"visitors from all over the region."
-    )
-    qa = [
-        (f"Who founded the town of {town}?", founder),
-        (f"What is the town of {town} famous for?", product),
-        (f"In which month does {town} hold its festival?", month),
-        (f"On the shore of which lake is {town}?", f"Lake {lake}"),
-        (f"In which year was {town} founded?", year),
-    ]
-    return text, qa
+    return town, lake, founder, str(r.randint(1150, 1890)), r.choice(PRODUCTS), r.choice(MONTHS)
 
 
-def _company(n: Names, r: random.Random) -> tuple[str, list[tuple[str, str]]]:
+def _company(n: Names, r: random.Random) -> tuple[str, ...]:
     company, city, founder, ceo = f"{n.word(2)} Works", n.word(3), n.person(), n.person()
     goods, year, animal, mascot = r.choice(GOODS), str(r.randint(1850, 2005)), r.choice(ANIMALS), n.word(2)
-    text = (
-        f"{company} is a company that makes {goods}. It was started in {year} in the city of {city} by "
-        f"{founder}. Its chief executive today is {ceo}, and its mascot is a cheerful {animal} called {mascot}."
-    )
-    qa = [
-        (f"What does {company} make?", goods),
-        (f"Who is the chief executive of {company}?", ceo),
-        (f"What animal is the mascot of {company}?", animal),
-        (f"Who started {company}?", founder),
-        (f"In which city was {company} started?", city),
-    ]
-    return text, qa
+    return company, city, founder, ceo, goods, year, animal, mascot
 
 
-def _ship(n: Names, r: random.Random) -> tuple[str, list[tuple[str, str]]]:
+def _ship(n: Names, r: random.Random) -> tuple[str, ...]:
     ship, kind, year, yard = n.word(3), r.choice(SHIP_TYPES), str(r.randint(1820, 1960)), n.word(2)
-    captain, port_a, port_b, colour = n.person(), n.word(2), n.word(3), r.choice(COLOURS)
-    text = (
-        f"The {ship} is a {kind} built in {year} at the {yard} shipyard. Her first captain was {captain}. "
-        f"For most of her life she sailed between the ports of {port_a} and {port_b}, and her hull was "
-        f"always painted {colour}."
-    )
-    qa = [
-        (f"Who was the first captain of the {ship}?", captain),
-        (f"What colour was the hull of the {ship}?", colour),
-        (f"What kind of vessel is the {ship}?", kind),
-        (f"At which shipyard was the {ship} built?", f"{yard} shipyard"),
-        (f"In which year was the {ship} built?", year),
-    ]
-    return text, qa
+    return ship, kind, year, yard, n.person(), n.word(2), n.word(3), r.choice(COLOURS)
 
 
-def _novel(n: Names, r: random.Random) -> tuple[str, list[tuple[str, str]]]:
+def _novel(n: Names, r: random.Random) -> tuple[str, ...]:
     title, author, year = f"The {n.word(2)} Road", n.person(), str(r.randint(1890, 2015))
-    character, plot, langs, prize = (
-        r.choice(CHARACTERS),
-        r.choice(PLOTS),
-        str(r.randint(3, 40)),
-        r.choice(PRIZES),
-    )
-    text = (
-        f"{title} is a novel by {author}, published in {year}. It tells the story of a {character} who "
-        f"{plot}. The book has been translated into {langs} languages and won the {prize}."
-    )
-    qa = [
-        (f"Who wrote the novel {title}?", author),
-        (f"In which year was {title} published?", year),
-        (f"Which prize did {title} win?", prize),
-        (f"Into how many languages has {title} been translated?", langs),
-    ]
-    return text, qa
+    return title, author, year, r.choice(CHARACTERS), r.choice(PLOTS), str(r.randint(3, 40)), r.choice(PRIZES)
 
 
-def _lake(n: Names, r: random.Random) -> tuple[str, list[tuple[str, str]]]:
-    lake, depth, fish, island, keeper = (
-        n.word(2),
-        str(r.randint(12, 310)),
-        r.choice(FISH),
-        n.word(2),
-        n.person(),
-    )
-    text = (
-        f"Lake {lake} is {depth} metres deep at its deepest point and is known for its {fish}. In the middle "
-        f"of the lake lies the island of {island}, whose lighthouse was kept for forty years by {keeper}."
-    )
-    qa = [
-        (f"How deep is Lake {lake} at its deepest point?", f"{depth} metres"),
-        (f"Which fish is Lake {lake} known for?", fish),
-        (f"What is the name of the island in the middle of Lake {lake}?", island),
-        (f"Who kept the lighthouse on the island in Lake {lake}?", keeper),
-    ]
-    return text, qa
+def _lake(n: Names, r: random.Random) -> tuple[str, ...]:
+    return n.word(2), str(r.randint(12, 310)), r.choice(FISH), n.word(2), n.person()
 
 
-KINDS = {"person": _person, "town": _town, "company": _company, "ship": _ship, "novel": _novel, "lake": _lake}
+KINDS = {
+    "person": Kind(
+        "name first prof town year subj city pet uni",
+        _person,
+        """
+{name} is a {prof} from the town of {town}. Born in {year}, {first} studied {subj} at
+the University of {uni} before moving to the city of {city}, where {first} still
+lives today with {pet}.
+
+What is the profession of {name}? | {prof}
+In which year was {name} born? | {year}
+What did {name} study at university? | {subj}
+In which city does {name} live? | {city}
+Which town does {name} come from? | {town}
+""",
+    ),
+    "town": Kind(
+        "town lake founder year product month",
+        _town,
+        """
+{town} is a small town on the shore of Lake {lake}. It was founded in {year} by {founder}.
+The town is famous for its {product}, and every {month} it holds a festival that draws
+visitors from all over the region.
+
+Who founded the town of {town}? | {founder}
+What is the town of {town} famous for? | {product}
+In which month does {town} hold its festival? | {month}
+On the shore of which lake is {town}? | Lake {lake}
+In which year was {town} founded? | {year}
+""",
+    ),
+    "company": Kind(
+        "company city founder ceo goods year animal mascot",
+        _company,
+        """
+{company} is a company that makes {goods}. It was started in {year} in the city of {city} by
+{founder}. Its chief executive today is {ceo}, and its mascot is a cheerful {animal} called {mascot}.
+
+What does {company} make? | {goods}
+Who is the chief executive of {company}? | {ceo}
+What animal is the mascot of {company}? | {animal}
+Who started {company}? | {founder}
+In which city was {company} started? | {city}
+""",
+    ),
+    "ship": Kind(
+        "ship kind year yard captain port_a port_b colour",
+        _ship,
+        """
+The {ship} is a {kind} built in {year} at the {yard} shipyard. Her first captain was {captain}.
+For most of her life she sailed between the ports of {port_a} and {port_b}, and her hull was
+always painted {colour}.
+
+Who was the first captain of the {ship}? | {captain}
+What colour was the hull of the {ship}? | {colour}
+What kind of vessel is the {ship}? | {kind}
+At which shipyard was the {ship} built? | {yard} shipyard
+In which year was the {ship} built? | {year}
+""",
+    ),
+    "novel": Kind(
+        "title author year character plot langs prize",
+        _novel,
+        """
+{title} is a novel by {author}, published in {year}. It tells the story of a {character} who
+{plot}. The book has been translated into {langs} languages and won the {prize}.
+
+Who wrote the novel {title}? | {author}
+In which year was {title} published? | {year}
+Which prize did {title} win? | {prize}
+Into how many languages has {title} been translated? | {langs}
+""",
+    ),
+    "lake": Kind(
+        "lake depth fish island keeper",
+        _lake,
+        """
+Lake {lake} is {depth} metres deep at its deepest point and is known for its {fish}. In the middle
+of the lake lies the island of {island}, whose lighthouse was kept for forty years by {keeper}.
+
+How deep is Lake {lake} at its deepest point? | {depth} metres
+Which fish is Lake {lake} known for? | {fish}
+What is the name of the island in the middle of Lake {lake}? | {island}
+Who kept the lighthouse on the island in Lake {lake}? | {keeper}
+""",
+    ),
+}
 
 
 def build(seed: int, short: int, long: int, long_passages: int) -> dict:
@@ -232,7 +256,7 @@ def build(seed: int, short: int, long: int, long_passages: int) -> dict:
         ids, qas = [], []
         for j in range(size):
             kind = kinds[(qi + j) % len(kinds)]
-            text, qa = KINDS[kind](names, rng)
+            text, qa = KINDS[kind].passage(names, rng)
             pid = f"p{len(passages):04d}"
             passages.append({"id": pid, "kind": kind, "text": text})
             ids.append(pid)

@@ -415,27 +415,27 @@ class SlowStore:
     """A real chunk store whose reads (``get``, ``get_blob``) and writes (``put``, ``put_blob``) each
     take a fixed extra delay (a slow link, a busy Redis, a remote tier); everything else is the store's."""
 
+    #: the delayed methods and the delay each takes
+    DELAYED = {
+        "get": "read_delay_s",
+        "get_blob": "read_delay_s",
+        "put": "write_delay_s",
+        "put_blob": "write_delay_s",
+    }
+
     def __init__(self, store, read_delay_s: float = 0.0, write_delay_s: float = 0.0):
         self.inner, self.read_delay_s, self.write_delay_s = store, read_delay_s, write_delay_s
 
-    def get(self, *args, **kwargs):
-        time.sleep(self.read_delay_s)
-        return self.inner.get(*args, **kwargs)
-
-    def get_blob(self, *args, **kwargs):
-        time.sleep(self.read_delay_s)
-        return self.inner.get_blob(*args, **kwargs)
-
-    def put(self, *args, **kwargs):
-        time.sleep(self.write_delay_s)
-        return self.inner.put(*args, **kwargs)
-
-    def put_blob(self, *args, **kwargs):
-        time.sleep(self.write_delay_s)
-        return self.inner.put_blob(*args, **kwargs)
-
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        attr = getattr(self.inner, name)
+        if name not in self.DELAYED:
+            return attr
+
+        def delayed(*args, **kwargs):
+            time.sleep(getattr(self, self.DELAYED[name]))
+            return attr(*args, **kwargs)
+
+        return delayed
 
 
 def descendants_named(word: str) -> list[int]:

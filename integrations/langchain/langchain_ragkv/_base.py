@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
-from langchain_core.language_models import LangSmithParams
+from langchain_core.language_models import BaseChatModel, LangSmithParams
 
+from ragkv.aio import iterate_in_thread
 from ragkv.defaults import DEFAULT_FIDELITY, DEFAULT_MODE
 from ragkv.generate import TokenEvent
 from ragkv_frameworks import Completion, RagkvOptions, call_events
@@ -49,8 +51,41 @@ class RagkvParams(RagkvOptions):
             lambda: call_events(self.rag, self.call_defaults(), question, prompt, stop, kwargs)
         )
 
-    def _ls(self, model_type: str, stop: list[str] | None, kwargs: dict) -> LangSmithParams:
-        """LangSmith's standard tracing parameters: provider, model, type, temperature, max tokens, stop."""
+    @staticmethod
+    def _chunks(events: Iterator, chunk: Callable, last: Callable, run_manager) -> Iterator:
+        """LangChain's chunks of :meth:`_events`: ``chunk(text)`` per token (told to ``run_manager``),
+        then ``last(completion)``."""
+        for ev in events:
+            if isinstance(ev, Completion):
+                yield last(ev)
+                return
+            out = chunk(ev.text)
+            if run_manager:
+                run_manager.on_llm_new_token(ev.text, chunk=out)
+            yield out
+
+    @staticmethod
+    async def _achunks(
+        events: Callable[[], Iterator], chunk: Callable, last: Callable, run_manager
+    ) -> AsyncIterator:
+        """:meth:`_chunks` with an async ``run_manager``; ``events()`` is iterated in a worker thread."""
+        async for ev in iterate_in_thread(events):
+            if isinstance(ev, Completion):
+                yield last(ev)
+                return
+            out = chunk(ev.text)
+            if run_manager:
+                await run_manager.on_llm_new_token(ev.text, chunk=out)
+            yield out
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._params()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        """LangSmith's standard tracing parameters: provider, model, type (chat or llm, as the model's
+        LangChain base class), temperature, max tokens, stop."""
+        model_type = "chat" if isinstance(self, BaseChatModel) else "llm"
         temperature = kwargs.get("temperature", self.temperature)
         max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens))
         params = LangSmithParams(

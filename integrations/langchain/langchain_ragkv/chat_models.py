@@ -19,7 +19,6 @@ from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
@@ -30,7 +29,6 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
 from langchain_ragkv._base import RagkvParams
-from ragkv.aio import iterate_in_thread
 from ragkv_frameworks import Completion, fold_messages, render_chat
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
@@ -61,13 +59,6 @@ class ChatRagkv(RagkvParams, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "ragkv-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self._params()
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        return self._ls("chat", stop, kwargs)
 
     def chat_prompt(self, messages: list[BaseMessage]) -> str:
         """The flat prompt a chat without chunk options completes: the conversation rendered with the
@@ -104,14 +95,7 @@ class ChatRagkv(RagkvParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        for ev in self._chat_events(messages, stop, kwargs):
-            if isinstance(ev, Completion):
-                yield self._last(ev)
-                return
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
-            if run_manager:
-                run_manager.on_llm_new_token(ev.text, chunk=chunk)
-            yield chunk
+        yield from self._chunks(self._chat_events(messages, stop, kwargs), _chunk, self._last, run_manager)
 
     async def _astream(
         self,
@@ -120,13 +104,9 @@ class ChatRagkv(RagkvParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        async for ev in iterate_in_thread(lambda: self._chat_events(messages, stop, kwargs)):
-            if isinstance(ev, Completion):
-                yield self._last(ev)
-                return
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
-            if run_manager:
-                await run_manager.on_llm_new_token(ev.text, chunk=chunk)
+        async for chunk in self._achunks(
+            lambda: self._chat_events(messages, stop, kwargs), _chunk, self._last, run_manager
+        ):
             yield chunk
 
     def _generate(
@@ -198,6 +178,10 @@ class ChatRagkv(RagkvParams, BaseChatModel):
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=bound) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+def _chunk(text: str) -> ChatGenerationChunk:
+    return ChatGenerationChunk(message=AIMessageChunk(content=text))
 
 
 def _result(chunks: list[ChatGenerationChunk]) -> ChatResult:

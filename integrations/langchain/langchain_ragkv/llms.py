@@ -13,18 +13,21 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.llms import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
 from langchain_ragkv._base import RagkvParams
-from ragkv.aio import iterate_in_thread
 from ragkv_frameworks import Completion
 
 
-def _final_info(c: Completion) -> dict:
-    return {"finish_reason": c.finish_reason, "ragkv": c.info()}
+def _chunk(text: str) -> GenerationChunk:
+    return GenerationChunk(text=text)
+
+
+def _last(c: Completion) -> GenerationChunk:
+    """The closing chunk: no text, the finish reason and ragkv's statistics."""
+    return GenerationChunk(text="", generation_info={"finish_reason": c.finish_reason, "ragkv": c.info()})
 
 
 class RagkvLLM(RagkvParams, LLM):
@@ -36,13 +39,6 @@ class RagkvLLM(RagkvParams, LLM):
     def _llm_type(self) -> str:
         return "ragkv"
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return self._params()
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        return self._ls("llm", stop, kwargs)
-
     def _stream(
         self,
         prompt: str,
@@ -50,14 +46,7 @@ class RagkvLLM(RagkvParams, LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for ev in self._events(None, prompt, stop, kwargs):
-            if isinstance(ev, Completion):
-                yield GenerationChunk(text="", generation_info=_final_info(ev))
-                return
-            chunk = GenerationChunk(text=ev.text)
-            if run_manager:
-                run_manager.on_llm_new_token(ev.text, chunk=chunk)
-            yield chunk
+        yield from self._chunks(self._events(None, prompt, stop, kwargs), _chunk, _last, run_manager)
 
     async def _astream(
         self,
@@ -66,13 +55,9 @@ class RagkvLLM(RagkvParams, LLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        async for ev in iterate_in_thread(lambda: self._events(None, prompt, stop, kwargs)):
-            if isinstance(ev, Completion):
-                yield GenerationChunk(text="", generation_info=_final_info(ev))
-                return
-            chunk = GenerationChunk(text=ev.text)
-            if run_manager:
-                await run_manager.on_llm_new_token(ev.text, chunk=chunk)
+        async for chunk in self._achunks(
+            lambda: self._events(None, prompt, stop, kwargs), _chunk, _last, run_manager
+        ):
             yield chunk
 
     def _call(
@@ -100,11 +85,7 @@ class RagkvLLM(RagkvParams, LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        out = []
-        for prompt in prompts:
-            chunks = list(self._stream(prompt, stop, run_manager, **kwargs))
-            out.append([_merge(chunks)])
-        return LLMResult(generations=out)
+        return _result([list(self._stream(p, stop, run_manager, **kwargs)) for p in prompts])
 
     async def _agenerate(
         self,
@@ -113,13 +94,17 @@ class RagkvLLM(RagkvParams, LLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        out = []
-        for prompt in prompts:
-            chunks = [c async for c in self._astream(prompt, stop, run_manager, **kwargs)]
-            out.append([_merge(chunks)])
-        return LLMResult(generations=out)
+        per_prompt = []
+        for p in prompts:
+            per_prompt.append([c async for c in self._astream(p, stop, run_manager, **kwargs)])
+        return _result(per_prompt)
 
 
 def _merge(chunks: list[GenerationChunk]) -> Generation:
     info = next((c.generation_info for c in reversed(chunks) if c.generation_info), None)
     return Generation(text="".join(c.text for c in chunks), generation_info=info)
+
+
+def _result(per_prompt: list[list[GenerationChunk]]) -> LLMResult:
+    """One generation per prompt, merged from its streamed chunks."""
+    return LLMResult(generations=[[_merge(chunks)] for chunks in per_prompt])

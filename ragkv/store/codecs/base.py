@@ -40,6 +40,8 @@ class KVCodec(ABC):
     #: most decoded bytes per stored byte (None: unbounded, e.g. video); readers refuse segments whose
     #: header declares more before allocating anything
     max_expansion: float | None = None
+    #: the attributes :meth:`params` reports (a codec's constructor settings that change the bytes)
+    param_names: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:
@@ -56,8 +58,8 @@ class KVCodec(ABC):
         """Inverse of :meth:`encode`; raises :class:`CodecError` on bad bytes."""
 
     def params(self) -> dict:
-        """Settings that change the bytes (stored in blob headers)."""
-        return {}
+        """Settings that change the bytes (stored in blob headers): :attr:`param_names` by default."""
+        return {name: getattr(self, name) for name in self.param_names}
 
     def peek_shape(self, data: bytes | memoryview) -> tuple[int, int, int, int] | None:
         """``(G, T, Hkv, D)`` a segment's own header declares, read without decoding (None: unknown)."""

@@ -54,6 +54,7 @@ class QuantCodec(KVCodec):
     group_size = 1
     #: 4 bits per value decoded to float64 (8 bytes): 16x at most
     max_expansion = 16.0
+    param_names = ("k_axis", "v_axis", "symmetric", "scale_dtype")
 
     def __init__(
         self,
@@ -74,14 +75,6 @@ class QuantCodec(KVCodec):
         self.k_axis, self.v_axis = k_axis, v_axis
         self.symmetric = bool(symmetric)
         self.scale_dtype = scale_dtype
-
-    def params(self) -> dict:
-        return {
-            "k_axis": self.k_axis,
-            "v_axis": self.v_axis,
-            "symmetric": self.symmetric,
-            "scale_dtype": self.scale_dtype,
-        }
 
     # -- encode ---------------------------------------------------------------------------------
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:

@@ -49,14 +49,12 @@ class RawCodec(KVCodec):
     group_size = 1
     lossless = True
     max_expansion = 1.0
+    param_names = ("group_size",)
 
     def __init__(self, group_size: int = 1) -> None:
         if int(group_size) < 1:
             raise ValueError(f"raw codec group_size must be >= 1, got {group_size}")
         self.group_size = int(group_size)
-
-    def params(self) -> dict:
-        return {"group_size": self.group_size}
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, *, layer_start: int | None = None) -> bytes:
         head = _HEAD.pack(_MAGIC, check_kv("raw", k, v), *k.shape)
