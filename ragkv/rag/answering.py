@@ -224,19 +224,15 @@ class Answerer:
     def stream_ids(
         self,
         prompt_ids: Sequence[int],
-        mode: str | None = None,
-        ratio: float | str | None = None,
         params: SamplingParams | None = None,
         collection: str | None = None,
-        fidelity: str | float | None = None,
         settings: RequestSettings | None = None,
     ) -> Iterator:
-        """Complete ``prompt_ids`` exactly as given (an OpenAI client's rendered messages): token
-        events, then a :class:`RagAnswer` without sources. In the modes that reuse KV the stored
-        chunks found inside the ids are reused (:meth:`job`, ``collection``'s; None: any); the ids
-        never change, so ``mode="full"`` prefills the same ids in full."""
-        request = RequestSettings.parse(settings, mode=mode, ratio=ratio, fidelity=fidelity)
-        yield from self._stream_parts(prompt_ids, [], [], request, params, collection)
+        """Complete ``prompt_ids`` exactly as given (an OpenAI client's rendered messages, parsed at the
+        edge into ``settings``): token events, then a :class:`RagAnswer` without sources. In the modes
+        that reuse KV the stored chunks found inside the ids are reused (:meth:`job`, ``collection``'s;
+        None: any); the ids never change, so ``mode="full"`` prefills the same ids in full."""
+        yield from self._stream_parts(prompt_ids, [], [], settings or RequestSettings(), params, collection)
 
     def stream_parts(
         self,
