@@ -28,6 +28,7 @@ import argparse
 import json
 import random
 import shutil
+import sqlite3
 import tempfile
 import threading
 import time
@@ -42,7 +43,7 @@ from ragkv.testing import musique_samples, stories_path
 
 #: RSS at the end may be at most this many times RSS at the end of the quiet phase
 RSS_FACTOR = 2.0
-#: store bytes (Redis' used memory + the data folder) likewise
+#: store bytes (stored chunk KV + the data folder: :func:`store_bytes`) likewise
 STORE_FACTOR = 3.0
 #: faults of each kind in a 60-minute run (scaled to --minutes)
 FAULTS_PER_HOUR = 40
@@ -90,6 +91,21 @@ def service_env(data: Path, store: str, model: str | None, max_tokens: int) -> d
 
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def store_bytes(redis: Redis, data: Path) -> int:
+    """What grows with the documents: stored chunk KV and the data folder (index, FAISS). The exact KV
+    tree's pages are a cache bounded by Redis' ``maxmemory`` (LRU), reported apart."""
+    return sum(redis.chunk_bytes().values()) + dir_bytes(data)
+
+
+def referenced_keys(data: Path) -> set[str]:
+    """The chunk KV keys the index's chunks reference (read from its SQLite, the service stopped)."""
+    db = sqlite3.connect(f"file:{data / 'index' / 'chunks.sqlite'}?mode=ro", uri=True)
+    try:
+        return {k for (k,) in db.execute("SELECT DISTINCT kv_key FROM chunks")}
+    finally:
+        db.close()
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -206,7 +222,8 @@ def run(
             t.start()
         time.sleep(max(0.0, quiet_end - now()))
         res["rss_start_bytes"] = service.rss_bytes()
-        res["store_start_bytes"] = redis.used_bytes() + dir_bytes(disk / "data")
+        res["store_start_bytes"] = store_bytes(redis, disk / "data")
+        res["redis_used_start_bytes"] = redis.used_bytes()
         # the faults: per_kind of each kind, in seeded shuffled rounds, at seeded random times
         kinds = injector.kinds()
         order = []
@@ -243,7 +260,9 @@ def run(
             service.start()
         service.idle(300)
         res["rss_end_bytes"] = service.rss_bytes()
-        res["store_end_bytes"] = redis.used_bytes() + dir_bytes(disk / "data")
+        res["store_end_bytes"] = store_bytes(redis, disk / "data")
+        res["redis_used_end_bytes"] = redis.used_bytes()
+        res["redis_maxmemory_bytes"] = redis.maxmemory
         counters.read(service.base)
         res["crashes"] = crashes
         res["healthy_at_end"] = healthy(service.base)
@@ -253,6 +272,9 @@ def run(
         history.close()
         if service is not None:
             service.stop()
+            if "store_end_bytes" in res:  # stored chunk KV that no chunk of the index references
+                stored = set(redis.chunk_bytes())
+                res["orphan_chunk_blobs"] = len(stored - referenced_keys(disk / "data"))
         redis.close()
         if mounted:
             unmount(disk)
@@ -314,11 +336,13 @@ def passed(res: dict) -> bool:
         "hangs",
         "dropped_while_up",
         "deleted_served",
+        "orphan_chunk_blobs",
     )
     return (
         all(not res.get(k) for k in empty)
         and res.get("answers_checked", 0) > 0
         and res.get("clients_stuck") == 0
+        and "orphan_chunk_blobs" in res
         and res.get("healthy_at_end", False)
         and (res.get("rss_factor") or 0) <= RSS_FACTOR
         and (res.get("store_factor") or 0) <= STORE_FACTOR

@@ -19,6 +19,8 @@ import httpx
 #: statuses a request may get under load and faults: busy (429), a queue deadline or shutdown (503),
 #: the data folder's disk full (507); 404 only for a delete of a document that is not there
 EXPECTED_STATUSES = {429, 503, 507}
+#: the error type (code, in an OpenAI error chunk) of a 500: an unexpected exception
+INTERNAL = "internal_error"
 #: after a fault's window, latencies count as the fault's for this long (a restarted service warms up)
 SETTLE_S = 5.0
 
@@ -60,16 +62,20 @@ def deleted_served(records: list[dict], ledger) -> list[dict]:
     ]
 
 
+def _whole(r: dict) -> bool:
+    """A whole answer with its token ids (a stream that ended with ``[DONE]``)."""
+    whole = r.get("status") == 200 and "error" not in r and r.get("token_ids") is not None
+    return bool(whole and (r.get("done") or not r.get("stream")))
+
+
 def _checkable(r: dict) -> bool:
     """A whole greedy answer of the exact setting with its served prompt (ids, or a completion's text)."""
-    whole = r.get("status") == 200 and "error" not in r and r.get("token_ids") is not None
-    whole = whole and (r.get("done") or not r.get("stream"))
-    return whole and r.get("mode") in ("prefix", "full") and (r.get("prompt_ids") or r.get("prompt"))
+    return _whole(r) and r.get("mode") in ("prefix", "full") and bool(r.get("prompt_ids") or r.get("prompt"))
 
 
-def check_answers(records: list[dict], model: str | None, limit: int | None, seed: int) -> dict:
+def check_answers(records: list[dict], model, limit: int | None, seed: int) -> dict:
     """Recompute each served exact answer with full prefill (greedy, the request's ``max_tokens``) and
-    compare token ids. Identical prompts are computed once; ``limit``: at most that many distinct
+    compare token ids. ``model``: a model folder (None: the default model) or a ``ragkv.LLM``. Identical prompts are computed once; ``limit``: at most that many distinct
     prompts (a seeded sample)."""
     import torch
 
@@ -77,9 +83,9 @@ def check_answers(records: list[dict], model: str | None, limit: int | None, see
     from ragkv.model import DEFAULT_MODEL
 
     torch.set_num_threads(1)  # the service's thread count (float results depend on it)
-    llm = LLM(model or DEFAULT_MODEL)
+    llm = LLM(model or DEFAULT_MODEL) if isinstance(model, str | None) else model
     todo = [r for r in records if _checkable(r)]
-    skipped_modes = Counter(r.get("mode") for r in records if r.get("token_ids") and not _checkable(r))
+    skipped_modes = Counter(str(r.get("mode")) for r in records if _whole(r) and not _checkable(r))
     groups: dict[tuple, list[dict]] = {}
     for r in todo:
         ids = r.get("prompt_ids") or llm.model.encode(r["prompt"], add_bos=True, specials=True)
@@ -131,8 +137,8 @@ def check_errors(records: list[dict], kills: list[tuple[float, float]]) -> dict:
         if status == 200:
             if "error" in r:  # an error after the stream's headers: an error chunk
                 stream_errors.append(r)
-                if not _clean(r["error"]):
-                    unclean.append(r)
+                if not _clean(r["error"]) or INTERNAL in (r["error"].get("code"), r["error"].get("type")):
+                    unclean.append(r)  # a 500 after the headers: OpenAI's server_error, code internal_error
             elif r.get("stream") and not r.get("done") and not during_kill:
                 dropped.append(r)  # a stream that ended without [DONE]
             continue

@@ -45,6 +45,8 @@ FAULT_KINDS = (
     "disk_full",
     "slow_store",
 )
+#: most blobs (or tree pages) one corruption fault damages
+MAX_CORRUPT = 20
 #: the key prefix of the service's store in Redis (tree pages: ``PREFIX + "tree:"``)
 PREFIX = "soak:"
 
@@ -97,6 +99,16 @@ class Redis:
             keys = list(r.scan_iter(match=f"{PREFIX}tree:*" if tree else f"{PREFIX}*", count=1000))
         keys = [k for k in keys if b"@" not in k]
         return keys if tree else [k for k in keys if not k.startswith(f"{PREFIX}tree:".encode())]
+
+    def chunk_bytes(self) -> dict[str, int]:
+        """Stored chunk KV blobs (no tree pages): key (without the prefix) -> bytes."""
+        keys = self.keys(tree=False)
+        with self.client() as r:
+            pipe = r.pipeline(transaction=False)
+            for k in keys:
+                pipe.strlen(k)
+            sizes = pipe.execute()
+        return {k.decode()[len(PREFIX) :]: n for k, n in zip(keys, sizes, strict=True) if n}
 
     def close(self) -> None:
         self.server.cleanup()
@@ -218,26 +230,26 @@ class Injector:
         self.redis.restart()
 
     def _corrupt(self, ev: FaultEvent, tree: bool) -> None:
-        keys = self.redis.keys(tree)
+        """Flip 4 bytes in, or truncate, a tenth (1 to :data:`MAX_CORRUPT`) of the stored blobs or pages."""
+        keys = sorted(self.redis.keys(tree))
         if not keys:
             ev.detail = "nothing stored"
             return
-        key = self.rng.choice(sorted(keys))
+        hit = self.rng.sample(keys, max(1, min(MAX_CORRUPT, len(keys) // 10)))
+        flips = cuts = 0
         with self.redis.client() as r:
-            value = r.get(key)
-            if not value:
-                ev.detail = "gone"
-                return
-            if self.rng.random() < 0.5:
-                at = self.rng.randrange(len(value))
-                flipped = bytes(b ^ 0xFF for b in value[at : at + 4])
-                r.setrange(key, at, flipped)
-                ev.detail = f"flip {len(flipped)} bytes at {at} of {len(value)}"
-            else:
-                keep = self.rng.randrange(len(value))
-                r.set(key, value[:keep], xx=True)
-                ev.detail = f"truncate {len(value)} -> {keep}"
-        ev.detail += f" ({key.decode()[:48]})"
+            for key in hit:
+                value = r.get(key)
+                if not value:
+                    continue
+                if self.rng.random() < 0.5:
+                    at = self.rng.randrange(len(value))
+                    r.setrange(key, at, bytes(b ^ 0xFF for b in value[at : at + 4]))
+                    flips += 1
+                else:
+                    r.set(key, value[: self.rng.randrange(len(value))], xx=True)
+                    cuts += 1
+        ev.detail = f"{flips} flipped, {cuts} truncated of {len(keys)}" if flips + cuts else "gone"
 
     def corrupt_blob(self, ev: FaultEvent) -> None:
         self._corrupt(ev, tree=False)
