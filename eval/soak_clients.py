@@ -158,7 +158,7 @@ class Client(threading.Thread):
         self._summarise(rec)
         self.history.write({k: v for k, v in rec.items() if k not in ("json", "events")})
         if "transport" in rec and not rec["transport"].startswith("timeout"):
-            time.sleep(0.2)  # the service is down: do not spin
+            time.sleep(0.5)  # the service is down: do not spin
         return rec
 
     def _stream(self, rec: dict, method: str, path: str, body: dict) -> None:
@@ -307,12 +307,14 @@ def _extra(rec: dict, info: dict | None) -> None:
 
 def _outcome(rec: dict, done: str, before: str) -> str:
     """A document's state after a write: ``done`` when acknowledged; as ``before`` when refused whole
-    (429 busy or quota, 507 disk full: nothing committed; 4xx); ``unknown`` when no answer came or
+    (429 busy or quota, 507 disk full: nothing committed; 4xx; no connection); ``unknown`` when no answer came or
     the answer may follow a partial attempt (5xx but 507)."""
     status = rec.get("status")
     if status == 200:
         return done
     if status is not None and (400 <= status < 500 or status == 507):
+        return before
+    if rec.get("transport") == "ConnectError":  # refused at connect: nothing was sent
         return before
     return "unknown"
 
