@@ -110,10 +110,12 @@ def referenced_keys(data: Path) -> set[str]:
 
 
 def scrape(base: str) -> dict[str, float]:
-    """The service's integrity counters now: corrupt chunk blobs found, tree pages rejected and read."""
+    """The service's integrity counters now: corrupt chunk blobs and tree pages found (their digests
+    failed: recomputed, never used), tree pages rejected (another prefix) and read, chunk KV misses."""
     want = {
         'ragkv_store_ops{op="corrupt"}': "blobs_corrupt_detected",
         'ragkv_kv_tree{figure="store_pages_rejected"}': "tree_pages_rejected",
+        'ragkv_kv_tree{figure="store_pages_corrupt"}': "tree_pages_corrupt_detected",
         'ragkv_kv_tree{figure="store_pages_read"}': "tree_pages_read",
         "ragkv_kv_chunk_misses": "chunk_misses",
     }
