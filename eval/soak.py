@@ -67,7 +67,9 @@ def corpus(n_docs: int, chars: int = 400) -> tuple[dict[str, dict], list[str]]:
     return docs, [s["question"] for s in samples]
 
 
-def service_env(data: Path, store: str, model: str | None, max_tokens: int) -> dict[str, str]:
+def service_env(
+    data: Path, store: str, model: str | None, max_tokens: int, generation: str = "threads"
+) -> dict[str, str]:
     """The service's settings: the exact default setting (no ratio: answers must equal full prefill's),
     one torch thread, small limits, a queue deadline under the clients' deadline."""
     env = {
@@ -82,6 +84,7 @@ def service_env(data: Path, store: str, model: str | None, max_tokens: int) -> d
         "RAGKV_MAX_QUEUE": "64",
         "RAGKV_QUEUE_TIMEOUT_S": "30",
         "RAGKV_LOG_LEVEL": "warning",
+        "RAGKV_GENERATION": generation,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
@@ -166,6 +169,7 @@ def run(
     check_limit: int | None = None,
     plot: Path | None = None,
     redis_mib: int = 512,
+    generation: str = "threads",
 ) -> dict:
     """The soak (see the module doc); its figures. ``model``: a model folder (None: the default model)."""
     own = workdir is None
@@ -188,9 +192,15 @@ def run(
     counters = Counters()
     injector = None
     quiet_end = quiet_frac * duration
-    res: dict = {"minutes": minutes, "clients": clients, "seed": seed, "model": model or "default"}
+    res: dict = {
+        "minutes": minutes,
+        "clients": clients,
+        "seed": seed,
+        "model": model or "default",
+        "generation": generation,
+    }
     try:
-        env = service_env(disk / "data", f"{redis.url}?prefix=soak:", model, max_tokens)
+        env = service_env(disk / "data", f"{redis.url}?prefix=soak:", model, max_tokens, generation)
         service = Service(env, workdir, fork, t0)
         res["first_start_s"] = round(service.start(), 2)
         injector = Injector(service, redis, random.Random(seed + 1), disk if mounted else None, window_s)
@@ -420,6 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--workdir", type=Path, default=None, help="kept (default: a temporary one, removed if ok)"
     )
     ap.add_argument("--redis-mib", type=int, default=512, help="Redis' maxmemory (LRU): the store's bound")
+    ap.add_argument("--generation", choices=["threads", "engine"], default="threads", help="the service's")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of latency over time with the faults")
     args = ap.parse_args(argv)
     model = str(stories_path()) if args.tiny else args.model
@@ -437,6 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
         check_limit=args.check_limit,
         plot=args.plot,
         redis_mib=args.redis_mib,
+        generation=args.generation,
     )
     print(summary(res))
     print(json.dumps(res))
