@@ -39,7 +39,7 @@ import httpx
 
 from eval.soak_check import check_answers, check_documents, check_errors, deleted_served, ttft_figures
 from eval.soak_clients import Client, History, Ledger
-from eval.soak_faults import Injector, Redis, Service, healthy, mount_small_fs, unmount
+from eval.soak_faults import FileStore, Injector, Redis, Service, healthy, mount_small_fs, unmount
 from ragkv.testing import musique_samples, stories_path
 
 #: RSS at the end may be at most this many times RSS at the end of the quiet phase
@@ -52,8 +52,9 @@ FAULTS_PER_HOUR = 40
 #: again within this long of every restart, and p99 TTFT outside faults within this factor of quiet's
 RECOVERY_GOAL_S = 30.0
 TTFT_GOAL_RATIO = 2.0
-#: the data folder's filesystem (tmpfs), MiB
+#: the data folder's filesystem (tmpfs), MiB: the index with a Redis store, the KV too with the file store
 DISK_MIB = 64
+FILE_DISK_MIB = 512
 
 
 def corpus(n_docs: int, chars: int = 400) -> tuple[dict[str, dict], list[str]]:
@@ -72,13 +73,12 @@ def corpus(n_docs: int, chars: int = 400) -> tuple[dict[str, dict], list[str]]:
 
 
 def service_env(
-    data: Path, store: str, model: str | None, max_tokens: int, generation: str = "threads"
+    data: Path, store: str | None, model: str | None, max_tokens: int, generation: str = "threads"
 ) -> dict[str, str]:
     """The service's settings: the exact default setting (no ratio: answers must equal full prefill's),
     one torch thread, small limits, a queue deadline under the clients' deadline."""
     env = {
         "RAGKV_DATA_DIR": str(data),
-        "RAGKV_STORE": store,
         "RAGKV_TORCH_THREADS": "1",
         "RAGKV_MAX_NEW_TOKENS": str(max_tokens),
         "RAGKV_MAX_NEW_TOKENS_LIMIT": "64",
@@ -94,6 +94,8 @@ def service_env(
     }
     if model:
         env["RAGKV_MODEL"] = model
+    if store:  # else the default: files under data_dir/kv
+        env["RAGKV_STORE"] = store
     return env
 
 
@@ -101,10 +103,13 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def store_bytes(redis: Redis, data: Path) -> int:
-    """What grows with the documents: stored chunk KV and the data folder (index, FAISS). The exact KV
-    tree's pages are a cache bounded by Redis' ``maxmemory`` (LRU), reported apart."""
-    return sum(redis.chunk_bytes().values()) + dir_bytes(data)
+def store_bytes(store: Redis | FileStore, data: Path) -> int:
+    """What grows with the documents: stored chunk KV and the index (SQLite, FAISS). The exact KV tree's
+    pages are a cache (bounded by Redis' ``maxmemory``, LRU; on disk by the file store's byte bound)."""
+    index = sum(
+        p.stat().st_size for p in data.rglob("*") if p.is_file() and "kv" not in p.relative_to(data).parts
+    )
+    return sum(store.chunk_bytes().values()) + index
 
 
 def referenced_keys(data: Path) -> set[str]:
@@ -174,6 +179,8 @@ def run(
     plot: Path | None = None,
     redis_mib: int = 512,
     generation: str = "threads",
+    store: str = "redis",
+    disk_mib: int | None = None,
 ) -> dict:
     """The soak (see the module doc); its figures. ``model``: a model folder (None: the default model)."""
     own = workdir is None
@@ -187,8 +194,8 @@ def run(
     docs, questions = corpus(n_docs)
     ledger = Ledger(docs)
     disk = workdir / "disk"
-    mounted = mount_small_fs(disk, DISK_MIB)
-    redis = Redis(maxmemory=redis_mib << 20)
+    mounted = mount_small_fs(disk, disk_mib or (DISK_MIB if store == "redis" else FILE_DISK_MIB))
+    kv = Redis(maxmemory=redis_mib << 20) if store == "redis" else FileStore(disk / "data")
     history = History(workdir / "history.jsonl", t0)
     service = None
     stop = threading.Event()
@@ -202,12 +209,13 @@ def run(
         "seed": seed,
         "model": model or "default",
         "generation": generation,
+        "store": store,
     }
     try:
-        env = service_env(disk / "data", f"{redis.url}?prefix=soak:", model, max_tokens, generation)
+        env = service_env(disk / "data", kv.store_url(), model, max_tokens, generation)
         service = Service(env, workdir, fork, t0)
         res["first_start_s"] = round(service.start(), 2)
-        injector = Injector(service, redis, random.Random(seed + 1), disk if mounted else None, window_s)
+        injector = Injector(service, kv, random.Random(seed + 1), disk if mounted else None, window_s)
         # half the documents first (acknowledged before the clients start)
         first = sorted(docs)[: n_docs // 2]
         with httpx.Client(base_url=service.base, timeout=300) as c:
@@ -240,8 +248,8 @@ def run(
             t.start()
         time.sleep(max(0.0, quiet_end - now()))
         res["rss_start_bytes"] = service.rss_bytes()
-        res["store_start_bytes"] = store_bytes(redis, disk / "data")
-        res["redis_used_start_bytes"] = redis.used_bytes()
+        res["store_start_bytes"] = store_bytes(kv, disk / "data")
+        res["kv_used_start_bytes"] = kv.used_bytes()
         # the faults: per_kind of each kind, in seeded shuffled rounds, at seeded random times
         kinds = injector.kinds()
         order = []
@@ -278,9 +286,9 @@ def run(
             service.start()
         service.idle(300)
         res["rss_end_bytes"] = service.rss_bytes()
-        res["store_end_bytes"] = store_bytes(redis, disk / "data")
-        res["redis_used_end_bytes"] = redis.used_bytes()
-        res["redis_maxmemory_bytes"] = redis.maxmemory
+        res["store_end_bytes"] = store_bytes(kv, disk / "data")
+        res["kv_used_end_bytes"] = kv.used_bytes()  # Redis' used memory, or the KV folder's bytes
+        res["redis_maxmemory_bytes"] = kv.maxmemory
         counters.read(service.base)
         res["crashes"] = crashes
         res["healthy_at_end"] = healthy(service.base)
@@ -291,9 +299,9 @@ def run(
         if service is not None:
             service.stop()
             if "store_end_bytes" in res:  # stored chunk KV that no chunk of the index references
-                stored = set(redis.chunk_bytes())
+                stored = set(kv.chunk_bytes())
                 res["orphan_chunk_blobs"] = len(stored - referenced_keys(disk / "data"))
-        redis.close()
+        kv.close()
         if mounted:
             unmount(disk)
     records = [json.loads(line) for line in (workdir / "history.jsonl").read_text().splitlines()]
@@ -436,6 +444,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--workdir", type=Path, default=None, help="kept (default: a temporary one, removed if ok)"
     )
+    ap.add_argument("--store", choices=["redis", "file"], default="redis", help="the service's chunk store")
+    ap.add_argument(
+        "--disk-mib",
+        type=int,
+        default=None,
+        help=f"the data folder's tmpfs (default {DISK_MIB}, {FILE_DISK_MIB} with --store file)",
+    )
     ap.add_argument("--redis-mib", type=int, default=512, help="Redis' maxmemory (LRU): the store's bound")
     ap.add_argument("--generation", choices=["threads", "engine"], default="threads", help="the service's")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of latency over time with the faults")
@@ -456,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict:
         plot=args.plot,
         redis_mib=args.redis_mib,
         generation=args.generation,
+        store=args.store,
+        disk_mib=args.disk_mib,
     )
     print(summary(res))
     print(json.dumps(res))

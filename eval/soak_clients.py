@@ -207,6 +207,8 @@ class Client(threading.Thread):
             rec.setdefault("token_ids", [])
             for c in ev.get("choices", ()):
                 rec["token_ids"] += c.get("token_ids") or []
+                if c.get("prompt_token_ids"):  # a streamed completion's last chunk
+                    rec["prompt_ids"] = c["prompt_token_ids"]
                 piece = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
                 rec["text"] = rec.get("text", "") + (piece or "")
             if "prompt_token_ids" in ev:

@@ -7,8 +7,8 @@ Faults, each real (no wrapper in the service):
   answers is measured.
 * ``restart_redis``: SIGKILL Redis (no persistence: every stored blob and tree page is gone) and start
   it again on the same port.
-* ``corrupt_blob`` / ``corrupt_tree``: flip bytes in, or truncate, a random stored chunk KV blob / exact
-  KV tree page in Redis (``SETRANGE`` / ``SET`` of a prefix of the value).
+* ``corrupt_blob`` / ``corrupt_tree``: flip 4 bytes in, or truncate, a tenth of the stored chunk KV
+  blobs / exact KV tree pages in Redis (``SETRANGE`` / ``SET`` of a prefix of the value).
 * ``store_full``: Redis' ``maxmemory`` lowered to what it holds, with ``noeviction``: every write of
   KV is refused (OOM) for the fault's window, as a full store.
 * ``disk_full``: the data folder lives on a small tmpfs made for the run (needs ``mount``: root); a
@@ -16,6 +16,10 @@ Faults, each real (no wrapper in the service):
   ``mount`` this fault is not available (and reported so).
 * ``slow_store``: Redis paused (``CLIENT PAUSE``) 200 ms of every 300 ms for the window: a store that
   answers, slowly.
+
+With ``--store file`` (the service's default store: files under its data folder, :class:`FileStore`)
+the blobs and pages are damaged in place, the full disk takes the KV writes too, and the faults of
+Redis itself do not apply.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ class Redis:
         """The service's stored chunk blobs (``tree``: tree pages) now in Redis."""
         with self.client() as r:
             keys = list(r.scan_iter(match=f"{PREFIX}tree:*" if tree else f"{PREFIX}*", count=1000))
-        keys = [k for k in keys if b"@" not in k]
+        keys = sorted(k for k in keys if b"@" not in k)
         return keys if tree else [k for k in keys if not k.startswith(f"{PREFIX}tree:".encode())]
 
     def chunk_bytes(self) -> dict[str, int]:
@@ -110,8 +114,74 @@ class Redis:
             sizes = pipe.execute()
         return {k.decode()[len(PREFIX) :]: n for k, n in zip(keys, sizes, strict=True) if n}
 
+    def store_url(self) -> str | None:
+        """The service's ``RAGKV_STORE``."""
+        return f"{self.url}?prefix={PREFIX}"
+
+    def damage(self, key: bytes, rng: random.Random) -> str | None:
+        """Flip 4 bytes of the blob under ``key`` or truncate it: which (None: it is gone)."""
+        with self.client() as r:
+            value = r.get(key)
+            if not value:
+                return None
+            if rng.random() < 0.5:
+                at = rng.randrange(len(value))
+                r.setrange(key, at, bytes(b ^ 0xFF for b in value[at : at + 4]))
+                return "flipped"
+            r.set(key, value[: rng.randrange(len(value))], xx=True)
+            return "truncated"
+
     def close(self) -> None:
         self.server.cleanup()
+
+
+class FileStore:
+    """The service's default store: files under its data folder (``data/kv``; tree pages ``data/kv/tree``),
+    damaged in place as a bad disk would."""
+
+    maxmemory = None
+
+    def __init__(self, data: Path) -> None:
+        self.root = data / "kv"
+
+    def store_url(self) -> str | None:
+        return None  # RAGKV_STORE unset: data_dir/kv
+
+    def keys(self, tree: bool) -> list[Path]:
+        return sorted((self.root / "tree" if tree else self.root).glob("??/*.kvb"))
+
+    def chunk_bytes(self) -> dict[str, int]:
+        out = {}
+        for p in self.keys(tree=False):
+            try:
+                out[p.name[: -len(".kvb")]] = p.stat().st_size
+            except FileNotFoundError:
+                continue
+        return out
+
+    def used_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file()) if self.root.exists() else 0
+
+    def damage(self, path: Path, rng: random.Random) -> str | None:
+        try:
+            with open(path, "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                if not size:
+                    return None
+                if rng.random() < 0.5:
+                    at = rng.randrange(size)
+                    f.seek(at)
+                    raw = f.read(4)
+                    f.seek(at)
+                    f.write(bytes(b ^ 0xFF for b in raw))
+                    return "flipped"
+                f.truncate(rng.randrange(size))
+                return "truncated"
+        except (FileNotFoundError, OSError):  # deleted meanwhile, or the disk is full
+            return None
+
+    def close(self) -> None:
+        pass
 
 
 class Service:
@@ -202,17 +272,19 @@ def fill(path: Path) -> int:
 
 @dataclass
 class Injector:
-    """Injects one fault at a time into ``service`` and ``redis`` (``rng`` picks what it hits)."""
+    """Injects one fault at a time into ``service`` and ``store`` (``rng`` picks what it hits); the
+    faults of Redis itself only when the store is :class:`Redis`."""
 
     service: Service
-    redis: Redis
+    store: Redis | FileStore
     rng: random.Random
     disk: Path | None  # the mounted small filesystem (None: disk_full unavailable)
     window_s: float
     events: list[FaultEvent] = field(default_factory=list)
 
     def kinds(self) -> list[str]:
-        return [k for k in FAULT_KINDS if k != "disk_full" or self.disk is not None]
+        redis_only = () if isinstance(self.store, Redis) else ("restart_redis", "store_full", "slow_store")
+        return [k for k in FAULT_KINDS if (k != "disk_full" or self.disk is not None) and k not in redis_only]
 
     def inject(self, kind: str, now) -> FaultEvent:
         ev = FaultEvent(kind, now())
@@ -227,28 +299,17 @@ class Injector:
         ev.recovery_s = round(self.service.start(), 3)
 
     def restart_redis(self, ev: FaultEvent) -> None:
-        self.redis.restart()
+        self.store.restart()
 
     def _corrupt(self, ev: FaultEvent, tree: bool) -> None:
         """Flip 4 bytes in, or truncate, a tenth (1 to :data:`MAX_CORRUPT`) of the stored blobs or pages."""
-        keys = sorted(self.redis.keys(tree))
+        keys = self.store.keys(tree)
         if not keys:
             ev.detail = "nothing stored"
             return
         hit = self.rng.sample(keys, max(1, min(MAX_CORRUPT, len(keys) // 10)))
-        flips = cuts = 0
-        with self.redis.client() as r:
-            for key in hit:
-                value = r.get(key)
-                if not value:
-                    continue
-                if self.rng.random() < 0.5:
-                    at = self.rng.randrange(len(value))
-                    r.setrange(key, at, bytes(b ^ 0xFF for b in value[at : at + 4]))
-                    flips += 1
-                else:
-                    r.set(key, value[: self.rng.randrange(len(value))], xx=True)
-                    cuts += 1
+        done = [self.store.damage(k, self.rng) for k in hit]
+        flips, cuts = done.count("flipped"), done.count("truncated")
         ev.detail = f"{flips} flipped, {cuts} truncated of {len(keys)}" if flips + cuts else "gone"
 
     def corrupt_blob(self, ev: FaultEvent) -> None:
@@ -258,7 +319,7 @@ class Injector:
         self._corrupt(ev, tree=True)
 
     def store_full(self, ev: FaultEvent) -> None:
-        with self.redis.client() as r:
+        with self.store.client() as r:
             used = int(r.info("memory")["used_memory"])
             r.config_set("maxmemory-policy", "noeviction")
             r.config_set("maxmemory", used)
@@ -266,7 +327,7 @@ class Injector:
             try:
                 time.sleep(self.window_s)
             finally:
-                self.redis.configure()
+                self.store.configure()
 
     def disk_full(self, ev: FaultEvent) -> None:
         filler = self.disk / "filler"
@@ -279,7 +340,7 @@ class Injector:
     def slow_store(self, ev: FaultEvent) -> None:
         end = time.monotonic() + self.window_s
         pauses = 0
-        with self.redis.client() as r:
+        with self.store.client() as r:
             while time.monotonic() < end:
                 r.execute_command("CLIENT", "PAUSE", 200, "ALL")
                 pauses += 1
