@@ -15,9 +15,10 @@ Afterwards (:mod:`eval.soak_check`) from the JSONL history: every acknowledged d
 retrievable, no deleted one listed or served; every exact answer equal to full prefill's greedy answer
 for its served prompt ids (recomputed here, ``mode="full"``); every error a clean JSON error with an
 expected status, no hang; no stored chunk KV that no chunk of the index references; RSS and store bytes
-(stored chunk KV + the data folder; the exact KV tree's pages are a cache Redis' ``maxmemory`` bounds,
-reported apart) at the end within :data:`RSS_FACTOR` / :data:`STORE_FACTOR` of the end of the quiet phase;
-p99 TTFT outside the faults' windows (and :data:`eval.soak_check.SETTLE_S` after) vs the quiet phase's. Ends with one JSON line; ``--plot`` draws latency over time with the faults marked.
+(stored chunk KV + the index; SQLite's write-ahead log and the exact KV tree's pages, a cache that Redis'
+``maxmemory`` bounds, reported apart) at the end within :data:`RSS_FACTOR` / :data:`STORE_FACTOR` of the
+end of the quiet phase; p99 TTFT outside the faults' windows (and :data:`eval.soak_check.SETTLE_S` after)
+vs the quiet phase's. Ends with one JSON line; ``--plot`` draws latency over time with the faults marked.
 
     python -m eval.soak                               # 60 minutes, the default model, 40 faults per kind
     python -m eval.soak --minutes 3 --tiny --fork     # the slow test's size (tests/unit/eval/test_soak.py)
@@ -44,7 +45,7 @@ from ragkv.testing import musique_samples, stories_path
 
 #: RSS at the end may be at most this many times RSS at the end of the quiet phase
 RSS_FACTOR = 2.0
-#: store bytes (stored chunk KV + the data folder: :func:`store_bytes`) likewise
+#: store bytes (stored chunk KV + the index, :func:`store_bytes`) likewise
 STORE_FACTOR = 3.0
 #: faults of each kind in a 60-minute run (scaled to --minutes)
 FAULTS_PER_HOUR = 40
@@ -103,13 +104,30 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def store_bytes(store: Redis | FileStore, data: Path) -> int:
-    """What grows with the documents: stored chunk KV and the index (SQLite, FAISS). The exact KV tree's
+def sqlite_bytes(path: Path) -> int:
+    """A SQLite database's size as its readers see it (pages x page size, the write-ahead log's pages
+    included): the same before and after a checkpoint moves them into the file."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    try:
+        return db.execute("PRAGMA page_count").fetchone()[0] * db.execute("PRAGMA page_size").fetchone()[0]
+    finally:
+        db.close()
+
+
+def store_bytes(store: Redis | FileStore, data: Path) -> dict[str, int]:
+    """What grows with the documents: stored chunk KV and the index (SQLite's pages, FAISS), and beside
+    them SQLite's write-ahead log files (their high-water mark, bounded by SQLite's checkpoints). The exact KV tree's
     pages are a cache (bounded by Redis' ``maxmemory``, LRU; on disk by the file store's byte bound)."""
-    index = sum(
-        p.stat().st_size for p in data.rglob("*") if p.is_file() and "kv" not in p.relative_to(data).parts
-    )
-    return sum(store.chunk_bytes().values()) + index
+    index = wal = 0
+    for p in data.rglob("*"):
+        if p.is_file() and "kv" not in p.relative_to(data).parts:
+            if p.name.endswith(("-wal", "-shm")):
+                wal += p.stat().st_size
+            elif p.suffix == ".sqlite":
+                index += sqlite_bytes(p)
+            else:
+                index += p.stat().st_size
+    return {"chunk_kv": sum(store.chunk_bytes().values()), "index": index, "wal": wal}
 
 
 def referenced_keys(data: Path) -> set[str]:
@@ -248,7 +266,9 @@ def run(
             t.start()
         time.sleep(max(0.0, quiet_end - now()))
         res["rss_start_bytes"] = service.rss_bytes()
-        res["store_start_bytes"] = store_bytes(kv, disk / "data")
+        start = store_bytes(kv, disk / "data")
+        res |= {f"{k}_start_bytes": v for k, v in start.items()}
+        res["store_start_bytes"] = start["chunk_kv"] + start["index"]
         res["kv_used_start_bytes"] = kv.used_bytes()
         # the faults: per_kind of each kind, in seeded shuffled rounds, at seeded random times
         kinds = injector.kinds()
@@ -286,7 +306,9 @@ def run(
             service.start()
         service.idle(300)
         res["rss_end_bytes"] = service.rss_bytes()
-        res["store_end_bytes"] = store_bytes(kv, disk / "data")
+        end = store_bytes(kv, disk / "data")
+        res |= {f"{k}_end_bytes": v for k, v in end.items()}
+        res["store_end_bytes"] = end["chunk_kv"] + end["index"]
         res["kv_used_end_bytes"] = kv.used_bytes()  # Redis' used memory, or the KV folder's bytes
         res["redis_maxmemory_bytes"] = kv.maxmemory
         counters.read(service.base)
@@ -311,7 +333,9 @@ def run(
     res |= check_errors(records, kills)
     res["deleted_served"] = [r["t0"] for r in deleted_served(records, ledger)]
     res |= ttft_figures(records, quiet_end, windows)
+    t_check = time.monotonic()
     res |= check_answers(records, model, check_limit, seed)
+    res["answer_check_s"] = round(time.monotonic() - t_check, 1)
     res |= counters.figures()
     recoveries = [e.recovery_s for e in events if e.recovery_s is not None]
     res |= {

@@ -49,6 +49,17 @@ FAULT_KINDS = (
     "disk_full",
     "slow_store",
 )
+#: the faults of Redis itself (not injected with the file store)
+REDIS_FAULTS = ("restart_redis", "store_full", "slow_store")
+
+
+def fault_kinds(redis_store: bool, small_disk: bool) -> list[str]:
+    """The fault kinds a run injects: the Redis ones with a Redis store, ``disk_full`` with a small disk."""
+    return [
+        k for k in FAULT_KINDS if (redis_store or k not in REDIS_FAULTS) and (small_disk or k != "disk_full")
+    ]
+
+
 #: most blobs (or tree pages) one corruption fault damages
 MAX_CORRUPT = 20
 #: the key prefix of the service's store in Redis (tree pages: ``PREFIX + "tree:"``)
@@ -283,8 +294,7 @@ class Injector:
     events: list[FaultEvent] = field(default_factory=list)
 
     def kinds(self) -> list[str]:
-        redis_only = () if isinstance(self.store, Redis) else ("restart_redis", "store_full", "slow_store")
-        return [k for k in FAULT_KINDS if (k != "disk_full" or self.disk is not None) and k not in redis_only]
+        return fault_kinds(isinstance(self.store, Redis), self.disk is not None)
 
     def inject(self, kind: str, now) -> FaultEvent:
         ev = FaultEvent(kind, now())
