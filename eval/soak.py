@@ -220,7 +220,7 @@ def run(
     threads: list[Client] = []
     counters = Counters()
     injector = None
-    quiet_end = quiet_frac * duration
+    quiet_end = end_at = duration  # from the clients' start (set then)
     res: dict = {
         "minutes": minutes,
         "clients": clients,
@@ -264,6 +264,7 @@ def run(
             )
         for t in threads:
             t.start()
+        quiet_end, end_at = now() + quiet_frac * duration, now() + duration
         time.sleep(max(0.0, quiet_end - now()))
         res["rss_start_bytes"] = service.rss_bytes()
         start = store_bytes(kv, disk / "data")
@@ -279,7 +280,7 @@ def run(
             order += rnd
         crashes = 0
         for i, kind in enumerate(order):
-            gap = (duration - window_s - now()) / (len(order) - i + 1)  # what is left, spread over the rest
+            gap = (end_at - window_s - now()) / (len(order) - i + 1)  # what is left, spread over the rest
             due = now() + rng.uniform(0.5, 1.0) * gap
             while now() < due:
                 if service.proc.poll() is not None and service.up:  # died on its own: restart it
@@ -287,14 +288,14 @@ def run(
                     counters.fold()
                     service.start()
                 time.sleep(0.2)
-            if now() > duration - window_s:
+            if now() > end_at - window_s:
                 break
             if kind == "kill_service":
                 counters.read(service.base)
                 counters.fold()
             ev = injector.inject(kind, now)
             print(f"[{ev.start:7.1f} s] {kind}: {ev.detail} ({ev.end - ev.start:.1f} s)", flush=True)
-        time.sleep(max(0.0, duration - now()))
+        time.sleep(max(0.0, end_at - now()))
         stop.set()
         for t in threads:
             t.join(timeout=120)
@@ -395,6 +396,7 @@ def passed(res: dict) -> bool:
         all(not res.get(k) for k in empty)
         and res.get("answers_checked", 0) > 0
         and res.get("clients_stuck") == 0
+        and res.get("crashes") == 0
         and "orphan_chunk_blobs" in res
         and res.get("healthy_at_end", False)
         and (res.get("rss_factor") or 0) <= RSS_FACTOR
