@@ -20,8 +20,11 @@ expected status, no hang; no stored chunk KV that no chunk of the index referenc
 end of the quiet phase; p99 TTFT outside the faults' windows (and :data:`eval.soak_check.SETTLE_S` after)
 vs the quiet phase's. Ends with one JSON line; ``--plot`` draws latency over time with the faults marked.
 
-    python -m eval.soak                               # 60 minutes, the default model, 40 faults per kind
-    python -m eval.soak --minutes 3 --tiny --fork     # the slow test's size (tests/unit/eval/test_soak.py)
+``--store file``: the service's default store (files under its data folder) instead of Redis;
+``--generation engine``: continuous batching instead of worker threads.
+
+    python -m eval.soak --plot soak.png               # 60 minutes, the default model, 40 faults per kind
+    python -m eval.soak --minutes 2.5 --tiny --fork --faults-per-kind 2    # the slow test's size
 """
 
 from __future__ import annotations
