@@ -133,11 +133,14 @@ def store_bytes(store: Redis | FileStore, data: Path) -> dict[str, int]:
     return {"chunk_kv": sum(store.chunk_bytes().values()), "index": index, "wal": wal}
 
 
-def referenced_keys(data: Path) -> set[str]:
-    """The chunk KV keys the index's chunks reference (read from its SQLite, the service stopped)."""
+def referenced_keys(data: Path) -> tuple[set[str], set[str]]:
+    """The chunk KV keys the index's chunks reference, and those its write-ahead record lists (KV an
+    unfinished ingest or delete may have left, deleted by the next write or start), read from its
+    SQLite (the service stopped)."""
     db = sqlite3.connect(f"file:{data / 'index' / 'chunks.sqlite'}?mode=ro", uri=True)
     try:
-        return {k for (k,) in db.execute("SELECT DISTINCT kv_key FROM chunks")}
+        used = {k for (k,) in db.execute("SELECT DISTINCT kv_key FROM chunks")}
+        return used, {k for (k,) in db.execute("SELECT DISTINCT kv_key FROM kv_intents")}
     finally:
         db.close()
 
@@ -325,8 +328,10 @@ def run(
         if service is not None:
             service.stop()
             if "store_end_bytes" in res:  # stored chunk KV that no chunk of the index references
-                stored = set(kv.chunk_bytes())
-                res["orphan_chunk_blobs"] = len(stored - referenced_keys(disk / "data"))
+                used, intended = referenced_keys(disk / "data")
+                unused = set(kv.chunk_bytes()) - used
+                res["orphan_chunk_blobs"] = len(unused - intended)  # recorded nowhere: stored for good
+                res["pending_delete_blobs"] = len(unused & intended)  # the next write or start deletes them
         kv.close()
         if mounted:
             unmount(disk)
