@@ -646,8 +646,9 @@ class Service:
             Gauge(
                 "ragkv_kv_tree",
                 "the exact KV tree (ragkv.blend.kvtree): requests and hits, tokens requested, matched and read "
-                "from the store tier, pages written/read/rejected, evictions, RAM bytes and nodes, token hit rate",
-                lambda: {(k,): v for k, v in self.rag.kv_tree.stats().items() if isinstance(v, (int, float))},
+                "from the store tier, pages written/read/rejected, pages the store found corrupt (digest: "
+                "recomputed, never used), evictions, RAM bytes and nodes, token hit rate",
+                lambda: _tree_figures(self.rag.kv_tree),
                 ("figure",),
             )
         )
@@ -748,6 +749,15 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except (AttributeError, OSError) as e:  # not Linux, or not permitted: priorities stay equal
         log.info("could not lower the ingest thread's priority: %s", e)
+
+
+def _tree_figures(tree) -> dict:
+    """The KV tree's counters, and the pages its store tier found corrupt (their digest failed: read
+    as a miss and recomputed; the tree's own counters see only a miss)."""
+    out = {(k,): v for k, v in tree.stats().items() if isinstance(v, (int, float))}
+    if tree.store is not None:
+        out[("store_pages_corrupt",)] = tree.store.stats().get("corrupt", 0)
+    return out
 
 
 def _tree_bytes(tree) -> dict:

@@ -716,3 +716,59 @@ def test_disk_full_during_kv_writes_leaves_documents_indexed_and_answerable(
     finally:
         client.close()
         rag.close()
+
+
+# ---- corrupt exact KV tree pages ------------------------------------------------------------------------
+def test_corrupt_tree_pages_are_recomputed_and_counted_on_metrics(tmp_path, embedder, one_thread):
+    """Issue 54 (the soak flips and truncates stored tree pages): after a restart a request whose
+    prompt's pages are all damaged in the store answers as full prefill does, and ``/metrics`` counts
+    the pages the store refused (``ragkv_kv_tree{figure="store_pages_corrupt"}``; before, a corrupt
+    page was only a miss, so a soak could not tell damaged pages were read and refused)."""
+    from fastapi.testclient import TestClient
+    from helpers_service import metric
+
+    from ragkv_server.server import create_app
+
+    text = " ".join(d["text"] for d in synthetic_docs(1, seed=4))[:600]
+    messages = [{"role": "user", "content": f"{text}\n\nWhat is the record about?"}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0.0, "return_token_ids": True}
+
+    def serve(extra: dict | None = None) -> tuple[dict, str]:
+        rag = RAG(LLM(stories_model()), tmp_path / "data", embedder=embedder, chunk_tokens=64, top_k=3)
+        rag.kv_tree.clear()  # a restart: nothing in RAM, the pages in the store
+        s = Settings(max_new_tokens=6, allowed_hosts=["testserver"])
+        svc = Service(s, rag)
+        svc.start()
+        try:
+            with TestClient(create_app(s, svc), base_url="http://testserver") as c:
+                r = c.post("/v1/chat/completions", json={**body, **(extra or {})})
+                assert r.status_code == 200, r.text
+                out = r.json()
+                rag.kv_tree.flush()
+                return out, c.get("/metrics").text
+        finally:
+            rag.close()
+
+    first, _ = serve()
+    assert first["ragkv"]["stats"]["mode"] == "prefix"
+    pages = sorted((tmp_path / "data" / "kv" / "tree").glob("??/*.kvb"))
+    assert len(pages) >= 2
+    for i, page in enumerate(pages):  # flip bytes in half of them, truncate the others
+        raw = bytearray(page.read_bytes())
+        if i % 2:
+            raw[len(raw) // 2 : len(raw) // 2 + 4] = bytes(
+                b ^ 0xFF for b in raw[len(raw) // 2 : len(raw) // 2 + 4]
+            )
+            page.write_bytes(bytes(raw))
+        else:
+            page.write_bytes(bytes(raw[: len(raw) // 3]))
+    again, metrics = serve()
+    assert again["ragkv"]["stats"]["store_tokens"] == 0  # nothing read from a damaged page
+    assert metric(metrics, "ragkv_kv_tree", figure="store_pages_corrupt") >= 1
+    full, _ = serve({"ragkv": {"mode": "full"}})
+    assert again["prompt_token_ids"] == full["prompt_token_ids"] == first["prompt_token_ids"]
+    assert (
+        again["choices"][0]["token_ids"]
+        == full["choices"][0]["token_ids"]
+        == first["choices"][0]["token_ids"]
+    )

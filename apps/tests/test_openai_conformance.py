@@ -8,6 +8,7 @@ output and logprobs: apps/tests/test_structured_api.py);
 from __future__ import annotations
 
 import functools
+import json
 import operator
 
 import httpx
@@ -204,6 +205,27 @@ def test_usage_reports_cached_tokens(server, client, chunk_ids):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     done = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2, temperature=0)
     assert done.usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_streamed_completion_returns_its_prompt_and_answer_token_ids(server):
+    """Issue 54 (the soak recomputes every served answer from its prompt ids): a streamed completion
+    with ``return_token_ids`` gives the prompt's ids (in its last chunk's choice) and each token's id,
+    the same as the completion not streamed; before, a stream gave no prompt ids."""
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    whole = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        data = [x[len("data: ") :] for x in r.iter_lines() if x.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    choices = [json.loads(x)["choices"][0] for x in data[:-1]]
+    assert [c.get("prompt_token_ids") for c in choices[:-1]] == [None] * (len(choices) - 1)
+    assert choices[-1]["prompt_token_ids"] == whole["prompt_token_ids"] and whole["prompt_token_ids"]
+    assert sum((c["token_ids"] for c in choices), []) == whole["token_ids"]
 
 
 # ---- stop strings: never emitted, finish_reason from the generation --------------------------------------

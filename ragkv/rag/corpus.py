@@ -431,11 +431,12 @@ class Corpus:
         }
 
     def _settle(self) -> None:
-        """Delete stored KV that the write-ahead record lists and no chunk references."""
+        """Delete stored KV that the write-ahead record lists and no chunk references. A delete the
+        store could not do (down, timed out) keeps its intent: retried by the next write or start."""
         with self._alone() as alone, self._kv_lock:
             try:  # alone: every writer's intents (those of writers that died too); else this one's
-                n = self.index.settle_intents(self.store.delete, alone)
-            except (OSError, sqlite3.Error) as e:  # a full disk: after a commit that succeeded, not an error
+                n = self.index.settle_intents(lambda key: self.store.delete(key, strict=True), alone)
+            except (OSError, sqlite3.Error) as e:  # a full disk or store down: after a commit, not an error
                 self._warn.warning("settle", "unreferenced KV not deleted now (retried later): %s", e)
                 return
         if n:

@@ -165,8 +165,10 @@ class ChunkStore(ABC):
         """Whether a blob is stored under ``key`` (not read: it may still turn out unusable)."""
 
     @abstractmethod
-    def delete(self, key: str) -> bool:
-        """Remove the blob under ``key``; whether there was one."""
+    def delete(self, key: str, strict: bool = False) -> bool:
+        """Remove the blob under ``key``; whether there was one. A backend that does not answer is a
+        miss (False), or with ``strict`` a :class:`StoreWriteError` (the caller must know the blob may
+        still be there: the write-ahead record keeps it for a later delete)."""
 
     @abstractmethod
     def keys(self) -> list[str]:
@@ -343,11 +345,17 @@ class BlobStore(ChunkStore):
             self._count("puts_skipped")
         return True
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str, strict: bool = False) -> bool:
         check_key(key)
         self._forget(key)
         self._corrupt.discard(key)
-        return bool(self._guard("delete", key, lambda: self._delete(key), False))
+        if not strict:
+            return bool(self._guard("delete", key, lambda: self._delete(key), False))
+        try:
+            return bool(self._delete(key))
+        except self.backend_errors as e:
+            self._backend_failed("delete", key, e)
+            raise StoreWriteError(f"{self.describe()}: could not delete chunk {key[:16]}: {e}") from e
 
     # -- reads ----------------------------------------------------------------------------------
     def _get(self, key: str, fingerprint: str, device, dtype) -> ChunkKV | None:

@@ -77,11 +77,11 @@ class TieredStore(ChunkStore):
         self.memory.mark_corrupt(key)
         self.backend.mark_corrupt(key)
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str, strict: bool = False) -> bool:
         with self._stage_lock:
             self._staged.pop(key, None)
         a = self.memory.delete(key)
-        b = self.backend.delete(key)
+        b = self.backend.delete(key, strict)
         return a or b
 
     # -- reads ----------------------------------------------------------------------------------

@@ -109,6 +109,10 @@ def router(limits: Settings, auth: Auth) -> APIRouter:
                 return
             finished(item)
             end = oc.completion_chunk(cid, created, model_name, "", item.finish_reason, [] if tids else None)
+            if (
+                tids
+            ):  # the prompt as prefilled (vLLM sends it in its first chunk; it is known at the end here)
+                end["choices"][0]["prompt_token_ids"] = item.prompt_ids
             yield sse({**end, "ragkv": item.stats})
             if include_usage:
                 yield sse(oc.usage_chunk(cid, created, model_name, item))

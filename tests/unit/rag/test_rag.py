@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -300,6 +301,38 @@ def test_redis_killed_mid_run_still_answers(tmp_path, embedder, musique, make_re
         down = rag.answer(q, max_new_tokens=10)
     assert down.text == clean.text and rag.counters["kv_misses"] > 0
     assert "unavailable" in caplog.text
+    rag.close()
+
+
+def test_kv_a_delete_could_not_remove_is_deleted_later_not_orphaned(tmp_path, embedder, make_redis_server):
+    """Issue 54 (the soak found stored chunk KV no chunk referenced): a document deleted while the
+    store does not answer (Redis paused past the socket timeout) keeps its write-ahead intents, and
+    the next write after the store is back deletes the KV; before, the intent was dropped with the
+    failed delete and the blob stayed in Redis for good."""
+    import redis
+
+    server = make_redis_server()
+    store = store_from_url(server.url + "?socket_timeout=0.2&down_backoff_s=0.1")
+    rag = _rag(tmp_path, embedder, store=store, chunk_tokens=32)
+    texts = [
+        f"Tom had a {w} kite. He ran in the park with it and the wind was strong." * 2
+        for w in "red blue".split()
+    ]
+    rag.ingest([Document(t, f"d{i}") for i, t in enumerate(texts)], show_progress=False)
+    gone = {c.kv_key for c in rag.index.chunks_of("d0")} - {c.kv_key for c in rag.index.chunks_of("d1")}
+    assert gone and gone <= set(store.keys())
+    with redis.Redis.from_url(server.url) as admin:
+        admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")  # the store times out: deletes fail
+        rag.delete_document("d0")
+    assert "d0" not in rag.index.document_ids()
+    assert gone <= set(rag.index.intents()), "the KV still stored must stay recorded for deletion"
+    time.sleep(1.2)  # the pause and the store's back-off are over
+    rag.ingest(
+        [Document("Lily sat under a big tree and read a book about the sea.", "d2")], show_progress=False
+    )
+    stored = set(store.keys())
+    assert not gone & stored and not rag.index.intents()
+    assert stored <= {c.kv_key for c in rag.index.all_chunks()}  # no orphan
     rag.close()
 
 
