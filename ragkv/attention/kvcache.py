@@ -127,6 +127,12 @@ class DenseKVCache(KVCache):
         low = int(q_pos[0]) if q_pos.numel() == 1 else int(q_pos.min())
         if window is not None or low < self._max_pos[layer]:  # some row hidden from some query
             mask = position_mask(q_pos, self._pos[layer, :n], window)
+        hq, hkv = q.shape[1], k.shape[1]
+        if mask is None and q.shape[0] == 1 and hq != hkv:
+            # one query row seeing every row (a decode step): a KV head's query heads as the rows of one
+            # query, so each head's K/V are read once, not once per query head (GQA's whole point)
+            out = F.scaled_dot_product_attention(q[0].view(hkv, hq // hkv, -1)[None], k, v, scale=self.scale)
+            return out.reshape(1, hq, -1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k,
