@@ -131,7 +131,9 @@ class DenseKVCache(KVCache):
         if mask is None and q.shape[0] == 1 and hq != hkv:
             # one query row seeing every row (a decode step): a KV head's query heads as the rows of one
             # query, so each head's K/V are read once, not once per query head (GQA's whole point)
-            out = F.scaled_dot_product_attention(q[0].view(hkv, hq // hkv, -1)[None], k, v, scale=self.scale)
+            out = F.scaled_dot_product_attention(
+                q[0].reshape(hkv, hq // hkv, -1)[None], k, v, scale=self.scale
+            )
             return out.reshape(1, hq, -1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),

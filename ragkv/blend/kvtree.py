@@ -277,7 +277,7 @@ class KVTree:
         self._written = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         self._write_queue = write_queue
-        #: answers being committed now: (root, ids) -> done event (:meth:`committing`)
+        #: answers being committed now: ``id(event) -> (root, ids, event)``, the event set when done (:meth:`committing`)
         self._commits: dict[int, tuple[str, tuple[int, ...], threading.Event]] = {}
         #: how long a request waits for a commit under way that holds its next rows (:meth:`wait_commits`)
         self.commit_wait_s = 2.0
