@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ import torch
 
 from ragkv.cli import set_threads
 from ragkv.model.registry import DEFAULT_MODEL
-from ragkv.testing import data_dir, descendants_named, synthetic_docs
+from ragkv.testing import committed_documents, data_dir, descendants_named, synthetic_docs
 
 
 def passages(n: int, synthetic: int = 0) -> list[dict]:
@@ -161,19 +160,6 @@ def killed_worker_run(b: Bench, docs: list[dict]) -> dict:
     }
 
 
-def _committed(data: Path) -> int:
-    path = data / "index" / "chunks.sqlite"
-    if not path.exists():
-        return 0
-    db = sqlite3.connect(path, timeout=30)
-    try:
-        return int(db.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
-    except sqlite3.OperationalError:
-        return 0
-    finally:
-        db.close()
-
-
 def killed_driver_run(model: str, docs: list[dict], work: Path, address: str) -> dict:
     """``ragkv-server ingest --ray`` killed (``kill -9``) once some documents are committed, then run
     again: acknowledged documents lost, and chunks the second run computed though stored before it."""
@@ -193,11 +179,11 @@ def killed_driver_run(model: str, docs: list[dict], work: Path, address: str) ->
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while proc.poll() is None and _committed(data) < 2:
+    while proc.poll() is None and committed_documents(data) < 2:
         time.sleep(0.1)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    acked = _committed(data)
+    acked = committed_documents(data)
     time.sleep(5.0)  # the dead driver's workers go with its job
     stored = {p.name for p in kv.glob("??/*.kvb")}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import httpx
 import pytest
 from helpers_service import LIMITS
 
-from ragkv.testing import musique_docs
+from ragkv.testing import committed_documents, musique_docs
 from ragkv_server.testing import launch_server, stop_server, wait_until_idle
 
 ray = pytest.importorskip("ray")
@@ -90,19 +89,6 @@ def test_two_services_serve_what_the_ray_pipeline_ingested_after_a_reload(
             stop_server(proc, 30)
 
 
-def _committed(data: Path) -> int:
-    path = data / "index" / "chunks.sqlite"
-    if not path.exists():
-        return 0
-    db = sqlite3.connect(path, timeout=30)
-    try:
-        return int(db.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
-    except sqlite3.OperationalError:  # not created yet
-        return 0
-    finally:
-        db.close()
-
-
 @pytest.mark.slow  # a Ray pipeline's driver killed and restarted
 def test_a_killed_driver_restarted_finishes_the_rest(tmp_path, ray_address):
     data = tmp_path / "data"
@@ -116,14 +102,14 @@ def test_a_killed_driver_restarted_finishes_the_rest(tmp_path, ray_address):
     proc = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline and _committed(data) < 4:
+        while proc.poll() is None and time.monotonic() < deadline and committed_documents(data) < 4:
             time.sleep(0.1)
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         proc.kill()  # SIGKILL to the driver, mid-run: its workers go with its job
         proc.wait(30)
         log.close()
-    acked = _committed(data)
+    acked = committed_documents(data)
     assert 0 < acked < len(docs)
     stored = {p.name for p in (tmp_path / "kv").glob("??/*.kvb")}  # chunk KV (tree pages: kv/tree/)
     p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
@@ -131,7 +117,7 @@ def test_a_killed_driver_restarted_finishes_the_rest(tmp_path, ray_address):
     report = json.loads(p.stdout.strip().splitlines()[-1])
     assert report["documents_unchanged"] == acked  # no acknowledged document lost
     assert report["documents_added"] == len(docs) - acked and report["errors"] == 0
-    assert _committed(data) == len(docs)
+    assert committed_documents(data) == len(docs)
     # no chunk whose KV was stored before the kill is computed again
     after = {p.name for p in (tmp_path / "kv").glob("??/*.kvb")}
     assert report["kv_computed"] <= len(after - stored) and report["kv_already_stored"] > 0

@@ -277,6 +277,23 @@ def free_index_disk(index) -> None:
     index.db.execute("PRAGMA max_page_count = 1073741823")
 
 
+def committed_documents(data_dir: str | Path) -> int:
+    """Documents committed in ``data_dir``'s index, read from its SQLite file as another process sees
+    them (0 before the index exists): what a test or benchmark that kills an ingest counts as acknowledged."""
+    import sqlite3
+
+    path = Path(data_dir) / "index" / "chunks.sqlite"
+    if not path.exists():
+        return 0
+    db = sqlite3.connect(path, timeout=30)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM documents").fetchone()[0])
+    except sqlite3.OperationalError:  # the table is not created yet
+        return 0
+    finally:
+        db.close()
+
+
 def free_port() -> int:
     """A loopback TCP port free right now (for a server a test starts)."""
     with socket.socket() as s:
