@@ -48,10 +48,10 @@ from ragkv.blend.prefill import prefill
 from ragkv.fidelity.measure import bootstrap_ci, load_calibration_set
 from ragkv.generate import SamplingParams, generate
 from ragkv.kv.chunk import ChunkKV
-from ragkv.kv.compute import compute_chunk_kv
 from ragkv.metrics import first_token_kl, normalize_answer, token_f1
 from ragkv.metrics.text import answer_recall, max_over_golds
 from ragkv.model import DEFAULT_MODEL, load_model
+from ragkv.model.forward import compute_chunk_kv
 
 MAX_NEW = 16
 

@@ -32,8 +32,8 @@ from ragkv.blend.kvtree import PrefixCache
 from ragkv.blend.pipeline import pipelined_factory
 from ragkv.blend.prefill import prefill
 from ragkv.fidelity.measure import bootstrap_ci
-from ragkv.kv.compute import compute_chunk_kv
 from ragkv.model import DEFAULT_MODEL, load_model
+from ragkv.model.forward import compute_chunk_kv
 
 
 def _ttft(model, prefix, kvs, suffix, ratio: float, pc: PrefixCache, adapter, factory=None) -> float:

@@ -23,9 +23,9 @@ from eval.fit import PassageFitter, fit_prompt
 from eval.prompts import PromptBuilder, chat_frame, get_spec, load_samples
 from ragkv.blend import BlendSchedule, prefill
 from ragkv.generate import SamplingParams, generate
-from ragkv.kv import compute_chunk_kv
 from ragkv.metrics import first_token_agreement, first_token_kl, token_f1
 from ragkv.model import DEFAULT_MODEL, load_model
+from ragkv.model.forward import compute_chunk_kv
 
 DEFAULT_SCHEDULES = (
     "1:0.15",

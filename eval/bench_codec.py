@@ -5,7 +5,7 @@ All on real KV of trained transformers over MuSiQue passages, measured side by s
 * ``model``: the ``--model`` checkpoint's own KV (default: the tiny stories260k model, 5 layers, 4 KV
   heads x 8 = 32 channels per layer, named ``stories`` in the output; the real default model
   ``smollm2-135m-instruct``: 30 layers, 3 KV heads x 64 = 192 channels), chunks of ``--chunk-tokens``
-  tokens of MuSiQue passages prefilled alone after BOS (``ragkv.kv.compute_chunk_kv``, pre-RoPE K).
+  tokens of MuSiQue passages prefilled alone after BOS (``ragkv.model.forward.compute_chunk_kv``, pre-RoPE K).
 * ``minilm``: all-MiniLM-L6-v2's K/V projections (6 layers, 12 heads x 32 = 384 channels), captured
   with forward hooks on each layer's key/value Linear over passages of up to 256 tokens.
 
@@ -102,8 +102,8 @@ def source_name(model_name) -> str:
 
 
 def load_trained(model_name, n_chunks: int, chunk_tokens: int):
-    from ragkv.kv.compute import compute_chunk_kv
     from ragkv.model import load_model
+    from ragkv.model.forward import compute_chunk_kv
 
     model = load_model(model_name)
     ids_list = []
@@ -341,7 +341,7 @@ def adaptive_run(codec: VideoCodec, src: Source, versions: list[int], n_chunks: 
 def fidelity_cases(model, questions: range, chunk_tokens: int):
     """(3 chunk KVs of ``chunk_tokens`` tokens, question suffix, blend logits with the original KV) per question."""
     from ragkv.blend import prefill
-    from ragkv.kv.compute import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
 
     data = musique()
     cases = []

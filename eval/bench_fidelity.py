@@ -52,11 +52,11 @@ from eval.harness import progress
 from eval.prompts import PromptBuilder, PromptIds, chat_frame, get_spec, load_samples
 from ragkv.blend import BlendSchedule, PrefixCache, prefill
 from ragkv.generate import SamplingParams, continuation_nll, generate
-from ragkv.kv import ChunkKV, compute_chunk_kv
+from ragkv.kv import ChunkKV
 from ragkv.metrics import first_token_agreement, first_token_kl, normalize_answer, token_f1
 from ragkv.metrics.text import answer_recall, max_over_golds
 from ragkv.model import DEFAULT_MODEL, load_model
-from ragkv.model.forward import chunk_kv_tensors
+from ragkv.model.forward import chunk_kv_tensors, compute_chunk_kv
 
 #: split -> (dataset, passages kept, tokens per passage)
 SPLITS = {

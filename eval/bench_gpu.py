@@ -146,7 +146,7 @@ def bench_hack(args, device: torch.device) -> dict:
 
 def bench_codec(args, device: torch.device) -> dict:
     """NVDEC (auto) restore vs CPU decode vs GPU recompute of one chunk, per layer and per chunk."""
-    from ragkv.kv import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
     from ragkv.store.codecs.video import VideoCodec, nvdec
 
     shape = TINY if args.dry_run else LLAMA8B
@@ -217,7 +217,7 @@ def bench_runtime(args, device: torch.device) -> dict:
     from transformers import AutoModelForCausalLM
 
     from ragkv.blend import BlendSchedule, prefill
-    from ragkv.kv import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
 
     shape = TINY if args.dry_run else LLAMA8B
     dtype = torch.float32 if args.dry_run else torch.bfloat16
@@ -268,7 +268,8 @@ def bench_loading(args, device: torch.device) -> dict:
     from eval.bench_loading import _load_to_memory
     from ragkv.blend import BlendSchedule, prefill
     from ragkv.blend.pipeline import StoredChunk, pipelined_factory
-    from ragkv.kv import ChunkKV, compute_chunk_kv
+    from ragkv.kv import ChunkKV
+    from ragkv.model.forward import compute_chunk_kv
     from ragkv.store import store_from_url
 
     shape = TINY if args.dry_run else dict(hidden=512, heads=8, kv_heads=2, inter=1536, vocab=32000)

@@ -107,7 +107,7 @@ class Bench:
         exact pass after the cached head), no store, no embedding; and the chunk tokens."""
         from ragkv.blend.exact import exact_prefill
         from ragkv.blend.kvtree import KVTree
-        from ragkv.kv import compute_chunk_kv
+        from ragkv.model.forward import compute_chunk_kv
         from ragkv.rag import split_tokens
 
         rag = self.rag()

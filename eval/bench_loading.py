@@ -32,7 +32,8 @@ from eval.harness import free_port
 from ragkv.blend import BlendSchedule, prefill
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.pipeline import StoredChunk, pipelined_factory
-from ragkv.kv import ChunkKV, compute_chunk_kv
+from ragkv.kv import ChunkKV
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.store import store_from_url
 
 

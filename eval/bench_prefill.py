@@ -18,8 +18,8 @@ import torch
 
 from eval.prompts import DATA_DIR
 from ragkv.blend import BlendSchedule, PrefixCache, prefill
-from ragkv.kv import compute_chunk_kv
 from ragkv.model import load_model, random_hf_config, random_model
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.model.loader import hf_state_dict, resolve_model_dir
 
 

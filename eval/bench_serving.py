@@ -51,10 +51,10 @@ from ragkv.engine.paged_cache import batched_decode_step
 from ragkv.fidelity.plan import RequestSettings
 from ragkv.fusion import FusionConfig
 from ragkv.generate import SamplingParams
-from ragkv.kv import compute_chunk_kv
 from ragkv.metrics import first_token_kl
 from ragkv.model import load_model, random_model
 from ragkv.model.chat import chat_parts, has_chat_template
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.store import MemoryStore
 
 THRESHOLDS = (0.999, 0.995, 0.99, 0.98, 0.95, 0.9)

@@ -81,7 +81,7 @@ def musique() -> list[dict]:
 
 def cases(model, n: int, chunk_tokens: int):
     from eval.bench_codec import prompt_parts
-    from ragkv.kv.compute import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
 
     data = musique()
     out = []
@@ -191,8 +191,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ragkv.kv.compute import compute_chunk_kv
     from ragkv.model import load_model
+    from ragkv.model.forward import compute_chunk_kv
 
     model = load_model(args.model)
     out_path = Path(args.out)

@@ -76,8 +76,8 @@ def bench_refs(runs: int, tmp: Path) -> dict:
     import torch
 
     from ragkv.blend.spans import MAX_CHUNK_REFS, ChunkRef, request_spans
-    from ragkv.kv import compute_chunk_kv
     from ragkv.model import load_model
+    from ragkv.model.forward import compute_chunk_kv
     from ragkv.store import LocalDirStore
 
     model = load_model(TINY_MODEL)

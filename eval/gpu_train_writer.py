@@ -243,8 +243,8 @@ def smoke(device: str, out: Path) -> dict:
     from ragkv.adapter.train import TrainConfig, train
     from ragkv.adapter.writer import WriterLoRA
     from ragkv.blend import prefill
-    from ragkv.kv import compute_chunk_kv
     from ragkv.model import load_model
+    from ragkv.model.forward import compute_chunk_kv
 
     m = load_model(Path(__file__).resolve().parents[1] / "models" / "stories260k", device=device)
     text = ["Tom had a red ball. He liked to play with it.", "Lily saw a big dog. The dog ran to her."]

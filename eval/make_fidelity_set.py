@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ragkv.fidelity.facts import build
+from ragkv.facts import build
 
 __all__ = ["build", "main"]
 

@@ -55,10 +55,10 @@ from eval.report import PREFILL_MODES, aggregate, label_of, summary, write_outpu
 from eval.scoring import score_answer, score_recall
 from ragkv.blend import DEFAULT_RATIO, PrefixCache, UnknownModeError, prefill
 from ragkv.generate import SamplingParams, generate
-from ragkv.kv import compute_chunk_kv
 from ragkv.llm import LLM
 from ragkv.metrics import attention_deviation, first_token_agreement, first_token_kl, token_f1
 from ragkv.model import DEFAULT_MODEL, PromptTooLongError
+from ragkv.model.forward import compute_chunk_kv
 
 log = logging.getLogger("eval.run")
 

@@ -5,9 +5,10 @@ from ragkv.constrain import ConstraintError, JsonConstraint, json_constraint
 from ragkv.defaults import Mode
 from ragkv.fidelity.plan import RequestSettings
 from ragkv.generate import SamplingParams
-from ragkv.kv import ChunkKV, KVMismatchError, compute_chunk_kv
+from ragkv.kv import ChunkKV, KVMismatchError
 from ragkv.llm import LLM, Answer
 from ragkv.model import DEFAULT_MODEL, Model, PromptTooLongError, load_model, random_model
+from ragkv.model.forward import compute_chunk_kv
 
 __version__ = "0.1.0"
 

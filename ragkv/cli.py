@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from ragkv.defaults import DEFAULT_FIDELITY, DEFAULT_MAX_NEW_TOKENS
-from ragkv.kv.calibrate import DEMO_CORPUS
 from ragkv.model.registry import DEFAULT_MODEL, ModelFetchError
+from ragkv.model.rope_energy import DEMO_CORPUS
 from ragkv.store.codecs import DEFAULT_CODEC
 
 

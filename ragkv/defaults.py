@@ -7,6 +7,7 @@ is parsed once at each edge; its unset fields fall back to the defaults here.
 """
 
 from enum import StrEnum
+from pathlib import Path
 
 
 class Mode(StrEnum):
@@ -65,3 +66,7 @@ MIN_TEMPERATURE = 1e-4
 
 #: most alternatives a token's log-probabilities may list (OpenAI's ``top_logprobs`` limit)
 MAX_LOGPROBS = 20
+
+#: the calibration set (shipped with ragkv): the questions every default above is measured on (the
+#: fidelity report's operating points) and whose passages the adapter's training never uses
+CALIBRATION_SET = Path(__file__).resolve().parent / "fidelity" / "calibration_set.json"

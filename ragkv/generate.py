@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ragkv.attention.kvcache import DenseKVCache, KVCache
-from ragkv.blend.core import PrefillResult
 from ragkv.constrain import ConstraintError, GrammarState, JsonConstraint
 from ragkv.defaults import DEFAULT_MAX_NEW_TOKENS, MAX_LOGPROBS, MIN_TEMPERATURE
 from ragkv.model.forward import decode_weights_of, decoder, run_layers
+from ragkv.model.result import PrefillResult
 
 log = logging.getLogger("ragkv.generate")
 
@@ -236,7 +236,7 @@ def make_cache(model, attention: str = "fp16", capacity: int = 256, **hack_optio
         return DenseKVCache.for_model(model, capacity)
     if attention == "hack":
         from ragkv.attention.hack_cache import HackKVCache, default_config
-        from ragkv.kv.calibrate import key_plans_for
+        from ragkv.model.rope_energy import key_plans_for
 
         cfg = default_config(hack_options, model.config.head_dim)
         return HackKVCache.for_model(model, cfg, key_plans=key_plans_for(model, cfg))

@@ -1,6 +1,6 @@
 """The prompt convention of every surface: ``[instruction prefix] + chunks + [question suffix]``.
 
-One renderer (:func:`render_parts`) turns a head and a tail text into token ids around the chunks,
+One renderer (:func:`ragkv.model.chat.render_parts`, beside the chat template it applies) turns a head and a tail text into token ids around the chunks,
 with the model's chat template (one user turn, the chunks inside it) or as plain text (BOS first);
 a RAG's prompt (:func:`prompt_parts`) and a caller's own parts (:func:`tokenize_parts`, what
 ``ragkv.LLM`` takes) both go through it. Below the LLM, RAG and the fidelity gate (which measures
@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ragkv.model.chat import chat_parts, has_chat_template
+from ragkv.model.chat import has_chat_template, render_parts
 
 DEFAULT_INSTRUCTION = (
     "You will be asked a question after reading several passages. Please directly answer the question "
@@ -90,15 +90,6 @@ def prompt_parts(
     head += "".join(f"{user}\n{answer}\n\n" for user, answer in examples)
     head += "".join(f"{str(r).capitalize()}: {t}\n" for r, t in history) + ("\n" if history else "")
     return render_parts(model, head, q, False)
-
-
-def render_parts(model, head: str, tail: str, chat: bool, **turns) -> tuple[list[int], list[int]]:
-    """Token ids before and after the chunks: ``head`` and ``tail`` in one user turn of the chat
-    template (``turns``: ``system``, ``examples``, ``history`` as :func:`ragkv.model.chat.chat_parts`
-    takes them), or as plain text with BOS first (when the tokenizer adds one). The one renderer."""
-    if chat:
-        return chat_parts(model, head, tail, **turns)
-    return model.encode(head, add_bos=True), model.encode(tail)
 
 
 def tokenize_parts(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ragkv.cli import configure_logging, run_command, set_threads
 from ragkv.defaults import MODES
-from ragkv.kv.calibrate import DEMO_CORPUS
+from ragkv.model.rope_energy import DEMO_CORPUS
 from ragkv_server.config import Settings, load_settings
 from ragkv_server.service import build_rag
 

@@ -9,7 +9,7 @@ import pytest
 
 from ragkv import LLM
 from ragkv.blend import DEFAULT_RATIO
-from ragkv.kv.calibrate import DEMO_CORPUS
+from ragkv.model.rope_energy import DEMO_CORPUS
 from ragkv.rag import RAG
 from ragkv.testing import stories_model, stories_path
 from ragkv_server.cli import build_parser, main, settings
@@ -53,7 +53,7 @@ def test_ingest_and_ask_take_a_collection(tmp_path, capsys, monkeypatch):
 
 
 def test_gc_collects_a_data_folder(tmp_path, embedder, capsys, one_thread):
-    from ragkv.kv import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
 
     r = RAG(LLM(stories_model()), tmp_path, embedder=embedder, chunk_tokens=64, ratio=DEFAULT_RATIO)
     r.ingest(["Lily had a red ball."], show_progress=False)

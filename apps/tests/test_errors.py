@@ -7,7 +7,8 @@ import logging
 import numpy as np
 import pytest
 
-from ragkv.kv import KVMismatchError, compute_chunk_kv
+from ragkv.kv import KVMismatchError
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.store import MemoryStore
 from ragkv.testing import stories_model
 

@@ -635,7 +635,7 @@ def test_32_clients_race_deletes_and_queries_against_a_serial_reference(tmp_path
 
 def test_store_header_read_checks_the_key(tmp_path, one_thread):
     """Every read path, the header included, refuses a blob stored under another chunk's key."""
-    from ragkv.kv import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
     from ragkv.store import MemoryStore, TieredStore
 
     model = stories_model()

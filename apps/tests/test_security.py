@@ -245,7 +245,7 @@ def test_every_route_but_healthz_needs_a_key(keyed):
 
 # ---- the store, in process -----------------------------------------------------------------------------
 def _real_chunk(seed: int = 0) -> ChunkKV:
-    from ragkv.kv.compute import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
     from ragkv.testing import stories_model
 
     model = stories_model()

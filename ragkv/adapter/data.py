@@ -3,7 +3,7 @@
 Three kinds (digest "trained chunk KV" 4.4), each an :class:`Item` in the prompt convention users send
 (:func:`ragkv.prompt.prompt_parts`, passages as separate chunks):
 
-* ``facts``: questions about single passages of invented facts (:mod:`ragkv.fidelity.facts`, seeds
+* ``facts``: questions about single passages of invented facts (:mod:`ragkv.facts`, seeds
   other than the calibration set's), among 4 or 6 passages;
 * ``real``: MuSiQue / 2WikiMQA questions from a checkout's ``data/`` (samples past the evaluation
   splits' first ``EVAL_RESERVED``; passages cut to ``REAL_PASSAGE_TOKENS``), when the files exist;
@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ragkv.fidelity.facts import build
-from ragkv.fidelity.measure import CALIBRATION_SET
+from ragkv.defaults import CALIBRATION_SET
+from ragkv.facts import build
 
 TRAIN_SEED = 9001
 DEV_SEED = 4242

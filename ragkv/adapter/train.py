@@ -38,8 +38,7 @@ from ragkv.adapter.writer import WriterLoRA
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendKV, BlendSchedule, qpass_rows
 from ragkv.blend.prefill import prefill
 from ragkv.generate import decode_step, load_prompt, make_cache
-from ragkv.kv.compute import compute_chunk_kv
-from ragkv.model.forward import run_layers
+from ragkv.model.forward import compute_chunk_kv, run_layers
 from ragkv.prompt import prompt_parts
 
 TOPK = 64

@@ -84,7 +84,7 @@ def check_key_plans(
     if plans is None or len(plans) != layers:
         raise HackConfigError(
             f'k_plan="rope" needs one calibrated KeyPlan per layer ({layers}); got '
-            f"{'none' if plans is None else len(plans)} (ragkv.kv.calibrate.hack_key_plans)"
+            f"{'none' if plans is None else len(plans)} (ragkv.model.rope_energy.hack_key_plans)"
         )
     parts = head_dim // cfg.k_part(head_dim)
     for i, p in enumerate(plans):
@@ -369,7 +369,7 @@ class HackKVCache(KVCache):
         """A cache matching ``model``'s geometry; ``options`` are HackConfig fields (``hack_`` prefix ok).
 
         ``k_plan="rope"`` needs the model's calibrated ``key_plans``
-        (:func:`ragkv.kv.calibrate.hack_key_plans`; ``ragkv.generate.make_cache`` passes them).
+        (:func:`ragkv.model.rope_energy.hack_key_plans`; ``ragkv.generate.make_cache`` passes them).
         """
         cfg = HackConfig.from_options(config, **options)
         return cls(**cache_geometry(model), config=cfg, key_plans=key_plans)

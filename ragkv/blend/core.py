@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ragkv.attention.dense import ContextTemper, attention_probs, explicit_attention
 from ragkv.defaults import DEFAULT_RATIO
 from ragkv.model.forward import run_layers
+from ragkv.model.result import PrefillResult, PromptKV  # noqa: F401 - the prefill's result, re-exported
 
 COMPUTED, EXACT, REUSED = 0, 1, 2
 # DEFAULT_RATIO (imported above, re-exported by ragkv.blend) has its one home in ragkv.defaults
@@ -155,34 +156,6 @@ class BlendSchedule:
         """These blend options with the ratio left out: what a fidelity report's ladder (which varies
         the ratio alone) depends on, and so part of the report's identity."""
         return repr(replace(self, ratios=(1.0,)))
-
-
-@dataclass
-class PromptKV:
-    """The prompt's KV after prefill: post-RoPE K and V ``[L, N, Hkv, D]`` at ``positions [N]``."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    positions: torch.Tensor
-    token_ids: torch.Tensor
-    k_pre: torch.Tensor | None = None  # pre-RoPE K, kept only when asked (prefix-cache inserts)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.numel())
-
-
-@dataclass
-class PrefillResult:
-    logits: torch.Tensor  # [vocab] fp32, of the last prompt token
-    kv: PromptKV
-    stats: dict = field(default_factory=dict)
-    attn_probs: list[torch.Tensor] | None = None  # per layer [P, Hq, N] for probe rows
-    #: APE tempering the decode must keep applying to the reused rows (None: plain attention)
-    temper: ContextTemper | None = None
-    #: called by the decode loop with the generated token ids when the answer is complete: an exact
-    #: prefill commits the answer's KV to the KV tree, so the next chat turn reuses it too
-    on_finish: Callable[..., None] | None = None
 
 
 class BlendKV:

@@ -25,8 +25,7 @@ import torch
 from ragkv.blend.assemble import assemble as prefill
 from ragkv.blend.core import BlendSchedule
 from ragkv.blend.kvtree import KVTree
-from ragkv.kv.compute import compute_chunk_kv
-from ragkv.model.forward import exact_supported
+from ragkv.model.forward import compute_chunk_kv, exact_supported
 
 log = logging.getLogger("ragkv.blend")
 

@@ -27,7 +27,7 @@ from ragkv.blend.locate import ChunkLocator, Located, split_at_chunks
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory, prefill_with_recovery
 from ragkv.blend.plan import BlendPlan
 from ragkv.kv.chunk import ChunkKV, chunk_key
-from ragkv.kv.compute import compute_chunk_kv
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.store.base import WarnThrottle
 
 log = logging.getLogger("ragkv.blend")

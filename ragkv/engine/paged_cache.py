@@ -22,8 +22,8 @@ from ragkv.attention.paged import batch_tables, decode_mask, paged_attention
 from ragkv.engine.backend import KVBackend
 from ragkv.engine.block_manager import BlockManager
 from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
-from ragkv.kv.calibrate import key_plans_for
 from ragkv.model.forward import decoder, run_layers
+from ragkv.model.rope_energy import key_plans_for
 
 
 class PagedCacheError(ValueError):

@@ -35,9 +35,9 @@ from ragkv.fidelity.report import (
     calibration_set_digest,
 )
 from ragkv.generate import SamplingParams, generate
-from ragkv.kv.compute import compute_chunk_kv
 from ragkv.metrics import first_token_kl, normalize_answer, token_f1
 from ragkv.metrics.text import answer_recall, max_over_golds
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.prompt import prompt_parts
 
 #: the blend ratios measured (0 is plain reuse, 1 is full prefill and needs no measuring)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ragkv.blend.core import BlendSchedule
+from ragkv.defaults import CALIBRATION_SET
 from ragkv.kv.chunk import CHUNK_CONVENTION_VERSION
 from ragkv.model.gguf import fingerprint_file, write_json_atomic
 
@@ -24,7 +25,6 @@ log = logging.getLogger("ragkv.fidelity")
 #: bumped when the report's fields or the way it is measured change: older reports are re-measured
 REPORT_VERSION = 1
 SHIPPED_DIR = Path(__file__).resolve().parent / "reports"
-CALIBRATION_SET = Path(__file__).resolve().parent / "calibration_set.json"
 
 
 class ReportError(ValueError):

@@ -69,6 +69,16 @@ def chat_parts(
     return prefix, _encode_marked(tok, after, mark, texts)
 
 
+def render_parts(model, head: str, tail: str, chat: bool, **turns) -> tuple[list[int], list[int]]:
+    """Token ids before and after the chunks: ``head`` and ``tail`` in one user turn of the chat
+    template (``turns``: ``system``, ``examples``, ``history`` as :func:`ragkv.model.chat.chat_parts`
+    takes them), or as plain text with BOS first (when the tokenizer adds one). The one renderer: the
+    prompt convention (:mod:`ragkv.prompt`) and the codec calibration's prompts go through it."""
+    if chat:
+        return chat_parts(model, head, tail, **turns)
+    return model.encode(head, add_bos=True), model.encode(tail)
+
+
 def _encode_marked(tok, rendered: str, marks: list[str], texts: list[str]) -> list[int]:
     """Token ids of ``rendered``: template text with its special tokens parsed, each marker replaced
     by its content encoded as text. The pieces meet where the template puts a role line or a

@@ -31,6 +31,7 @@ import torch
 
 from ragkv.attention.buffers import KV_BUFFERS
 from ragkv.attention.dense import attention
+from ragkv.kv.chunk import ChunkKV
 
 
 @dataclass(frozen=True)
@@ -485,3 +486,22 @@ def _kept_rows(
 def exact_supported(model: LayerModel) -> bool:
     """Whether :func:`exact_forward` is split-invariant for this model (no sliding-window layer)."""
     return all(model.config.window(i) is None for i in range(model.config.num_layers))
+
+
+@torch.inference_mode()
+def compute_chunk_kv(
+    model, token_ids: list[int] | torch.Tensor, fingerprint: str | None = None, context: Sequence[int] = ()
+) -> ChunkKV:
+    """Prefill ``[BOS] + token_ids`` and return the chunk rows' pre-RoPE K and V.
+
+    ``model`` is any layer model (ragkv's, or the vLLM adapter, which has no fingerprint of its own:
+    the caller passes the served checkpoint's ``fingerprint``). ``context``: token ids prefilled
+    between BOS and the chunk (a context-primed chunk, issue 38's measurements; not the stored
+    convention), cut from the front to fit the model's context.
+    """
+    if len(context):
+        room = model.config.max_position - len(token_ids) - 1
+        context = list(context)[-room:] if room > 0 else []
+    ids, k, v, start = chunk_kv_tensors(model, token_ids, context)
+    fp = model.fingerprint if fingerprint is None else fingerprint
+    return ChunkKV(token_ids=ids, k=k, v=v, start_pos=start, fingerprint=fp)

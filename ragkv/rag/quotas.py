@@ -156,7 +156,7 @@ def measure_kv_bytes_per_token(model, store, sample_tokens: int = 256) -> int:
     """Bytes per token of ``store``'s blob of the KV of :data:`SAMPLE_TEXT` (``sample_tokens`` tokens,
     at most the model's context) computed by ``model``, rounded up; cached per model, codec and size.
     A store without a codec of its own is counted at the KV's in-memory size (no encoding)."""
-    from ragkv.kv.compute import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
     from ragkv.store import blob as blobfmt
 
     codec = getattr(store, "codec", None)

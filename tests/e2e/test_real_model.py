@@ -228,8 +228,8 @@ def test_default_blend_beats_reuse_on_the_real_model(real_llm, one_thread):
     from eval.fit import PassageFitter, fit_prompt
     from eval.prompts import PromptBuilder, chat_frame, get_spec, load_samples
     from ragkv.blend import prefill
-    from ragkv.kv import compute_chunk_kv
     from ragkv.metrics import first_token_kl
+    from ragkv.model.forward import compute_chunk_kv
 
     m = real_llm.model
     spec = get_spec("musique")
@@ -331,7 +331,7 @@ def _windows(ids: list[int], chunks) -> list[list[int]]:
 def test_rope_key_bits_beat_uniform_keys_on_the_real_model(real_llm, one_thread, tmp_path, monkeypatch):
     """At 2.5 code bits the RoPE-aware plan stays well under uniform 3-bit keys and 2-bit keys
     (docs/HACK.md: KL 0.036 vs 0.064 and 0.22 on 20 prompts); the regression guard for the preset."""
-    import ragkv.kv.calibrate as cal
+    import ragkv.model.rope_energy as cal
     from ragkv.attention.hack_cache import HackConfig
     from ragkv.blend import prefill
     from ragkv.generate import decode_step, load_prompt, make_cache

@@ -1,7 +1,7 @@
 """The layout holds: the card's top level (the core ``ragkv`` and its distributions: ``apps/`` and
 ``integrations/*``), imports inside ``ragkv`` run one way, and the library never reaches the edges.
 
-attention <- model <- kv <- store <- blend <- llm <- engine <- rag <- integrations <- apps (docs/ARCHITECTURE.md, "The layers");
+kv <- attention <- model <- store <- blend <- llm <- engine <- rag <- integrations <- apps (docs/ARCHITECTURE.md, "The layers");
 ``defaults`` sits below them all; ``constrain`` (structured output) imports no other unit; ``fusion`` sits
 on attention, ``generate`` and ``llm`` between blend and the engine. ``remote`` (the kv_transfer_params wire format
 and the HTTP generator) and ``aio`` (the one thread-to-async bridge) are the core's because more than one edge uses them. Lazy imports inside functions
@@ -26,13 +26,14 @@ from tests.helpers import REPO, source_files
 #: rank of each ragkv subpackage / top-level module: a module may import only lower ranks
 RANK = {
     "defaults": -1,
+    "facts": -1,  # the invented-facts generator (the calibration set's and the adapter's data)
+    "kv": -0.5,  # the chunk KV type and its key (computed by model.forward.compute_chunk_kv)
     "metrics": 0,
     "attention": 0,
     "constrain": 0,
     "aio": 0,  # the thread-to-async bridge (AnyIO only)
     "fusion": 1,
     "model": 1,
-    "kv": 2,
     "store": 3,
     "blend": 4,
     "prompt": 1.5,  # the prompt convention (chat templates of the model only)
@@ -108,6 +109,40 @@ def test_imports_inside_ragkv_run_one_way():
             elif _is_edge(mod):
                 bad.append(f"{f.relative_to(REPO)} imports the edge {mod}")
     assert not bad, "\n".join(bad)
+
+
+#: the most floors of imports inside ragkv (a unit stands one floor above the highest unit it imports);
+#: with the distributions and eval/ above it, a reader climbs at most 10 (issue 55)
+MAX_FLOORS = 8
+
+
+def floors(root: Path) -> dict[str, int]:
+    """Each ragkv unit's floor: 1 + the highest floor among the units it imports (lazy imports too)."""
+    deps: dict[str, set[str]] = {}
+    for f in source_files(root):
+        src = _unit(f, root)
+        for mod in _imports(f):
+            parts = mod.split(".")
+            if parts[0] == "ragkv" and len(parts) > 1 and parts[1] != src and parts[1] in RANK:
+                deps.setdefault(src, set()).add(parts[1])
+            elif mod == "ragkv" and src != "__init__":
+                deps.setdefault(src, set()).add("__init__")
+    memo: dict[str, int] = {}
+
+    def floor(u: str) -> int:
+        if u not in memo:
+            memo[u] = 1 + max((floor(d) for d in deps.get(u, ())), default=0)
+        return memo[u]
+
+    return {u: floor(u) for u in {_unit(f, root) for f in source_files(root)}}
+
+
+def test_the_core_has_at_most_8_floors_of_imports():
+    fl = floors(REPO / "ragkv")
+    top = max(fl.values())
+    assert top <= MAX_FLOORS, f"{top} floors: " + ", ".join(
+        f"{u} {n}" for u, n in sorted(fl.items(), key=lambda x: -x[1])
+    )
 
 
 def test_nothing_in_ragkv_imports_eval_or_edits_sys_path():

@@ -191,12 +191,15 @@ def test_one_span_planner():
 
 def test_one_prompt_splitter_and_one_prompt_renderer():
     """A prompt is split around its chunks by ``split_at_chunks`` only (a job's parts and the resolver's
-    pieces both call it), and rendered around them by ``ragkv.prompt`` only (``chat_parts``)."""
+    pieces both call it), and rendered around them by one renderer (``render_parts``, beside the chat template
+    it applies in ``ragkv/model/chat.py``; the prompt convention in ``ragkv.prompt`` calls it)."""
     assert _defs("split_at_chunks") == ["ragkv/blend/locate.py"]
     assert "split_at_chunks" in _method_calls("ragkv/rag/generation.py", "PromptJob", "parts")
     assert "split_at_chunks" in _method_calls("ragkv/blend/resolver.py", "ChunkResolver", "pieces")
-    bad = [f"{f}:{n}" for f, n, _ in _calls({"chat_parts"}) if f != "ragkv/prompt.py"]
+    bad = [f"{f}:{n}" for f, n, _ in _calls({"chat_parts"}) if f != "ragkv/model/chat.py"]
     assert not bad, bad
+    assert _defs("render_parts") == ["ragkv/model/chat.py"]
+    assert "ragkv/prompt.py" in {f for f, _, _ in _calls({"render_parts"})}
     assert "tokenize_parts" in _method_calls("ragkv/llm.py", "LLM", "tokenize_prompt")
 
 

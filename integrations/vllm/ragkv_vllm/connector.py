@@ -53,8 +53,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ragkv.blend.pipeline import ChunkLoadError, PipelinedSource, StoredChunk
 from ragkv.blend.resolver import PieceSlice
 from ragkv.blend.spans import ChunkSpan, SpanError, plan_spans
-from ragkv.kv import compute_chunk_kv
 from ragkv.kv.chunk import chunk_key
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.remote.wire import BlendParams, KVParamsError
 from ragkv_vllm.rows import RowPlan, blend_rows, blocks_of_rows, plan_rows, slot_mapping
 

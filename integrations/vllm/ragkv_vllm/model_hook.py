@@ -9,7 +9,7 @@ model is recorded here for the worker-side connector of the same process.
 
 :class:`VllmLayerModel` exposes a vLLM Llama / Mistral / Qwen2 model through the primitives of
 ragkv's own runtime (``embed``, ``qkv``, ``rope``, ``attend``, ``finish_layer``), so
-:func:`ragkv_vllm.rows.blend_rows` and :func:`ragkv.kv.compute_chunk_kv` run unchanged on
+:func:`ragkv_vllm.rows.blend_rows` and :func:`ragkv.model.forward.compute_chunk_kv` run unchanged on
 vLLM's weights and kernels. Attention inside the blend is ragkv's dense attention over the gathered
 rows, not vLLM's paged kernel (the blend's rows are scattered, which vLLM's kernels do not take).
 

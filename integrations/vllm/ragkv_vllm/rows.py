@@ -15,7 +15,7 @@ Everything here runs and is tested on CPU (no vLLM import).
   *post-RoPE* K (what a paged cache holds) and are used as is; the rows after the last chunk (the
   question) are left to the engine, which is exact because causal attention never lets earlier
   rows see later ones; and the last layer's attention and MLP are skipped (no logits are needed).
-  Missed chunks are computed for the store by :func:`ragkv.kv.compute_chunk_kv` on the same model.
+  Missed chunks are computed for the store by :func:`ragkv.model.forward.compute_chunk_kv` on the same model.
 """
 
 from __future__ import annotations

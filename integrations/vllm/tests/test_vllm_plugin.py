@@ -19,7 +19,8 @@ from ragkv.blend.core import COMPUTED, EXACT, REUSED, BlendSchedule, selective_p
 from ragkv.blend.resolver import PieceSlice
 from ragkv.blend.source import LayerSource
 from ragkv.blend.spans import ChunkRef, ChunkSpan, SpanError, check_spans, find_occurrences, locate_chunks
-from ragkv.kv import chunk_key, compute_chunk_kv
+from ragkv.kv import chunk_key
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.remote.wire import BlendParams, KVParamsError
 from ragkv.testing import NO_VLLM, free_port, have_vllm, stories_model, stories_path
 from ragkv_vllm.rows import blend_rows, blocks_of_rows, plan_rows, slot_mapping

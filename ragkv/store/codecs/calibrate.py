@@ -6,9 +6,9 @@ is recomputed) and saves it. Calibration material is the demo corpus shipped wit
 passages as chunks, its questions as queries), never evaluation data.
 
 1. **RoPE-aware key bits** (Block-GTQ's idea): the energy of each RoPE frequency block per layer and
-   KV head (:func:`ragkv.kv.calibrate.rope_block_energy`, shared with HACK's key plans), then
+   KV head (:func:`ragkv.model.rope_energy.rope_block_energy`, shared with HACK's key plans), then
    integer bits per block by greedy marginal gain under the layer's budget
-   (:func:`ragkv.kv.calibrate.allocate_block_bits`).
+   (:func:`ragkv.model.rope_energy.allocate_block_bits`).
 2. **Per-layer steps** (optional, ``calibrate(..., sensitivity=...)``; off by default, see :func:`calibrate`): blend
    first-token KL with one (tensor, layer) quantized at a probe step (the rest exact) on the
    calibration questions, then reverse water-filling to a total KL budget
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ragkv.kv.calibrate import (
+from ragkv.model.rope_energy import (
     DEMO_CORPUS,
     allocate_block_bits,
     demo_chunks,
@@ -53,8 +53,7 @@ STEP_RANGE = (0.05, 3.0)
 
 def calibration_material(model, n_questions: int = 2, chunk_tokens: int = 128):
     """``[(prefix, [chunk token ids] * 3, suffix)]`` from the demo corpus, in the model's prompt form."""
-    from ragkv.model.chat import has_chat_template
-    from ragkv.prompt import render_parts
+    from ragkv.model.chat import has_chat_template, render_parts
 
     corpus = json.loads(DEMO_CORPUS.read_text())
     chunks_all = demo_chunks(model, 3 * n_questions, chunk_tokens)

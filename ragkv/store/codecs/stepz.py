@@ -13,7 +13,7 @@ in ``$RAGKV_CACHE_DIR/stepz/<fingerprint>.json``:
   allocated from measured blend sensitivity (``calibrate(..., sensitivity=...)``; measured to keep
   the KL but change more answers on the default model, so off by default);
 * ``k_bits[l][h][j]``: integer bits per RoPE frequency block ``j`` of key head ``h`` (Block-GTQ's
-  idea, :func:`ragkv.kv.calibrate.allocate_block_bits`); block ``j`` gets the step multiplier
+  idea, :func:`ragkv.model.rope_energy.allocate_block_bits`); block ``j`` gets the step multiplier
   ``m = 2 ** (base_bits - bits)``. Deviation from Block-GTQ: the paper allocates bit widths of a
   TurboQuant-MSE quantizer of post-RoPE keys; here keys are stored pre-RoPE (the chunk convention)
   and coded with a step quantizer plus an entropy coder, so a "bit" is a halving of the block's

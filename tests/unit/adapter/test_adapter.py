@@ -12,8 +12,8 @@ from ragkv.adapter.kv_adapter import AdapterError, KVAdapter
 from ragkv.adapter.train import TrainConfig, kl_loss, student_logp, teacher_example, train
 from ragkv.blend import prefill
 from ragkv.fidelity.plan import RequestSettings
-from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
+from ragkv.model.forward import compute_chunk_kv
 from tests.helpers import stories_model
 
 

@@ -10,8 +10,8 @@ from ragkv.adapter.train import Example, TrainConfig, kl_loss, student_logp, tea
 from ragkv.blend import prefill
 from ragkv.blend.core import BlendSchedule
 from ragkv.generate import SamplingParams, generate
-from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
+from ragkv.model.forward import compute_chunk_kv
 from tests.helpers import stories_model
 from tests.unit.adapter.test_adapter import _items, _prompt
 

@@ -8,8 +8,8 @@ from ragkv.adapter.train import TrainConfig, kl_loss, student_logp, teacher_exam
 from ragkv.adapter.writer import WriterLoRA
 from ragkv.blend import prefill
 from ragkv.fidelity.plan import RequestSettings
-from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.testing import random_writer as _randomized
 from ragkv.testing import writer_file as _story_writer
 from tests.helpers import stories_model

@@ -664,7 +664,7 @@ def test_key_plan_validation_and_the_engine_needs_plans_for_mixed_keys():
 def test_hack_key_plans_are_calibrated_once_kept_and_recomputed_when_bad(tmp_path, monkeypatch, caplog):
     import json
 
-    import ragkv.kv.calibrate as cal
+    import ragkv.model.rope_energy as cal
     from ragkv.generate import make_cache
 
     m, prompts = _model_and_prompts()

@@ -7,10 +7,10 @@ import torch
 
 from ragkv.blend import BlendSchedule, KVTree, UnknownModeError, prefill
 from ragkv.blend.gate import self_check
-from ragkv.kv import KVMismatchError, compute_chunk_kv
+from ragkv.kv import KVMismatchError
 from ragkv.metrics import attention_deviation, first_token_kl
 from ragkv.model import PromptTooLongError, random_model
-from ragkv.model.forward import exact_supported
+from ragkv.model.forward import compute_chunk_kv, exact_supported
 from tests.helpers import LLAMA3_ROPE, sample_story_chunks, stories_model, yarn_rope
 
 ARCHS = [

@@ -10,8 +10,9 @@ import torch
 from ragkv.blend import BlendSchedule, KVTree, prefill
 from ragkv.blend.core import COMPUTED, EXACT, REUSED, _segments
 from ragkv.generate import continuation_nll, decode_step, load_prompt, make_cache
-from ragkv.kv import ChunkKV, compute_chunk_kv
+from ragkv.kv import ChunkKV
 from ragkv.model import random_model
+from ragkv.model.forward import compute_chunk_kv
 from tests.unit.blend.test_blend import _close, _prompt  # the same random prompts and relative tolerance
 
 OPTIONS = [

@@ -9,8 +9,8 @@ import torch
 from ragkv.blend import BlendSchedule, prefill
 from ragkv.blend.pipeline import PinnedStaging, PipelinedSource
 from ragkv.blend.source import LayerSource
-from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
+from ragkv.model.forward import compute_chunk_kv
 
 CUDA = torch.cuda.is_available()
 

@@ -116,9 +116,9 @@ def test_programming_errors_in_write_back_are_logged_not_swallowed(caplog):
 # the modules allowed to read chunk KV from a store or compute it (everything else asks the resolver)
 KV_READERS = {
     "ragkv/blend/resolver.py",  # the resolver
-    "ragkv/kv/compute.py",  # compute_chunk_kv itself
+    "ragkv/model/forward.py",  # compute_chunk_kv itself
     "ragkv/blend/gate.py",  # the self-check's own probe chunks, not a prompt's
-    "ragkv/kv/calibrate.py",  # calibration KV (RoPE key-block energies of demo chunks), not a prompt's
+    "ragkv/model/rope_energy.py",  # calibration KV (RoPE key-block energies of demo chunks), not a prompt's
     "ragkv/fidelity/measure.py",  # the fidelity report's calibration prompts, measured apart from any store
     "ragkv/adapter/train.py",  # the adapter's training prompts, computed apart from any store
     "ragkv/rag/quotas.py",  # one sample chunk's KV, to measure the codec's bytes per token for quotas
@@ -155,7 +155,7 @@ def test_only_the_resolver_reads_or_computes_chunk_kv():
 
 # ---- KV lifecycle: collection and the size bound ---------------------------------------------------
 def test_collect_garbage_deletes_only_unreferenced_kv(rag):
-    from ragkv.kv import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
 
     kept = set(rag.store.keys())
     assert kept and kept == {r.kv_key for r in rag.index.all_chunks()}
@@ -172,7 +172,7 @@ def test_collect_garbage_deletes_only_unreferenced_kv(rag):
 
 
 def test_bounded_store_evicts_unreferenced_first_and_refuses_rather_than_drop_referenced(tmp_path):
-    from ragkv.kv import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
     from ragkv.store import LocalDirStore
 
     model = stories_model()
@@ -204,8 +204,8 @@ def test_a_bare_model_is_gated_before_its_first_blend():
     """Bug: ``ragkv.load_model`` + ``ragkv.prefill`` (and ``Engine("name")``) blended with no self-check."""
     from ragkv.blend import prefill
     from ragkv.blend.gate import gate_report, gate_state
-    from ragkv.kv import compute_chunk_kv
     from ragkv.model import load_model
+    from ragkv.model.forward import compute_chunk_kv
     from tests.helpers import stories_path
 
     model = load_model(str(stories_path()))

@@ -30,8 +30,8 @@ from ragkv.engine import (
 from ragkv.fidelity.plan import RequestSettings
 from ragkv.fusion import FusionConfig
 from ragkv.generate import SamplingParams, generate, stream
-from ragkv.kv import compute_chunk_kv
 from ragkv.model import PromptTooLongError, random_model
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.store import MemoryStore
 from ragkv.testing import SlowStore
 from tests.helpers import sample_story_chunks, stop_cases, stories_model
@@ -572,7 +572,7 @@ def test_hack_engine_with_the_rope_preset_resolves_key_plans(model, chunks, tmp_
     """``hack={"preset": "rope"}`` gets the model's calibrated key plans (channel orders) in the pages.
 
     The tiny model's head_dim 8 is one K partition, so its keys are 4-bit here (3 needs two)."""
-    import ragkv.kv.calibrate as cal
+    import ragkv.model.rope_energy as cal
     from ragkv.attention.hack_cache import HackConfig
     from ragkv.attention.hack_quant import HackError
 
@@ -603,7 +603,7 @@ def test_hack_engine_with_the_rope_preset_resolves_key_plans(model, chunks, tmp_
 
 def test_engine_hack_defaults_to_rope_keys_where_the_head_allows(model, tmp_path, monkeypatch):
     """The engine's HACK default: RoPE-aware 3-bit keys (head_dim >= 64), else keys as wide as values."""
-    import ragkv.kv.calibrate as cal
+    import ragkv.model.rope_energy as cal
 
     monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cal, "_ENERGY", {})

@@ -14,8 +14,8 @@ from ragkv import LLM
 from ragkv.blend import DEFAULT_RATIO, prefill
 from ragkv.blend.controller import LoadingController
 from ragkv.blend.pipeline import ChunkLoadError, StoredChunk, pipelined_factory
-from ragkv.kv import compute_chunk_kv
 from ragkv.model import PromptTooLongError
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.rag import RAG, Document, split_tokens
 from ragkv.store import store_from_url
 from tests.helpers import REPO, musique_samples, stories_model

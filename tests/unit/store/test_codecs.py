@@ -165,7 +165,7 @@ def test_codecs_on_real_kv_of_the_shared_model():
 
     if not stories_path().exists():
         pytest.skip(f"shared model not found at {stories_path()}")
-    from ragkv.kv import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
     from tests.helpers import stories_model
 
     model = stories_model()
@@ -271,7 +271,7 @@ def test_rope_bits_make_the_dominant_block_of_synthetic_keys_finer():
     """Keys whose frequency block 3 (channels 3 and 35: half-split RoPE pairs) carries the energy."""
     import numpy as np
 
-    from ragkv.kv.calibrate import allocate_block_bits
+    from ragkv.model.rope_energy import allocate_block_bits
     from ragkv.store.codecs.stepz import StepZCodec
 
     g = torch.Generator().manual_seed(1)

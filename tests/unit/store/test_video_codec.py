@@ -350,7 +350,7 @@ def test_restore_frames_writes_each_frame_once_and_early():
 def test_blended_answer_from_video_equals_int_quantized_kv():
     from ragkv.blend import prefill
     from ragkv.kv.chunk import ChunkKV
-    from ragkv.kv.compute import compute_chunk_kv
+    from ragkv.model.forward import compute_chunk_kv
 
     model = stories_model()
     codec = VideoCodec(fingerprint=model.fingerprint)

@@ -1,4 +1,4 @@
-"""ragkv.kv.calibrate: bits per RoPE frequency block from the blocks' energies (the stepz codec's key
+"""ragkv.model.rope_energy: bits per RoPE frequency block from the blocks' energies (the stepz codec's key
 steps and HACK's key bits come from it). The calibration files themselves: tests/unit/store/test_codecs.py
 (stepz) and tests/unit/attention/test_hack.py (HACK key plans)."""
 
@@ -8,7 +8,7 @@ import pytest
 def test_block_bits_go_to_the_energetic_block_within_budget():
     import numpy as np
 
-    from ragkv.kv.calibrate import allocate_block_bits
+    from ragkv.model.rope_energy import allocate_block_bits
 
     e = np.ones((3, 2, 32))
     e[0, 0, 5] = 1e4  # one frequency block carries most of the energy

@@ -22,7 +22,7 @@ import torch
 
 from ragkv.attention.hack_paged import paged_key_widths
 from ragkv.attention.hack_quant import KeyPlan
-from ragkv.kv.compute import compute_chunk_kv
+from ragkv.model.forward import compute_chunk_kv
 from ragkv.model.gguf import fingerprint_file, write_json_atomic
 
 log = logging.getLogger("ragkv.kv")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ragkv.kv import compute_chunk_kv
 from ragkv.model import random_model
+from ragkv.model.forward import compute_chunk_kv
 
 
 def _ids(m, n: int, seed: int) -> list[int]:
