@@ -115,6 +115,30 @@ class DenseKVCache(KVCache):
             top = int(positions[0]) if n == 1 else int(positions.max())
             self._max_pos[layer] = max(self._max_pos[layer], top)
 
+    def decode_slot(
+        self, layer: int, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int, float] | None:
+        """Where one decode row's K/V go when a fused step writes and attends in one call: ``(K, V, row,
+        scale)`` of the layer (``[Hkv, capacity, D]``, head-major; attention over rows ``0..row``), the row
+        already counted. None where the fused step does not apply (the caller then writes and attends):
+        not float32 on the CPU, a sliding window, APE tempering, or a row the new position must not see."""
+        if (
+            self.temper is not None
+            or self.windows[layer] is not None
+            or self._k.dtype != torch.float32
+            or self._k.device.type != "cpu"
+        ):
+            return None
+        p = int(positions[0])
+        if p < self._max_pos[layer]:
+            return None
+        s = self._len[layer]
+        self._grow(s + 1)
+        self._pos[layer, s] = p
+        self._len[layer] = s + 1
+        self._max_pos[layer] = p
+        return self._k[layer], self._v[layer], s, self.scale
+
     def attend(self, layer, q, q_pos):
         n = self._len[layer]
         if self.temper is not None:

@@ -149,8 +149,16 @@ def run_layers(
     """
     L = model.config.num_layers
     tables, tables_of = model.rope_tables(positions), positions
+    # one decode row: a model that rotates, writes K/V and attends in one call where the cache allows it
+    one_row = positions.numel() == 1 and select is None and on_pre_rope is None and last_layer_attention
+    fused_attention = getattr(model, "fused_attention", None) if one_row else None
     for layer in range(L):
         q, k, v = model.qkv(layer, h)
+        if fused_attention is not None:
+            out = fused_attention(kv, layer, q, k, v, positions, tables)
+            if out is not None:
+                h = model.finish_layer(layer, h, out)
+                continue
         if select is not None:
             keep = select(layer, positions, k, v, q)
             if keep is not None:

@@ -72,6 +72,26 @@ class DecodeModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.logits(h, lowbit=True)
 
+    def fused_attention(self, kv, layer: int, q, k, v, positions, tables) -> torch.Tensor | None:
+        """One decode row's RoPE, K/V write and attention in one kernel call, where ``kv`` offers a slot
+        (:meth:`ragkv.attention.kvcache.DenseKVCache.decode_slot`); the RoPE rounds as :meth:`rope` does.
+        None (nothing written): the caller rotates, writes and attends."""
+        d = q.shape[-1]
+        if (
+            tables is None
+            or q.dtype != torch.float32
+            or tables[0].dtype != torch.float32
+            or d % 16
+            or d > 128
+        ):
+            return None
+        slot_of = getattr(kv, "decode_slot", None)
+        slot = slot_of(layer, positions) if slot_of is not None else None
+        if slot is None:
+            return None
+        kc, vc, row, scale = slot
+        return lowbit_kernel.kernel().decode_attention(q, k, v, tables[0], tables[1], kc, vc, row, scale)
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
         """RoPE in one kernel call, rounded exactly as :meth:`Model.rope` (a float32 decode row)."""
         if tables is None or x.dtype != torch.float32 or tables[0].dtype != torch.float32:

@@ -262,6 +262,135 @@ torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 #pragma GCC pop_options
 
+// exp of 16 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial; within
+// 2 ulp of std::exp over [-87.3, 88.4], inputs clamped to that range)
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+static inline float hsum_tree(v16f v) {  // pairwise: 16 -> 8 -> 4 -> 2 -> 1
+  v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+static inline v16f vexp(v16f x) {
+  const v16f hi = v16f{} + 88.3762626647949f, lo = v16f{} - 87.3365447504f;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  v16f fx = x * 1.44269504088896341f + 0.5f;
+  v16f fl = __builtin_convertvector(__builtin_convertvector(fx, v16i), v16f);
+  fl = fl > fx ? fl - 1.f : fl;  // floor
+  x = x - fl * 0.693359375f;
+  x = x - fl * -2.12194440e-4f;
+  v16f z = x * x;
+  v16f y = v16f{} + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.f;
+  v16i e = (__builtin_convertvector(fl, v16i) + 127) << 23;
+  v16f p2;
+  std::memcpy(&p2, &e, 64);
+  return y * p2;
+}
+
+// RoPE of one row of H heads (rotate-half), rounded as torch rounds x * cos + rotate_half(x) * sin
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static void rope_one(const float* a, const float* c, const float* s, int64_t H, int64_t D, float* o) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < H; ++h, a += D, o += D) {
+    for (int64_t i = 0; i < half; ++i) { float t1 = a[i] * c[i], t2 = (-a[i + half]) * s[i]; o[i] = t1 + t2; }
+    for (int64_t i = half; i < D; ++i) { float t1 = a[i] * c[i], t2 = a[i - half] * s[i]; o[i] = t1 + t2; }
+  }
+}
+#pragma GCC pop_options
+
+// One decode row's attention step for a layer: RoPE of its q [1, Hq, D] and k [1, Hkv, D], k and v written to
+// row `row` of the layer's head-major cache kc, vc [Hkv, cap, D], then each query head's attention over rows
+// 0..row of its KV head (its group's query heads read each K and V row once). Returns [1, Hq, D].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
+                               torch::Tensor sin, torch::Tensor kc, torch::Tensor vc, int64_t row, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 &&
+              kc.dtype() == torch::kFloat32 && vc.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32,
+              "decode_attention: float32 only");
+  TORCH_CHECK(kc.dim() == 3 && kc.sizes() == vc.sizes() && kc.strides() == vc.strides() && kc.stride(2) == 1 &&
+              kc.stride(1) == kc.size(2), "cache [Hkv, cap, D] with contiguous rows");
+  q = q.contiguous(); k = k.contiguous(); v = v.contiguous(); cos = cos.contiguous(); sin = sin.contiguous();
+  const int64_t Hkv = kc.size(0), cap = kc.size(1), D = kc.size(2), Hs = kc.stride(0), Hq = q.numel() / D, g = Hq / Hkv,
+                n = row + 1;
+  TORCH_CHECK(D == 64 || D == 128 || D % 16 == 0, "head dim must be a multiple of 16");
+  TORCH_CHECK(k.numel() == Hkv * D && v.numel() == Hkv * D && Hq % Hkv == 0 && row < cap && cos.numel() == D,
+              "decode_attention: shapes");
+  auto out = torch::empty({1, Hq, D}, q.options());
+  std::vector<float> qr(Hq * D), kr(Hkv * D);
+  rope_one(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), Hq, D, qr.data());
+  rope_one(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), Hkv, D, kr.data());
+  float* K = kc.data_ptr<float>();
+  float* V = vc.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t h = 0; h < Hkv; ++h) {
+    std::memcpy(K + h * Hs + row * D, kr.data() + h * D, D * 4);
+    std::memcpy(V + h * Hs + row * D, vp + h * D, D * 4);
+  }
+  float* op = out.data_ptr<float>();
+  const int64_t VD = D / 16, np = (n + 15) / 16 * 16;
+  // per KV head: its g query heads' scores over the rows (each K row read once), softmax, then the
+  // weighted sum of V rows (each read once)
+  auto head = [&](int64_t h) {
+    std::vector<float> S(g * np);
+    const float* Kh = K + h * Hs;
+    const float* Vh = V + h * Hs;
+    const float* qh = qr.data() + h * g * D;
+    for (int64_t t = 0; t < n; ++t) {
+      v16f kt[8];
+      for (int64_t i = 0; i < VD; ++i) kt[i] = ld(Kh + t * D + 16 * i);
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = qh + j * D;
+        v16f a = ld(qj) * kt[0];
+        for (int64_t i = 1; i < VD; ++i) a += ld(qj + 16 * i) * kt[i];
+        S[j * np + t] = hsum_tree(a) * (float)scale;
+      }
+    }
+    std::vector<float> inv(g);
+    for (int64_t j = 0; j < g; ++j) {
+      float* Sj = S.data() + j * np;
+      float m = Sj[0];
+      for (int64_t t = 1; t < n; ++t) m = std::max(m, Sj[t]);
+      for (int64_t t = n; t < np; ++t) Sj[t] = m;  // padding, zeroed after exp
+      v16f sum = v16f{};
+      for (int64_t t = 0; t < np; t += 16) {
+        v16f e = vexp(ld(Sj + t) - m);
+        std::memcpy(Sj + t, &e, 64);
+      }
+      for (int64_t t = n; t < np; ++t) Sj[t] = 0.f;
+      for (int64_t t = 0; t < np; t += 16) sum += ld(Sj + t);
+      inv[j] = 1.f / hsum_tree(sum);
+    }
+    std::vector<v16f> acc(g * VD, v16f{});
+    for (int64_t t = 0; t < n; ++t) {
+      v16f vt[8];
+      for (int64_t i = 0; i < VD; ++i) vt[i] = ld(Vh + t * D + 16 * i);
+      for (int64_t j = 0; j < g; ++j) {
+        const float w = S[j * np + t];
+        for (int64_t i = 0; i < VD; ++i) acc[j * VD + i] += vt[i] * w;
+      }
+    }
+    for (int64_t j = 0; j < g; ++j) {
+      float* o = op + (h * g + j) * D;
+      for (int64_t i = 0; i < VD; ++i) { v16f r = acc[j * VD + i] * inv[j]; std::memcpy(o + 16 * i, &r, 64); }
+    }
+  };
+  TORCH_CHECK(VD <= 8, "head dim at most 128");
+  if (n * Hq < 8192) {
+    for (int64_t h = 0; h < Hkv; ++h) head(h);  // a short prompt: one thread is faster than waking others
+  } else {
+    at::parallel_for(0, Hkv, 1, [&](int64_t a, int64_t e) { for (int64_t h = a; h < e; ++h) head(h); });
+  }
+  return out;
+}
+
 torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t fmt) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x must be float32 [B, K]");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.size(0) == N, "w must be packed uint8 [N, bytes]");
@@ -277,7 +406,7 @@ torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
 }
 """
 
-FUNCTIONS = ["lowbit_mm", "decode_qkv", "decode_finish", "rope_rows"]
+FUNCTIONS = ["lowbit_mm", "decode_qkv", "decode_finish", "rope_rows", "decode_attention"]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"]
 #: the kernel's block formats by name, as ``lowbit_mm``'s ``fmt`` argument
 FORMATS = {"u4": 0, "i8g16": 1, "i8g32": 2, "u4h": 3, "i8g16h": 4, "i8g32h": 5}

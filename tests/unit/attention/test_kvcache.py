@@ -44,3 +44,25 @@ def test_attend_equals_reference_attention_for_decode_and_hidden_rows(window):
     assert torch.equal(lk, all_k) and torch.equal(lv, all_v) and torch.equal(lp, all_pos)
     assert cache.length == len(pos)  # the last layer's rows
     assert cache.nbytes() == 2 * len(pos) * 3 * 16 * 4 * 2
+
+
+def test_the_cache_offers_no_fused_slot_where_a_row_is_hidden_or_tempered():
+    """Sliding windows, APE tempering, a position below rows already written, or another dtype: the
+    step rotates, writes and attends as before (and nothing is counted)."""
+    from ragkv.attention.dense import ContextTemper
+    from ragkv.attention.kvcache import DenseKVCache
+
+    def cache(**kw):
+        c = DenseKVCache(num_layers=2, num_kv_heads=1, head_dim=16, scale=0.25, capacity=4, **kw)
+        c.write(0, torch.tensor([3]), torch.randn(1, 1, 16), torch.randn(1, 1, 16))
+        return c
+
+    c = cache()
+    k, v, row, scale = c.decode_slot(0, torch.tensor([4]))
+    assert row == 1 and scale == 0.25 and c._len[0] == 2 and int(c._pos[0, 1]) == 4
+    assert c.decode_slot(0, torch.tensor([2])) is None and c._len[0] == 2  # a row at 3 would be hidden
+    assert cache(sliding_window=8).decode_slot(0, torch.tensor([4])) is None
+    assert cache(dtype=torch.float16).decode_slot(0, torch.tensor([4])) is None
+    t = cache()
+    t.temper = ContextTemper(1.0, 1.0, torch.zeros(1, dtype=torch.bool))
+    assert t.decode_slot(0, torch.tensor([4])) is None and t._len[0] == 1

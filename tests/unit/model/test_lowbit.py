@@ -255,3 +255,70 @@ def test_hack_kv_decodes_on_the_blocks_too():
     m.set_decode_weights(packed)
     got = generate(m, res, params, attention="hack")
     assert got.token_ids == want.token_ids and got.timings["decode_weights"] == "gguf"
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 17, 1500])  # 1500 rows x 9 heads: the kernel's threaded branch
+def test_decode_attention_kernel_is_rope_write_and_attention(n):
+    """One call: q and k rotated as the model's RoPE rounds, k and v written to the cache's row, and
+    attention over rows 0..row equal to SDPA's (float rounding apart)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(n)
+    hq, hkv, d, cap = 9, 3, 64, n + 8
+    m = random_model("llama", seed=2, head_dim=64, hidden_size=256, num_attention_heads=4)
+    pos = torch.tensor([n - 1])
+    cos, sin = m.rope_tables(pos)
+    q, k, v = (torch.randn(1, h, d, generator=g) for h in (hq, hkv, hkv))
+    base = torch.randn(
+        2, hkv, cap + 5, d, generator=g
+    )  # a layer of a bigger buffer: rows contiguous, heads strided
+    kc, vc = base[0, :, :cap], base[1, :, :cap]
+    out = lowbit_kernel.kernel().decode_attention(q, k, v, cos, sin, kc, vc, n - 1, 0.125)
+    k_rot = m.rope(k, pos, (cos, sin))
+    assert torch.equal(kc[:, n - 1], k_rot[0]) and torch.equal(vc[:, n - 1], v[0])
+    q_rot = m.rope(q, pos, (cos, sin))
+    want = F.scaled_dot_product_attention(
+        q_rot[0].reshape(hkv, hq // hkv, d)[None], kc[None, :, :n], vc[None, :, :n], scale=0.125
+    ).reshape(1, hq, d)
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-5)
+
+
+def _decode(m, prompt: list[int], steps: int):
+    from ragkv.blend import prefill
+    from ragkv.generate import decode_step, load_prompt, make_cache
+
+    res = prefill(m, prompt, [], [], "full")
+    cache = make_cache(m, capacity=len(prompt) + steps)
+    load_prompt(cache, res)
+    tok, toks, logits = int(res.logits.argmax()), [], []
+    for i in range(steps):
+        lg = decode_step(m, cache, tok, len(prompt) + i)
+        tok = int(lg.argmax())
+        toks.append(tok)
+        logits.append(lg)
+    return toks, torch.stack(logits), cache
+
+
+@needs_kernel
+def test_a_decode_step_attends_in_one_call_and_keeps_its_tokens(monkeypatch):
+    """The fused decode attention (RoPE, K/V write and attention in one kernel call per layer) gives
+    the tokens of the step it replaces, logits within float rounding, and the same first-layer K/V rows."""
+    from ragkv.model.llama import DecodeModel as Decoder
+
+    m = random_model("llama", seed=5, head_dim=64, hidden_size=256, num_attention_heads=4, init_std=0.1)
+    m.set_decode_weights(quantized_decode_weights(m, "Q8_0"))
+    calls = []
+    fused = Decoder.fused_attention
+    monkeypatch.setattr(Decoder, "fused_attention", lambda *a: calls.append(1) or fused(*a))
+    prompt = [1, 17, 42, 99, 5, 63, 200, 31]
+    got, got_logits, got_cache = _decode(m, prompt, 12)
+    assert len(calls) == 12 * m.config.num_layers
+    monkeypatch.setattr(Decoder, "fused_attention", lambda *a: None)  # the step before: rotate, write, attend
+    want, want_logits, want_cache = _decode(m, prompt, 12)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+    n = len(prompt) + 12
+    assert torch.equal(got_cache._k[0, :, :n], want_cache._k[0, :, :n])
+    assert torch.equal(got_cache._v[0, :, :n], want_cache._v[0, :, :n])
+    assert got_cache._len == want_cache._len and torch.equal(got_cache._pos[:, :n], want_cache._pos[:, :n])
