@@ -391,6 +391,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+// how many of torch's threads take part in a parallel loop of n items (1 when built without OpenMP)
+int64_t parallel_threads(int64_t n) {
+  std::vector<int> seen(at::get_num_threads() + 1, 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  int64_t used = 0;
+  for (int v : seen) used += v;
+  return used;
+}
+
 torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, int64_t fmt) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x must be float32 [B, K]");
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.size(0) == N, "w must be packed uint8 [N, bytes]");
@@ -406,8 +415,11 @@ torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
 }
 """
 
-FUNCTIONS = ["lowbit_mm", "decode_qkv", "decode_finish", "rope_rows", "decode_attention"]
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"]
+FUNCTIONS = ["lowbit_mm", "decode_qkv", "decode_finish", "rope_rows", "decode_attention", "parallel_threads"]
+#: -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers, so without it the kernel runs on one
+#: thread whatever torch's thread count (it did until 2026-11-29: the decode step never used the second core)
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 #: the kernel's block formats by name, as ``lowbit_mm``'s ``fmt`` argument
 FORMATS = {"u4": 0, "i8g16": 1, "i8g32": 2, "u4h": 3, "i8g16h": 4, "i8g32h": 5}
 
@@ -430,7 +442,7 @@ def build_id() -> str:
     """What the built library depends on: the source, the flags, torch's version, the CPU's vector units."""
     import torch
 
-    h = hashlib.sha256("\0".join([SOURCE, " ".join(CFLAGS), torch.__version__, _cpu_flags()]).encode())
+    h = hashlib.sha256("\0".join([SOURCE, " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_flags()]).encode())
     return h.hexdigest()[:16]
 
 
@@ -465,6 +477,7 @@ def _build():
             cpp_sources=[SOURCE],
             functions=FUNCTIONS,
             extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
             build_directory=str(d),
             verbose=False,
         )

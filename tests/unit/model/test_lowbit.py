@@ -322,3 +322,22 @@ def test_a_decode_step_attends_in_one_call_and_keeps_its_tokens(monkeypatch):
     assert torch.equal(got_cache._k[0, :, :n], want_cache._k[0, :, :n])
     assert torch.equal(got_cache._v[0, :, :n], want_cache._v[0, :, :n])
     assert got_cache._len == want_cache._len and torch.equal(got_cache._pos[:, :n], want_cache._pos[:, :n])
+
+
+@needs_kernel
+def test_the_kernel_runs_on_torchs_threads_with_the_same_bits():
+    """Built with OpenMP (torch's ``parallel_for`` is OpenMP pragmas in its headers: without ``-fopenmp``
+    the kernel ran on one thread whatever the thread count), and its sums do not depend on the threads."""
+    before = torch.get_num_threads()
+    raw = gguf_rows("Q4_1", 256, 512, seed=3)
+    lin = lowbit.LowBitLinear([lowbit.pack_gguf_tensor(raw, "Q4_1", 512)])
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
+    try:
+        torch.set_num_threads(2)
+        assert lowbit_kernel.kernel().parallel_threads(64) == 2
+        two = lin(x)
+        torch.set_num_threads(1)
+        assert lowbit_kernel.kernel().parallel_threads(64) == 1
+        assert torch.equal(lin(x), two)
+    finally:
+        torch.set_num_threads(before)
