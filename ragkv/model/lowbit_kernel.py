@@ -442,7 +442,9 @@ def build_id() -> str:
     """What the built library depends on: the source, the flags, torch's version, the CPU's vector units."""
     import torch
 
-    h = hashlib.sha256("\0".join([SOURCE, " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_flags()]).encode())
+    h = hashlib.sha256(
+        "\0".join([SOURCE, " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_flags()]).encode()
+    )
     return h.hexdigest()[:16]
 
 
