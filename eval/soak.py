@@ -9,7 +9,8 @@ without retrieval, streamed and not) and complete, for ``--minutes``. After a qu
 latency baseline), a fault injector (:mod:`eval.soak_faults`) hits, one at a time at seeded random times,
 ``--faults-per-kind`` of each kind: SIGKILL the service (restarted, time back to serving measured),
 restart Redis, flip or truncate stored chunk blobs and tree pages, a full store (Redis at maxmemory,
-noeviction), a full disk (tmpfs filled), a slow store (Redis paused 2/3 of the time).
+noeviction), a full disk (tmpfs filled), a slow store (Redis paused 2/3 of the time). Every one of them is
+injected: an injector behind schedule (restarts take seconds) goes on past ``--minutes``.
 
 Afterwards (:mod:`eval.soak_check`) from the JSONL history: every acknowledged document listed and
 retrievable, no deleted one listed or served; every exact answer equal to full prefill's greedy answer
@@ -58,9 +59,9 @@ RECOVERY_GOAL_S = 30.0
 TTFT_GOAL_RATIO = 2.0
 #: the data folder's filesystem (tmpfs), MiB: the index with a Redis store, the KV too with the file store
 DISK_MIB = 64
+FILE_DISK_MIB = 512
 #: what a corrupting fault reports when it found nothing to hit (not counted; tried again once)
 MISSED = ("nothing stored", "gone")
-FILE_DISK_MIB = 512
 
 
 def corpus(n_docs: int, chars: int = 400) -> tuple[dict[str, dict], list[str]]:
