@@ -22,6 +22,7 @@ from ragkv.attention.paged import batch_tables, decode_mask, paged_attention
 from ragkv.engine.backend import KVBackend
 from ragkv.engine.block_manager import BlockManager
 from ragkv.fusion.norm_attention import norm_aware_attention, paged_norm_attention
+from ragkv.model import lowbit_kernel
 from ragkv.model.forward import decoder, run_layers
 from ragkv.model.rope_energy import key_plans_for
 
@@ -347,6 +348,10 @@ class PagedBatchKV:
         self.slot = pos % bs
         self.masks = {w: decode_mask(self.lengths, tables.shape[2] * bs, w) for w in set(pool.windows)}
         self.fused = {layer for s in seqs for layer, f in enumerate(s.fused) if f}
+        #: the decode kernel's paged attention (float32 pools on the CPU; else gather and SDPA): each KV head's
+        #: rows read once, in place, with the single-sequence step's arithmetic (the same bits for the same rows)
+        cpu32 = self.k.dtype == torch.float32 and self.k.device.type == "cpu" and self.k.shape[-1] % 16 == 0
+        self.kernel = lowbit_kernel.kernel() if cpu32 and self.k.shape[-1] <= 128 else None
 
     def write(self, layer, positions, k, v) -> None:
         self.pool.backend.put(self.cur[layer], self.slot, k, v)
@@ -354,6 +359,8 @@ class PagedBatchKV:
     def attend(self, layer, q, q_pos) -> torch.Tensor:
         p, tab, mask = self.pool, self.tables[layer], self.masks[self.pool.windows[layer]]
         if layer not in self.fused:  # plain paged attention unless a sequence holds fused blocks here
+            if self.kernel is not None and p.windows[layer] is None:  # the blocks read in place, one call
+                return self.kernel.paged_decode_attention(q, self.k, self.v, tab, self.lengths, p.scale)
             return paged_attention(q, self.k, self.v, tab, self.lengths, p.scale, mask=mask)
         kn, vn = self.norms[:, layer]
         return paged_norm_attention(q, self.k, self.v, tab, kn, vn, self.lengths, p.scale, mask=mask)

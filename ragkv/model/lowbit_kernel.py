@@ -307,6 +307,92 @@ static void rope_one(const float* a, const float* c, const float* s, int64_t H, 
 }
 #pragma GCC pop_options
 
+// g query rows q [g, D] (rotated) over n K/V rows (row t at krow(t), vrow(t)): scores in row order (each K
+// row read once for the g queries), softmax with a vectorized exp, then the V rows weighted in row order
+// (each read once). The single-sequence and the paged step share it: the same bits for the same rows.
+template <class KR, class VR>
+static void attend_rows(const float* q, int64_t g, int64_t D, int64_t n, double scale, KR krow, VR vrow, float* out) {
+  const int64_t VD = D / 16, np = (n + 15) / 16 * 16;
+  std::vector<float> S(g * np);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* kp = krow(t);
+    v16f kt[8];
+    for (int64_t i = 0; i < VD; ++i) kt[i] = ld(kp + 16 * i);
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = q + j * D;
+      v16f a = ld(qj) * kt[0];
+      for (int64_t i = 1; i < VD; ++i) a += ld(qj + 16 * i) * kt[i];
+      S[j * np + t] = hsum_tree(a) * (float)scale;
+    }
+  }
+  std::vector<float> inv(g);
+  for (int64_t j = 0; j < g; ++j) {
+    float* Sj = S.data() + j * np;
+    float m = Sj[0];
+    for (int64_t t = 1; t < n; ++t) m = std::max(m, Sj[t]);
+    for (int64_t t = n; t < np; ++t) Sj[t] = m;  // padding, zeroed after exp
+    v16f sum = v16f{};
+    for (int64_t t = 0; t < np; t += 16) {
+      v16f e = vexp(ld(Sj + t) - m);
+      std::memcpy(Sj + t, &e, 64);
+    }
+    for (int64_t t = n; t < np; ++t) Sj[t] = 0.f;
+    for (int64_t t = 0; t < np; t += 16) sum += ld(Sj + t);
+    inv[j] = 1.f / hsum_tree(sum);
+  }
+  std::vector<v16f> acc(g * VD, v16f{});
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vp = vrow(t);
+    v16f vt[8];
+    for (int64_t i = 0; i < VD; ++i) vt[i] = ld(vp + 16 * i);
+    for (int64_t j = 0; j < g; ++j) {
+      const float w = S[j * np + t];
+      for (int64_t i = 0; i < VD; ++i) acc[j * VD + i] += vt[i] * w;
+    }
+  }
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t i = 0; i < VD; ++i) { v16f r = acc[j * VD + i] * inv[j]; std::memcpy(out + j * D + 16 * i, &r, 64); }
+}
+
+// The engine's batched decode over paged KV: q [B, Hq, D] (rotated, the row at position lengths[b] - 1, already
+// written) over each sequence's rows 0..lengths[b]-1, found through its block table tables [B, NB] in the pools
+// k, v [blocks, block_size, Hkv, D]. Returns [B, Hq, D]; (sequence, KV head) pairs split among torch's threads.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kp, torch::Tensor vp, torch::Tensor tables,
+                                     torch::Tensor lengths, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && kp.dtype() == torch::kFloat32 && vp.dtype() == torch::kFloat32 &&
+              kp.is_contiguous() && vp.is_contiguous() && kp.dim() == 4 && kp.sizes() == vp.sizes(),
+              "paged_decode_attention: float32 contiguous pools [blocks, block_size, Hkv, D]");
+  q = q.contiguous();
+  tables = tables.to(torch::kLong).contiguous();
+  lengths = lengths.to(torch::kLong).contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = kp.size(1), Hkv = kp.size(2), NB = tables.size(1);
+  TORCH_CHECK(D % 16 == 0 && D <= 128 && kp.size(3) == D && Hq % Hkv == 0 && tables.size(0) == B &&
+              lengths.numel() == B, "paged_decode_attention: shapes");
+  const int64_t g = Hq / Hkv, nblocks = kp.size(0);
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= NB * bs, "paged_decode_attention: a length beyond its table");
+    for (int64_t i = 0; i < (len[b] + bs - 1) / bs; ++i)
+      TORCH_CHECK(tab[b * NB + i] >= 0 && tab[b * NB + i] < nblocks, "paged_decode_attention: a block out of range");
+  }
+  auto out = torch::empty({B, Hq, D}, q.options());
+  const float* K = kp.data_ptr<float>();
+  const float* V = vp.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t a, int64_t e) {
+    for (int64_t bh = a; bh < e; ++bh) {
+      const int64_t b = bh / Hkv, h = bh % Hkv;
+      const int64_t* tb = tab + b * NB;
+      auto at = [&](const float* P, int64_t t) { return P + ((tb[t / bs] * bs + t % bs) * Hkv + h) * D; };
+      attend_rows(qp + (b * Hq + h * g) * D, g, D, len[b], scale, [&](int64_t t) { return at(K, t); },
+                  [&](int64_t t) { return at(V, t); }, op + (b * Hq + h * g) * D);
+    }
+  });
+  return out;
+}
+
 // One decode row's attention step for a layer: RoPE of its q [1, Hq, D] and k [1, Hkv, D], k and v written to
 // row `row` of the layer's head-major cache kc, vc [Hkv, cap, D], then each query head's attention over rows
 // 0..row of its KV head (its group's query heads read each K and V row once). Returns [1, Hq, D].
@@ -320,7 +406,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous(); cos = cos.contiguous(); sin = sin.contiguous();
   const int64_t Hkv = kc.size(0), cap = kc.size(1), D = kc.size(2), Hs = kc.stride(0), Hq = q.numel() / D, g = Hq / Hkv,
                 n = row + 1;
-  TORCH_CHECK(D == 64 || D == 128 || D % 16 == 0, "head dim must be a multiple of 16");
+  TORCH_CHECK(D % 16 == 0, "head dim must be a multiple of 16");
   TORCH_CHECK(k.numel() == Hkv * D && v.numel() == Hkv * D && Hq % Hkv == 0 && row < cap && cos.numel() == D,
               "decode_attention: shapes");
   auto out = torch::empty({1, Hq, D}, q.options());
@@ -335,54 +421,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     std::memcpy(V + h * Hs + row * D, vp + h * D, D * 4);
   }
   float* op = out.data_ptr<float>();
-  const int64_t VD = D / 16, np = (n + 15) / 16 * 16;
-  // per KV head: its g query heads' scores over the rows (each K row read once), softmax, then the
-  // weighted sum of V rows (each read once)
+  TORCH_CHECK(D / 16 <= 8, "head dim at most 128");
   auto head = [&](int64_t h) {
-    std::vector<float> S(g * np);
     const float* Kh = K + h * Hs;
     const float* Vh = V + h * Hs;
-    const float* qh = qr.data() + h * g * D;
-    for (int64_t t = 0; t < n; ++t) {
-      v16f kt[8];
-      for (int64_t i = 0; i < VD; ++i) kt[i] = ld(Kh + t * D + 16 * i);
-      for (int64_t j = 0; j < g; ++j) {
-        const float* qj = qh + j * D;
-        v16f a = ld(qj) * kt[0];
-        for (int64_t i = 1; i < VD; ++i) a += ld(qj + 16 * i) * kt[i];
-        S[j * np + t] = hsum_tree(a) * (float)scale;
-      }
-    }
-    std::vector<float> inv(g);
-    for (int64_t j = 0; j < g; ++j) {
-      float* Sj = S.data() + j * np;
-      float m = Sj[0];
-      for (int64_t t = 1; t < n; ++t) m = std::max(m, Sj[t]);
-      for (int64_t t = n; t < np; ++t) Sj[t] = m;  // padding, zeroed after exp
-      v16f sum = v16f{};
-      for (int64_t t = 0; t < np; t += 16) {
-        v16f e = vexp(ld(Sj + t) - m);
-        std::memcpy(Sj + t, &e, 64);
-      }
-      for (int64_t t = n; t < np; ++t) Sj[t] = 0.f;
-      for (int64_t t = 0; t < np; t += 16) sum += ld(Sj + t);
-      inv[j] = 1.f / hsum_tree(sum);
-    }
-    std::vector<v16f> acc(g * VD, v16f{});
-    for (int64_t t = 0; t < n; ++t) {
-      v16f vt[8];
-      for (int64_t i = 0; i < VD; ++i) vt[i] = ld(Vh + t * D + 16 * i);
-      for (int64_t j = 0; j < g; ++j) {
-        const float w = S[j * np + t];
-        for (int64_t i = 0; i < VD; ++i) acc[j * VD + i] += vt[i] * w;
-      }
-    }
-    for (int64_t j = 0; j < g; ++j) {
-      float* o = op + (h * g + j) * D;
-      for (int64_t i = 0; i < VD; ++i) { v16f r = acc[j * VD + i] * inv[j]; std::memcpy(o + 16 * i, &r, 64); }
-    }
+    attend_rows(qr.data() + h * g * D, g, D, n, scale, [&](int64_t t) { return Kh + t * D; },
+                [&](int64_t t) { return Vh + t * D; }, op + h * g * D);
   };
-  TORCH_CHECK(VD <= 8, "head dim at most 128");
   if (n * Hq < 8192) {
     for (int64_t h = 0; h < Hkv; ++h) head(h);  // a short prompt: one thread is faster than waking others
   } else {
@@ -415,7 +460,15 @@ torch::Tensor lowbit_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t K, 
 }
 """
 
-FUNCTIONS = ["lowbit_mm", "decode_qkv", "decode_finish", "rope_rows", "decode_attention", "parallel_threads"]
+FUNCTIONS = [
+    "lowbit_mm",
+    "decode_qkv",
+    "decode_finish",
+    "rope_rows",
+    "decode_attention",
+    "paged_decode_attention",
+    "parallel_threads",
+]
 #: -fopenmp: at::parallel_for is OpenMP pragmas in torch's headers, so without it the kernel runs on one
 #: thread whatever torch's thread count (it did until 2026-11-29: the decode step never used the second core)
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi", "-fopenmp"]
