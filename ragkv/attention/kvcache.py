@@ -103,17 +103,23 @@ class DenseKVCache(KVCache):
         pos[:, :cap] = self._pos
         self._pos = pos
 
-    def write(self, layer, positions, k, v):
-        n = k.shape[0]
+    def _append(self, layer: int, positions: torch.Tensor) -> int:
+        """Count rows at ``positions`` in ``layer`` (grown as needed); returns the first row's index."""
+        n = positions.numel()
         s = self._len[layer]
         self._grow(s + n)
-        self._k[layer, :, s : s + n] = k.transpose(0, 1)
-        self._v[layer, :, s : s + n] = v.transpose(0, 1)
         self._pos[layer, s : s + n] = positions
         self._len[layer] = s + n
         if n:
             top = int(positions[0]) if n == 1 else int(positions.max())
             self._max_pos[layer] = max(self._max_pos[layer], top)
+        return s
+
+    def write(self, layer, positions, k, v):
+        n = k.shape[0]
+        s = self._append(layer, positions)
+        self._k[layer, :, s : s + n] = k.transpose(0, 1)
+        self._v[layer, :, s : s + n] = v.transpose(0, 1)
 
     def decode_slot(
         self, layer: int, positions: torch.Tensor
@@ -129,14 +135,9 @@ class DenseKVCache(KVCache):
             or self._k.device.type != "cpu"
         ):
             return None
-        p = int(positions[0])
-        if p < self._max_pos[layer]:
+        if int(positions[0]) < self._max_pos[layer]:
             return None
-        s = self._len[layer]
-        self._grow(s + 1)
-        self._pos[layer, s] = p
-        self._len[layer] = s + 1
-        self._max_pos[layer] = p
+        s = self._append(layer, positions[:1])
         return self._k[layer], self._v[layer], s, self.scale
 
     def attend(self, layer, q, q_pos):

@@ -231,33 +231,28 @@ torch::Tensor decode_finish(torch::Tensor h, torch::Tensor attn, torch::Tensor o
 // RoPE of decode rows, x * cos + rotate_half(x) * sin, rounded as torch rounds it (no fused multiply-add)
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+// RoPE of one row of H heads (rotate-half), rounded as torch rounds x * cos + rotate_half(x) * sin
+static void rope_one(const float* a, const float* c, const float* s, int64_t H, int64_t D, float* o) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < H; ++h, a += D, o += D) {
+    for (int64_t i = 0; i < half; ++i) { float t1 = a[i] * c[i], t2 = (-a[i + half]) * s[i]; o[i] = t1 + t2; }
+    for (int64_t i = half; i < D; ++i) { float t1 = a[i] * c[i], t2 = a[i - half] * s[i]; o[i] = t1 + t2; }
+  }
+}
+
 torch::Tensor rope_rows(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3 && cos.dtype() == torch::kFloat32, "float32 [n, H, D]");
   x = x.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
-  const int64_t n = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t n = x.size(0), H = x.size(1), D = x.size(2);
   TORCH_CHECK(cos.numel() == n * D && sin.numel() == n * D, "cos/sin must be [n, 1, D]");
   auto out = torch::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t h = 0; h < H; ++h) {
-      const float* a = xp + (r * H + h) * D;
-      const float* c = cp + r * D;
-      const float* s = sp + r * D;
-      float* o = op + (r * H + h) * D;
-      for (int64_t i = 0; i < half; ++i) {
-        float t1 = a[i] * c[i], t2 = (-a[i + half]) * s[i];
-        o[i] = t1 + t2;
-      }
-      for (int64_t i = half; i < D; ++i) {
-        float t1 = a[i] * c[i], t2 = a[i - half] * s[i];
-        o[i] = t1 + t2;
-      }
-    }
+  for (int64_t r = 0; r < n; ++r) rope_one(xp + r * H * D, cp + r * D, sp + r * D, H, D, op + r * H * D);
   return out;
 }
 #pragma GCC pop_options
@@ -295,17 +290,6 @@ static inline v16f vexp(v16f x) {
   return y * p2;
 }
 
-// RoPE of one row of H heads (rotate-half), rounded as torch rounds x * cos + rotate_half(x) * sin
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-static void rope_one(const float* a, const float* c, const float* s, int64_t H, int64_t D, float* o) {
-  const int64_t half = D / 2;
-  for (int64_t h = 0; h < H; ++h, a += D, o += D) {
-    for (int64_t i = 0; i < half; ++i) { float t1 = a[i] * c[i], t2 = (-a[i + half]) * s[i]; o[i] = t1 + t2; }
-    for (int64_t i = half; i < D; ++i) { float t1 = a[i] * c[i], t2 = a[i - half] * s[i]; o[i] = t1 + t2; }
-  }
-}
-#pragma GCC pop_options
 
 // g query rows q [g, D] (rotated) over n K/V rows (row t at krow(t), vrow(t)): scores in row order (each K
 // row read once for the g queries), softmax with a vectorized exp, then the V rows weighted in row order
