@@ -958,3 +958,16 @@ def test_batched_decode_on_the_kernel_matches_each_sequence_alone():
     assert all(steps)
     for s in seqs:
         s.release()
+
+
+def test_paged_attention_kernel_refuses_tables_that_point_outside_the_pool():
+    """A length beyond its table or a block id outside the pool is an error, never a read out of bounds."""
+    kern = _needs_kernel()
+    kp = vp = torch.zeros(4, 16, 3, 64)
+    q = torch.zeros(1, 9, 64)
+    with pytest.raises(RuntimeError, match="beyond its table"):
+        kern.paged_decode_attention(q, kp, vp, torch.tensor([[0]]), torch.tensor([17]), 0.125)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kern.paged_decode_attention(q, kp, vp, torch.tensor([[7]]), torch.tensor([3]), 0.125)
+    with pytest.raises(RuntimeError, match="beyond its table"):
+        kern.paged_decode_attention(q, kp, vp, torch.tensor([[0]]), torch.tensor([0]), 0.125)
